@@ -1,0 +1,372 @@
+"""The catalog: models, jobs, steps, quants, measurements and evaluations (SQLAlchemy 2).
+
+SQLite under FACTORY_HOME by default; FACTORY_DB_URL for any other database (PostgreSQL in production).
+A job is one submission: one source, one or more specs. Its idempotency key is a hash of what decides the
+result (source identity, resolved specs, calibration and eval text hashes, eval windows, engine versions), so
+the same job submitted twice is the same row. Only the pipeline changes a job's state.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import re
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+
+from sqlalchemy import (
+    JSON,
+    Float,
+    ForeignKey,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+    create_engine,
+    select,
+)
+from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship, sessionmaker
+
+from factory.errors import ServiceUnavailable, SpecError
+
+
+class JobState(enum.StrEnum):
+    queued = "queued"
+    running = "running"
+    succeeded = "succeeded"
+    failed = "failed"
+    cancelled = "cancelled"
+
+
+TERMINAL = frozenset({JobState.succeeded, JobState.failed, JobState.cancelled})
+
+
+class StepState(enum.StrEnum):
+    running = "running"
+    succeeded = "succeeded"
+    failed = "failed"
+    skipped = "skipped"
+
+
+def now() -> datetime:
+    return datetime.now(UTC).replace(tzinfo=None)
+
+
+def digest(obj: object) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def job_key(
+    source_identity: str,
+    specs: list[dict],
+    calibration_sha: str,
+    eval_sha: str,
+    eval_windows: int,
+    versions: dict[str, str],
+    device: str,
+) -> str:
+    """Specs as the user wrote them; with the device they resolve to the same concrete specs every time."""
+    return digest([source_identity, specs, calibration_sha, eval_sha, eval_windows, versions, device])
+
+
+def measurement_key(source_identity: str, calibration_sha: str, rows: int, length: int, exllamav2: str) -> str:
+    return digest([source_identity, calibration_sha, rows, length, exllamav2])
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {dict: JSON, list: JSON}
+
+
+class Model(Base):
+    """A name and the source it belongs to (a folder path or a Hub repo)."""
+
+    __tablename__ = "models"
+    name: Mapped[str] = mapped_column(String(96), primary_key=True)
+    source: Mapped[str] = mapped_column(Text, unique=True)
+    created_at: Mapped[datetime] = mapped_column(default=now)
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=lambda: uuid.uuid4().hex[:12])
+    key: Mapped[str] = mapped_column(String(64), unique=True)
+    name: Mapped[str] = mapped_column(ForeignKey("models.name"))
+    source: Mapped[str] = mapped_column(Text)
+    source_identity: Mapped[str] = mapped_column(Text)
+    specs: Mapped[list] = mapped_column()
+    calibration: Mapped[str] = mapped_column(Text)
+    calibration_sha: Mapped[str] = mapped_column(String(64))
+    eval: Mapped[str] = mapped_column(Text)
+    eval_sha: Mapped[str] = mapped_column(String(64))
+    eval_windows: Mapped[int] = mapped_column(Integer)
+    max_ppl_ratio: Mapped[float] = mapped_column(Float)
+    versions: Mapped[dict] = mapped_column()
+    device: Mapped[str] = mapped_column(String(16))
+    state: Mapped[str] = mapped_column(String(16), default=JobState.queued)
+    error: Mapped[str | None] = mapped_column(Text)
+    exit_code: Mapped[int | None] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(default=now)
+    updated_at: Mapped[datetime] = mapped_column(default=now, onupdate=now)
+    steps: Mapped[list[Step]] = relationship(order_by="Step.id", back_populates="job")
+
+
+class Step(Base):
+    """One attempt at one step of a job; a retried step has several rows."""
+
+    __tablename__ = "steps"
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id"), index=True)
+    name: Mapped[str] = mapped_column(String(64))
+    state: Mapped[str] = mapped_column(String(16))
+    started_at: Mapped[datetime] = mapped_column(default=now)
+    ended_at: Mapped[datetime | None] = mapped_column()
+    error: Mapped[str | None] = mapped_column(Text)
+    job: Mapped[Job] = relationship(back_populates="steps")
+
+    @property
+    def seconds(self) -> float | None:
+        return (self.ended_at - self.started_at).total_seconds() if self.ended_at else None
+
+
+class Quant(Base):
+    """A published quant: `name:tag@rev` and where its files are."""
+
+    __tablename__ = "quants"
+    __table_args__ = (UniqueConstraint("name", "tag", "rev"),)
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id"))
+    name: Mapped[str] = mapped_column(ForeignKey("models.name"))
+    tag: Mapped[str] = mapped_column(String(64))
+    rev: Mapped[str] = mapped_column(String(64))
+    method: Mapped[str] = mapped_column(String(16))
+    bits: Mapped[float] = mapped_column(Float)
+    spec: Mapped[dict] = mapped_column()
+    bytes: Mapped[int] = mapped_column(Integer)
+    path: Mapped[str] = mapped_column(Text)
+    source: Mapped[str] = mapped_column(Text)
+    source_identity: Mapped[str] = mapped_column(Text)
+    calibration_sha: Mapped[str] = mapped_column(String(64))
+    versions: Mapped[dict] = mapped_column()
+    ppl: Mapped[float] = mapped_column(Float)
+    fp16_ppl: Mapped[float] = mapped_column(Float)
+    created_at: Mapped[datetime] = mapped_column(default=now)
+
+    def as_row(self) -> dict:
+        """The public form of a quant (`qf ls --json`, `qf run --json`)."""
+        return {
+            "name": f"{self.name}:{self.tag}",
+            "rev": self.rev,
+            "method": self.method,
+            "bits": self.bits,
+            "bytes": self.bytes,
+            "ppl": self.ppl,
+            "fp16_ppl": self.fp16_ppl,
+            "change": self.ppl / self.fp16_ppl - 1,
+            "source": self.source,
+            "source_identity": self.source_identity,
+            "job": self.job_id,
+            "path": self.path,
+            "created_at": self.created_at.isoformat(timespec="seconds"),
+        }
+
+
+class Measurement(Base):
+    """An EXL2 measurement, reusable by every bpw with the same key."""
+
+    __tablename__ = "measurements"
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    key: Mapped[str] = mapped_column(String(64), unique=True)
+    path: Mapped[str] = mapped_column(Text)
+    source_identity: Mapped[str] = mapped_column(Text)
+    calibration_sha: Mapped[str] = mapped_column(String(64))
+    rows: Mapped[int] = mapped_column(Integer)
+    length: Mapped[int] = mapped_column(Integer)
+    tool_version: Mapped[str] = mapped_column(String(32))
+    created_at: Mapped[datetime] = mapped_column(default=now)
+
+
+class Evaluation(Base):
+    """A perplexity measured on one token stream; subject `fp16` is the baseline, reused across jobs."""
+
+    __tablename__ = "evaluations"
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id"))
+    subject: Mapped[str] = mapped_column(String(64))
+    source_identity: Mapped[str] = mapped_column(Text)
+    evaluator: Mapped[str] = mapped_column(String(32))
+    device: Mapped[str] = mapped_column(String(16))
+    eval_sha: Mapped[str] = mapped_column(String(64))
+    windows: Mapped[int] = mapped_column(Integer)
+    window_length: Mapped[int] = mapped_column(Integer)
+    ppl: Mapped[float] = mapped_column(Float)
+    seconds: Mapped[float] = mapped_column(Float)
+    created_at: Mapped[datetime] = mapped_column(default=now)
+
+
+def mask_url(url: str) -> str:
+    return re.sub(r"(://[^:/@]+:)[^@]*@", r"\1***@", url)
+
+
+def _normalize_url(url: str) -> str:
+    # Users write postgresql://...; SQLAlchemy's default driver for that is psycopg2, which we install.
+    return re.sub(r"^postgres(ql)?://", "postgresql+psycopg2://", url)
+
+
+class Catalog:
+    def __init__(self, url: str):
+        self.url = url
+        if url.startswith("sqlite:///"):
+            Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+        args = {"timeout": 30} if url.startswith("sqlite") else {"connect_timeout": 5}
+        self.engine = create_engine(_normalize_url(url), connect_args=args, pool_pre_ping=True)
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        try:
+            Base.metadata.create_all(self.engine)
+        except OperationalError:
+            raise ServiceUnavailable(f"the catalog database at {mask_url(url)} cannot be reached") from None
+
+    @contextmanager
+    def session(self) -> Iterator[Session]:
+        try:
+            with self._sessions.begin() as session:
+                yield session
+        except OperationalError:
+            raise ServiceUnavailable(f"the catalog database at {mask_url(self.url)} cannot be reached") from None
+
+    # models
+    def name_for(self, source: str, wanted: str, fallback: str) -> str:
+        """The name `source` is known by: its own if it has one, else `wanted`, else `fallback` if taken."""
+        with self.session() as s:
+            if known := s.scalar(select(Model.name).where(Model.source == source)):
+                return known
+            for name in (wanted, fallback):
+                if s.get(Model, name) is None:
+                    s.add(Model(name=name, source=source))
+                    return name
+        raise SpecError(f"the names {wanted!r} and {fallback!r} belong to other sources; pass --name")
+
+    # jobs
+    def create_job(self, **fields: object) -> tuple[Job, bool]:
+        """The job with this key: (job, True) if created now, (existing job, False) if it was there."""
+        try:
+            with self.session() as s:
+                job = Job(**fields)
+                s.add(job)
+            return job, True
+        except IntegrityError:
+            return self.job_by_key(str(fields["key"])), False
+
+    def job_by_key(self, key: str) -> Job:
+        with self.session() as s:
+            return s.scalars(select(Job).where(Job.key == key)).one()
+
+    def job(self, job_id: str) -> Job | None:
+        with self.session() as s:
+            job = s.get(Job, job_id)
+            if job is not None:
+                _ = job.steps
+            return job
+
+    def jobs(self, limit: int = 20, name: str | None = None) -> list[Job]:
+        with self.session() as s:
+            query = select(Job).order_by(Job.created_at.desc()).limit(limit)
+            if name is not None:
+                query = query.where(Job.name == name)
+            jobs = list(s.scalars(query))
+            for job in jobs:
+                _ = job.steps
+            return jobs
+
+    def set_job_specs(self, job_id: str, specs: list[dict]) -> None:
+        with self.session() as s:
+            s.get(Job, job_id).specs = specs
+
+    def set_job_state(
+        self, job_id: str, state: JobState, error: str | None = None, exit_code: int | None = None
+    ) -> None:
+        with self.session() as s:
+            job = s.get(Job, job_id)
+            job.state, job.error, job.exit_code = state, error, exit_code
+
+    # steps
+    def start_step(self, job_id: str, name: str) -> int:
+        with self.session() as s:
+            step = Step(job_id=job_id, name=name, state=StepState.running)
+            s.add(step)
+            s.flush()
+            return step.id
+
+    def end_step(self, step_id: int, state: StepState, error: str | None = None) -> None:
+        with self.session() as s:
+            step = s.get(Step, step_id)
+            step.state, step.error, step.ended_at = state, error, now()
+
+    def skip_step(self, job_id: str, name: str, reason: str) -> None:
+        with self.session() as s:
+            s.add(Step(job_id=job_id, name=name, state=StepState.skipped, error=reason, ended_at=now()))
+
+    def done_steps(self, job_id: str) -> set[str]:
+        with self.session() as s:
+            rows = s.scalars(select(Step.name).where(Step.job_id == job_id, Step.state == StepState.succeeded))
+            return set(rows)
+
+    # quants
+    def put_quant(self, **fields: object) -> Quant:
+        """Record a published quant; publishing the same name:tag@rev again replaces the row."""
+        with self.session() as s:
+            old = s.scalars(
+                select(Quant).where(
+                    Quant.name == fields["name"], Quant.tag == fields["tag"], Quant.rev == fields["rev"]
+                )
+            ).one_or_none()
+            if old is not None:
+                s.delete(old)
+                s.flush()
+            quant = Quant(**fields)
+            s.add(quant)
+            return quant
+
+    def quants(self, name: str | None = None, job_id: str | None = None) -> list[Quant]:
+        with self.session() as s:
+            query = select(Quant).order_by(Quant.name, Quant.method, Quant.bits, Quant.created_at.desc())
+            if name is not None:
+                query = query.where(Quant.name == name)
+            if job_id is not None:
+                query = query.where(Quant.job_id == job_id)
+            return list(s.scalars(query))
+
+    def model_names(self) -> list[str]:
+        with self.session() as s:
+            return list(s.scalars(select(Model.name).order_by(Model.name)))
+
+    # evaluations
+    def add_evaluation(self, **fields: object) -> None:
+        with self.session() as s:
+            s.add(Evaluation(**fields))
+
+    def baseline(
+        self, source_identity: str, eval_sha: str, windows: int, window_length: int, device: str
+    ) -> float | None:
+        """A stored FP16 perplexity for exactly this token stream, if one was measured before."""
+        with self.session() as s:
+            return s.scalar(
+                select(Evaluation.ppl)
+                .where(
+                    Evaluation.subject == "fp16",
+                    Evaluation.source_identity == source_identity,
+                    Evaluation.eval_sha == eval_sha,
+                    Evaluation.windows == windows,
+                    Evaluation.window_length == window_length,
+                    Evaluation.device == device,
+                )
+                .limit(1)
+            )
+
+    def evaluations(self, job_id: str) -> list[Evaluation]:
+        with self.session() as s:
+            return list(s.scalars(select(Evaluation).where(Evaluation.job_id == job_id).order_by(Evaluation.id)))

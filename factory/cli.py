@@ -1,0 +1,315 @@
+"""`qf`: the command line. Renders the pipeline's events; maps every FactoryError to its exit code.
+
+Exit codes (factory/errors.py): 0 ok, 1 job failed or refused by the quality gate, 2 bad usage or spec,
+3 model refused by inspection, 4 not found, 5 a service unavailable.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from factory import naming, settings
+from factory.errors import FactoryError, NotFound, SpecError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="quantfactory: EXL2 and AWQ quants of FP16 checkpoints, evaluated and published by name.",
+)
+out = Console()
+if not out.is_terminal:
+    out = Console(width=200)  # tables piped to a file keep their full names
+err = Console(stderr=True)
+
+
+def _handled(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except FactoryError as e:
+            err.print(f"error: {e.message}", markup=False, highlight=False)
+            raise typer.Exit(e.exit_code) from None
+        except KeyboardInterrupt:
+            err.print("interrupted")
+            raise typer.Exit(130) from None
+
+    return wrapper
+
+
+def _quiet_libraries() -> None:
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+
+
+class Renderer:
+    """Pipeline events -> JSON lines (--json), or rich progress on a terminal, or plain lines otherwise."""
+
+    def __init__(self, as_json: bool):
+        self.as_json = as_json
+        self.live = not as_json and err.is_terminal
+        self.progress = Progress(
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[unit]}"),
+            TimeElapsedColumn(),
+            console=err,
+        )
+        self.tasks: dict[str, int] = {}
+
+    def __enter__(self):
+        if self.live:
+            self.progress.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.live:
+            self.progress.stop()
+
+    def __call__(self, event: dict) -> None:
+        if self.as_json:
+            print(json.dumps(event, default=str), flush=True)
+            return
+        kind = event["event"]
+        if kind == "job":
+            what = "new job" if event["created"] else "existing job"
+            self._line(
+                f"{what} {event['job']}: {event['name']} from {event['source']} ({event['source_identity'][:19]})"
+            )
+        elif kind == "note":
+            self._line(event["message"])
+        elif kind == "step":
+            self._step(event)
+        elif kind == "progress":
+            task = self.tasks.get(event["step"])
+            if task is not None:
+                self.progress.update(task, total=event["total"], completed=event["done"], unit=event.get("unit", ""))
+        elif kind == "evaluation":
+            self._line(f"perplexity {event['subject']}: {event['ppl']:.4f}")
+
+    def _step(self, event: dict) -> None:
+        name, state = event["step"], event["state"]
+        if state == "running":
+            if self.live:
+                self.tasks[name] = self.progress.add_task(name, total=None, unit="")
+            else:
+                self._line(f"{name} ...")
+            return
+        task = self.tasks.pop(name, None)
+        if task is not None:
+            self.progress.update(
+                task,
+                completed=self.progress.tasks[task].total or 1,
+                total=self.progress.tasks[task].total or 1,
+                description=f"{name} [{'green' if state == 'succeeded' else 'red'}]{state}[/]",
+            )
+            self.progress.stop_task(task)
+        elif not self.live:
+            self._line(f"{name} {state}")
+
+    def _line(self, text: str) -> None:
+        (self.progress.console if self.live else err).print(text, markup=False, highlight=False)
+
+
+def _factory(emit=lambda e: None):
+    from factory.pipeline import Factory
+
+    return Factory(settings.load(), emit)
+
+
+def _catalog():
+    from factory.catalog import Catalog
+
+    return Catalog(settings.load().db_url)
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _quant_table(rows: list[dict], title: str | None = None) -> Table:
+    table = Table(title=title, title_justify="left")
+    for col in ("NAME:TAG", "METHOD", "BITS", "SIZE", "PPL", "VS FP16", "SOURCE"):
+        table.add_column(col, justify="right" if col in ("BITS", "SIZE", "PPL", "VS FP16") else "left")
+    for r in rows:
+        table.add_row(
+            f"{r['name']}@{r['rev']}",
+            r["method"],
+            f"{r['bits']:g}",
+            _size(r["bytes"]),
+            f"{r['ppl']:.4f}",
+            f"{r['change'] * 100:+.2f}%",
+            f"{r['source_identity'][:19]}",
+        )
+    return table
+
+
+@app.command()
+@_handled
+def run(
+    source: Annotated[str, typer.Argument(help="A local checkpoint folder (config.json, tokenizer, safetensors).")],
+    exl2: Annotated[str | None, typer.Option("--exl2", help="EXL2 targets, e.g. 3.0,4.0,5.0 (needs CUDA).")] = None,
+    awq: Annotated[bool, typer.Option("--awq", help="AWQ w4, group 128 (64 where 128 does not divide).")] = False,
+    recipe: Annotated[Path | None, typer.Option("--recipe", help="A recipe YAML (see configs/standard.yaml).")] = None,
+    calibration: Annotated[str | None, typer.Option("--calibration", help="builtin:<name> or file:<path>.")] = None,
+    eval_set: Annotated[str | None, typer.Option("--eval", help="builtin:<name> or file:<path>.")] = None,
+    eval_windows: Annotated[
+        int | None, typer.Option("--eval-windows", min=1, help="2048-token windows to score.")
+    ] = None,
+    name: Annotated[str | None, typer.Option("--name", help="The quant name (default: the folder's name).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per line instead of progress.")] = False,
+) -> None:
+    """Quantize, evaluate and publish SOURCE in this process: inspect, quantize, evaluate, gate, publish."""
+    from factory.pipeline import Request
+    from factory.specs import build_recipe
+
+    chosen = build_recipe(recipe, exl2, awq, calibration=calibration, eval=eval_set, eval_windows=eval_windows)
+    _quiet_libraries()
+    with Renderer(as_json) as render:
+        factory = _factory(render)
+        job, created = factory.submit(Request(source=source, recipe=chosen, exl2_from_flag=exl2 is not None, name=name))
+        job = factory.execute(job.id)
+    if not as_json:
+        rows = [q.as_row() for q in factory.catalog.quants(job_id=job.id)]
+        out.print(_quant_table(rows, title=f"job {job.id} {job.state}"))
+
+
+@app.command("ls")
+@_handled
+def ls(as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+    """List finished quants."""
+    rows = [q.as_row() for q in _catalog().quants()]
+    if as_json:
+        print(json.dumps(rows, indent=2))
+    elif not rows:
+        err.print("no quants yet: qf run SOURCE makes some")
+    else:
+        out.print(_quant_table(rows))
+
+
+def _job_rows(jobs) -> list[dict]:
+    return [
+        {
+            "id": j.id,
+            "name": j.name,
+            "state": j.state,
+            "error": j.error,
+            "exit_code": j.exit_code,
+            "source": j.source,
+            "source_identity": j.source_identity,
+            "specs": j.specs,
+            "created_at": j.created_at.isoformat(timespec="seconds"),
+            "steps": [{"name": s.name, "state": s.state, "seconds": s.seconds, "error": s.error} for s in j.steps],
+        }
+        for j in jobs
+    ]
+
+
+def _job_table(rows: list[dict], title: str | None = None) -> Table:
+    table = Table(title=title, title_justify="left")
+    for col in ("JOB", "NAME", "STATE", "CREATED", "STEPS"):
+        table.add_column(col)
+    for r in rows:
+        steps = ", ".join(
+            f"{s['name']} {s['state']}" + (f" {s['seconds']:.1f}s" if s["seconds"] is not None else "")
+            for s in r["steps"]
+        )
+        state = r["state"] + (f": {r['error']}" if r["error"] else "")
+        table.add_row(r["id"], r["name"], state, r["created_at"], steps)
+    return table
+
+
+@app.command()
+@_handled
+def jobs(
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+    limit: Annotated[int, typer.Option("--limit", min=1)] = 20,
+) -> None:
+    """Recent jobs with their state and step timings."""
+    rows = _job_rows(_catalog().jobs(limit=limit))
+    if as_json:
+        print(json.dumps(rows, indent=2))
+    else:
+        out.print(_job_table(rows))
+
+
+def _find(catalog, ref: naming.QuantRef):
+    """The quants of ref.name (matching ref.tag/ref.rev if given); NotFound listing what exists."""
+    names = catalog.model_names()
+    quants = catalog.quants(name=ref.name)
+    if ref.name not in names:
+        known = ", ".join(names) or "none yet"
+        raise NotFound(f"no model named {ref.name!r}; known names: {known}")
+    matching = [
+        q for q in quants if (ref.tag is None or q.tag == ref.tag) and (ref.rev is None or q.rev.startswith(ref.rev))
+    ]
+    if ref.tag is not None and not matching:
+        tags = ", ".join(sorted({f"{q.tag}@{q.rev}" for q in quants})) or "none yet"
+        raise NotFound(f"{ref} does not exist; tags of {ref.name}: {tags}")
+    return sorted(matching, key=lambda q: q.created_at, reverse=True)
+
+
+@app.command()
+@_handled
+def show(
+    ref: Annotated[str, typer.Argument(metavar="NAME[:TAG]")],
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """One model's quants and job history."""
+    catalog = _catalog()
+    parsed = naming.parse(ref)
+    rows = [q.as_row() for q in _find(catalog, parsed)]
+    job_rows = _job_rows(catalog.jobs(limit=50, name=parsed.name))
+    if as_json:
+        print(json.dumps({"quants": rows, "jobs": job_rows}, indent=2))
+        return
+    out.print(_quant_table(rows, title=f"quants of {parsed.name}"))
+    out.print(_job_table(job_rows, title="jobs"))
+
+
+@app.command()
+@_handled
+def pull(
+    ref: Annotated[str, typer.Argument(metavar="NAME:TAG[@REV]")],
+    output: Annotated[Path | None, typer.Option("-o", "--output", help="Folder to put the files in.")] = None,
+) -> None:
+    """Copy a finished quant out of the registry, verifying every sha256."""
+    from factory.publish import folder
+
+    parsed = naming.parse(ref, tag_required=True)
+    quant = _find(_catalog(), parsed)[0]
+    dest = output or Path(f"{quant.name}-{quant.tag}")
+    files = folder.pull(Path(quant.path), dest)
+    err.print(f"{quant.name}:{quant.tag}@{quant.rev}: {len(files)} files verified, in {dest}")
+    out.print(str(dest.resolve()))
+
+
+def main() -> None:
+    try:
+        app(standalone_mode=True)
+    except SpecError as e:  # raised while typer parses options
+        err.print(f"error: {e.message}", markup=False)
+        sys.exit(e.exit_code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""Engines: an FP16 folder + a spec + calibration tokens -> quant files in an output folder.
+
+Each engine runs its tool in a child process (a crash or OOM fails the step, not `qf`), reports progress
+events, and keeps no books: no catalog, no publishing. They register by name; see README.md to add one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from factory.errors import SpecError
+
+Emit = Callable[[dict], None]
+
+
+@dataclass
+class QuantizeRequest:
+    source_dir: Path
+    out_dir: Path  # empty; the engine fills it with the quant's files
+    work_dir: Path  # the engine's scratch space, kept between attempts
+    spec: dict
+    calibration: list[list[int]] = field(default_factory=list)  # token windows, already selected
+
+
+class Engine(Protocol):
+    name: str
+    requires_cuda: bool
+
+    def version(self) -> str: ...
+
+    def quantize(self, request: QuantizeRequest, emit: Emit) -> None: ...
+
+
+_REGISTRY: dict[str, Engine] = {}
+
+
+def register(engine: Engine) -> Engine:
+    _REGISTRY[engine.name] = engine
+    return engine
+
+
+def get(name: str) -> Engine:
+    if name not in _REGISTRY:
+        raise SpecError(f"no engine named {name!r}; available: {', '.join(sorted(_REGISTRY))}")
+    return _REGISTRY[name]
+
+
+def available() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+from factory.engines import awq  # noqa: E402,F401  (registers itself)

@@ -1,0 +1,52 @@
+"""Every failure a user can act on, one class each, with the exit code the CLI returns for it.
+
+| exit | class              | meaning                                                         |
+|------|--------------------|-----------------------------------------------------------------|
+| 0    |                    | ok (also: the same job again returns the existing job)          |
+| 1    | JobFailed          | a step failed, or the quality gate refused a quant              |
+| 2    | SpecError          | bad usage or spec: numbers, names, recipe keys, no CUDA for EXL2 |
+| 3    | ModelRefused       | inspection refused the checkpoint                               |
+| 4    | NotFound           | a path, name or tag that does not exist                         |
+| 5    | ServiceUnavailable | database, broker or Hub unreachable                             |
+
+Messages are one sentence saying what was wrong and what is allowed; the CLI prints them as they are.
+"""
+
+from __future__ import annotations
+
+
+class FactoryError(Exception):
+    exit_code = 1
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+class JobFailed(FactoryError):
+    exit_code = 1
+
+
+class QualityGateRefused(JobFailed):
+    def __init__(self, tag: str, ppl: float, fp16_ppl: float, max_ratio: float):
+        super().__init__(
+            f"quality gate refused {tag}: perplexity {ppl:.4g} vs FP16 {fp16_ppl:.4g} "
+            f"(ratio {ppl / fp16_ppl:.3f}), allowed at most {max_ratio:g} x FP16"
+        )
+        self.tag, self.ppl, self.fp16_ppl, self.max_ratio = tag, ppl, fp16_ppl, max_ratio
+
+
+class SpecError(FactoryError):
+    exit_code = 2
+
+
+class ModelRefused(FactoryError):
+    exit_code = 3
+
+
+class NotFound(FactoryError):
+    exit_code = 4
+
+
+class ServiceUnavailable(FactoryError):
+    exit_code = 5

@@ -1,0 +1,152 @@
+"""Perplexity on one fixed token stream, the same for the FP16 source and every quant.
+
+Protocol (DESIGN.md): the eval text is tokenized once with the source's tokenizer, no BOS added, and cut into
+non-overlapping windows of 2048 tokens (fewer if the model's max positions are fewer) from the start; the
+first N windows are scored. CPU computes in fp32, CUDA in fp16. An AWQ quant is evaluated by dequantizing
+its packed weights with AutoAWQ's own `dequantize_gemm` into a transformers model (every other tensor comes
+from the AWQ file, which holds the norms AWQ folded its scales into), so it runs on any device.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from factory.errors import SpecError
+
+WINDOW = 2048
+
+
+@dataclass(frozen=True)
+class Stream:
+    windows: list[list[int]]
+
+    @property
+    def window_length(self) -> int:
+        return len(self.windows[0])
+
+
+def device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def default_windows() -> int:
+    return 48 if device() == "cuda" else 8
+
+
+def tokenize(tokenizer_dir: Path, text: str) -> list[int]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def stream(ids: list[int], count: int, max_positions: int | None, name: str) -> Stream:
+    length = min(WINDOW, max_positions or WINDOW)
+    have = len(ids) // length
+    if have < count:
+        raise SpecError(f"eval text {name!r} holds {have} windows of {length} tokens, fewer than the {count} requested")
+    return Stream([ids[i * length : (i + 1) * length] for i in range(count)])
+
+
+def perplexity(model, data: Stream, on_window: Callable[[int, int], None] | None = None) -> float:
+    import torch
+
+    dev = next(model.parameters()).device
+    total_nll, total_tokens = 0.0, 0
+    with torch.inference_mode():
+        for i, window in enumerate(data.windows):
+            ids = torch.tensor([window], device=dev)
+            logits = model(ids).logits[0, :-1].float()
+            nll = torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum")
+            total_nll += nll.item()
+            total_tokens += len(window) - 1
+            if on_window:
+                on_window(i + 1, len(data.windows))
+    return math.exp(total_nll / total_tokens) if math.isfinite(total_nll) else float("inf")
+
+
+def _quiet_transformers() -> None:
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+
+
+def _dtype(dev: str):
+    import torch
+
+    return torch.float16 if dev == "cuda" else torch.float32
+
+
+def load_fp16(folder: Path, dev: str):
+    from transformers import AutoModelForCausalLM
+
+    _quiet_transformers()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=_dtype(dev), trust_remote_code=False)
+    return model.to(dev).eval()
+
+
+def load_awq(folder: Path, dev: str):
+    """A transformers model whose quantized linears hold AutoAWQ's dequantized weights."""
+    import warnings
+
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with warnings.catch_warnings():  # autoawq's import warns of its deprecation in 15 lines
+        warnings.simplefilter("ignore")
+        from awq.utils.packing_utils import dequantize_gemm
+    _quiet_transformers()
+
+    config_dict = json.loads((folder / "config.json").read_text())
+    qc = config_dict.pop("quantization_config")
+    config = AutoConfig.for_model(**config_dict)
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    state = {}
+    for key, value in tensors.items():
+        if key.endswith(".qweight"):
+            base = key.removesuffix(".qweight")
+            weight = dequantize_gemm(
+                value, tensors[f"{base}.qzeros"], tensors[f"{base}.scales"], qc["bits"], qc["group_size"]
+            )
+            state[f"{base}.weight"] = weight.T.contiguous()
+        elif not key.endswith((".qzeros", ".scales")):
+            state[key] = value
+    model = AutoModelForCausalLM.from_config(config, dtype=_dtype(dev), trust_remote_code=False)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+        missing = [k for k in missing if k != "lm_head.weight"]
+    if missing or unexpected:
+        raise ValueError(f"AWQ tensors do not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    return model.to(dev).eval()
+
+
+LOADERS = {"fp16": load_fp16, "awq": load_awq}
+
+
+@dataclass(frozen=True)
+class Result:
+    ppl: float
+    seconds: float
+    evaluator: str
+    device: str
+
+
+def evaluate(folder: Path, method: str, data: Stream, on_window=None) -> Result:
+    dev = device()
+    start = time.monotonic()
+    model = LOADERS[method](folder, dev)
+    ppl = perplexity(model, data, on_window)
+    evaluator = "transformers" if method == "fp16" else f"{method}+transformers"
+    return Result(ppl=ppl, seconds=time.monotonic() - start, evaluator=evaluator, device=dev)

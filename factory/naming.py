@@ -1,0 +1,73 @@
+"""Quant names: `name:tag[@rev]`, e.g. `smollm2-135m-instruct:exl2-4.0bpw`, `tiny:awq-w4g64@1a2b3c4`.
+
+Rules:
+    name  the source repo's name part or folder name, lowercased; characters [a-z0-9._-]; starts with a letter
+          or digit; at most 96 characters; never `..`. Whatever a user types is lowercased first.
+    tag   `exl2-<bpw with one decimal or more>bpw`, with `-h<N>` appended when head bits N are not 6
+          (`exl2-4.0bpw`, `exl2-4.31bpw-h8`), or `awq-w<bits>g<group size>` (`awq-w4g128`).
+    rev   the first 7 (or more) hex digits of the source commit or content hash; without it, the newest.
+Valid:     tiny:awq-w4g64, SmolLM2-135M-Instruct:EXL2-4.0BPW, qwen2.5-7b:exl2-6.5bpw-h8@a1b2c3d
+Not valid: ../etc:awq-w4g64 (`..`), tiny:awq (no group), tiny:exl2-4bpw (no decimal), -x:awq-w4g64 (leading -)
+A valid name never reaches outside the registry folder: it has no `/` and no `..`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from factory.errors import SpecError
+
+NAME_MAX = 96
+_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,95}")
+_TAG = re.compile(r"exl2-\d+\.\d+bpw(-h[23458])?|awq-w\d+g\d+")
+_REV = re.compile(r"[0-9a-f]{7,64}")
+
+
+def model_name(label: str) -> str:
+    """A valid name from a repo or folder name: `SmolLM2 135M (copy)` -> `smollm2-135m-copy`."""
+    name = re.sub(r"[^a-z0-9._-]+", "-", label.lower())
+    name = re.sub(r"\.{2,}", ".", name).strip(".-_")[:NAME_MAX].rstrip(".-_")
+    if not _NAME.fullmatch(name):
+        raise SpecError(f"cannot make a quant name from {label!r}; pass --name with letters, digits, '.', '_' or '-'")
+    return name
+
+
+def exl2_tag(bpw: float, head_bits: int = 6) -> str:
+    tag = f"exl2-{bpw:.2f}".rstrip("0")
+    tag = (tag + "0" if tag.endswith(".") else tag) + "bpw"
+    return tag if head_bits == 6 else f"{tag}-h{head_bits}"
+
+
+def awq_tag(w_bit: int, group_size: int) -> str:
+    return f"awq-w{w_bit}g{group_size}"
+
+
+@dataclass(frozen=True)
+class QuantRef:
+    name: str
+    tag: str | None = None
+    rev: str | None = None
+
+    def __str__(self) -> str:
+        text = self.name if self.tag is None else f"{self.name}:{self.tag}"
+        return text if self.rev is None else f"{text}@{self.rev}"
+
+
+def parse(text: str, *, tag_required: bool = False) -> QuantRef:
+    """`name[:tag][@rev]` -> QuantRef, lowercased; SpecError (exit 2) with the rules when it is not valid."""
+    raw = text.strip().lower()
+    rest, _, rev = raw.partition("@")
+    name, sep, tag = rest.partition(":")
+    problems = []
+    if not _NAME.fullmatch(name) or ".." in name:
+        problems.append(f"name {name!r} must be 1-96 of [a-z0-9._-], start with a letter or digit, no '..'")
+    if sep and not _TAG.fullmatch(tag):
+        problems.append(f"tag {tag!r} must look like exl2-4.0bpw, exl2-4.0bpw-h8 or awq-w4g128")
+    if tag_required and not sep:
+        problems.append("a tag is required (NAME:TAG)")
+    if "@" in raw and not _REV.fullmatch(rev):
+        problems.append(f"revision {rev!r} must be 7 to 64 hex digits")
+    if problems:
+        raise SpecError(f"not a valid quant name {text!r}: " + "; ".join(problems))
+    return QuantRef(name=name, tag=tag or None, rev=rev or None)

@@ -1,0 +1,332 @@
+"""The steps of a job, and the one place that moves a job's state.
+
+    submit:  check the request (exit 2/4/5 before any job exists), then create the job or find the same one
+    execute: inspect -> quantize:<tag>... -> evaluate:fp16 -> evaluate:<tag>... -> gate -> publish:<tag>...
+
+`qf run` calls both in-process; a worker calls `execute` with a job id. A failed job runs again from where it
+stopped: finished quantize and evaluate steps are reused. Nothing here prints: progress goes to `emit` as
+events (dicts with an "event" key) that the CLI renders.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import calibration
+from factory import engines, evaluate, naming, sources
+from factory.catalog import Catalog, Job, JobState, StepState, job_key
+from factory.errors import FactoryError, JobFailed, ModelRefused, QualityGateRefused, SpecError
+from factory.inspect import inspect
+from factory.publish import folder as registry
+from factory.settings import Settings
+from factory.specs import AwqSpec, Exl2Spec, Recipe, resolve_awq
+
+Emit = Callable[[dict], None]
+
+
+@dataclass
+class Request:
+    source: str
+    recipe: Recipe
+    exl2_from_flag: bool = False  # --exl2 asks for EXL2 explicitly: no CUDA is an error, not a skip
+    name: str | None = None
+
+
+@dataclass
+class _Prepared:
+    """What the inspect step learns, kept in memory for the later steps of this attempt."""
+
+    folder: Path
+    specs: list[Exl2Spec | AwqSpec]
+    calibration: dict[str, list[list[int]]]  # tag -> token windows
+    stream: evaluate.Stream
+
+
+class Factory:
+    def __init__(self, settings: Settings, emit: Emit = lambda event: None):
+        self.settings = settings
+        self.catalog = Catalog(settings.db_url)
+        self.emit = emit
+
+    # submit ---------------------------------------------------------------------------------------------
+    def submit(self, request: Request) -> tuple[Job, bool]:
+        recipe = request.recipe
+        device = evaluate.device()
+        specs = recipe.specs()
+        if device != "cuda" and any(s.method == "exl2" for s in specs):
+            if request.exl2_from_flag:
+                raise SpecError("--exl2 needs a CUDA GPU and this machine has none; AWQ runs without one (--awq)")
+            specs = [s for s in specs if s.method != "exl2"]
+            self.emit({"event": "note", "message": "no CUDA GPU: skipping the recipe's EXL2 targets"})
+        if not specs:
+            raise SpecError("nothing to make: pass --exl2 BPW[,BPW...], --awq, or a recipe with exl2 or awq targets")
+        versions = {name: engines.get(name).version() for name in sorted({s.method for s in specs})}
+        cal, ev = calibration.resolve(recipe.calibration), calibration.resolve(recipe.eval)
+        if cal.sha256 == ev.sha256:
+            raise SpecError(
+                f"calibration {cal.name!r} and eval {ev.name!r} are the same text; evaluate on held-out text"
+            )
+        windows = recipe.eval_windows or evaluate.default_windows()
+
+        source = sources.resolve(request.source, self.settings.cache)
+        if request.name:
+            name = self.catalog.name_for(source.source, naming.parse(request.name).name, None)
+        else:
+            name = self.catalog.name_for(
+                source.source, naming.model_name(source.label), naming.model_name(f"{source.owner}-{source.label}")
+            )
+        spec_dicts = [s.model_dump() for s in specs]
+        job, created = self.catalog.create_job(
+            key=job_key(source.identity, spec_dicts, cal.sha256, ev.sha256, windows, versions, device),
+            name=name,
+            source=source.source,
+            source_identity=source.identity,
+            specs=spec_dicts,
+            calibration=cal.name,
+            calibration_sha=cal.sha256,
+            eval=ev.name,
+            eval_sha=ev.sha256,
+            eval_windows=windows,
+            max_ppl_ratio=recipe.max_ppl_ratio,
+            versions=versions,
+            device=device,
+        )
+        self.emit(
+            {
+                "event": "job",
+                "job": job.id,
+                "created": created,
+                "state": job.state,
+                "name": name,
+                "source": source.source,
+                "source_identity": source.identity,
+            }
+        )
+        return job, created
+
+    # execute --------------------------------------------------------------------------------------------
+    def execute(self, job_id: str) -> Job:
+        job = self.catalog.job(job_id)
+        if job.state == JobState.succeeded:
+            self._result(job)
+            return job
+        self.catalog.set_job_state(job_id, JobState.running)
+        try:
+            prepared = self._inspect(job)
+            outputs = {spec.tag: self._quantize(job, prepared, spec) for spec in prepared.specs}
+            fp16 = self._evaluate_fp16(job, prepared)
+            ppls = {spec.tag: self._evaluate(job, prepared, spec, outputs[spec.tag]) for spec in prepared.specs}
+            refused = self._gate(job, ppls, fp16)
+            for spec in prepared.specs:
+                if spec.tag not in refused:
+                    self._publish(job, prepared, spec, outputs[spec.tag], ppls[spec.tag], fp16)
+            if refused:
+                raise refused[next(iter(refused))]
+        except KeyboardInterrupt:
+            self.catalog.set_job_state(job_id, JobState.cancelled, "interrupted", 130)
+            raise
+        except FactoryError as e:
+            self.catalog.set_job_state(job_id, JobState.failed, e.message, e.exit_code)
+            self._result(self.catalog.job(job_id))
+            raise
+        except Exception as e:
+            message = f"internal error: {type(e).__name__}: {e}"
+            self.catalog.set_job_state(job_id, JobState.failed, message, 1)
+            self._result(self.catalog.job(job_id))
+            raise JobFailed(message) from e
+        self.catalog.set_job_state(job_id, JobState.succeeded)
+        shutil.rmtree(self.settings.work / job_id, ignore_errors=True)
+        job = self.catalog.job(job_id)
+        self._result(job)
+        return job
+
+    @contextmanager
+    def _step(self, job_id: str, name: str):
+        self.emit({"event": "step", "step": name, "state": StepState.running})
+        step_id = self.catalog.start_step(job_id, name)
+        try:
+            yield lambda **event: self.emit({"event": "progress", "step": name, **event})
+        except BaseException as e:
+            error = e.message if isinstance(e, FactoryError) else f"{type(e).__name__}: {e}"
+            self.catalog.end_step(step_id, StepState.failed, error)
+            self.emit({"event": "step", "step": name, "state": StepState.failed, "error": error})
+            raise
+        self.catalog.end_step(step_id, StepState.succeeded)
+        self.emit({"event": "step", "step": name, "state": StepState.succeeded})
+
+    def _inspect(self, job: Job) -> _Prepared:
+        with self._step(job.id, "inspect"):
+            folder = Path(job.source)
+            if not folder.is_dir():
+                raise ModelRefused(f"source folder {job.source!r} is gone")
+            if sources.folder_identity(folder, self.settings.cache) != job.source_identity:
+                raise ModelRefused(f"source folder {job.source!r} changed since the job was submitted; submit it again")
+            info = inspect(folder)
+            specs = [self._resolve(spec, info.in_features, job.device) for spec in _specs(job.specs)]
+            self.catalog.set_job_specs(job.id, [s.model_dump() for s in specs])
+            cal_ids = evaluate.tokenize(folder, _text(job.calibration, job.calibration_sha).text)
+            windows = {
+                s.tag: calibration.token_windows(cal_ids, s.calib_rows, s.calib_length, job.calibration)
+                for s in specs
+                if isinstance(s, AwqSpec)
+            }
+            eval_ids = evaluate.tokenize(folder, _text(job.eval, job.eval_sha).text)
+            stream = evaluate.stream(eval_ids, job.eval_windows, info.max_positions, job.eval)
+        for s in specs:
+            if isinstance(s, AwqSpec):
+                self.emit(
+                    {
+                        "event": "note",
+                        "message": f"{s.tag}: calibration {job.calibration} {s.calib_rows} x "
+                        f"{s.calib_length} tokens, clipping {'on' if s.clip else 'off'}; eval {job.eval} "
+                        f"{job.eval_windows} x {stream.window_length} tokens on {job.device}",
+                    }
+                )
+        return _Prepared(folder=folder, specs=specs, calibration=windows, stream=stream)
+
+    @staticmethod
+    def _resolve(spec: Exl2Spec | AwqSpec, in_features: list[int], device: str) -> Exl2Spec | AwqSpec:
+        return resolve_awq(spec, in_features, device == "cuda") if isinstance(spec, AwqSpec) else spec
+
+    def _quantize(self, job: Job, prepared: _Prepared, spec: Exl2Spec | AwqSpec) -> Path:
+        work = self.settings.work / job.id / spec.tag
+        out = work / "out"
+        name = f"quantize:{spec.tag}"
+        if name in self.catalog.done_steps(job.id) and out.is_dir() and any(out.iterdir()):
+            return out
+        with self._step(job.id, name) as progress:
+            request = engines.QuantizeRequest(
+                source_dir=prepared.folder,
+                out_dir=out,
+                work_dir=work,
+                spec=spec.model_dump(),
+                calibration=prepared.calibration.get(spec.tag, []),
+            )
+            engines.get(spec.method).quantize(request, lambda event: progress(**_progress(event)))
+        return out
+
+    def _evaluate_fp16(self, job: Job, prepared: _Prepared) -> float:
+        key = (job.source_identity, job.eval_sha, job.eval_windows, prepared.stream.window_length, job.device)
+        if (ppl := self.catalog.baseline(*key)) is not None:
+            self.emit({"event": "note", "message": f"FP16 perplexity {ppl:.4f} reused from an earlier evaluation"})
+            return ppl
+        return self._measure(job, prepared, "fp16", prepared.folder, "fp16")
+
+    def _evaluate(self, job: Job, prepared: _Prepared, spec: Exl2Spec | AwqSpec, out: Path) -> float:
+        done = {e.subject: e.ppl for e in self.catalog.evaluations(job.id)}
+        if spec.tag in done and f"evaluate:{spec.tag}" in self.catalog.done_steps(job.id):
+            return done[spec.tag]
+        return self._measure(job, prepared, spec.tag, out, spec.method)
+
+    def _measure(self, job: Job, prepared: _Prepared, subject: str, folder: Path, method: str) -> float:
+        with self._step(job.id, f"evaluate:{subject}") as progress:
+            result = evaluate.evaluate(
+                folder, method, prepared.stream, lambda done, total: progress(done=done, total=total, unit="window")
+            )
+            self.catalog.add_evaluation(
+                job_id=job.id,
+                subject=subject,
+                source_identity=job.source_identity,
+                evaluator=result.evaluator,
+                device=result.device,
+                eval_sha=job.eval_sha,
+                windows=len(prepared.stream.windows),
+                window_length=prepared.stream.window_length,
+                ppl=result.ppl,
+                seconds=result.seconds,
+            )
+        self.emit({"event": "evaluation", "subject": subject, "ppl": result.ppl})
+        return result.ppl
+
+    def _gate(self, job: Job, ppls: dict[str, float], fp16: float) -> dict[str, QualityGateRefused]:
+        with self._step(job.id, "gate"):
+            return {
+                tag: QualityGateRefused(tag, ppl, fp16, job.max_ppl_ratio)
+                for tag, ppl in ppls.items()
+                if not (math.isfinite(ppl) and ppl <= job.max_ppl_ratio * fp16)
+            }
+
+    def _publish(self, job: Job, prepared: _Prepared, spec, out: Path, ppl: float, fp16: float) -> None:
+        rev = sources.rev(job.source_identity)
+        with self._step(job.id, f"publish:{spec.tag}"):
+            manifest = {
+                "source": job.source,
+                "source_identity": job.source_identity,
+                "spec": spec.model_dump(),
+                "calibration": job.calibration,
+                "calibration_sha256": job.calibration_sha,
+                "versions": _versions(job.versions),
+                "eval": {
+                    "text": job.eval,
+                    "sha256": job.eval_sha,
+                    "windows": len(prepared.stream.windows),
+                    "window_length": prepared.stream.window_length,
+                    "device": job.device,
+                    "ppl": ppl,
+                    "fp16_ppl": fp16,
+                },
+                "job": job.id,
+            }
+            path, manifest = registry.publish(self.settings.registry, job.name, spec.tag, rev, out, manifest)
+            self.catalog.put_quant(
+                job_id=job.id,
+                name=job.name,
+                tag=spec.tag,
+                rev=rev,
+                method=spec.method,
+                bits=spec.bits,
+                spec=spec.model_dump(),
+                bytes=sum(f["bytes"] for f in manifest["files"].values()),
+                path=str(path),
+                source=job.source,
+                source_identity=job.source_identity,
+                calibration_sha=job.calibration_sha,
+                versions=manifest["versions"],
+                ppl=ppl,
+                fp16_ppl=fp16,
+            )
+
+    def _result(self, job: Job) -> None:
+        self.emit(
+            {
+                "event": "result",
+                "job": job.id,
+                "state": job.state,
+                "error": job.error,
+                "exit_code": job.exit_code or 0,
+                "quants": [q.as_row() for q in self.catalog.quants(job_id=job.id)],
+            }
+        )
+
+
+def _specs(dicts: list[dict]) -> list[Exl2Spec | AwqSpec]:
+    return [Exl2Spec(**d) if d["method"] == "exl2" else AwqSpec(**d) for d in dicts]
+
+
+def _text(name: str, sha256: str) -> calibration.TextSet:
+    text = calibration.resolve(name)
+    if text.sha256 != sha256:
+        raise SpecError(f"text set {name!r} changed since the job was submitted; submit it again")
+    return text
+
+
+def _progress(event: dict) -> dict:
+    return {k: v for k, v in event.items() if k != "event"}
+
+
+def _versions(engine_versions: dict) -> dict:
+    import importlib.metadata
+
+    tools = {"torch": "torch", "transformers": "transformers", "quantfactory": "quantfactory"}
+    found = {}
+    for key, dist in tools.items():
+        try:
+            found[key] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            found[key] = "unknown"
+    return {**found, **engine_versions}

@@ -1,0 +1,44 @@
+"""Settings read from the environment, in one place.
+
+FACTORY_HOME      where the catalog, registry folder, work folders and caches live
+                  (default $XDG_DATA_HOME/quantfactory, else ~/.local/share/quantfactory)
+FACTORY_DB_URL    the catalog's SQLAlchemy URL (default sqlite:///$FACTORY_HOME/catalog.db)
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+
+class Settings(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    home: Path
+    db_url: str
+
+    @property
+    def registry(self) -> Path:
+        return self.home / "registry"
+
+    @property
+    def work(self) -> Path:
+        return self.home / "work"
+
+    @property
+    def cache(self) -> Path:
+        return self.home / "cache"
+
+
+def load() -> Settings:
+    env_home = os.environ.get("FACTORY_HOME")
+    if env_home:
+        home = Path(env_home)
+    else:
+        data = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+        home = Path(data) / "quantfactory"
+    home = home.expanduser().resolve()
+    db_url = os.environ.get("FACTORY_DB_URL") or f"sqlite:///{home / 'catalog.db'}"
+    return Settings(home=home, db_url=db_url)
