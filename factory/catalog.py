@@ -147,7 +147,7 @@ class Quant(Base):
     bits: Mapped[float] = mapped_column(Float)
     spec: Mapped[dict] = mapped_column()
     bytes: Mapped[int] = mapped_column(Integer)
-    path: Mapped[str] = mapped_column(Text)
+    path: Mapped[str] = mapped_column(Text)  # relative to the registry folder
     source: Mapped[str] = mapped_column(Text)
     source_identity: Mapped[str] = mapped_column(Text)
     calibration_sha: Mapped[str] = mapped_column(String(64))

@@ -29,7 +29,7 @@ app = typer.Typer(
 out = Console()
 if not out.is_terminal:
     out = Console(width=200)  # tables piped to a file keep their full names
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)
 
 
 def _handled(fn):
@@ -298,7 +298,7 @@ def pull(
     parsed = naming.parse(ref, tag_required=True)
     quant = _find(_catalog(), parsed)[0]
     dest = output or Path(f"{quant.name}-{quant.tag}")
-    files = folder.pull(Path(quant.path), dest)
+    files = folder.pull(settings.load().registry / quant.path, dest)
     err.print(f"{quant.name}:{quant.tag}@{quant.rev}: {len(files)} files verified, in {dest}")
     out.print(str(dest.resolve()))
 

@@ -282,7 +282,7 @@ class Factory:
                 bits=spec.bits,
                 spec=spec.model_dump(),
                 bytes=sum(f["bytes"] for f in manifest["files"].values()),
-                path=str(path),
+                path=str(path.relative_to(self.settings.registry)),
                 source=job.source,
                 source_identity=job.source_identity,
                 calibration_sha=job.calibration_sha,

@@ -1,0 +1,48 @@
+import hashlib
+
+import pytest
+
+import calibration
+from factory.errors import SpecError
+
+
+@pytest.mark.parametrize("name", calibration.BUILTIN)
+def test_builtin_texts(name):
+    text = calibration.resolve(f"builtin:{name}")
+    assert len(text.text) > 100_000
+    assert text.sha256 == hashlib.sha256(text.text.encode()).hexdigest()
+
+
+@pytest.mark.parametrize("name", ["c4", "builtin:pile", "wiki:builtin", "file:", "hf:wikitext"])
+def test_unknown_names(name):
+    with pytest.raises(SpecError, match="unknown text set .* use one of builtin:c4, builtin:code"):
+        calibration.resolve(name)
+
+
+def test_file_text(tmp_path):
+    path = tmp_path / "mine.txt"
+    path.write_text("hello world\n" * 10)
+    text = calibration.resolve(f"file:{path}")
+    assert text.name == f"file:{path}" and text.text.startswith("hello")
+    with pytest.raises(SpecError, match="no such file"):
+        calibration.resolve(f"file:{tmp_path / 'missing.txt'}")
+    (tmp_path / "data.csv").write_text("a,b")
+    with pytest.raises(SpecError, match=r"is not a \.txt file"):
+        calibration.resolve(f"file:{tmp_path / 'data.csv'}")
+
+
+def test_token_windows_deterministic_and_spread():
+    ids = list(range(1000))
+    windows = calibration.token_windows(ids, 4, 100, "x")
+    assert windows == calibration.token_windows(ids, 4, 100, "x")
+    assert [w[0] for w in windows] == [0, 300, 600, 900]
+    assert all(len(w) == 100 for w in windows)
+
+
+def test_token_windows_too_short():
+    with pytest.raises(SpecError) as e:
+        calibration.token_windows(list(range(100)), 16, 128, "file:small.txt")
+    assert e.value.message == (
+        "text set 'file:small.txt' has 100 tokens, fewer than the 16 x 128 = 2048 requested; "
+        "ask for fewer rows or shorter rows, or use a longer text"
+    )
