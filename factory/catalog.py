@@ -98,6 +98,7 @@ class Job(Base):
     name: Mapped[str] = mapped_column(ForeignKey("models.name"))
     source: Mapped[str] = mapped_column(Text)
     source_identity: Mapped[str] = mapped_column(Text)
+    base_model: Mapped[str] = mapped_column(Text)  # what the model card names as base_model
     specs: Mapped[list] = mapped_column()
     calibration: Mapped[str] = mapped_column(Text)
     calibration_sha: Mapped[str] = mapped_column(String(64))
@@ -150,14 +151,16 @@ class Quant(Base):
     path: Mapped[str] = mapped_column(Text)  # relative to the registry folder
     source: Mapped[str] = mapped_column(Text)
     source_identity: Mapped[str] = mapped_column(Text)
+    calibration: Mapped[str] = mapped_column(Text)
     calibration_sha: Mapped[str] = mapped_column(String(64))
+    eval: Mapped[dict] = mapped_column()  # text, sha256, windows, window_length, device
     versions: Mapped[dict] = mapped_column()
     ppl: Mapped[float] = mapped_column(Float)
     fp16_ppl: Mapped[float] = mapped_column(Float)
     created_at: Mapped[datetime] = mapped_column(default=now)
 
     def as_row(self) -> dict:
-        """The public form of a quant (`qf ls --json`, `qf run --json`)."""
+        """The public form of a quant (`qf ls --json`, `qf run --json`, the model card)."""
         return {
             "name": f"{self.name}:{self.tag}",
             "rev": self.rev,
@@ -169,9 +172,12 @@ class Quant(Base):
             "change": self.ppl / self.fp16_ppl - 1,
             "source": self.source,
             "source_identity": self.source_identity,
+            "calibration": self.calibration,
+            "eval": self.eval,
+            "versions": self.versions,
             "job": self.job_id,
             "path": self.path,
-            "created_at": self.created_at.isoformat(timespec="seconds"),
+            "created_at": (self.created_at or now()).isoformat(timespec="seconds"),
         }
 
 
@@ -316,18 +322,15 @@ class Catalog:
             return set(rows)
 
     # quants
-    def put_quant(self, **fields: object) -> Quant:
+    def put_quant(self, quant: Quant) -> Quant:
         """Record a published quant; publishing the same name:tag@rev again replaces the row."""
         with self.session() as s:
             old = s.scalars(
-                select(Quant).where(
-                    Quant.name == fields["name"], Quant.tag == fields["tag"], Quant.rev == fields["rev"]
-                )
+                select(Quant).where(Quant.name == quant.name, Quant.tag == quant.tag, Quant.rev == quant.rev)
             ).one_or_none()
             if old is not None:
                 s.delete(old)
                 s.flush()
-            quant = Quant(**fields)
             s.add(quant)
             return quant
 
@@ -343,6 +346,19 @@ class Catalog:
     def model_names(self) -> list[str]:
         with self.session() as s:
             return list(s.scalars(select(Model.name).order_by(Model.name)))
+
+    # measurements
+    def measurement(self, key: str) -> Measurement | None:
+        with self.session() as s:
+            return s.scalars(select(Measurement).where(Measurement.key == key)).one_or_none()
+
+    def add_measurement(self, **fields: object) -> None:
+        """Record a measurement; a concurrent twin with the same key is kept as it is."""
+        try:
+            with self.session() as s:
+                s.add(Measurement(**fields))
+        except IntegrityError:
+            pass
 
     # evaluations
     def add_evaluation(self, **fields: object) -> None:

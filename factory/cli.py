@@ -176,6 +176,9 @@ def run(
         int | None, typer.Option("--eval-windows", min=1, help="2048-token windows to score.")
     ] = None,
     name: Annotated[str | None, typer.Option("--name", help="The quant name (default: the folder's name).")] = None,
+    base_model: Annotated[
+        str | None, typer.Option("--base-model", help="The Hub repo the card names as base_model.")
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per line instead of progress.")] = False,
 ) -> None:
     """Quantize, evaluate and publish SOURCE in this process: inspect, quantize, evaluate, gate, publish."""
@@ -186,7 +189,9 @@ def run(
     _quiet_libraries()
     with Renderer(as_json) as render:
         factory = _factory(render)
-        job, created = factory.submit(Request(source=source, recipe=chosen, exl2_from_flag=exl2 is not None, name=name))
+        job, created = factory.submit(
+            Request(source=source, recipe=chosen, exl2_from_flag=exl2 is not None, name=name, base_model=base_model)
+        )
         job = factory.execute(job.id)
     if not as_json:
         rows = [q.as_row() for q in factory.catalog.quants(job_id=job.id)]
@@ -301,6 +306,31 @@ def pull(
     files = folder.pull(settings.load().registry / quant.path, dest)
     err.print(f"{quant.name}:{quant.tag}@{quant.rev}: {len(files)} files verified, in {dest}")
     out.print(str(dest.resolve()))
+
+
+calib_app = typer.Typer(help="Calibration and eval text sets.", no_args_is_help=True)
+app.add_typer(calib_app, name="calib")
+
+
+@calib_app.command("ls")
+@_handled
+def calib_ls(as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+    """The text sets --calibration and --eval can name: builtin ones and files in $FACTORY_HOME/texts."""
+    import calibration
+
+    rows = [
+        {"name": t.name, "chars": len(t.text), "sha256": t.sha256} for t in calibration.available(settings.load().texts)
+    ]
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return
+    table = Table()
+    for col in ("NAME", "CHARS", "SHA256"):
+        table.add_column(col, justify="right" if col == "CHARS" else "left")
+    for r in rows:
+        table.add_row(r["name"], f"{r['chars']:,}", r["sha256"][:16])
+    out.print(table)
+    err.print('also: file:<path> to any .txt, .jsonl (a "text" field per line) or .parquet (a "text" column)')
 
 
 def main() -> None:

@@ -55,16 +55,18 @@ def stream(ids: list[int], count: int, max_positions: int | None, name: str) -> 
     return Stream([ids[i * length : (i + 1) * length] for i in range(count)])
 
 
-def perplexity(model, data: Stream, on_window: Callable[[int, int], None] | None = None) -> float:
+Logits = Callable[["torch.Tensor"], "torch.Tensor"]  # noqa: F821  token ids [1, L] on the CPU -> logits [1, L, V]
+
+
+def perplexity(logits_of: Logits, data: Stream, on_window: Callable[[int, int], None] | None = None) -> float:
     import torch
 
-    dev = next(model.parameters()).device
     total_nll, total_tokens = 0.0, 0
     with torch.inference_mode():
         for i, window in enumerate(data.windows):
-            ids = torch.tensor([window], device=dev)
-            logits = model(ids).logits[0, :-1].float()
-            nll = torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum")
+            ids = torch.tensor([window])
+            logits = logits_of(ids)[0, :-1].float()
+            nll = torch.nn.functional.cross_entropy(logits, ids[0, 1:].to(logits.device), reduction="sum")
             total_nll += nll.item()
             total_tokens += len(window) - 1
             if on_window:
@@ -85,15 +87,19 @@ def _dtype(dev: str):
     return torch.float16 if dev == "cuda" else torch.float32
 
 
-def load_fp16(folder: Path, dev: str):
+def _transformers(model, dev: str) -> Logits:
+    model = model.to(dev).eval()
+    return lambda ids: model(ids.to(dev)).logits
+
+
+def load_fp16(folder: Path, dev: str) -> Logits:
     from transformers import AutoModelForCausalLM
 
     _quiet_transformers()
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=_dtype(dev), trust_remote_code=False)
-    return model.to(dev).eval()
+    return _transformers(AutoModelForCausalLM.from_pretrained(folder, dtype=_dtype(dev), trust_remote_code=False), dev)
 
 
-def load_awq(folder: Path, dev: str):
+def load_awq(folder: Path, dev: str) -> Logits:
     """A transformers model whose quantized linears hold AutoAWQ's dequantized weights."""
     import warnings
 
@@ -129,10 +135,25 @@ def load_awq(folder: Path, dev: str):
         missing = [k for k in missing if k != "lm_head.weight"]
     if missing or unexpected:
         raise ValueError(f"AWQ tensors do not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    return model.to(dev).eval()
+    return _transformers(model, dev)
 
 
-LOADERS = {"fp16": load_fp16, "awq": load_awq}
+def load_exl2(folder: Path, dev: str) -> Logits:
+    """exllamav2's own forward pass (CUDA only); it loads EXL2 quants and FP16 folders alike."""
+    import os
+
+    os.environ["EXLLAMA_NO_SDPA"] = "1"  # read at import: its SDPA path is wrong on torch 2.11
+    from exllamav2 import ExLlamaV2, ExLlamaV2Config
+
+    config = ExLlamaV2Config(str(folder))
+    config.arch_compat_overrides()
+    model = ExLlamaV2(config)
+    model.load()
+    return lambda ids: model.forward(ids, cache=None)
+
+
+LOADERS = {"fp16": load_fp16, "awq": load_awq, "exl2": load_exl2}
+EVALUATORS = {"fp16": "transformers", "awq": "autoawq", "exl2": "exllamav2"}
 
 
 @dataclass(frozen=True)
@@ -144,9 +165,10 @@ class Result:
 
 
 def evaluate(folder: Path, method: str, data: Stream, on_window=None) -> Result:
+    """Perplexity of the model in `folder` through `method`'s loader (fp16: transformers; awq: AutoAWQ's
+    dequantization into transformers; exl2: exllamav2)."""
     dev = device()
     start = time.monotonic()
-    model = LOADERS[method](folder, dev)
-    ppl = perplexity(model, data, on_window)
-    evaluator = "transformers" if method == "fp16" else f"{method}+transformers"
-    return Result(ppl=ppl, seconds=time.monotonic() - start, evaluator=evaluator, device=dev)
+    logits_of = LOADERS[method](folder, dev)
+    ppl = perplexity(logits_of, data, on_window)
+    return Result(ppl=ppl, seconds=time.monotonic() - start, evaluator=EVALUATORS[method], device=dev)

@@ -1,9 +1,10 @@
 """Refuse checkpoints that cannot work, before any engine starts (ModelRefused, exit 3).
 
 Reads config.json, the tokenizer's presence and every safetensors header; never loads weights. Refused:
-no or unparsable config.json, custom code (`auto_map`), weights only as pickle, no weights, a truncated or
-unparsable safetensors file, shards that disagree with the index, no tokenizer, an architecture outside
-SUPPORTED. The numbers the engines need later (input dims of the quantized linears, sizes) come from here.
+no or unparsable config.json, an already quantized model, custom code (`auto_map`), weights only as pickle,
+no weights, a truncated or unparsable safetensors file, shards that disagree with the index, no tokenizer,
+an architecture outside SUPPORTED. The numbers the engines need later (input dims of the quantized
+linears, sizes) come from here.
 """
 
 from __future__ import annotations
@@ -62,6 +63,9 @@ def inspect(folder: Path) -> ModelInfo:
         raise ModelRefused(
             "the model needs custom code (auto_map); only architectures built into transformers are allowed"
         )
+    if "quantization_config" in config:
+        method = (config["quantization_config"] or {}).get("quant_method", "unknown")
+        raise ModelRefused(f"config.json says the model is already quantized ({method}); pass the FP16 checkpoint")
     arch = (config.get("architectures") or [None])[0]
     if arch not in SUPPORTED:
         raise ModelRefused(f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED)}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import shutil
+import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -19,9 +20,10 @@ from pathlib import Path
 
 import calibration
 from factory import engines, evaluate, naming, sources
-from factory.catalog import Catalog, Job, JobState, StepState, job_key
+from factory.catalog import Catalog, Job, JobState, Quant, StepState, job_key, measurement_key
 from factory.errors import FactoryError, JobFailed, ModelRefused, QualityGateRefused, SpecError
 from factory.inspect import inspect
+from factory.publish import card
 from factory.publish import folder as registry
 from factory.settings import Settings
 from factory.specs import AwqSpec, Exl2Spec, Recipe, resolve_awq
@@ -35,6 +37,7 @@ class Request:
     recipe: Recipe
     exl2_from_flag: bool = False  # --exl2 asks for EXL2 explicitly: no CUDA is an error, not a skip
     name: str | None = None
+    base_model: str | None = None  # what the model card names as base_model (default: the source's name)
 
 
 @dataclass
@@ -43,7 +46,8 @@ class _Prepared:
 
     folder: Path
     specs: list[Exl2Spec | AwqSpec]
-    calibration: dict[str, list[list[int]]]  # tag -> token windows
+    calibration: dict[str, list[list[int]]]  # tag -> token windows (AWQ)
+    calibration_file: Path  # the calibration text as parquet (EXL2 tokenizes it itself)
     stream: evaluate.Stream
 
 
@@ -65,8 +69,9 @@ class Factory:
             self.emit({"event": "note", "message": "no CUDA GPU: skipping the recipe's EXL2 targets"})
         if not specs:
             raise SpecError("nothing to make: pass --exl2 BPW[,BPW...], --awq, or a recipe with exl2 or awq targets")
-        versions = {name: engines.get(name).version() for name in sorted({s.method for s in specs})}
-        cal, ev = calibration.resolve(recipe.calibration), calibration.resolve(recipe.eval)
+        used = [engines.get(name) for name in sorted({s.method for s in specs})]
+        versions = {engine.name: engine.version() for engine in used}
+        cal, ev = _calibration(recipe.calibration, used), calibration.resolve(recipe.eval)
         if cal.sha256 == ev.sha256:
             raise SpecError(
                 f"calibration {cal.name!r} and eval {ev.name!r} are the same text; evaluate on held-out text"
@@ -86,6 +91,7 @@ class Factory:
             name=name,
             source=source.source,
             source_identity=source.identity,
+            base_model=request.base_model or source.label,
             specs=spec_dicts,
             calibration=cal.name,
             calibration_sha=cal.sha256,
@@ -149,6 +155,7 @@ class Factory:
     def _step(self, job_id: str, name: str):
         self.emit({"event": "step", "step": name, "state": StepState.running})
         step_id = self.catalog.start_step(job_id, name)
+        start = time.monotonic()
         try:
             yield lambda **event: self.emit({"event": "progress", "step": name, **event})
         except BaseException as e:
@@ -157,7 +164,8 @@ class Factory:
             self.emit({"event": "step", "step": name, "state": StepState.failed, "error": error})
             raise
         self.catalog.end_step(step_id, StepState.succeeded)
-        self.emit({"event": "step", "step": name, "state": StepState.succeeded})
+        seconds = round(time.monotonic() - start, 3)
+        self.emit({"event": "step", "step": name, "state": StepState.succeeded, "seconds": seconds})
 
     def _inspect(self, job: Job) -> _Prepared:
         with self._step(job.id, "inspect"):
@@ -169,12 +177,18 @@ class Factory:
             info = inspect(folder)
             specs = [self._resolve(spec, info.in_features, job.device) for spec in _specs(job.specs)]
             self.catalog.set_job_specs(job.id, [s.model_dump() for s in specs])
-            cal_ids = evaluate.tokenize(folder, _text(job.calibration, job.calibration_sha).text)
+            cal = _text(job.calibration, job.calibration_sha)
+            cal_ids = evaluate.tokenize(folder, cal.text)
             windows = {
                 s.tag: calibration.token_windows(cal_ids, s.calib_rows, s.calib_length, job.calibration)
                 for s in specs
                 if isinstance(s, AwqSpec)
             }
+            for s in specs:
+                if isinstance(s, Exl2Spec):  # exllamav2 takes the first rows x length tokens of the text
+                    for rows, length in ((s.measurement_rows, s.measurement_length), (s.rows, s.length)):
+                        calibration.check_length(cal_ids, rows, length, job.calibration)
+            cal_file = calibration.write_parquet(cal, self.settings.work / job.id / "calibration.parquet")
             eval_ids = evaluate.tokenize(folder, _text(job.eval, job.eval_sha).text)
             stream = evaluate.stream(eval_ids, job.eval_windows, info.max_positions, job.eval)
         for s in specs:
@@ -187,7 +201,7 @@ class Factory:
                         f"{job.eval_windows} x {stream.window_length} tokens on {job.device}",
                     }
                 )
-        return _Prepared(folder=folder, specs=specs, calibration=windows, stream=stream)
+        return _Prepared(folder=folder, specs=specs, calibration=windows, calibration_file=cal_file, stream=stream)
 
     @staticmethod
     def _resolve(spec: Exl2Spec | AwqSpec, in_features: list[int], device: str) -> Exl2Spec | AwqSpec:
@@ -199,6 +213,8 @@ class Factory:
         name = f"quantize:{spec.tag}"
         if name in self.catalog.done_steps(job.id) and out.is_dir() and any(out.iterdir()):
             return out
+        engine = engines.get(spec.method)
+        measurement = self._measurement(job, prepared, spec) if engine.needs_measurement else None
         with self._step(job.id, name) as progress:
             request = engines.QuantizeRequest(
                 source_dir=prepared.folder,
@@ -206,9 +222,43 @@ class Factory:
                 work_dir=work,
                 spec=spec.model_dump(),
                 calibration=prepared.calibration.get(spec.tag, []),
+                calibration_file=prepared.calibration_file,
+                measurement=measurement,
             )
-            engines.get(spec.method).quantize(request, lambda event: progress(**_progress(event)))
+            engine.quantize(request, lambda event: progress(**_progress(event)))
         return out
+
+    def _measurement(self, job: Job, prepared: _Prepared, spec: Exl2Spec) -> Path:
+        """The measurement for this source, calibration and settings: made once, reused by every later target."""
+        engine = engines.get(spec.method)
+        rows, length = spec.measurement_rows, spec.measurement_length
+        key = measurement_key(job.source_identity, job.calibration_sha, rows, length, engine.version())
+        known = self.catalog.measurement(key)
+        if known is not None and Path(known.path).is_file():
+            self.emit({"event": "note", "message": f"reusing EXL2 measurement {key[:12]} ({rows} x {length} tokens)"})
+            return Path(known.path)
+        path = self.settings.measurements / f"{key}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with self._step(job.id, f"measure:{key[:12]}") as progress:
+            engine.measure(
+                prepared.folder,
+                prepared.calibration_file,
+                rows,
+                length,
+                self.settings.work / job.id / f"measure-{key[:12]}",
+                path,
+                lambda event: progress(**_progress(event)),
+            )
+            self.catalog.add_measurement(
+                key=key,
+                path=str(path),
+                source_identity=job.source_identity,
+                calibration_sha=job.calibration_sha,
+                rows=rows,
+                length=length,
+                tool_version=engine.version(),
+            )
+        return path
 
     def _evaluate_fp16(self, job: Job, prepared: _Prepared) -> float:
         key = (job.source_identity, job.eval_sha, job.eval_windows, prepared.stream.window_length, job.device)
@@ -254,26 +304,8 @@ class Factory:
     def _publish(self, job: Job, prepared: _Prepared, spec, out: Path, ppl: float, fp16: float) -> None:
         rev = sources.rev(job.source_identity)
         with self._step(job.id, f"publish:{spec.tag}"):
-            manifest = {
-                "source": job.source,
-                "source_identity": job.source_identity,
-                "spec": spec.model_dump(),
-                "calibration": job.calibration,
-                "calibration_sha256": job.calibration_sha,
-                "versions": _versions(job.versions),
-                "eval": {
-                    "text": job.eval,
-                    "sha256": job.eval_sha,
-                    "windows": len(prepared.stream.windows),
-                    "window_length": prepared.stream.window_length,
-                    "device": job.device,
-                    "ppl": ppl,
-                    "fp16_ppl": fp16,
-                },
-                "job": job.id,
-            }
-            path, manifest = registry.publish(self.settings.registry, job.name, spec.tag, rev, out, manifest)
-            self.catalog.put_quant(
+            (out / card.FILENAME).unlink(missing_ok=True)
+            quant = Quant(
                 job_id=job.id,
                 name=job.name,
                 tag=spec.tag,
@@ -281,15 +313,38 @@ class Factory:
                 method=spec.method,
                 bits=spec.bits,
                 spec=spec.model_dump(),
-                bytes=sum(f["bytes"] for f in manifest["files"].values()),
-                path=str(path.relative_to(self.settings.registry)),
+                bytes=sum(p.stat().st_size for p in out.iterdir() if p.is_file()),
+                path=str(
+                    registry.quant_dir(self.settings.registry, job.name, spec.tag, rev).relative_to(
+                        self.settings.registry
+                    )
+                ),
                 source=job.source,
                 source_identity=job.source_identity,
+                calibration=job.calibration,
                 calibration_sha=job.calibration_sha,
-                versions=manifest["versions"],
+                versions=_versions(job.versions),
                 ppl=ppl,
                 fp16_ppl=fp16,
+                eval={
+                    "text": job.eval,
+                    "sha256": job.eval_sha,
+                    "windows": len(prepared.stream.windows),
+                    "window_length": prepared.stream.window_length,
+                    "device": job.device,
+                },
             )
+            this = quant.as_row()
+            others = [q.as_row() for q in self.catalog.quants(name=job.name) if (q.tag, q.rev) != (spec.tag, rev)]
+            (out / card.FILENAME).write_text(card.render(job.name, job.base_model, this, [this, *others]))
+            manifest = {k: this[k] for k in ("source", "source_identity", "calibration", "versions", "job")}
+            manifest.update(
+                spec=spec.model_dump(),
+                calibration_sha256=job.calibration_sha,
+                eval={**quant.eval, "ppl": ppl, "fp16_ppl": fp16},
+            )
+            registry.publish(self.settings.registry, job.name, spec.tag, rev, out, manifest)
+            self.catalog.put_quant(quant)
 
     def _result(self, job: Job) -> None:
         self.emit(
@@ -302,6 +357,13 @@ class Factory:
                 "quants": [q.as_row() for q in self.catalog.quants(job_id=job.id)],
             }
         )
+
+
+def _calibration(name: str | None, used: list) -> calibration.TextSet:
+    """The recipe's text set, else the engines' default: the longest of their defaults, so each has enough."""
+    if name:
+        return calibration.resolve(name)
+    return max((calibration.resolve(e.default_calibration) for e in used), key=lambda t: len(t.text))
 
 
 def _specs(dicts: list[dict]) -> list[Exl2Spec | AwqSpec]:

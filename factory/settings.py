@@ -28,6 +28,16 @@ class Settings(BaseModel):
         return self.home / "work"
 
     @property
+    def measurements(self) -> Path:
+        """EXL2 measurements, one file per measurement key (see catalog.measurement_key)."""
+        return self.home / "measurements"
+
+    @property
+    def texts(self) -> Path:
+        """Calibration and eval files that `qf calib ls` lists (name them with file:<path>)."""
+        return self.home / "texts"
+
+    @property
     def cache(self) -> Path:
         return self.home / "cache"
 

@@ -20,7 +20,6 @@ from factory.errors import SpecError
 BPW_MIN, BPW_MAX = 2.0, 8.0
 HEAD_BITS = (2, 3, 4, 5, 6, 8)
 AWQ_GROUP_SIZES = (32, 64, 128)
-DEFAULT_CALIBRATION = "builtin:c4"
 DEFAULT_EVAL = "builtin:wiki"
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -152,7 +151,7 @@ class Exl2Targets(_Closed):
 class Recipe(_Closed):
     exl2: Exl2Targets | None = None
     awq: AwqSpec | None = None
-    calibration: str = DEFAULT_CALIBRATION
+    calibration: str | None = None  # None: the engines' default (AWQ builtin:c4, EXL2 builtin:mix)
     eval: str = DEFAULT_EVAL
     eval_windows: int | None = Field(None, ge=1)
     max_ppl_ratio: float = Field(1.5, gt=0)

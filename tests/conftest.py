@@ -1,13 +1,22 @@
-"""Fixtures: tiny seeded Llamas made on the spot, a `qf` runner with its own FACTORY_HOME, one finished run."""
+"""Fixtures: tiny seeded Llamas made on the spot, a `qf` runner with its own FACTORY_HOME and catalog, one
+finished run.
+
+The catalog is SQLite under each test's FACTORY_HOME, or, with QF_TEST_PG=postgresql://user@host:port/db, a fresh
+PostgreSQL database per test on that server (scripts/test runs the suite both ways).
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from sqlalchemy import create_engine, text
 from typer.testing import CliRunner
 
 from factory.cli import app
@@ -38,14 +47,42 @@ def model_copy(tiny, tmp_path):
     return copy
 
 
+PG = os.environ.get("QF_TEST_PG")
+
+
+@contextmanager
+def fresh_database():
+    """A new empty catalog database URL on the QF_TEST_PG server, dropped afterwards; "" (SQLite) without it."""
+    if not PG:
+        yield ""
+        return
+    name = f"qf_test_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(PG.replace("postgresql://", "postgresql+psycopg2://", 1), isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield PG.rsplit("/", 1)[0] + "/" + name
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+@pytest.fixture
+def db_url():
+    with fresh_database() as url:
+        yield url
+
+
 @dataclass
 class Qf:
     home: Path
+    db_url: str = ""
     runner: CliRunner = field(default_factory=CliRunner)
 
     @property
     def env(self) -> dict[str, str]:
-        return {"FACTORY_HOME": str(self.home), "FACTORY_DB_URL": ""}
+        return {"FACTORY_HOME": str(self.home), "FACTORY_DB_URL": self.db_url}
 
     def __call__(self, *args: object):
         return self.runner.invoke(app, [str(a) for a in args], env=self.env)
@@ -61,15 +98,16 @@ class Qf:
 
 
 @pytest.fixture
-def qf(tmp_path) -> Qf:
-    return Qf(home=tmp_path / "home")
+def qf(tmp_path, db_url) -> Qf:
+    return Qf(home=tmp_path / "home", db_url=db_url)
 
 
 @pytest.fixture(scope="session")
 def finished(tiny, tmp_path_factory):
     """One real `qf run --awq` on the tiny model, shared by the tests that only read its results."""
-    qf = Qf(home=tmp_path_factory.mktemp("finished") / "home")
-    result = qf("run", tiny, "--awq", "--eval-windows", 2, "--json")
-    assert result.exit_code == 0, result.output
-    events = [json.loads(line) for line in result.stdout.splitlines()]
-    return qf, events
+    with fresh_database() as url:
+        qf = Qf(home=tmp_path_factory.mktemp("finished") / "home", db_url=url)
+        result = qf("run", tiny, "--awq", "--eval-windows", 2, "--json")
+        assert result.exit_code == 0, result.output
+        events = [json.loads(line) for line in result.stdout.splitlines()]
+        yield qf, events

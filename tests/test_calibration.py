@@ -27,7 +27,7 @@ def test_file_text(tmp_path):
     with pytest.raises(SpecError, match="no such file"):
         calibration.resolve(f"file:{tmp_path / 'missing.txt'}")
     (tmp_path / "data.csv").write_text("a,b")
-    with pytest.raises(SpecError, match=r"is not a \.txt file"):
+    with pytest.raises(SpecError, match=r"is not a \.txt, \.jsonl or \.parquet file"):
         calibration.resolve(f"file:{tmp_path / 'data.csv'}")
 
 
@@ -46,3 +46,36 @@ def test_token_windows_too_short():
         "text set 'file:small.txt' has 100 tokens, fewer than the 16 x 128 = 2048 requested; "
         "ask for fewer rows or shorter rows, or use a longer text"
     )
+
+
+def test_jsonl_and_parquet_hash_like_the_same_text(tmp_path):
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    records = ["first record", "second record", "third"]
+    (tmp_path / "t.txt").write_text("\n\n".join(records))
+    (tmp_path / "t.jsonl").write_text("\n".join(json.dumps({"text": r, "id": i}) for i, r in enumerate(records)))
+    pq.write_table(pa.table({"text": records, "id": [1, 2, 3]}), tmp_path / "t.parquet")
+    hashes = {calibration.resolve(f"file:{tmp_path / f't.{ext}'}").sha256 for ext in ("txt", "jsonl", "parquet")}
+    assert len(hashes) == 1
+
+
+def test_jsonl_and_parquet_without_text(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"body": "no text"}\n')
+    with pytest.raises(SpecError, match="line 2 of .* is not a JSON object with a 'text' field"):
+        calibration.resolve(f"file:{tmp_path / 'bad.jsonl'}")
+    pq.write_table(pa.table({"body": ["x"]}), tmp_path / "bad.parquet")
+    with pytest.raises(SpecError, match="has no 'text' column; its columns: body"):
+        calibration.resolve(f"file:{tmp_path / 'bad.parquet'}")
+
+
+def test_available_lists_builtins_and_home_texts(tmp_path):
+    (tmp_path / "mine.jsonl").write_text('{"text": "hello"}\n')
+    (tmp_path / "notes.md").write_text("ignored")
+    names = [t.name for t in calibration.available(tmp_path)]
+    assert names == [f"builtin:{b}" for b in calibration.BUILTIN] + [f"file:{tmp_path / 'mine.jsonl'}"]

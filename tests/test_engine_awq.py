@@ -49,9 +49,9 @@ def test_engine_failure_is_a_failed_step(tiny, tmp_path):
     assert (tmp_path / "work" / "engine.log").is_file()
 
 
-def test_killed_engine_fails_the_job_and_the_job_runs_again(tiny, tmp_path, monkeypatch):
+def test_killed_engine_fails_the_job_and_the_job_runs_again(tiny, tmp_path, db_url, monkeypatch):
     monkeypatch.setenv("FACTORY_HOME", str(tmp_path / "home"))
-    monkeypatch.delenv("FACTORY_DB_URL", raising=False)
+    monkeypatch.setenv("FACTORY_DB_URL", db_url)
     killed = []
 
     def kill_the_engine(event):

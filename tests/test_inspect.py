@@ -20,6 +20,12 @@ def _auto_map(m):
     (m / "config.json").write_text(json.dumps(cfg))
 
 
+def _already_quantized(m):
+    cfg = json.loads((m / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gguf", "gguf_file": "model.Q4_1.gguf"}
+    (m / "config.json").write_text(json.dumps(cfg))
+
+
 def _pickle_only(m):
     (m / "model.safetensors").unlink()
     (m / "pytorch_model.bin").write_bytes(b"\x80\x04pickle")
@@ -57,18 +63,29 @@ def _no_tokenizer(m):
 
 CASES = [
     (_no_config, "no config.json in '{m}'; pass a Hugging Face checkpoint folder"),
-    (_bad_json, "config.json is not valid JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1))"),
+    (
+        _bad_json,
+        "config.json is not valid JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1))",
+    ),
     (_auto_map, "the model needs custom code (auto_map); only architectures built into transformers are allowed"),
+    (_already_quantized, "config.json says the model is already quantized (gguf); pass the FP16 checkpoint"),
     (_pickle_only, "the weights are only in pickle files (.bin/.pt); convert them to safetensors first"),
     (_truncated, "model.safetensors is truncated or padded: its tensors need {n} bytes of data, it holds {k}"),
     (_unparsable_header, "model.safetensors has an unparsable safetensors header"),
-    (_index_names_missing_shard,
-     "model.safetensors.index.json names shards that are not there: model-00002-of-00002.safetensors"),
-    (_index_misplaces_tensor,
-     "model.safetensors.index.json puts tensor 'not.there' in model.safetensors, which does not hold it"),
-    (_unknown_architecture, "architecture 'GPT2LMHeadModel' is not supported; supported: LlamaForCausalLM, "
-     "MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, GemmaForCausalLM, "
-     "Gemma2ForCausalLM, Phi3ForCausalLM"),
+    (
+        _index_names_missing_shard,
+        "model.safetensors.index.json names shards that are not there: model-00002-of-00002.safetensors",
+    ),
+    (
+        _index_misplaces_tensor,
+        "model.safetensors.index.json puts tensor 'not.there' in model.safetensors, which does not hold it",
+    ),
+    (
+        _unknown_architecture,
+        "architecture 'GPT2LMHeadModel' is not supported; supported: LlamaForCausalLM, "
+        "MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, GemmaForCausalLM, "
+        "Gemma2ForCausalLM, Phi3ForCausalLM",
+    ),
     (_no_tokenizer, "no tokenizer (tokenizer.json or tokenizer.model) beside the weights"),
 ]
 

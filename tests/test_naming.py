@@ -45,8 +45,12 @@ def test_parse_tag_required():
 
 @pytest.mark.parametrize(
     "label, name",
-    [("SmolLM2-135M-Instruct", "smollm2-135m-instruct"), ("My Model (copy)", "my-model-copy"), ("..x..y", "x.y"),
-     ("Qwen2.5_7B", "qwen2.5_7b")],
+    [
+        ("SmolLM2-135M-Instruct", "smollm2-135m-instruct"),
+        ("My Model (copy)", "my-model-copy"),
+        ("..x..y", "x.y"),
+        ("Qwen2.5_7B", "qwen2.5_7b"),
+    ],
 )
 def test_model_name(label, name):
     assert naming.model_name(label) == name

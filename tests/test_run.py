@@ -6,8 +6,10 @@ import shutil
 import pytest
 import torch
 
+from factory.publish import card
 from factory.publish.folder import MANIFEST
 from factory.sources import file_sha256
+from tests.conftest import Qf
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
 
@@ -25,7 +27,12 @@ def test_run_events_and_result(finished, tiny):
     assert kinds[0] == "job" and kinds[-1] == "result"
     steps = [(e["step"], e["state"]) for e in events if e["event"] == "step"]
     assert [s for s, state in steps if state == "succeeded"] == [
-        "inspect", "quantize:awq-w4g128", "evaluate:fp16", "evaluate:awq-w4g128", "gate", "publish:awq-w4g128"
+        "inspect",
+        "quantize:awq-w4g128",
+        "evaluate:fp16",
+        "evaluate:awq-w4g128",
+        "gate",
+        "publish:awq-w4g128",
     ]
     layers = [e for e in events if e["event"] == "progress" and e.get("unit") == "layer"]
     assert [e["done"] for e in layers] == [0, 1, 2] and {e["total"] for e in layers} == {2}
@@ -43,7 +50,7 @@ def test_ls_json(finished):
     assert set(row) >= {"name", "method", "bits", "bytes", "ppl", "fp16_ppl", "source"}
     quant_dir = qf.home / "registry" / "tiny" / f"awq-w4g128@{row['rev']}"
     assert row["path"] == f"tiny/awq-w4g128@{row['rev']}"
-    files = [p for p in quant_dir.iterdir() if p.name != MANIFEST]
+    files = [p for p in quant_dir.iterdir() if p.name not in (MANIFEST, "README.md")]  # bytes: the quant, not its card
     assert row["bytes"] == sum(p.stat().st_size for p in files)
     assert {p.name for p in files} >= {"config.json", "model.safetensors", "tokenizer.json"}
     result = qf("ls")
@@ -55,8 +62,16 @@ def test_manifest(finished, tiny):
     [row] = qf.json("ls")
     manifest = json.loads((qf.home / "registry" / "tiny" / f"awq-w4g128@{row['rev']}" / MANIFEST).read_text())
     assert manifest["source_identity"] == row["source_identity"] and manifest["source"] == str(tiny)
-    assert manifest["spec"] == {"method": "awq", "w_bit": 4, "group_size": 128, "zero_point": True,
-                                "version": "gemm", "calib_rows": 16, "calib_length": 128, "clip": False}
+    assert manifest["spec"] == {
+        "method": "awq",
+        "w_bit": 4,
+        "group_size": 128,
+        "zero_point": True,
+        "version": "gemm",
+        "calib_rows": 16,
+        "calib_length": 128,
+        "clip": False,
+    }
     assert manifest["calibration"] == "builtin:c4" and len(manifest["calibration_sha256"]) == 64
     assert set(manifest["versions"]) >= {"torch", "transformers", "awq"}
     assert manifest["eval"]["windows"] == 2 and manifest["eval"]["window_length"] == 2048
@@ -95,12 +110,15 @@ def test_pull(finished, tmp_path):
         assert file_sha256(tmp_path / "out" / name) == entry["sha256"]
     again = qf("pull", "tiny:awq-w4g128", "-o", tmp_path / "out")
     assert again.exit_code == 2
-    assert last_line(again) == f"error: output folder '{tmp_path / 'out'}' exists and is not empty; pass -o with a new or empty folder"
+    assert (
+        last_line(again)
+        == f"error: output folder '{tmp_path / 'out'}' exists and is not empty; pass -o with a new or empty folder"
+    )
 
 
 def test_pull_refuses_a_corrupted_registry(finished, tmp_path):
     qf, _ = finished
-    broken = type(qf)(home=tmp_path / "home")
+    broken = type(qf)(home=tmp_path / "home", db_url=qf.db_url)  # same catalog, a copy of the registry
     shutil.copytree(qf.home, broken.home)
     [row] = broken.json("ls")
     with open(broken.home / "registry" / row["path"] / "model.safetensors", "r+b") as f:
@@ -108,8 +126,10 @@ def test_pull_refuses_a_corrupted_registry(finished, tmp_path):
         f.write(b"\x00\x01\x02\x03")
     result = broken("pull", "tiny:awq-w4g128", "-o", tmp_path / "out")
     assert result.exit_code == 1
-    assert last_line(result) == (f"error: model.safetensors in {broken.home / 'registry' / row['path']} "
-                                 "does not match its sha256 in the manifest")
+    assert last_line(result) == (
+        f"error: model.safetensors in {broken.home / 'registry' / row['path']} "
+        "does not match its sha256 in the manifest"
+    )
     assert not (tmp_path / "out").exists()
 
 
@@ -121,8 +141,12 @@ def test_pull_refuses_a_corrupted_registry(finished, tmp_path):
         (["pull", "tiny:exl2-4.0bpw"], 4, "error: tiny:exl2-4.0bpw does not exist; tags of tiny: awq-w4g128@{rev}"),
         (["pull", "nosuch:awq-w4g64"], 4, "error: no model named 'nosuch'; known names: tiny"),
         (["pull", "tiny"], 2, "error: not a valid quant name 'tiny': a tag is required (NAME:TAG)"),
-        (["pull", "../x:awq-w4g64"], 2, "error: not a valid quant name '../x:awq-w4g64': name '../x' must be 1-96 "
-                                        "of [a-z0-9._-], start with a letter or digit, no '..'"),
+        (
+            ["pull", "../x:awq-w4g64"],
+            2,
+            "error: not a valid quant name '../x:awq-w4g64': name '../x' must be 1-96 "
+            "of [a-z0-9._-], start with a letter or digit, no '..'",
+        ),
     ],
 )
 def test_not_found_lists_what_exists(finished, args, code, message):
@@ -140,15 +164,31 @@ def test_not_found_lists_what_exists(finished, args, code, message):
     [
         (["--exl2", "9"], 2, "bpw 9 is outside [2.0, 8.0]"),
         (["--exl2", "4.0,abc"], 2, "bpw 'abc' is not a number; use a number in [2.0, 8.0]"),
-        (["--awq", "--calibration", "builtin:pile"], 2,
-         "unknown text set 'builtin:pile'; use one of builtin:c4, builtin:code, builtin:multilingual, "
-         "builtin:technical, builtin:tiny, builtin:wiki or file:<path to a .txt file>"),
-        (["--awq", "--eval", "c4"], 2, "unknown text set 'c4'; use one of builtin:c4, builtin:code, "
-         "builtin:multilingual, builtin:technical, builtin:tiny, builtin:wiki or file:<path to a .txt file>"),
-        (["--awq", "--eval", "builtin:c4"], 2,
-         "calibration 'builtin:c4' and eval 'builtin:c4' are the same text; evaluate on held-out text"),
-        (["--awq", "--name", "../up"], 2, "not a valid quant name '../up': name '../up' must be 1-96 of "
-         "[a-z0-9._-], start with a letter or digit, no '..'"),
+        (
+            ["--awq", "--calibration", "builtin:pile"],
+            2,
+            "unknown text set 'builtin:pile'; use one of builtin:c4, builtin:code, builtin:multilingual, "
+            "builtin:technical, builtin:tiny, builtin:wiki, builtin:mix or file:<path to a .txt, .jsonl or .parquet "
+            "file>",
+        ),
+        (
+            ["--awq", "--eval", "c4"],
+            2,
+            "unknown text set 'c4'; use one of builtin:c4, builtin:code, builtin:multilingual, "
+            "builtin:technical, builtin:tiny, builtin:wiki, builtin:mix or file:<path to a .txt, .jsonl or .parquet "
+            "file>",
+        ),
+        (
+            ["--awq", "--eval", "builtin:c4"],
+            2,
+            "calibration 'builtin:c4' and eval 'builtin:c4' are the same text; evaluate on held-out text",
+        ),
+        (
+            ["--awq", "--name", "../up"],
+            2,
+            "not a valid quant name '../up': name '../up' must be 1-96 of "
+            "[a-z0-9._-], start with a letter or digit, no '..'",
+        ),
     ],
 )
 def test_refused_before_a_job(qf, tiny, args, code, message):
@@ -170,19 +210,25 @@ def test_recipe_with_unknown_keys(qf, tiny, tmp_path):
     recipe.write_text("awq: {w_bit: 4, clipping: true}\n")
     result = qf("run", tiny, "--recipe", recipe)
     assert result.exit_code == 2
-    assert last_line(result) == (f"error: recipe '{recipe}': unknown key 'awq.clipping' "
-                                 "(recipe keys: exl2, awq, calibration, eval, eval_windows, max_ppl_ratio)")
+    assert last_line(result) == (
+        f"error: recipe '{recipe}': unknown key 'awq.clipping' "
+        "(recipe keys: exl2, awq, calibration, eval, eval_windows, max_ppl_ratio)"
+    )
 
 
 def test_source_not_found_and_hub(qf, tmp_path):
     missing = qf("run", tmp_path / "nope", "--awq")
     assert missing.exit_code == 4
-    assert last_line(missing) == (f"error: source '{tmp_path / 'nope'}' does not exist; "
-                                  "pass a local folder with config.json and safetensors weights")
+    assert last_line(missing) == (
+        f"error: source '{tmp_path / 'nope'}' does not exist; "
+        "pass a local folder with config.json and safetensors weights"
+    )
     hub = qf("run", "HuggingFaceTB/SmolLM2-135M-Instruct", "--awq")
     assert hub.exit_code == 5
-    assert last_line(hub) == ("error: 'HuggingFaceTB/SmolLM2-135M-Instruct' looks like a Hub repo, but this factory "
-                              "cannot fetch from the Hub yet; download it and pass the local folder")
+    assert last_line(hub) == (
+        "error: 'HuggingFaceTB/SmolLM2-135M-Instruct' looks like a Hub repo, but this factory "
+        "cannot fetch from the Hub yet; download it and pass the local folder"
+    )
     assert qf.json("jobs") == []
 
 
@@ -228,8 +274,48 @@ def test_quality_gate_refuses(qf, tiny192, tmp_path):
     assert result.exit_code == 1, result.output
     events = [json.loads(line) for line in result.stdout.splitlines()]
     ppl = {e["subject"]: e["ppl"] for e in events if e["event"] == "evaluation"}
-    message = (f"quality gate refused awq-w4g64: perplexity {ppl['awq-w4g64']:.4g} vs FP16 {ppl['fp16']:.4g} "
-               f"(ratio {ppl['awq-w4g64'] / ppl['fp16']:.3f}), allowed at most 0.5 x FP16")
+    message = (
+        f"quality gate refused awq-w4g64: perplexity {ppl['awq-w4g64']:.4g} vs FP16 {ppl['fp16']:.4g} "
+        f"(ratio {ppl['awq-w4g64'] / ppl['fp16']:.3f}), allowed at most 0.5 x FP16"
+    )
     assert last_line(result) == f"error: {message}"
     assert events[-1]["state"] == "failed" and events[-1]["quants"] == []
     _failed_job(qf, 1, message)
+
+
+def test_model_card(finished):
+    qf, _ = finished
+    [row] = qf.json("ls")
+    text = (qf.home / "registry" / row["path"] / "README.md").read_text()
+    assert card.metadata(text) == {
+        "base_model": "tiny",
+        "base_model_relation": "quantized",
+        "library_name": "transformers",
+        "tags": ["awq", "quantfactory", "quantized"],
+        "quantized_by": "quantfactory",
+    }
+    assert "| `tiny:awq-w4g128` (this folder) | awq | 4 |" in text
+    assert f"{row['ppl']:.4f} | {row['change'] * 100:+.2f}% | builtin:c4 | builtin:wiki, 2 x 2048 tokens, cpu" in text
+    assert "qf pull tiny:awq-w4g128 -o tiny-awq-w4g128" in text and row["source_identity"] in text
+    manifest = json.loads((qf.home / "registry" / row["path"] / MANIFEST).read_text())
+    assert "README.md" in manifest["files"]
+
+
+def test_calib_ls(qf):
+    texts = qf.home / "texts"
+    texts.mkdir(parents=True)
+    (texts / "support.jsonl").write_text('{"text": "How do I reset my password?"}\n')
+    rows = qf.json("calib", "ls")
+    assert [r["name"] for r in rows][-2:] == ["builtin:mix", f"file:{texts / 'support.jsonl'}"]
+    assert all(len(r["sha256"]) == 64 and r["chars"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("command", [["ls"], ["jobs"], ["run", "{tiny}", "--awq"]])
+def test_catalog_unreachable(tmp_path, tiny, command):
+    qf = Qf(home=tmp_path / "home", db_url="postgresql://qf:s3cret@127.0.0.1:1/catalog")
+    result = qf(*[c.format(tiny=tiny) for c in command])
+    assert result.exit_code == 5
+    assert (
+        last_line(result) == "error: the catalog database at postgresql://qf:***@127.0.0.1:1/catalog cannot be reached"
+    )
+    assert "s3cret" not in result.output and "Traceback" not in result.output

@@ -11,8 +11,12 @@ def test_bpw_in_range(bpw):
 
 @pytest.mark.parametrize(
     "bpw, message",
-    [(1.99, "bpw 1.99 is outside [2.0, 8.0]"), (8.5, "bpw 8.5 is outside [2.0, 8.0]"),
-     ("abc", "bpw 'abc' is not a number; use a number in [2.0, 8.0]"), ("nan", "bpw nan is outside [2.0, 8.0]")],
+    [
+        (1.99, "bpw 1.99 is outside [2.0, 8.0]"),
+        (8.5, "bpw 8.5 is outside [2.0, 8.0]"),
+        ("abc", "bpw 'abc' is not a number; use a number in [2.0, 8.0]"),
+        ("nan", "bpw nan is outside [2.0, 8.0]"),
+    ],
 )
 def test_bpw_refused(bpw, message):
     with pytest.raises(SpecError) as e:
@@ -67,7 +71,7 @@ def test_standard_recipe_matches_design():
     recipe = specs.standard_recipe()
     assert [s.bpw for s in recipe.exl2.specs()] == [2.5, 3.0, 3.5, 4.0, 4.5, 5.0, 6.0, 8.0]
     assert recipe.awq == specs.AwqSpec()
-    assert (recipe.calibration, recipe.eval, recipe.max_ppl_ratio) == ("builtin:c4", "builtin:wiki", 1.5)
+    assert (recipe.calibration, recipe.eval, recipe.max_ppl_ratio) == (None, "builtin:wiki", 1.5)
 
 
 def test_build_recipe_flags_replace_targets(tmp_path):

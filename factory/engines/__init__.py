@@ -22,12 +22,16 @@ class QuantizeRequest:
     out_dir: Path  # empty; the engine fills it with the quant's files
     work_dir: Path  # the engine's scratch space, kept between attempts
     spec: dict
-    calibration: list[list[int]] = field(default_factory=list)  # token windows, already selected
+    calibration: list[list[int]] = field(default_factory=list)  # token windows, for engines that take tokens
+    calibration_file: Path | None = None  # the calibration text as parquet ("text"), for engines that tokenize
+    measurement: Path | None = None  # for engines with needs_measurement
 
 
 class Engine(Protocol):
     name: str
     requires_cuda: bool
+    needs_measurement: bool  # if so, it has measure(...) and the pipeline keeps and reuses measurements
+    default_calibration: str  # the text set used when the recipe names none
 
     def version(self) -> str: ...
 
@@ -52,4 +56,4 @@ def available() -> list[str]:
     return sorted(_REGISTRY)
 
 
-from factory.engines import awq  # noqa: E402,F401  (registers itself)
+from factory.engines import awq, exl2  # noqa: E402,F401  (each registers itself)

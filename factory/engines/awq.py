@@ -32,6 +32,8 @@ TOKENIZER_FILES = (
 class AwqEngine:
     name = "awq"
     requires_cuda = False
+    needs_measurement = False
+    default_calibration = "builtin:c4"
 
     def version(self) -> str:
         return importlib.metadata.version("autoawq")

@@ -1,52 +1,90 @@
-"""Run an engine's tool in a child process and turn its event lines into progress events.
+"""Run an engine's tool in a child process and turn its output lines into progress events.
 
-Parent: `run(module, request, work_dir, emit)` starts `python -m module request.json`, reads JSON event
-lines from the child's stdout, keeps everything else the child prints in work_dir/engine.log, and raises
-JobFailed with the log's last line when the child fails (or says which signal killed it).
+Parent: `run_command(cmd, work_dir, emit, what, parse)` starts the tool, turns each stdout line that `parse`
+recognizes into an event, keeps every other line (and stderr) in work_dir/engine.log, and raises JobFailed
+with the log's last line when the tool fails, or names the signal that killed it. The child gets SIGTERM when
+its parent dies, so a killed `qf` leaves no conversion running on behind it. `run(module, request, ...)` is
+the same for our own child modules (`python -m module request.json`), which speak JSON event lines.
 Child: `events()` claims the real stdout for events and points fd 1 at stderr, so libraries that print
 cannot corrupt the event stream.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from factory.errors import JobFailed
 
 LOG_NAME = "engine.log"
+_PR_SET_PDEATHSIG = 1
+
+
+def json_event(line: str) -> dict | None:
+    try:
+        event = json.loads(line)
+    except ValueError:
+        return None
+    return event if isinstance(event, dict) else None
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):  # not Linux: the child may outlive a killed parent
+        pass
+
+
+def run_command(
+    cmd: list[str],
+    work_dir: Path,
+    emit,
+    what: str,
+    parse: Callable[[str], dict | None] = json_event,
+    env: dict[str, str] | None = None,
+) -> None:
+    work_dir.mkdir(parents=True, exist_ok=True)
+    log_path = work_dir / LOG_NAME
+    with open(log_path, "a", encoding="utf-8", errors="replace") as log:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            errors="replace",
+            env={**os.environ, **(env or {})},
+            preexec_fn=_die_with_parent,
+        )
+        try:
+            for line in proc.stdout:
+                event = parse(line)
+                if event is None:
+                    log.write(line)
+                    log.flush()
+                else:
+                    emit(event)
+        except BaseException:
+            proc.terminate()
+            raise
+        finally:
+            proc.stdout.close()
+            rc = proc.wait()
+    if rc != 0:
+        raise JobFailed(f"{what} failed: {_reason(rc, log_path)}")
 
 
 def run(module: str, request: dict, work_dir: Path, emit, what: str) -> None:
     work_dir.mkdir(parents=True, exist_ok=True)
     request_path = work_dir / "request.json"
     request_path.write_text(json.dumps(request))
-    log_path = work_dir / LOG_NAME
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", module, str(request_path)],
-            stdout=subprocess.PIPE,
-            stderr=log,
-            stdin=subprocess.DEVNULL,
-            env=os.environ.copy(),
-        )
-        try:
-            for line in proc.stdout:
-                try:
-                    event = json.loads(line)
-                except ValueError:
-                    log.write(line)
-                    continue
-                emit(event)
-        finally:
-            proc.stdout.close()
-            rc = proc.wait()
-    if rc != 0:
-        raise JobFailed(f"{what} failed: {_reason(rc, log_path)}")
+    run_command([sys.executable, "-m", module, str(request_path)], work_dir, emit, what)
 
 
 def _reason(rc: int, log_path: Path) -> str:

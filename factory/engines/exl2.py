@@ -1,0 +1,156 @@
+"""EXL2 through exllamav2's own conversion script, in a child process.
+
+    measure:  python -m exllamav2.conversion.convert_exl2 -i SRC -o WORK -c CAL.parquet -om MEASUREMENT.json ...
+    quantize: python -m exllamav2.conversion.convert_exl2 -i SRC -o WORK -c CAL.parquet -m MEASUREMENT.json
+              -b BPW -hb HEAD -cf OUT ...
+
+What we add, and why:
+- `-so` status lines (`[STATUS]{"stage": ..., "completion": ...}[/STATUS]`) become progress events;
+- EXLLAMA_NO_SDPA=1 for every exllamav2 process: its SDPA path is wrong on torch 2.11 (FP16 ppl 351, not 12.38);
+- the script exits 0 on bad arguments (it prints "## Error" and calls sys.exit()), so outputs are checked, not
+  the exit code: `output*.safetensors` and a quantization_config with the requested bits;
+- resume: the script continues from `job_new.json` in its work folder by itself; a work folder whose job file
+  is unreadable or marked invalid is wiped (`-nr`) instead of crashing the step again;
+- `-cf` copies the source's `model.safetensors.index.json`, which describes the FP16 shards: it is removed;
+- the measurement used is kept beside the quant (`measurement.json`), for whoever converts more sizes.
+exllamav2 is never imported here: importing it builds its CUDA extension.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+
+from factory.engines import QuantizeRequest, child, register
+from factory.errors import JobFailed
+
+SCRIPT = "exllamav2.conversion.convert_exl2"
+STATUS = re.compile(r"\[STATUS\](.*)\[/STATUS\]")
+ENV = {"EXLLAMA_NO_SDPA": "1"}
+
+
+def parse_status(line: str) -> dict | None:
+    """A `-so` status line -> a progress event; anything else -> None (it goes to the log)."""
+    match = STATUS.search(line)
+    if not match:
+        return None
+    status = json.loads(match.group(1))
+    return {
+        "event": "progress",
+        "stage": status["stage"],
+        "done": round(status["completion"] * 100, 2),
+        "total": 100,
+        "unit": "%",
+    }
+
+
+def _resume_or_wipe(work_dir: Path) -> list[str]:
+    job_file = work_dir / "job_new.json"
+    if not job_file.exists():
+        return []
+    try:
+        job = json.loads(job_file.read_text())
+        if "invalid" not in job and job.get("progress") != "finished":
+            return []
+    except (OSError, ValueError):
+        pass
+    return ["-nr"]  # corrupt, invalid or finished-but-unchecked: start clean
+
+
+class Exl2Engine:
+    name = "exl2"
+    requires_cuda = True
+    needs_measurement = True
+    default_calibration = "builtin:mix"  # 100 x 2048 rows need ~205k tokens; c4 alone has ~80k
+
+    def version(self) -> str:
+        return importlib.metadata.version("exllamav2")
+
+    def _run(self, args: list[str], work_dir: Path, emit, what: str) -> None:
+        work_dir.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", SCRIPT, *args, *_resume_or_wipe(work_dir), "-so"]
+        child.run_command(cmd, work_dir, emit, what, parse=parse_status, env=ENV)
+
+    def measure(
+        self, source_dir: Path, calibration_file: Path, rows: int, length: int, work_dir: Path, measurement: Path, emit
+    ) -> None:
+        self._run(
+            [
+                "-i",
+                str(source_dir),
+                "-o",
+                str(work_dir),
+                "-c",
+                str(calibration_file),
+                "-om",
+                str(measurement),
+                "-mr",
+                str(rows),
+                "-ml",
+                str(length),
+            ],
+            work_dir,
+            emit,
+            what=f"EXL2 measurement ({rows} x {length} tokens)",
+        )
+        try:
+            json.loads(measurement.read_text())["measurement"]
+        except (OSError, ValueError, KeyError):
+            log = work_dir / child.LOG_NAME
+            raise JobFailed(f"EXL2 measurement wrote no usable {measurement.name}; see {log}") from None
+        shutil.rmtree(work_dir, ignore_errors=True)
+
+    def quantize(self, request: QuantizeRequest, emit) -> None:
+        spec = request.spec
+        shutil.rmtree(request.out_dir, ignore_errors=True)
+        work = request.work_dir / "convert"
+        self._run(
+            [
+                "-i",
+                str(request.source_dir),
+                "-o",
+                str(work),
+                "-c",
+                str(request.calibration_file),
+                "-m",
+                str(request.measurement),
+                "-b",
+                str(spec["bpw"]),
+                "-hb",
+                str(spec["head_bits"]),
+                "-r",
+                str(spec["rows"]),
+                "-l",
+                str(spec["length"]),
+                "-cf",
+                str(request.out_dir),
+            ],
+            work,
+            emit,
+            what=f"EXL2 conversion at {spec['bpw']} bpw",
+        )
+        check_output(request.out_dir, spec, work)
+        (request.out_dir / "model.safetensors.index.json").unlink(missing_ok=True)
+        shutil.copy2(request.measurement, request.out_dir / "measurement.json")
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def check_output(out_dir: Path, spec: dict, work: Path) -> None:
+    log = work / child.LOG_NAME
+    if not list(out_dir.glob("output*.safetensors")):
+        raise JobFailed(f"exllamav2 wrote no output*.safetensors into {out_dir}; see {log}")
+    try:
+        qc = json.loads((out_dir / "config.json").read_text())["quantization_config"]
+    except (OSError, ValueError, KeyError):
+        raise JobFailed(f"exllamav2 wrote no quantization_config into {out_dir / 'config.json'}; see {log}") from None
+    want = {"quant_method": "exl2", "bits": spec["bpw"], "head_bits": spec["head_bits"]}
+    got = {k: qc.get(k) for k in want}
+    if got != want:
+        raise JobFailed(f"exllamav2's quantization_config {got} does not match the spec {want}")
+
+
+register(Exl2Engine())

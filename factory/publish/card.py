@@ -1,0 +1,102 @@
+"""The model card: README.md in every published folder, in the form the Hub and its users know.
+
+YAML metadata (`base_model`, `base_model_relation: quantized`, `library_name`, `tags`, `quantized_by`), the table
+of this model's quants as known when this one was published (bits, size, perplexity, change vs FP16,
+calibration, eval protocol, tool versions, source identity), and how to load each one.
+"""
+
+from __future__ import annotations
+
+import yaml
+
+FILENAME = "README.md"
+LIBRARY = {"awq": "transformers", "exl2": "exllamav2"}
+QUANTIZED_BY = "quantfactory"
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _versions(versions: dict) -> str:
+    keep = ("awq", "exl2", "torch", "transformers")
+    return ", ".join(f"{k} {versions[k]}" for k in keep if k in versions)
+
+
+def _how_to_load(row: dict) -> str:
+    ref, folder = row["name"], row["name"].replace(":", "-")
+    if row["method"] == "awq":
+        return f"""### {ref}
+
+```bash
+qf pull {ref} -o {folder}
+vllm serve ./{folder} --quantization awq        # or any loader that reads AWQ GEMM checkpoints
+```
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer  # needs a CUDA GPU and the autoawq kernels
+model = AutoModelForCausalLM.from_pretrained("./{folder}", device_map="cuda")
+tokenizer = AutoTokenizer.from_pretrained("./{folder}")
+```
+"""
+    return f"""### {ref}
+
+```bash
+qf pull {ref} -o {folder}       # then point TabbyAPI's model_dir at ./{folder}
+```
+
+```python
+from exllamav2 import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config, ExLlamaV2Tokenizer
+config = ExLlamaV2Config("./{folder}")
+model = ExLlamaV2(config)
+cache = ExLlamaV2Cache(model, lazy=True)
+model.load_autosplit(cache)
+tokenizer = ExLlamaV2Tokenizer(config)
+```
+"""
+
+
+def render(name: str, base_model: str, this: dict, rows: list[dict]) -> str:
+    """`this` is the quant the folder holds; `rows` every quant of the model, `this` included."""
+    meta = {
+        "base_model": base_model,
+        "base_model_relation": "quantized",
+        "library_name": LIBRARY[this["method"]],
+        "tags": sorted({this["method"], "quantized", QUANTIZED_BY}),
+        "quantized_by": QUANTIZED_BY,
+    }
+    table = [
+        "| quant | method | bits | size | perplexity | vs FP16 | calibration | eval | tools | source |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in sorted(rows, key=lambda r: (r["method"], r["bits"])):
+        ev = r["eval"]
+        mark = " (this folder)" if r["name"] == this["name"] and r["rev"] == this["rev"] else ""
+        table.append(
+            f"| `{r['name']}`{mark} | {r['method']} | {r['bits']:g} | {_size(r['bytes'])} | {r['ppl']:.4f} "
+            f"| {r['change'] * 100:+.2f}% | {r['calibration']} | {ev['text']}, {ev['windows']} x "
+            f"{ev['window_length']} tokens, {ev['device']} (FP16 {r['fp16_ppl']:.4f}) | {_versions(r['versions'])} "
+            f"| `{r['source_identity']}` |"
+        )
+    loads = "\n".join(_how_to_load(r) for r in sorted(rows, key=lambda r: (r["method"], r["bits"])))
+    return f"""---
+{yaml.safe_dump(meta, sort_keys=False).strip()}
+---
+
+# {name}: quantized {base_model}
+
+Quants of `{base_model}` made by {QUANTIZED_BY}. Perplexity is measured on held-out text that calibration never
+saw, on the same token windows for the FP16 model and every quant (no BOS, non-overlapping windows from the start
+of the text); "vs FP16" is the change against the FP16 model on those windows.
+
+{chr(10).join(table)}
+
+## How to load
+
+{loads}"""
+
+
+def metadata(card: str) -> dict:
+    """The YAML metadata block of a card."""
+    _, block, _ = card.split("---\n", 2)
+    return yaml.safe_load(block)

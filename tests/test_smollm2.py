@@ -1,0 +1,60 @@
+"""The README's main job on a real model: SmolLM2-135M-Instruct, AWQ w4 g64 on this machine's device.
+
+Several minutes on 2 CPU cores (CPU settings: 16 x 128 calibration tokens without clipping, 8 eval windows).
+"""
+
+import json
+import math
+
+import pytest
+
+from factory import evaluate
+from factory.publish import card
+from tests.conftest import Qf, fresh_database
+from tests.smollm2 import PPL_WIKI, convert
+
+pytestmark = pytest.mark.smollm2
+BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory):
+    return convert(tmp_path_factory.mktemp("models") / "SmolLM2-135M-Instruct")
+
+
+@pytest.fixture(scope="session")
+def smollm2_run(smollm2, tmp_path_factory):
+    with fresh_database() as url:
+        qf = Qf(home=tmp_path_factory.mktemp("smollm2") / "home", db_url=url)
+        result = qf("run", smollm2, "--awq", "--eval-windows", 8, "--base-model", BASE, "--json")
+        assert result.exit_code == 0, result.output
+        events = [json.loads(line) for line in result.stdout.splitlines()]
+        yield qf, events[-1]["quants"][0]
+
+
+def test_fp16_matches_the_reference(smollm2_run):
+    _, row = smollm2_run
+    assert row["fp16_ppl"] == pytest.approx(PPL_WIKI[8], rel=0.005)
+
+
+def test_awq_lands_between_fp16_and_the_gate(smollm2_run):
+    _, row = smollm2_run
+    assert row["name"] == "smollm2-135m-instruct:awq-w4g64"
+    assert row["fp16_ppl"] < row["ppl"] < 1.5 * row["fp16_ppl"]
+
+
+def test_card_names_the_base_model(smollm2_run):
+    qf, row = smollm2_run
+    meta = card.metadata((qf.home / "registry" / row["path"] / "README.md").read_text())
+    assert meta["base_model"] == BASE and meta["base_model_relation"] == "quantized"
+    assert meta["library_name"] == "transformers" and "awq" in meta["tags"]
+
+
+def test_pulled_quant_loads_with_autoawq_dequantization(smollm2_run, tmp_path):
+    qf, row = smollm2_run
+    result = qf("pull", row["name"], "-o", tmp_path / "pulled")
+    assert result.exit_code == 0, result.output
+    logits_of = evaluate.load_awq(tmp_path / "pulled", "cpu")
+    ids = evaluate.tokenize(tmp_path / "pulled", "The capital of France is Paris. The capital of Germany is Berlin.")
+    ppl = evaluate.perplexity(logits_of, evaluate.Stream([ids]))
+    assert math.isfinite(ppl) and ppl < 100
