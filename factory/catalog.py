@@ -20,6 +20,7 @@ from pathlib import Path
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     Float,
     ForeignKey,
     Integer,
@@ -127,6 +128,7 @@ class Step(Base):
     started_at: Mapped[datetime] = mapped_column(default=now)
     ended_at: Mapped[datetime | None] = mapped_column()
     error: Mapped[str | None] = mapped_column(Text)
+    peak_gpu_bytes: Mapped[int | None] = mapped_column(BigInteger)  # what the step's tool allocated at most
     job: Mapped[Job] = relationship(back_populates="steps")
 
     @property
@@ -147,7 +149,7 @@ class Quant(Base):
     method: Mapped[str] = mapped_column(String(16))
     bits: Mapped[float] = mapped_column(Float)
     spec: Mapped[dict] = mapped_column()
-    bytes: Mapped[int] = mapped_column(Integer)
+    bytes: Mapped[int] = mapped_column(BigInteger)
     path: Mapped[str] = mapped_column(Text)  # relative to the registry folder
     source: Mapped[str] = mapped_column(Text)
     source_identity: Mapped[str] = mapped_column(Text)
@@ -307,10 +309,12 @@ class Catalog:
             s.flush()
             return step.id
 
-    def end_step(self, step_id: int, state: StepState, error: str | None = None) -> None:
+    def end_step(
+        self, step_id: int, state: StepState, error: str | None = None, peak_gpu_bytes: int | None = None
+    ) -> None:
         with self.session() as s:
             step = s.get(Step, step_id)
-            step.state, step.error, step.ended_at = state, error, now()
+            step.state, step.error, step.ended_at, step.peak_gpu_bytes = state, error, now(), peak_gpu_bytes
 
     def skip_step(self, job_id: str, name: str, reason: str) -> None:
         with self.session() as s:

@@ -97,7 +97,7 @@ class Renderer:
             self._step(event)
         elif kind == "progress":
             task = self.tasks.get(event["step"])
-            if task is not None:
+            if task is not None and "total" in event:
                 self.progress.update(task, total=event["total"], completed=event["done"], unit=event.get("unit", ""))
         elif kind == "evaluation":
             self._line(f"perplexity {event['subject']}: {event['ppl']:.4f}")
@@ -223,7 +223,8 @@ def _job_rows(jobs) -> list[dict]:
             "source_identity": j.source_identity,
             "specs": j.specs,
             "created_at": j.created_at.isoformat(timespec="seconds"),
-            "steps": [{"name": s.name, "state": s.state, "seconds": s.seconds, "error": s.error} for s in j.steps],
+            "steps": [{"name": s.name, "state": s.state, "seconds": s.seconds, "error": s.error,
+                   "peak_gpu_bytes": s.peak_gpu_bytes} for s in j.steps],
         }
         for j in jobs
     ]

@@ -162,13 +162,22 @@ class Result:
     seconds: float
     evaluator: str
     device: str
+    peak_gpu_bytes: int | None = None
 
 
 def evaluate(folder: Path, method: str, data: Stream, on_window=None) -> Result:
     """Perplexity of the model in `folder` through `method`'s loader (fp16: transformers; awq: AutoAWQ's
     dequantization into transformers; exl2: exllamav2)."""
+    import torch
+
     dev = device()
     start = time.monotonic()
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     logits_of = LOADERS[method](folder, dev)
     ppl = perplexity(logits_of, data, on_window)
-    return Result(ppl=ppl, seconds=time.monotonic() - start, evaluator=EVALUATORS[method], device=dev)
+    peak = torch.cuda.max_memory_allocated() if dev == "cuda" else None
+    del logits_of
+    return Result(ppl=ppl, seconds=time.monotonic() - start, evaluator=EVALUATORS[method], device=dev,
+                  peak_gpu_bytes=peak)

@@ -153,19 +153,29 @@ class Factory:
 
     @contextmanager
     def _step(self, job_id: str, name: str):
+        """Record one attempt at a step; yields `progress(**fields)`, which forwards progress events and keeps
+        the highest `peak_gpu_bytes` any of them reports."""
         self.emit({"event": "step", "step": name, "state": StepState.running})
         step_id = self.catalog.start_step(job_id, name)
         start = time.monotonic()
+        peak: list[int] = []
+
+        def progress(**event) -> None:
+            if event.get("peak_gpu_bytes") is not None:
+                peak.append(event["peak_gpu_bytes"])
+            self.emit({"event": "progress", "step": name, **event})
+
         try:
-            yield lambda **event: self.emit({"event": "progress", "step": name, **event})
+            yield progress
         except BaseException as e:
             error = e.message if isinstance(e, FactoryError) else f"{type(e).__name__}: {e}"
-            self.catalog.end_step(step_id, StepState.failed, error)
+            self.catalog.end_step(step_id, StepState.failed, error, max(peak, default=None))
             self.emit({"event": "step", "step": name, "state": StepState.failed, "error": error})
             raise
-        self.catalog.end_step(step_id, StepState.succeeded)
+        self.catalog.end_step(step_id, StepState.succeeded, None, max(peak, default=None))
         seconds = round(time.monotonic() - start, 3)
-        self.emit({"event": "step", "step": name, "state": StepState.succeeded, "seconds": seconds})
+        self.emit({"event": "step", "step": name, "state": StepState.succeeded, "seconds": seconds,
+                   "peak_gpu_bytes": max(peak, default=None)})
 
     def _inspect(self, job: Job) -> _Prepared:
         with self._step(job.id, "inspect"):
@@ -278,6 +288,7 @@ class Factory:
             result = evaluate.evaluate(
                 folder, method, prepared.stream, lambda done, total: progress(done=done, total=total, unit="window")
             )
+            progress(peak_gpu_bytes=result.peak_gpu_bytes)
             self.catalog.add_evaluation(
                 job_id=job.id,
                 subject=subject,

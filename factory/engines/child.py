@@ -1,7 +1,7 @@
 """Run an engine's tool in a child process and turn its output lines into progress events.
 
-Parent: `run_command(cmd, work_dir, emit, what, parse)` starts the tool, turns each stdout line that `parse`
-recognizes into an event, keeps every other line (and stderr) in work_dir/engine.log, and raises JobFailed
+Parent: `run_command(cmd, log_path, emit, what, parse)` starts the tool, turns each stdout line that `parse`
+recognizes into an event, keeps a transcript of everything it prints in `log_path`, and raises JobFailed
 with the log's last line when the tool fails, or names the signal that killed it. The child gets SIGTERM when
 its parent dies, so a killed `qf` leaves no conversion running on behind it. `run(module, request, ...)` is
 the same for our own child modules (`python -m module request.json`), which speak JSON event lines.
@@ -43,15 +43,15 @@ def _die_with_parent() -> None:
 
 def run_command(
     cmd: list[str],
-    work_dir: Path,
+    log_path: Path,
     emit,
     what: str,
     parse: Callable[[str], dict | None] = json_event,
     env: dict[str, str] | None = None,
 ) -> None:
-    work_dir.mkdir(parents=True, exist_ok=True)
-    log_path = work_dir / LOG_NAME
+    log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "a", encoding="utf-8", errors="replace") as log:
+        # PDEATHSIG fires when the thread that started the child ends: start engines from the main thread.
         proc = subprocess.Popen(
             cmd,
             stdout=subprocess.PIPE,
@@ -64,11 +64,10 @@ def run_command(
         )
         try:
             for line in proc.stdout:
+                log.write(line)
+                log.flush()
                 event = parse(line)
-                if event is None:
-                    log.write(line)
-                    log.flush()
-                else:
+                if event is not None:
                     emit(event)
         except BaseException:
             proc.terminate()
@@ -84,7 +83,7 @@ def run(module: str, request: dict, work_dir: Path, emit, what: str) -> None:
     work_dir.mkdir(parents=True, exist_ok=True)
     request_path = work_dir / "request.json"
     request_path.write_text(json.dumps(request))
-    run_command([sys.executable, "-m", module, str(request_path)], work_dir, emit, what)
+    run_command([sys.executable, "-m", module, str(request_path)], work_dir / LOG_NAME, emit, what)
 
 
 def _reason(rc: int, log_path: Path) -> str:

@@ -1,8 +1,10 @@
 """EXL2 through exllamav2's own conversion script, in a child process.
 
-    measure:  python -m exllamav2.conversion.convert_exl2 -i SRC -o WORK -c CAL.parquet -om MEASUREMENT.json ...
-    quantize: python -m exllamav2.conversion.convert_exl2 -i SRC -o WORK -c CAL.parquet -m MEASUREMENT.json
+    measure:  python -m factory.engines.exl2 -i SRC -o WORK -c CAL.parquet -om MEASUREMENT.json ...
+    quantize: python -m factory.engines.exl2 -i SRC -o WORK -c CAL.parquet -m MEASUREMENT.json
               -b BPW -hb HEAD -cf OUT ...
+The child runs `exllamav2.conversion.convert_exl2` as __main__ with exactly those arguments (runpy) and then
+reports the peak GPU memory the conversion allocated (for VRAM planning).
 
 What we add, and why:
 - `-so` status lines (`[STATUS]{"stage": ..., "completion": ...}[/STATUS]`) become progress events;
@@ -30,11 +32,14 @@ from factory.errors import JobFailed
 
 SCRIPT = "exllamav2.conversion.convert_exl2"
 STATUS = re.compile(r"\[STATUS\](.*)\[/STATUS\]")
+PEAK = "[PEAK_GPU_BYTES]"
 ENV = {"EXLLAMA_NO_SDPA": "1"}
 
 
 def parse_status(line: str) -> dict | None:
     """A `-so` status line -> a progress event; anything else -> None (it goes to the log)."""
+    if line.startswith(PEAK):
+        return {"event": "progress", "peak_gpu_bytes": int(line.removeprefix(PEAK))}
     match = STATUS.search(line)
     if not match:
         return None
@@ -70,77 +75,40 @@ class Exl2Engine:
     def version(self) -> str:
         return importlib.metadata.version("exllamav2")
 
-    def _run(self, args: list[str], work_dir: Path, emit, what: str) -> None:
+    def _run(self, args: list[str], work_dir: Path, log: Path, emit, what: str) -> None:
         work_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", SCRIPT, *args, *_resume_or_wipe(work_dir), "-so"]
-        child.run_command(cmd, work_dir, emit, what, parse=parse_status, env=ENV)
+        cmd = [sys.executable, "-m", __name__, *args, *_resume_or_wipe(work_dir), "-so"]
+        child.run_command(cmd, log, emit, what, parse=parse_status, env=ENV)
 
-    def measure(
-        self, source_dir: Path, calibration_file: Path, rows: int, length: int, work_dir: Path, measurement: Path, emit
-    ) -> None:
-        self._run(
-            [
-                "-i",
-                str(source_dir),
-                "-o",
-                str(work_dir),
-                "-c",
-                str(calibration_file),
-                "-om",
-                str(measurement),
-                "-mr",
-                str(rows),
-                "-ml",
-                str(length),
-            ],
-            work_dir,
-            emit,
-            what=f"EXL2 measurement ({rows} x {length} tokens)",
-        )
+    def measure(self, source_dir: Path, calibration_file: Path, rows: int, length: int, work_dir: Path,
+                measurement: Path, emit) -> None:
+        log = work_dir.parent / f"{work_dir.name}.log"
+        args = _flags(i=source_dir, o=work_dir, c=calibration_file, om=measurement, mr=rows, ml=length)
+        self._run(args, work_dir, log, emit, what=f"EXL2 measurement ({rows} x {length} tokens)")
         try:
             json.loads(measurement.read_text())["measurement"]
         except (OSError, ValueError, KeyError):
-            log = work_dir / child.LOG_NAME
             raise JobFailed(f"EXL2 measurement wrote no usable {measurement.name}; see {log}") from None
         shutil.rmtree(work_dir, ignore_errors=True)
 
     def quantize(self, request: QuantizeRequest, emit) -> None:
-        spec = request.spec
+        spec, work, log = request.spec, request.work_dir / "convert", request.work_dir / child.LOG_NAME
         shutil.rmtree(request.out_dir, ignore_errors=True)
-        work = request.work_dir / "convert"
-        self._run(
-            [
-                "-i",
-                str(request.source_dir),
-                "-o",
-                str(work),
-                "-c",
-                str(request.calibration_file),
-                "-m",
-                str(request.measurement),
-                "-b",
-                str(spec["bpw"]),
-                "-hb",
-                str(spec["head_bits"]),
-                "-r",
-                str(spec["rows"]),
-                "-l",
-                str(spec["length"]),
-                "-cf",
-                str(request.out_dir),
-            ],
-            work,
-            emit,
-            what=f"EXL2 conversion at {spec['bpw']} bpw",
-        )
-        check_output(request.out_dir, spec, work)
+        args = _flags(i=request.source_dir, o=work, c=request.calibration_file, m=request.measurement,
+                      b=spec["bpw"], hb=spec["head_bits"], r=spec["rows"], l=spec["length"], cf=request.out_dir)
+        self._run(args, work, log, emit, what=f"EXL2 conversion at {spec['bpw']} bpw")
+        check_output(request.out_dir, spec, log)
         (request.out_dir / "model.safetensors.index.json").unlink(missing_ok=True)
         shutil.copy2(request.measurement, request.out_dir / "measurement.json")
         shutil.rmtree(work, ignore_errors=True)
 
 
-def check_output(out_dir: Path, spec: dict, work: Path) -> None:
-    log = work / child.LOG_NAME
+def _flags(**flags: object) -> list[str]:
+    """_flags(i="a", mr=16) -> ["-i", "a", "-mr", "16"]: convert_exl2's short options."""
+    return [item for name, value in flags.items() for item in (f"-{name}", str(value))]
+
+
+def check_output(out_dir: Path, spec: dict, log: Path) -> None:
     if not list(out_dir.glob("output*.safetensors")):
         raise JobFailed(f"exllamav2 wrote no output*.safetensors into {out_dir}; see {log}")
     try:
@@ -154,3 +122,21 @@ def check_output(out_dir: Path, spec: dict, work: Path) -> None:
 
 
 register(Exl2Engine())
+
+
+def main() -> None:
+    """The child: convert_exl2 as __main__ with our arguments, then its peak GPU memory."""
+    import runpy
+
+    import torch
+
+    sys.argv = [SCRIPT, *sys.argv[1:]]
+    try:
+        runpy.run_module(SCRIPT, run_name="__main__", alter_sys=True)
+    finally:
+        if torch.cuda.is_available():
+            print(f"{PEAK}{torch.cuda.max_memory_allocated()}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,277 @@
+"""The GPU suite: `pytest -m gpu` on a CUDA machine with exllamav2 (scripts/gpu_suite runs it on the H200).
+
+EXL2 at 3.0/4.0/5.0/6.0 bpw and AWQ on the tiny model and SmolLM2-135M-Instruct (one measurement, four passes),
+measurement reuse (4.31 bpw with an 8-bit head, the size of AWQ w4g64), resume after a killed conversion child
+and a killed `qf`, a corrupt work folder, and the guard that exllamav2's FP16 perplexity matches transformers'.
+Results go to $QF_GPU_RESULTS (default benchmarks/results/gpu_suite.json) in the shape of ../shared/GPU.md; the
+raw status output of one conversion goes to $QF_GPU_TRANSCRIPTS (for the CPU parsing tests' fixture).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from factory import engines, evaluate, settings
+from factory.errors import JobFailed
+from factory.pipeline import Factory, Request
+from factory.specs import build_recipe
+from tests.conftest import Qf
+from tests.smollm2 import convert
+from tests.tiny_model import make_tiny_llama
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+ROOT = Path(__file__).resolve().parent.parent
+BPWS = "3.0,4.0,5.0,6.0"
+RESULTS: dict = {"rows": [], "checks": {}}
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def results_file():
+    yield
+    out = Path(os.environ.get("QF_GPU_RESULTS", ROOT / "benchmarks" / "results" / "gpu_suite.json"))
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "commit": commit or os.environ.get("QF_COMMIT", "unknown"),
+        "gpu": torch.cuda.get_device_name(0),
+        "versions": {"torch": torch.__version__, "transformers": _version("transformers"),
+                     "exllamav2": _version("exllamav2"), "autoawq": _version("autoawq")},
+        "command": "scripts/gpu_suite (pytest -m gpu)",
+        **RESULTS,
+    }, indent=2) + "\n")
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("models")
+    gguf = os.environ.get("QF_SMOLLM2_GGUF")
+    return {
+        "tiny-llama": make_tiny_llama(base / "tiny-llama", hidden=256, layers=4),
+        "smollm2-135m-instruct": convert(base / "SmolLM2-135M-Instruct", Path(gguf) if gguf else None),
+    }
+
+
+def _events(result) -> list[dict]:
+    assert result.exit_code == 0, result.output
+    return [json.loads(line) for line in result.stdout.splitlines()]
+
+
+def _rows(model: str, events: list[dict]) -> None:
+    steps = {e["step"]: e for e in events if e["event"] == "step" and e["state"] == "succeeded"}
+    measure = next((e for name, e in steps.items() if name.startswith("measure:")), None)
+    fp16 = next((e["ppl"] for e in events if e["event"] == "evaluation" and e["subject"] == "fp16"), None)
+    result = events[-1]
+    if fp16 is not None:
+        RESULTS["rows"].append({"model": model, "method": "fp16", "evaluator": "transformers", "bits": 16,
+                                "ppl": fp16, "eval_windows": result["quants"][0]["eval"]["windows"],
+                                "seconds": {"evaluate": steps["evaluate:fp16"]["seconds"]},
+                                "peak_gpu_bytes": steps["evaluate:fp16"]["peak_gpu_bytes"]})
+    for q in result["quants"]:
+        tag = q["name"].split(":", 1)[1]
+        quantize = steps[f"quantize:{tag}"]
+        seconds = {"quantize": quantize["seconds"], "evaluate": steps[f"evaluate:{tag}"]["seconds"]}
+        if q["method"] == "exl2" and measure is not None:
+            seconds["measure"] = measure["seconds"]
+        RESULTS["rows"].append({
+            "model": model, "method": q["method"], "tag": tag,
+            "evaluator": evaluate.EVALUATORS[q["method"]], "bits": q["bits"], "bytes": q["bytes"],
+            "ppl": q["ppl"], "fp16_ppl": q["fp16_ppl"], "change": q["change"],
+            "eval_windows": q["eval"]["windows"], "seconds": seconds,
+            "peak_gpu_bytes": {"quantize": quantize["peak_gpu_bytes"],
+                               "evaluate": steps[f"evaluate:{tag}"]["peak_gpu_bytes"],
+                               **({"measure": measure["peak_gpu_bytes"]} if q["method"] == "exl2" and measure else {})},
+        })
+
+
+@pytest.fixture(scope="session", params=["tiny-llama", "smollm2-135m-instruct"])
+def standard(request, models, tmp_path_factory):
+    """`qf run MODEL --exl2 3.0,4.0,5.0,6.0 --awq` (48 eval windows on CUDA)."""
+    name = request.param
+    qf = Qf(home=tmp_path_factory.mktemp(name) / "home")
+    events = _events(qf("run", models[name], "--exl2", BPWS, "--awq", "--json"))
+    _rows(name, events)
+    return name, qf, events
+
+
+def test_one_measurement_four_passes(standard):
+    name, _, events = standard
+    done = [e["step"] for e in events if e["event"] == "step" and e["state"] == "succeeded"]
+    assert len([s for s in done if s.startswith("measure:")]) == 1
+    assert [s for s in done if s.startswith("quantize:exl2")] == [f"quantize:exl2-{b}bpw" for b in BPWS.split(",")]
+    assert events[-1]["state"] == "succeeded" and len(events[-1]["quants"]) == 5
+
+
+def test_exl2_outputs_are_complete(standard):
+    _, qf, events = standard
+    for q in events[-1]["quants"]:
+        if q["method"] != "exl2":
+            continue
+        folder = qf.home / "registry" / q["path"]
+        assert list(folder.glob("output*.safetensors")) and (folder / "measurement.json").is_file()
+        assert not (folder / "model.safetensors.index.json").exists()
+        qc = json.loads((folder / "config.json").read_text())["quantization_config"]
+        assert (qc["quant_method"], qc["bits"], qc["head_bits"]) == ("exl2", q["bits"], 6)
+
+
+def test_quality_falls_with_fewer_bits(standard):
+    name, _, events = standard
+    if name != "smollm2-135m-instruct":
+        pytest.skip("a random model's perplexity does not order by bits")
+    exl2 = sorted((q for q in events[-1]["quants"] if q["method"] == "exl2"), key=lambda q: q["bits"])
+    ppls = [q["ppl"] for q in exl2]
+    RESULTS["checks"]["smollm2_exl2_ppl_by_bpw"] = dict(zip(BPWS.split(","), ppls, strict=True))
+    assert ppls == sorted(ppls, reverse=True)
+    RESULTS["checks"]["smollm2_exl2_6bpw_change"] = exl2[-1]["change"]
+    assert exl2[-1]["change"] < 0.03
+
+
+def test_measurement_is_reused_for_another_size(standard, tmp_path):
+    """4.31 bpw with an 8-bit head: the size of AWQ w4g64 (4 + 20/64 bits per weight, FP16 head)."""
+    name, qf, _ = standard
+    recipe = tmp_path / "equal-size.yaml"
+    recipe.write_text("exl2: {bpw: [4.31], head_bits: 8}\n")
+    events = _events(qf("run", _source_of(standard), "--recipe", recipe, "--json"))
+    notes = [e["message"] for e in events if e["event"] == "note"]
+    assert any(n.startswith("reusing EXL2 measurement") for n in notes)
+    assert not [e for e in events if e["event"] == "step" and e["step"].startswith("measure:")]
+    _rows(name, events)
+
+
+def _source_of(standard) -> str:
+    return standard[2][0]["source"]
+
+
+def test_exllamav2_fp16_matches_transformers(standard):
+    name, _, events = standard
+    source = Path(_source_of(standard))
+    fp16 = next(e["ppl"] for e in events if e["event"] == "evaluation" and e["subject"] == "fp16")
+    windows = events[-1]["quants"][0]["eval"]["windows"]
+    import calibration
+
+    ids = evaluate.tokenize(source, calibration.resolve("builtin:wiki").text)
+    result = evaluate.evaluate(source, "exl2", evaluate.stream(ids, windows, None, "builtin:wiki"))
+    RESULTS["rows"].append({"model": name, "method": "fp16", "evaluator": "exllamav2", "bits": 16, "ppl": result.ppl,
+                            "eval_windows": windows, "seconds": {"evaluate": result.seconds},
+                            "peak_gpu_bytes": result.peak_gpu_bytes})
+    assert result.ppl == pytest.approx(fp16, rel=0.001)
+
+
+# -- resume ------------------------------------------------------------------------------------------------------
+
+
+def _stages(events: list[dict]) -> list[str]:
+    return [e["stage"] for e in events if e.get("stage")]
+
+
+def _quantizing(event: dict) -> bool:
+    return event.get("stage") == "Quantizing" and event.get("done", 0) >= 30
+
+
+def test_resume_after_kills(models, tmp_path, monkeypatch):
+    """Kill the conversion child, then the whole `qf` process: the third run continues from job_new.json."""
+    monkeypatch.setenv("FACTORY_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("FACTORY_DB_URL", raising=False)
+    source = str(models["tiny-llama"])
+    recipe = build_recipe(exl2="3.5", eval_windows=4)
+
+    killed: list[int] = []
+
+    def kill_child(event):
+        if event["event"] == "progress" and _quantizing(event) and not killed:
+            for proc in psutil.Process().children(recursive=True):
+                proc.send_signal(signal.SIGKILL)
+                killed.append(proc.pid)
+
+    factory = Factory(settings.load(), kill_child)
+    job, _ = factory.submit(Request(source=source, recipe=recipe, exl2_from_flag=True))
+    with pytest.raises(JobFailed, match="killed by SIGKILL"):
+        factory.execute(job.id)
+    job_file = tmp_path / "home" / "work" / job.id / "exl2-3.5bpw" / "convert" / "job_new.json"
+    assert json.loads(job_file.read_text())["progress"] == "quant"
+
+    # now the whole qf process, while its conversion runs
+    proc = subprocess.Popen([sys.executable, "-m", "factory.cli", "run", source, "--exl2", "3.5", "--eval-windows",
+                             "4", "--json"], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    for line in proc.stdout:
+        if _quantizing(json.loads(line)):
+            proc.send_signal(signal.SIGKILL)
+            break
+    proc.wait()
+    time.sleep(3)
+    leftovers = [p for p in psutil.process_iter(["cmdline"]) if "convert_exl2" in " ".join(p.info["cmdline"] or [])
+                 or "factory.engines.exl2" in " ".join(p.info["cmdline"] or [])]
+    assert leftovers == [], "a conversion outlived its killed qf"
+
+    seen: list[dict] = []
+    done = Factory(settings.load(), seen.append).execute(job.id)
+    assert done.state == "succeeded"
+    stages = _stages(seen)
+    assert stages[0] == "Quantizing" and "Tokenizing (2)" not in stages, stages
+    RESULTS["checks"]["resume_first_stage_after_kill"] = stages[0]
+
+
+def test_corrupt_work_folder_restarts_clean(models, tmp_path, monkeypatch):
+    monkeypatch.setenv("FACTORY_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("FACTORY_DB_URL", raising=False)
+    killed: list[int] = []
+
+    def kill_child(event):
+        if event["event"] == "progress" and _quantizing(event) and not killed:
+            for proc in psutil.Process().children(recursive=True):
+                proc.send_signal(signal.SIGKILL)
+                killed.append(proc.pid)
+
+    factory = Factory(settings.load(), kill_child)
+    job, _ = factory.submit(Request(source=str(models["tiny-llama"]), recipe=build_recipe(exl2="2.5", eval_windows=4),
+                                    exl2_from_flag=True))
+    with pytest.raises(JobFailed):
+        factory.execute(job.id)
+    job_file = tmp_path / "home" / "work" / job.id / "exl2-2.5bpw" / "convert" / "job_new.json"
+    job_file.write_text('{"progress": "quant", "trunc')
+    seen: list[dict] = []
+    assert Factory(settings.load(), seen.append).execute(job.id).state == "succeeded"
+    assert "Tokenizing (2)" in _stages(seen)
+
+
+# -- the engine alone: a real transcript for the CPU parsing tests -------------------------------------------------
+
+
+def test_engine_transcripts(models, tmp_path):
+    import calibration
+
+    source = models["tiny-llama"]
+    engine = engines.get("exl2")
+    cal = calibration.write_parquet(calibration.resolve("builtin:mix"), tmp_path / "cal.parquet")
+    events: list[dict] = []
+    measurement = tmp_path / "measurement.json"
+    engine.measure(source, cal, 16, 2048, tmp_path / "measure", measurement, events.append)
+    spec = {"method": "exl2", "bpw": 4.0, "head_bits": 6, "rows": 100, "length": 2048}
+    request = engines.QuantizeRequest(source, tmp_path / "out", tmp_path / "quant", spec, calibration_file=cal,
+                                      measurement=measurement)
+    engine.quantize(request, events.append)
+    assert {e["stage"] for e in events if "stage" in e} >= {"Quantizing", "Compiling"}
+    assert all(0 <= e["done"] <= 100 for e in events if "stage" in e)
+    assert any(e.get("peak_gpu_bytes") for e in events)
+    out = Path(os.environ.get("QF_GPU_TRANSCRIPTS", tmp_path / "transcripts"))
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copy(tmp_path / "measure.log", out / "convert_exl2_measure.log")
+    shutil.copy(tmp_path / "quant" / "engine.log", out / "convert_exl2_quantize.log")
