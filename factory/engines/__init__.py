@@ -1,11 +1,12 @@
 """Engines: an FP16 folder + a spec + calibration tokens -> quant files in an output folder.
 
 Each engine runs its tool in a child process (a crash or OOM fails the step, not `qf`), reports progress
-events, and keeps no books: no catalog, no publishing. They register by name; see README.md to add one.
+events, and keeps no books: no catalog, no publishing. They are found by name in REGISTRY; see README.md to add one.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,22 +39,16 @@ class Engine(Protocol):
     def quantize(self, request: QuantizeRequest, emit: Emit) -> None: ...
 
 
-_REGISTRY: dict[str, Engine] = {}
-
-
-def register(engine: Engine) -> Engine:
-    _REGISTRY[engine.name] = engine
-    return engine
+# name -> the module that defines ENGINE; imported on first use, so `python -m factory.engines.<name>` (the
+# engines' child processes) and `qf ls` import no engine they do not need.
+REGISTRY = {"awq": "factory.engines.awq", "exl2": "factory.engines.exl2"}
 
 
 def get(name: str) -> Engine:
-    if name not in _REGISTRY:
-        raise SpecError(f"no engine named {name!r}; available: {', '.join(sorted(_REGISTRY))}")
-    return _REGISTRY[name]
+    if name not in REGISTRY:
+        raise SpecError(f"no engine named {name!r}; available: {', '.join(sorted(REGISTRY))}")
+    return importlib.import_module(REGISTRY[name]).ENGINE
 
 
 def available() -> list[str]:
-    return sorted(_REGISTRY)
-
-
-from factory.engines import awq, exl2  # noqa: E402,F401  (each registers itself)
+    return sorted(REGISTRY)

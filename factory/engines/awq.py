@@ -17,7 +17,7 @@ import json
 import shutil
 from pathlib import Path
 
-from factory.engines import QuantizeRequest, child, register
+from factory.engines import QuantizeRequest, child
 from factory.errors import JobFailed
 
 TOKENIZER_FILES = (
@@ -71,7 +71,7 @@ def check_output(out_dir: Path, spec: dict) -> None:
         raise JobFailed(f"AutoAWQ's quantization_config {got} does not match the spec {want}")
 
 
-register(AwqEngine())
+ENGINE = AwqEngine()
 
 
 def _quantizer_cls(emit):

@@ -27,8 +27,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from factory.engines import QuantizeRequest, child, register
-from factory.errors import JobFailed
+from factory.engines import QuantizeRequest, child
+from factory.errors import JobFailed, SpecError
 
 SCRIPT = "exllamav2.conversion.convert_exl2"
 STATUS = re.compile(r"\[STATUS\](.*)\[/STATUS\]")
@@ -73,7 +73,10 @@ class Exl2Engine:
     default_calibration = "builtin:mix"  # 100 x 2048 rows need ~205k tokens; c4 alone has ~80k
 
     def version(self) -> str:
-        return importlib.metadata.version("exllamav2")
+        try:
+            return importlib.metadata.version("exllamav2")
+        except importlib.metadata.PackageNotFoundError:
+            raise SpecError("EXL2 needs the exllamav2 package: pip install exllamav2==0.3.2") from None
 
     def _run(self, args: list[str], work_dir: Path, log: Path, emit, what: str) -> None:
         work_dir.mkdir(parents=True, exist_ok=True)
@@ -121,7 +124,7 @@ def check_output(out_dir: Path, spec: dict, log: Path) -> None:
         raise JobFailed(f"exllamav2's quantization_config {got} does not match the spec {want}")
 
 
-register(Exl2Engine())
+ENGINE = Exl2Engine()
 
 
 def main() -> None:
