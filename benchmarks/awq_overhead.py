@@ -1,6 +1,6 @@
 """What the factory costs over calling AutoAWQ by hand: the quantize step only, same model, same settings.
 
-    .venv/bin/python benchmarks/awq_overhead.py [--model DIR] [--repeats 3]
+    .venv/bin/python benchmarks/awq_overhead.py [--model DIR] [--repeats 7]
 
 qf side: `qf run MODEL --awq` in a fresh process (fresh FACTORY_HOME each time); its quantize step's seconds
 (child process start, imports, load, AutoAWQ, save, output checks). Direct side: a fresh Python process that
@@ -68,7 +68,7 @@ def direct_side(model: Path, tokens: Path, spec: dict, work: Path) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, help="an FP16 folder (default: a 4-layer 256-wide tiny Llama)")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "awq_overhead.json")
     args = parser.parse_args()
 

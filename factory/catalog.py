@@ -247,16 +247,19 @@ class Catalog:
             raise ServiceUnavailable(f"the catalog database at {mask_url(self.url)} cannot be reached") from None
 
     # models
-    def name_for(self, source: str, wanted: str, fallback: str) -> str:
-        """The name `source` is known by: its own if it has one, else `wanted`, else `fallback` if taken."""
+    def name_for(self, source: str, wanted: str, fallback: str | None) -> str:
+        """The name `source` is known by: its own if it has one, else `wanted`, else `fallback` if `wanted` is
+        taken by another source. `fallback` None: `wanted` was asked for explicitly (--name)."""
         with self.session() as s:
             if known := s.scalar(select(Model.name).where(Model.source == source)):
                 return known
             for name in (wanted, fallback):
-                if s.get(Model, name) is None:
+                if name is not None and s.get(Model, name) is None:
                     s.add(Model(name=name, source=source))
                     return name
-        raise SpecError(f"the names {wanted!r} and {fallback!r} belong to other sources; pass --name")
+            owner = s.get(Model, wanted).source
+        also = f" and {fallback!r}" if fallback else ""
+        raise SpecError(f"the name {wanted!r}{also} already belong(s) to {owner!r}; pass another --name")
 
     # jobs
     def create_job(self, **fields: object) -> tuple[Job, bool]:

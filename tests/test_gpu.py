@@ -192,6 +192,19 @@ def _quantizing(event: dict) -> bool:
     return event.get("stage") == "Quantizing" and event.get("done", 0) >= 30
 
 
+def _kill_conversion_once():
+    """An emit callback that SIGKILLs this process's children once the conversion is 30% into quantizing."""
+    killed: list[int] = []
+
+    def kill(event: dict) -> None:
+        if event["event"] == "progress" and _quantizing(event) and not killed:
+            for proc in psutil.Process().children(recursive=True):
+                proc.send_signal(signal.SIGKILL)
+                killed.append(proc.pid)
+
+    return kill
+
+
 def test_resume_after_kills(models, tmp_path, monkeypatch):
     """Kill the conversion child, then the whole `qf` process: the third run continues from job_new.json."""
     monkeypatch.setenv("FACTORY_HOME", str(tmp_path / "home"))
@@ -199,15 +212,7 @@ def test_resume_after_kills(models, tmp_path, monkeypatch):
     source = str(models["tiny-llama"])
     recipe = build_recipe(exl2="3.5", eval_windows=4)
 
-    killed: list[int] = []
-
-    def kill_child(event):
-        if event["event"] == "progress" and _quantizing(event) and not killed:
-            for proc in psutil.Process().children(recursive=True):
-                proc.send_signal(signal.SIGKILL)
-                killed.append(proc.pid)
-
-    factory = Factory(settings.load(), kill_child)
+    factory = Factory(settings.load(), _kill_conversion_once())
     job, _ = factory.submit(Request(source=source, recipe=recipe, exl2_from_flag=True))
     with pytest.raises(JobFailed, match="killed by SIGKILL"):
         factory.execute(job.id)
@@ -239,15 +244,7 @@ def test_resume_after_kills(models, tmp_path, monkeypatch):
 def test_corrupt_work_folder_restarts_clean(models, tmp_path, monkeypatch):
     monkeypatch.setenv("FACTORY_HOME", str(tmp_path / "home"))
     monkeypatch.delenv("FACTORY_DB_URL", raising=False)
-    killed: list[int] = []
-
-    def kill_child(event):
-        if event["event"] == "progress" and _quantizing(event) and not killed:
-            for proc in psutil.Process().children(recursive=True):
-                proc.send_signal(signal.SIGKILL)
-                killed.append(proc.pid)
-
-    factory = Factory(settings.load(), kill_child)
+    factory = Factory(settings.load(), _kill_conversion_once())
     job, _ = factory.submit(Request(source=str(models["tiny-llama"]), recipe=build_recipe(exl2="2.5", eval_windows=4),
                                     exl2_from_flag=True))
     with pytest.raises(JobFailed):

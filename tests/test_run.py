@@ -6,9 +6,12 @@ import shutil
 import pytest
 import torch
 
+from factory.pipeline import Factory, Request
 from factory.publish import card
 from factory.publish.folder import MANIFEST
+from factory.settings import Settings
 from factory.sources import file_sha256
+from factory.specs import build_recipe
 from tests.conftest import Qf
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
@@ -319,3 +322,22 @@ def test_catalog_unreachable(tmp_path, tiny, command):
         last_line(result) == "error: the catalog database at postgresql://qf:***@127.0.0.1:1/catalog cannot be reached"
     )
     assert "s3cret" not in result.output and "Traceback" not in result.output
+
+
+def test_names_of_different_sources(qf, tiny, tmp_path):
+    """Two folders with the same name: the second is called owner-name; --name picks one; a taken one is refused."""
+    twin = tmp_path / "elsewhere" / "tiny"
+    shutil.copytree(tiny, twin)
+    (twin / "generation_config.json").write_text('{"do_sample": false}')  # another model, another identity
+    home = Settings(home=qf.home, db_url=qf.db_url or f"sqlite:///{qf.home / 'catalog.db'}")
+    factory = Factory(home)
+    first, _ = factory.submit(Request(source=str(tiny), recipe=build_recipe(awq=True)))
+    second, _ = factory.submit(Request(source=str(twin), recipe=build_recipe(awq=True)))
+    assert (first.name, second.name) == ("tiny", "elsewhere-tiny")
+    again, _ = factory.submit(Request(source=str(twin), recipe=build_recipe(awq=True, eval_windows=3)))
+    assert again.name == "elsewhere-tiny"
+    third = tmp_path / "third" / "tiny"
+    shutil.copytree(twin, third)
+    result = qf("run", third, "--awq", "--name", "tiny")
+    assert result.exit_code == 2
+    assert last_line(result) == f"error: the name 'tiny' already belong(s) to '{tiny}'; pass another --name"

@@ -7,12 +7,13 @@ events, and keeps no books: no catalog, no publishing. They are found by name in
 from __future__ import annotations
 
 import importlib
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from factory.errors import SpecError
+from factory.errors import JobFailed, SpecError
 
 Emit = Callable[[dict], None]
 
@@ -37,6 +38,21 @@ class Engine(Protocol):
     def version(self) -> str: ...
 
     def quantize(self, request: QuantizeRequest, emit: Emit) -> None: ...
+
+
+def check_quant_folder(out_dir: Path, weights: str, want: dict, tool: str, log: Path | None = None) -> None:
+    """Outputs are checked, not trusted: weight files matching `weights`, and a config.json whose
+    quantization_config says what the spec asked for (`want`)."""
+    see = f"; see {log}" if log else ""
+    if not list(out_dir.glob(weights)):
+        raise JobFailed(f"{tool} wrote no {weights} into {out_dir}{see}")
+    try:
+        qc = json.loads((out_dir / "config.json").read_text())["quantization_config"]
+    except (OSError, ValueError, KeyError):
+        raise JobFailed(f"{tool} wrote no quantization_config into {out_dir / 'config.json'}{see}") from None
+    got = {k: qc.get(k) for k in want}
+    if got != want:
+        raise JobFailed(f"{tool}'s quantization_config {got} does not match the spec {want}")
 
 
 # name -> the module that defines ENGINE; imported on first use, so `python -m factory.engines.<name>` (the

@@ -13,12 +13,10 @@ The parent checks the outputs instead of trusting the exit code.
 from __future__ import annotations
 
 import importlib.metadata
-import json
 import shutil
 from pathlib import Path
 
-from factory.engines import QuantizeRequest, child
-from factory.errors import JobFailed
+from factory.engines import QuantizeRequest, check_quant_folder, child
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -59,16 +57,8 @@ class AwqEngine:
 
 
 def check_output(out_dir: Path, spec: dict) -> None:
-    if not list(out_dir.glob("*.safetensors")):
-        raise JobFailed(f"AutoAWQ wrote no safetensors files into {out_dir}")
-    try:
-        qc = json.loads((out_dir / "config.json").read_text())["quantization_config"]
-    except (OSError, ValueError, KeyError):
-        raise JobFailed(f"AutoAWQ wrote no quantization_config into {out_dir / 'config.json'}") from None
     want = {"quant_method": "awq", "bits": spec["w_bit"], "group_size": spec["group_size"]}
-    got = {k: qc.get(k) for k in want}
-    if got != want:
-        raise JobFailed(f"AutoAWQ's quantization_config {got} does not match the spec {want}")
+    check_quant_folder(out_dir, "*.safetensors", want, "AutoAWQ")
 
 
 ENGINE = AwqEngine()

@@ -27,7 +27,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from factory.engines import QuantizeRequest, child
+from factory.engines import QuantizeRequest, check_quant_folder, child
 from factory.errors import JobFailed, SpecError
 
 SCRIPT = "exllamav2.conversion.convert_exl2"
@@ -112,16 +112,8 @@ def _flags(**flags: object) -> list[str]:
 
 
 def check_output(out_dir: Path, spec: dict, log: Path) -> None:
-    if not list(out_dir.glob("output*.safetensors")):
-        raise JobFailed(f"exllamav2 wrote no output*.safetensors into {out_dir}; see {log}")
-    try:
-        qc = json.loads((out_dir / "config.json").read_text())["quantization_config"]
-    except (OSError, ValueError, KeyError):
-        raise JobFailed(f"exllamav2 wrote no quantization_config into {out_dir / 'config.json'}; see {log}") from None
     want = {"quant_method": "exl2", "bits": spec["bpw"], "head_bits": spec["head_bits"]}
-    got = {k: qc.get(k) for k in want}
-    if got != want:
-        raise JobFailed(f"exllamav2's quantization_config {got} does not match the spec {want}")
+    check_quant_folder(out_dir, "output*.safetensors", want, "exllamav2", log)
 
 
 ENGINE = Exl2Engine()
