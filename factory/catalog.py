@@ -217,7 +217,7 @@ class Evaluation(Base):
 
 
 def mask_url(url: str) -> str:
-    return re.sub(r"(://[^:/@]+:)[^@]*@", r"\1***@", url)
+    return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
 
 
 def _normalize_url(url: str) -> str:

@@ -163,39 +163,59 @@ def _quant_table(rows: list[dict], title: str | None = None) -> Table:
     return table
 
 
-@app.command()
-@_handled
-def run(
-    source: Annotated[str, typer.Argument(help="A local checkpoint folder (config.json, tokenizer, safetensors).")],
-    exl2: Annotated[str | None, typer.Option("--exl2", help="EXL2 targets, e.g. 3.0,4.0,5.0 (needs CUDA).")] = None,
-    awq: Annotated[bool, typer.Option("--awq", help="AWQ w4, group 128 (64 where 128 does not divide).")] = False,
-    recipe: Annotated[Path | None, typer.Option("--recipe", help="A recipe YAML (see configs/standard.yaml).")] = None,
-    calibration: Annotated[str | None, typer.Option("--calibration", help="builtin:<name> or file:<path>.")] = None,
-    eval_set: Annotated[str | None, typer.Option("--eval", help="builtin:<name> or file:<path>.")] = None,
-    eval_windows: Annotated[
-        int | None, typer.Option("--eval-windows", min=1, help="2048-token windows to score.")
-    ] = None,
-    name: Annotated[str | None, typer.Option("--name", help="The quant name (default: the folder's name).")] = None,
-    base_model: Annotated[
-        str | None, typer.Option("--base-model", help="The Hub repo the card names as base_model.")
-    ] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per line instead of progress.")] = False,
-) -> None:
-    """Quantize, evaluate and publish SOURCE in this process: inspect, quantize, evaluate, gate, publish."""
+SourceArg = Annotated[str, typer.Argument(help="A local checkpoint folder (config.json, tokenizer, safetensors).")]
+Exl2Opt = Annotated[str | None, typer.Option("--exl2", help="EXL2 targets, e.g. 3.0,4.0,5.0 (needs CUDA).")]
+AwqOpt = Annotated[bool, typer.Option("--awq", help="AWQ w4, group 128 (64 where 128 does not divide).")]
+RecipeOpt = Annotated[Path | None, typer.Option("--recipe", help="A recipe YAML (see configs/standard.yaml).")]
+CalibrationOpt = Annotated[str | None, typer.Option("--calibration", help="builtin:<name> or file:<path>.")]
+EvalOpt = Annotated[str | None, typer.Option("--eval", help="builtin:<name> or file:<path>.")]
+WindowsOpt = Annotated[int | None, typer.Option("--eval-windows", min=1, help="2048-token windows to score.")]
+NameOpt = Annotated[str | None, typer.Option("--name", help="The quant name (default: the folder's name).")]
+BaseOpt = Annotated[str | None, typer.Option("--base-model", help="The Hub repo the card names as base_model.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="JSON instead of tables and progress bars.")]
+
+
+def _request(source, exl2, awq, recipe, calibration, eval_set, eval_windows, name, base_model, device=None):
     from factory.pipeline import Request
     from factory.specs import build_recipe
 
     chosen = build_recipe(recipe, exl2, awq, calibration=calibration, eval=eval_set, eval_windows=eval_windows)
+    return Request(source=source, recipe=chosen, exl2_from_flag=exl2 is not None, name=name, base_model=base_model,
+                   device=device)
+
+
+@app.command()
+@_handled
+def run(source: SourceArg, exl2: Exl2Opt = None, awq: AwqOpt = False, recipe: RecipeOpt = None,
+        calibration: CalibrationOpt = None, eval_set: EvalOpt = None, eval_windows: WindowsOpt = None,
+        name: NameOpt = None, base_model: BaseOpt = None, as_json: JsonOpt = False) -> None:
+    """Quantize, evaluate and publish SOURCE in this process: inspect, quantize, evaluate, gate, publish."""
+    request = _request(source, exl2, awq, recipe, calibration, eval_set, eval_windows, name, base_model)
     _quiet_libraries()
     with Renderer(as_json) as render:
         factory = _factory(render)
-        job, created = factory.submit(
-            Request(source=source, recipe=chosen, exl2_from_flag=exl2 is not None, name=name, base_model=base_model)
-        )
+        job, created = factory.submit(request)
         job = factory.execute(job.id)
     if not as_json:
         rows = [q.as_row() for q in factory.catalog.quants(job_id=job.id)]
         out.print(_quant_table(rows, title=f"job {job.id} {job.state}"))
+
+
+@app.command()
+@_handled
+def submit(source: SourceArg, exl2: Exl2Opt = None, awq: AwqOpt = False, recipe: RecipeOpt = None,
+           calibration: CalibrationOpt = None, eval_set: EvalOpt = None, eval_windows: WindowsOpt = None,
+           name: NameOpt = None, base_model: BaseOpt = None) -> None:
+    """Queue a job for the workers; prints only its id (the same job twice: the same id)."""
+    from factory.catalog import JobState
+    from workers.tasks import enqueue
+
+    factory = _factory()
+    job, created = factory.submit(_request(source, exl2, awq, recipe, calibration, eval_set, eval_windows, name,
+                                           base_model, device=factory.settings.worker_device))
+    if created or job.state in (JobState.failed, JobState.cancelled):
+        enqueue(factory, job.id)
+    print(job.id)
 
 
 @app.command("ls")
@@ -290,6 +310,44 @@ def show(
         return
     out.print(_quant_table(rows, title=f"quants of {parsed.name}"))
     out.print(_job_table(job_rows, title="jobs"))
+
+
+@app.command()
+@_handled
+def status(
+    job_id: Annotated[str | None, typer.Argument(metavar="[JOB]")] = None,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """A job's state and steps; without JOB, the recent jobs."""
+    catalog = _catalog()
+    if job_id is None:
+        rows = _job_rows(catalog.jobs(limit=20))
+    else:
+        job = catalog.job(job_id)
+        if job is None:
+            raise NotFound(f"no job {job_id!r}; `qf status` lists the recent ones")
+        rows = _job_rows([job])
+    if as_json:
+        print(json.dumps(rows if job_id is None else rows[0], indent=2))
+    else:
+        out.print(_job_table(rows))
+
+
+@app.command()
+def worker(
+    gpu: Annotated[int | None, typer.Option("--gpu", min=0, help="The GPU it owns (CUDA_VISIBLE_DEVICES).")] = None,
+    queues: Annotated[str, typer.Option("--queues", help="Queues to take jobs from.")] = "gpu,cpu",
+) -> None:
+    """Start a Celery worker with the factory's settings: one job at a time, acknowledged when done."""
+    import os
+
+    env = dict(os.environ)
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    node = f"qf-{'gpu' + str(gpu) if gpu is not None else 'worker'}@%h"
+    argv = [sys.executable, "-m", "celery", "-A", "workers.app", "worker", "-Q", queues, "--pool", "solo",
+            "--concurrency", "1", "--prefetch-multiplier", "1", "-n", node, "--loglevel", "INFO"]
+    os.execvpe(sys.executable, argv, env)
 
 
 @app.command()

@@ -36,8 +36,8 @@ def device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def default_windows() -> int:
-    return 48 if device() == "cuda" else 8
+def default_windows(dev: str) -> int:
+    return 48 if dev == "cuda" else 8
 
 
 def tokenize(tokenizer_dir: Path, text: str) -> list[int]:

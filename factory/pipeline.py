@@ -38,6 +38,7 @@ class Request:
     exl2_from_flag: bool = False  # --exl2 asks for EXL2 explicitly: no CUDA is an error, not a skip
     name: str | None = None
     base_model: str | None = None  # what the model card names as base_model (default: the source's name)
+    device: str | None = None  # where the job will run: None = this machine (qf run); qf submit: the workers'
 
 
 @dataclass
@@ -60,11 +61,12 @@ class Factory:
     # submit ---------------------------------------------------------------------------------------------
     def submit(self, request: Request) -> tuple[Job, bool]:
         recipe = request.recipe
-        device = evaluate.device()
+        device = request.device or evaluate.device()
         specs = recipe.specs()
         if device != "cuda" and any(s.method == "exl2" for s in specs):
             if request.exl2_from_flag:
-                raise SpecError("--exl2 needs a CUDA GPU and this machine has none; AWQ runs without one (--awq)")
+                where = "this machine has" if request.device is None else "the workers (FACTORY_WORKER_DEVICE) have"
+                raise SpecError(f"--exl2 needs a CUDA GPU and {where} none; AWQ runs without one (--awq)")
             specs = [s for s in specs if s.method != "exl2"]
             self.emit({"event": "note", "message": "no CUDA GPU: skipping the recipe's EXL2 targets"})
         if not specs:
@@ -76,7 +78,7 @@ class Factory:
             raise SpecError(
                 f"calibration {cal.name!r} and eval {ev.name!r} are the same text; evaluate on held-out text"
             )
-        windows = recipe.eval_windows or evaluate.default_windows()
+        windows = recipe.eval_windows or evaluate.default_windows(device)
 
         source = sources.resolve(request.source, self.settings.cache)
         if request.name:

@@ -3,6 +3,11 @@
 FACTORY_HOME      where the catalog, registry folder, work folders and caches live
                   (default $XDG_DATA_HOME/quantfactory, else ~/.local/share/quantfactory)
 FACTORY_DB_URL    the catalog's SQLAlchemy URL (default sqlite:///$FACTORY_HOME/catalog.db)
+FACTORY_BROKER_URL  the Celery broker and result backend for `qf submit` and workers (default
+                  redis://127.0.0.1:6379/0)
+FACTORY_VISIBILITY_TIMEOUT  seconds Redis waits before handing an unacknowledged job to another worker; longer
+                  than the longest job (default 43200)
+FACTORY_WORKER_DEVICE  the device `qf submit` plans jobs for: cuda (default) or cpu
 """
 
 from __future__ import annotations
@@ -18,6 +23,9 @@ class Settings(BaseModel):
 
     home: Path
     db_url: str
+    broker_url: str = "redis://127.0.0.1:6379/0"
+    visibility_timeout: int = 43200
+    worker_device: str = "cuda"
 
     @property
     def registry(self) -> Path:
@@ -51,4 +59,10 @@ def load() -> Settings:
         home = Path(data) / "quantfactory"
     home = home.expanduser().resolve()
     db_url = os.environ.get("FACTORY_DB_URL") or f"sqlite:///{home / 'catalog.db'}"
-    return Settings(home=home, db_url=db_url)
+    return Settings(
+        home=home,
+        db_url=db_url,
+        broker_url=os.environ.get("FACTORY_BROKER_URL") or "redis://127.0.0.1:6379/0",
+        visibility_timeout=int(os.environ.get("FACTORY_VISIBILITY_TIMEOUT") or 43200),
+        worker_device=os.environ.get("FACTORY_WORKER_DEVICE") or "cuda",
+    )

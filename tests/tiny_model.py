@@ -15,7 +15,11 @@ from pathlib import Path
 from calibration import builtin_text
 
 
-def make_tiny_llama(out: Path, *, hidden: int = 128, layers: int = 2, seed: int = 0) -> Path:
+def make_tiny_llama(out: Path, *, hidden: int = 128, layers: int = 2, seed: int = 0, heads: int = 4, kv_heads: int = 2,
+                    intermediate: int | None = None, vocab: int = 1024, max_positions: int = 4096,
+                    rope_theta: float = 10000.0, device: str = "cpu") -> Path:
+    """Defaults: the tests' tiny model. GPU.md's random 1.1B Llama for speed work: hidden=2048, layers=16,
+    heads=32, kv_heads=8, intermediate=8192, vocab=32000, max_positions=32768, rope_theta=500000, device="cuda"."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -27,7 +31,7 @@ def make_tiny_llama(out: Path, *, hidden: int = 128, layers: int = 2, seed: int 
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=1024,
+        vocab_size=vocab,
         special_tokens=["<s>", "</s>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
@@ -36,25 +40,26 @@ def make_tiny_llama(out: Path, *, hidden: int = 128, layers: int = 2, seed: int 
     tokenizer.save_pretrained(out)
 
     config = LlamaConfig(
-        vocab_size=bpe.get_vocab_size(),
+        vocab_size=vocab,  # the trained tokenizer may have fewer tokens; the model keeps the shape asked for
         hidden_size=hidden,
-        intermediate_size=hidden * 2,
+        intermediate_size=intermediate or hidden * 2,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        rope_theta=10000.0,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+        rope_theta=rope_theta,
         tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float16)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(torch.float16)
     model.save_pretrained(out)
     # transformers 5 writes rope_parameters; exllamav2 reads rope_theta.
     cfg_path = out / "config.json"
     cfg = json.loads(cfg_path.read_text())
-    cfg.setdefault("rope_theta", 10000.0)
+    cfg.setdefault("rope_theta", rope_theta)
     cfg_path.write_text(json.dumps(cfg, indent=2))
     return out
 

@@ -1,0 +1,88 @@
+"""The distributed factory against the real Redis and a real worker process (tiny model, AWQ on the CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+BROKER = os.environ.get("QF_TEST_BROKER", "redis://127.0.0.1:6379/7")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def env(tmp_path, db_url):
+    redis.Redis.from_url(BROKER).flushdb()
+    return {**os.environ, "FACTORY_HOME": str(tmp_path / "home"), "FACTORY_DB_URL": db_url,
+            "FACTORY_BROKER_URL": BROKER, "FACTORY_WORKER_DEVICE": "cpu"}
+
+
+def qf(env, *args, check=False) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "factory.cli", *map(str, args)], env=env, cwd=ROOT,
+                          capture_output=True, text=True, check=check, timeout=120)
+
+
+@pytest.fixture
+def worker(env, tmp_path):
+    log = open(tmp_path / "worker.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "factory.cli", "worker", "--queues", "gpu,cpu"], env=env,
+                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while "ready." not in (tmp_path / "worker.log").read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "worker.log").read_text()
+        time.sleep(0.3)
+    yield proc
+    proc.terminate()
+    proc.wait(timeout=30)
+    log.close()
+
+
+def wait_for(env, job_id: str, timeout: float = 240) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = json.loads(qf(env, "status", job_id, "--json", check=True).stdout)
+        if status["state"] in ("succeeded", "failed", "cancelled"):
+            return status
+        time.sleep(1)
+    raise AssertionError(f"job {job_id} still {status['state']} after {timeout} s")
+
+
+def test_submit_runs_on_a_worker(env, worker, tiny):
+    submitted = qf(env, "submit", tiny, "--awq", "--eval-windows", 1, check=True)
+    job_id = submitted.stdout.strip()
+    assert len(job_id) == 12 and submitted.stdout == job_id + "\n"
+    assert qf(env, "submit", tiny, "--awq", "--eval-windows", 1, check=True).stdout.strip() == job_id
+    status = wait_for(env, job_id)
+    assert status["state"] == "succeeded", status
+    assert [s["name"] for s in status["steps"]][-1] == "publish:awq-w4g128"
+    [row] = json.loads(qf(env, "ls", "--json", check=True).stdout)
+    assert row["name"] == "tiny:awq-w4g128" and row["job"] == job_id
+
+
+def test_status_of_an_unknown_job(env):
+    result = qf(env, "status", "nosuchjob")
+    assert result.returncode == 4
+    assert result.stderr.strip() == "error: no job 'nosuchjob'; `qf status` lists the recent ones"
+
+
+def test_broker_unreachable(env, tiny):
+    down = {**env, "FACTORY_BROKER_URL": "redis://:s3cret@127.0.0.1:1/0"}
+    result = qf(down, "submit", tiny, "--awq")
+    assert result.returncode == 5, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == "error: the broker at redis://:***@127.0.0.1:1/0 cannot be reached"
+    assert result.stdout == "" and "s3cret" not in result.stderr
+    [job] = json.loads(qf(env, "jobs", "--json", check=True).stdout)
+    assert (job["state"], job["exit_code"]) == ("failed", 5)
+
+
+def test_submit_exl2_for_cpu_workers(env, tiny):
+    result = qf(env, "submit", tiny, "--exl2", "4.0")
+    assert result.returncode == 2
+    assert result.stderr.strip() == ("error: --exl2 needs a CUDA GPU and the workers (FACTORY_WORKER_DEVICE) have "
+                                     "none; AWQ runs without one (--awq)")

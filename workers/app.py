@@ -1,0 +1,32 @@
+"""The Celery app, configured for multi-hour GPU jobs.
+
+- acks_late + prefetch 1 + concurrency 1: a job is acknowledged only when it is done, a worker holds one job at
+  a time, and a job of a worker that died goes back to the queue;
+- the Redis visibility timeout (broker and result backend) is longer than the longest job
+  (FACTORY_VISIBILITY_TIMEOUT seconds, default 12 hours), so a slow job is not handed to a second worker;
+- queues: `gpu` (quantization and evaluation), `cpu` (work that needs no GPU).
+Workers run tasks in their main process (solo pool): the engines already run in their own child processes, and
+no CUDA context is ever created in a forked process.
+"""
+
+from __future__ import annotations
+
+from celery import Celery
+
+from factory import settings
+
+_settings = settings.load()
+app = Celery("quantfactory", broker=_settings.broker_url, backend=_settings.broker_url, include=["workers.tasks"])
+app.conf.update(
+    task_acks_late=True,
+    task_reject_on_worker_lost=True,
+    worker_prefetch_multiplier=1,
+    worker_concurrency=1,
+    task_track_started=True,
+    task_default_queue="gpu",
+    task_routes={"quantfactory.run_job": {"queue": "gpu"}},
+    broker_transport_options={"visibility_timeout": _settings.visibility_timeout},
+    result_backend_transport_options={"visibility_timeout": _settings.visibility_timeout},
+    broker_connection_retry_on_startup=True,
+    result_expires=7 * 24 * 3600,
+)
