@@ -293,6 +293,14 @@ class Catalog:
                 _ = job.steps
             return jobs
 
+    def cancel_job(self, job_id: str) -> Job | None:
+        """Mark a job cancelled unless it already ended; its worker stops at its next progress event."""
+        with self.session() as s:
+            job = s.get(Job, job_id, with_for_update=True)
+            if job is not None and job.state not in TERMINAL:
+                job.state, job.error, job.exit_code = JobState.cancelled, "cancelled", 1
+            return job
+
     def set_job_specs(self, job_id: str, specs: list[dict]) -> None:
         with self.session() as s:
             s.get(Job, job_id).specs = specs

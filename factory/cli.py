@@ -334,6 +334,33 @@ def status(
 
 
 @app.command()
+@_handled
+def cancel(job_id: Annotated[str, typer.Argument(metavar="JOB")]) -> None:
+    """Cancel a queued or running job: its engine gets SIGTERM, its work folder goes, nothing is published."""
+    job = _catalog().cancel_job(job_id)
+    if job is None:
+        raise NotFound(f"no job {job_id!r}; `qf status` lists the recent ones")
+    err.print(f"job {job.id}: {job.state}")
+
+
+@app.command()
+@_handled
+def retry(job_id: Annotated[str, typer.Argument(metavar="JOB")]) -> None:
+    """Queue a failed or cancelled job again; finished steps are kept."""
+    from factory.catalog import JobState
+    from workers.tasks import enqueue
+
+    factory = _factory()
+    job = factory.catalog.job(job_id)
+    if job is None:
+        raise NotFound(f"no job {job_id!r}; `qf status` lists the recent ones")
+    if job.state not in (JobState.failed, JobState.cancelled):
+        raise SpecError(f"job {job_id} is {job.state}; only failed or cancelled jobs can be retried")
+    enqueue(factory, job.id)
+    print(job.id)
+
+
+@app.command()
 def worker(
     gpu: Annotated[int | None, typer.Option("--gpu", min=0, help="The GPU it owns (CUDA_VISIBLE_DEVICES).")] = None,
     queues: Annotated[str, typer.Option("--queues", help="Queues to take jobs from.")] = "gpu,cpu",

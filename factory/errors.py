@@ -36,6 +36,10 @@ class QualityGateRefused(JobFailed):
         self.tag, self.ppl, self.fp16_ppl, self.max_ratio = tag, ppl, fp16_ppl, max_ratio
 
 
+class Cancelled(JobFailed):
+    """The job was cancelled (`qf cancel`) while it ran; raised at its next progress event or step."""
+
+
 class SpecError(FactoryError):
     exit_code = 2
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import calibration
 from factory import engines, evaluate, naming, sources
 from factory.catalog import Catalog, Job, JobState, Quant, StepState, job_key, measurement_key
-from factory.errors import FactoryError, JobFailed, ModelRefused, QualityGateRefused, SpecError
+from factory.errors import Cancelled, FactoryError, JobFailed, ModelRefused, QualityGateRefused, SpecError
 from factory.inspect import inspect
 from factory.publish import card
 from factory.publish import folder as registry
@@ -29,6 +29,7 @@ from factory.settings import Settings
 from factory.specs import AwqSpec, Exl2Spec, Recipe, resolve_awq
 
 Emit = Callable[[dict], None]
+CANCEL_CHECK_SECONDS = 1.0  # how often a running step looks whether its job was cancelled
 
 
 @dataclass
@@ -120,7 +121,7 @@ class Factory:
     # execute --------------------------------------------------------------------------------------------
     def execute(self, job_id: str) -> Job:
         job = self.catalog.job(job_id)
-        if job.state == JobState.succeeded:
+        if job.state in (JobState.succeeded, JobState.cancelled):
             self._result(job)
             return job
         self.catalog.set_job_state(job_id, JobState.running)
@@ -138,6 +139,11 @@ class Factory:
         except KeyboardInterrupt:
             self.catalog.set_job_state(job_id, JobState.cancelled, "interrupted", 130)
             raise
+        except Cancelled:
+            shutil.rmtree(self.settings.work / job_id, ignore_errors=True)
+            job = self.catalog.job(job_id)
+            self._result(job)
+            return job
         except FactoryError as e:
             self.catalog.set_job_state(job_id, JobState.failed, e.message, e.exit_code)
             self._result(self.catalog.job(job_id))
@@ -157,15 +163,20 @@ class Factory:
     def _step(self, job_id: str, name: str):
         """Record one attempt at a step; yields `progress(**fields)`, which forwards progress events and keeps
         the highest `peak_gpu_bytes` any of them reports."""
+        self._check_cancelled(job_id)
         self.emit({"event": "step", "step": name, "state": StepState.running})
         step_id = self.catalog.start_step(job_id, name)
         start = time.monotonic()
         peak: list[int] = []
+        checked = [start]
 
         def progress(**event) -> None:
             if event.get("peak_gpu_bytes") is not None:
                 peak.append(event["peak_gpu_bytes"])
             self.emit({"event": "progress", "step": name, **event})
+            if time.monotonic() - checked[0] > CANCEL_CHECK_SECONDS:
+                checked[0] = time.monotonic()
+                self._check_cancelled(job_id)  # raising here stops the engine: its child gets SIGTERM
 
         try:
             yield progress
@@ -178,6 +189,10 @@ class Factory:
         seconds = round(time.monotonic() - start, 3)
         self.emit({"event": "step", "step": name, "state": StepState.succeeded, "seconds": seconds,
                    "peak_gpu_bytes": max(peak, default=None)})
+
+    def _check_cancelled(self, job_id: str) -> None:
+        if self.catalog.job(job_id).state == JobState.cancelled:
+            raise Cancelled(f"job {job_id} was cancelled")
 
     def _inspect(self, job: Job) -> _Prepared:
         with self._step(job.id, "inspect"):

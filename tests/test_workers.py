@@ -86,3 +86,48 @@ def test_submit_exl2_for_cpu_workers(env, tiny):
     assert result.returncode == 2
     assert result.stderr.strip() == ("error: --exl2 needs a CUDA GPU and the workers (FACTORY_WORKER_DEVICE) have "
                                      "none; AWQ runs without one (--awq)")
+
+
+def test_cancel_a_queued_job(env, tiny, tmp_path):
+    job_id = qf(env, "submit", tiny, "--awq", "--eval-windows", 1, check=True).stdout.strip()
+    assert qf(env, "cancel", job_id, check=True).stderr.strip() == f"job {job_id}: cancelled"
+    # a worker that starts afterwards takes the message and leaves the job alone
+    log = open(tmp_path / "late-worker.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "factory.cli", "worker"], env=env, cwd=ROOT, stdout=log,
+                            stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while "succeeded in" not in (tmp_path / "late-worker.log").read_text():
+            assert time.monotonic() < deadline, (tmp_path / "late-worker.log").read_text()
+            time.sleep(0.3)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    status = json.loads(qf(env, "status", job_id, "--json", check=True).stdout)
+    assert (status["state"], status["steps"]) == ("cancelled", [])
+    assert json.loads(qf(env, "ls", "--json", check=True).stdout) == []
+
+
+def test_cancel_a_running_job_then_retry(env, worker, tiny):
+    job_id = qf(env, "submit", tiny, "--awq", "--eval-windows", 1, check=True).stdout.strip()
+    deadline = time.monotonic() + 120
+    while True:
+        status = json.loads(qf(env, "status", job_id, "--json", check=True).stdout)
+        if any(s["name"].startswith("quantize:") and s["state"] == "running" for s in status["steps"]):
+            break
+        assert time.monotonic() < deadline, status
+        time.sleep(0.2)
+    qf(env, "cancel", job_id, check=True)
+    deadline = time.monotonic() + 60
+    while (status := wait_for(env, job_id))["steps"][-1]["state"] == "running":  # the worker stops at its next event
+        assert time.monotonic() < deadline, status
+        time.sleep(0.2)
+    assert status["state"] == "cancelled"
+    assert status["steps"][-1]["state"] == "failed" and status["steps"][-1]["error"] == f"job {job_id} was cancelled"
+    assert json.loads(qf(env, "ls", "--json", check=True).stdout) == []
+    time.sleep(1)  # the work folder goes right after the step is marked failed
+    assert not (Path(env["FACTORY_HOME"]) / "work" / job_id).exists()
+
+    assert qf(env, "retry", job_id, check=True).stdout.strip() == job_id
+    assert wait_for(env, job_id)["state"] == "succeeded"
+    assert [r["job"] for r in json.loads(qf(env, "ls", "--json", check=True).stdout)] == [job_id]
