@@ -131,3 +131,36 @@ def test_cancel_a_running_job_then_retry(env, worker, tiny):
     assert qf(env, "retry", job_id, check=True).stdout.strip() == job_id
     assert wait_for(env, job_id)["state"] == "succeeded"
     assert [r["job"] for r in json.loads(qf(env, "ls", "--json", check=True).stdout)] == [job_id]
+
+
+SUBMITTER = """
+import sys
+from typer.testing import CliRunner
+from factory.cli import app
+source, windows = sys.argv[1], sys.argv[2:]
+for w in windows:
+    result = CliRunner().invoke(app, ["submit", source, "--awq", "--eval-windows", w])
+    assert result.exit_code == 0, result.output
+    print(result.stdout.strip(), w, flush=True)
+"""
+
+
+def test_concurrent_submissions(env, tiny):
+    """50 submissions from 5 processes at once, 10 of them repeats: 40 jobs, 40 queued messages, none lost."""
+    windows = [str(i) for i in range(1, 41)] + [str(i) for i in range(1, 41, 4)]  # eval windows make jobs distinct
+    batches = [windows[i::5] for i in range(5)]
+    procs = [subprocess.Popen([sys.executable, "-c", SUBMITTER, str(tiny), *batch], env=env, cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for batch in batches]
+    lines = []
+    for proc in procs:
+        out, errors = proc.communicate(timeout=300)
+        assert proc.returncode == 0, errors
+        lines += out.splitlines()
+    ids = {}
+    for line in lines:
+        job_id, w = line.split()
+        assert ids.setdefault(w, job_id) == job_id  # the same submission always gets the same job
+    assert len(lines) == 50 and len(ids) == 40 and len(set(ids.values())) == 40
+    jobs = json.loads(qf(env, "jobs", "--json", "--limit", 100, check=True).stdout)
+    assert len(jobs) == 40 and {j["state"] for j in jobs} == {"queued"}
+    assert redis.Redis.from_url(BROKER).llen("gpu") == 40
