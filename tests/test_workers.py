@@ -164,3 +164,53 @@ def test_concurrent_submissions(env, tiny):
     jobs = json.loads(qf(env, "jobs", "--json", "--limit", 100, check=True).stdout)
     assert len(jobs) == 40 and {j["state"] for j in jobs} == {"queued"}
     assert redis.Redis.from_url(BROKER).llen("gpu") == 40
+
+
+class OwnRedis:
+    """A redis-server of the test's own (appendonly, a free port, a temp dir) that can be restarted for real."""
+
+    def __init__(self, folder: Path):
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.folder, self.url, self.proc = folder, f"redis://127.0.0.1:{self.port}/0", None
+        folder.mkdir(parents=True, exist_ok=True)
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--appendonly",
+                                      "yes", "--dir", str(self.folder), "--save", ""], stdout=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                redis.Redis.from_url(self.url).ping()
+                return
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+def test_queued_jobs_survive_a_redis_restart(env, tiny, tmp_path):
+    server = OwnRedis(tmp_path / "redis")
+    server.start()
+    try:
+        env = {**env, "FACTORY_BROKER_URL": server.url}
+        ids = [qf(env, "submit", tiny, "--awq", "--eval-windows", w, check=True).stdout.strip() for w in (1, 2, 3)]
+        server.stop()
+        server.start()
+        assert redis.Redis.from_url(server.url).llen("gpu") == 3
+        log = open(tmp_path / "worker.log", "w")
+        worker = subprocess.Popen([sys.executable, "-m", "factory.cli", "worker"], env=env, cwd=ROOT, stdout=log,
+                                  stderr=subprocess.STDOUT)
+        try:
+            assert [wait_for(env, job_id)["state"] for job_id in ids] == ["succeeded"] * 3
+        finally:
+            worker.terminate()
+            worker.wait(timeout=30)
+    finally:
+        server.stop()
