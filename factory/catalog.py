@@ -15,7 +15,7 @@ import re
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from sqlalchemy import (
@@ -112,6 +112,9 @@ class Job(Base):
     state: Mapped[str] = mapped_column(String(16), default=JobState.queued)
     error: Mapped[str | None] = mapped_column(Text)
     exit_code: Mapped[int | None] = mapped_column(Integer)
+    worker: Mapped[str | None] = mapped_column(Text)  # who holds the lease
+    lease_until: Mapped[datetime | None] = mapped_column()  # renewed by the worker's heartbeat while it runs
+    attempts: Mapped[int] = mapped_column(Integer, default=0)  # leases taken: bounds redelivery after lost workers
     created_at: Mapped[datetime] = mapped_column(default=now)
     updated_at: Mapped[datetime] = mapped_column(default=now, onupdate=now)
     steps: Mapped[list[Step]] = relationship(order_by="Step.id", back_populates="job")
@@ -292,6 +295,47 @@ class Catalog:
             for job in jobs:
                 _ = job.steps
             return jobs
+
+    # leases: a running job is held by one worker, which renews the lease; an expired lease means a lost worker
+    def take_lease(self, job_id: str, worker: str, seconds: float) -> int | None:
+        """Hold the job for `worker`: how many times it has been taken (this time included), or None when another
+        worker holds a valid lease (a duplicate message)."""
+        with self.session() as s:
+            job = s.get(Job, job_id, with_for_update=True)
+            if job.lease_until is not None and job.lease_until > now() and job.worker != worker:
+                return None
+            job.worker, job.lease_until, job.attempts = worker, now() + timedelta(seconds=seconds), job.attempts + 1
+            return job.attempts
+
+    def renew_lease(self, job_id: str, worker: str, seconds: float) -> None:
+        with self.session() as s:
+            job = s.get(Job, job_id, with_for_update=True)
+            if job.worker == worker and job.state == JobState.running:
+                job.lease_until = now() + timedelta(seconds=seconds)
+
+    def release_lease(self, job_id: str, worker: str) -> None:
+        with self.session() as s:
+            job = s.get(Job, job_id, with_for_update=True)
+            if job.worker == worker:
+                job.lease_until = None
+
+    def expired_leases(self) -> list[str]:
+        """Running jobs whose worker stopped renewing: marked queued again, their running steps failed."""
+        with self.session() as s:
+            jobs = list(s.scalars(select(Job).where(Job.state == JobState.running, Job.lease_until < now())
+                                  .with_for_update(skip_locked=True)))
+            for job in jobs:
+                for step in job.steps:
+                    if step.state == StepState.running:
+                        step.state, step.error, step.ended_at = StepState.failed, f"worker {job.worker} lost", now()
+                job.state, job.lease_until = JobState.queued, None
+            return [job.id for job in jobs]
+
+    def queued_jobs(self, older_than: float) -> list[str]:
+        """Jobs queued for more than `older_than` seconds (younger ones may be on their way to the broker)."""
+        with self.session() as s:
+            cutoff = now() - timedelta(seconds=older_than)
+            return list(s.scalars(select(Job.id).where(Job.state == JobState.queued, Job.updated_at < cutoff)))
 
     def cancel_job(self, job_id: str) -> Job | None:
         """Mark a job cancelled unless it already ended; its worker stops at its next progress event."""

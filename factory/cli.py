@@ -361,6 +361,25 @@ def retry(job_id: Annotated[str, typer.Argument(metavar="JOB")]) -> None:
 
 
 @app.command()
+@_handled
+def reconcile() -> None:
+    """One reconciler pass (beat runs it periodically): re-enqueue jobs of lost workers and lost messages."""
+    from workers.tasks import reconcile as reconcile_pass
+
+    for job_id in reconcile_pass():
+        print(job_id)
+
+
+@app.command()
+def beat() -> None:
+    """Start Celery beat: the periodic reconciler (run exactly one)."""
+    import os
+
+    argv = [sys.executable, "-m", "celery", "-A", "workers.app", "beat", "--loglevel", "INFO"]
+    os.execvp(sys.executable, argv)
+
+
+@app.command()
 def worker(
     gpu: Annotated[int | None, typer.Option("--gpu", min=0, help="The GPU it owns (CUDA_VISIBLE_DEVICES).")] = None,
     queues: Annotated[str, typer.Option("--queues", help="Queues to take jobs from.")] = "gpu,cpu",

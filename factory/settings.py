@@ -8,6 +8,9 @@ FACTORY_BROKER_URL  the Celery broker and result backend for `qf submit` and wor
 FACTORY_VISIBILITY_TIMEOUT  seconds Redis waits before handing an unacknowledged job to another worker; longer
                   than the longest job (default 43200)
 FACTORY_WORKER_DEVICE  the device `qf submit` plans jobs for: cuda (default) or cpu
+FACTORY_LEASE_SECONDS  how long a running job's lease lasts without a heartbeat (default 120; renewed every third)
+FACTORY_RECONCILE_SECONDS  how often beat looks for lost workers and lost messages (default 60)
+FACTORY_MAX_ATTEMPTS  how often a job may be taken by a worker before it fails as lost (default 3)
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ class Settings(BaseModel):
     broker_url: str = "redis://127.0.0.1:6379/0"
     visibility_timeout: int = 43200
     worker_device: str = "cuda"
+    lease_seconds: float = 120.0
+    max_attempts: int = 3
+    reconcile_seconds: float = 60.0
 
     @property
     def registry(self) -> Path:
@@ -65,4 +71,7 @@ def load() -> Settings:
         broker_url=os.environ.get("FACTORY_BROKER_URL") or "redis://127.0.0.1:6379/0",
         visibility_timeout=int(os.environ.get("FACTORY_VISIBILITY_TIMEOUT") or 43200),
         worker_device=os.environ.get("FACTORY_WORKER_DEVICE") or "cuda",
+        lease_seconds=float(os.environ.get("FACTORY_LEASE_SECONDS") or 120),
+        max_attempts=int(os.environ.get("FACTORY_MAX_ATTEMPTS") or 3),
+        reconcile_seconds=float(os.environ.get("FACTORY_RECONCILE_SECONDS") or 60),
     )

@@ -13,7 +13,7 @@ COMPOSE = yaml.safe_load((Path(__file__).resolve().parent.parent / "compose.yaml
 
 def test_services():
     services = COMPOSE["services"]
-    assert {"redis", "postgres", "worker-gpu0", "worker-cpu"} <= set(services)
+    assert {"redis", "postgres", "worker-gpu0", "worker-cpu", "beat"} <= set(services)
     assert "--appendonly yes" in services["redis"]["command"]
     assert services["postgres"]["volumes"]
     gpu = services["worker-gpu0"]["deploy"]["resources"]["reservations"]["devices"][0]
@@ -23,7 +23,7 @@ def test_services():
 def test_every_qf_command_exists_and_parses():
     group = typer.main.get_command(app)
     commands = [s["command"] for s in COMPOSE["services"].values() if str(s.get("command", "")).startswith("qf ")]
-    assert len(commands) == 2
+    assert len(commands) == 3
     for command in commands:
         name, *args = shlex.split(command)[1:]
         assert name in group.commands, command

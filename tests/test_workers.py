@@ -214,3 +214,60 @@ def test_queued_jobs_survive_a_redis_restart(env, tiny, tmp_path):
             worker.wait(timeout=30)
     finally:
         server.stop()
+
+
+def _start_worker(env, log_path: Path) -> subprocess.Popen:
+    log = open(log_path, "w")
+    proc = subprocess.Popen([sys.executable, "-m", "factory.cli", "worker"], env=env, cwd=ROOT, stdout=log,
+                            stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while "ready." not in log_path.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+        time.sleep(0.3)
+    return proc
+
+
+def test_killed_worker_the_job_finishes_elsewhere_once(env, tiny, tmp_path):
+    """SIGKILL of a worker in the middle of a quantize step: its lease expires, the reconciler re-enqueues the job,
+    a second worker finishes it; one quant, published once; the history shows the lost attempt."""
+    env = {**env, "FACTORY_LEASE_SECONDS": "3"}
+    first = _start_worker(env, tmp_path / "first.log")
+    job_id = qf(env, "submit", tiny, "--awq", "--eval-windows", 1, check=True).stdout.strip()
+    deadline = time.monotonic() + 120
+    while not any(s["name"].startswith("quantize:") and s["state"] == "running"
+                  for s in json.loads(qf(env, "status", job_id, "--json", check=True).stdout)["steps"]):
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    first.kill()
+    first.wait()
+    time.sleep(4)  # the lease runs out
+    assert qf(env, "reconcile", check=True).stdout.split() == [job_id]
+    second = _start_worker(env, tmp_path / "second.log")
+    try:
+        status = wait_for(env, job_id)
+    finally:
+        second.terminate()
+        second.wait(timeout=30)
+    assert status["state"] == "succeeded"
+    quantize = [(s["state"], s["error"]) for s in status["steps"] if s["name"].startswith("quantize:")]
+    assert quantize[0][0] == "failed" and quantize[0][1].startswith("worker ") and quantize[0][1].endswith(" lost")
+    assert quantize[1:] == [("succeeded", None)]
+    assert [s["name"] for s in status["steps"]].count("publish:awq-w4g128") == 1
+    [row] = json.loads(qf(env, "ls", "--json", check=True).stdout)
+    assert row["job"] == job_id
+    assert len(list((Path(env["FACTORY_HOME"]) / "registry" / "tiny").iterdir())) == 1
+
+
+def test_reconcile_requeues_a_job_the_broker_lost(env, tiny):
+    job_id = qf(env, "submit", tiny, "--awq", "--eval-windows", 1, check=True).stdout.strip()
+    redis.Redis.from_url(BROKER).delete("gpu")  # the message is gone
+    from sqlalchemy import create_engine, text
+
+    url = env["FACTORY_DB_URL"] or f"sqlite:///{env['FACTORY_HOME']}/catalog.db"
+    engine = create_engine(url.replace("postgresql://", "postgresql+psycopg2://", 1))
+    with engine.begin() as conn:  # and it was queued long enough ago
+        conn.execute(text("UPDATE jobs SET updated_at = '2000-01-01 00:00:00' WHERE id = :id"), {"id": job_id})
+    engine.dispose()
+    assert qf(env, "reconcile", check=True).stdout.split() == [job_id]
+    assert redis.Redis.from_url(BROKER).llen("gpu") == 1
+    assert qf(env, "reconcile", check=True).stdout.split() == []  # now the broker holds it

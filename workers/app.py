@@ -29,4 +29,5 @@ app.conf.update(
     result_backend_transport_options={"visibility_timeout": _settings.visibility_timeout},
     broker_connection_retry_on_startup=True,
     result_expires=7 * 24 * 3600,
+    beat_schedule={"reconcile": {"task": "quantfactory.reconcile", "schedule": _settings.reconcile_seconds}},
 )

@@ -1,32 +1,106 @@
 """Tasks are thin: they take a job id, re-read the job from the catalog and run the steps not done yet.
-`enqueue` is the one place that hands a job to the broker."""
+
+Crash recovery does not wait for the broker: a running job holds a lease in the catalog that a heartbeat thread
+renews; `reconcile` (beat, every FACTORY_RECONCILE_SECONDS) puts jobs whose lease expired back on the queue, and
+queued jobs the broker lost. A job taken more than FACTORY_MAX_ATTEMPTS times fails as lost, so a job that kills
+its workers does not loop forever. Redis' visibility timeout stays a backstop: a redelivered message of a job that
+finished or is held by another worker does nothing. `enqueue` is the one place that hands a job to the broker.
+"""
 
 from __future__ import annotations
+
+import ast
+import json
+import os
+import socket
+import threading
+from contextlib import contextmanager
 
 from kombu.exceptions import OperationalError
 
 from factory import settings
-from factory.catalog import JobState, mask_url
+from factory.catalog import TERMINAL, Catalog, JobState, mask_url
 from factory.errors import FactoryError, ServiceUnavailable
 from factory.pipeline import Factory
 from workers.app import app
 
+QUEUE = "gpu"
+
 
 @app.task(name="quantfactory.run_job", ignore_result=True)  # outcomes live in the catalog
-def run_job(job_id: str) -> str:
-    """Run (or continue) a job; its outcome lives in the catalog, the return value is only its final state."""
-    factory = Factory(settings.load())
+def run_job(job_id: str) -> None:
+    config = settings.load()
+    factory = Factory(config)
+    job = factory.catalog.job(job_id)
+    if job is None or job.state in TERMINAL:
+        return
+    me = f"{socket.gethostname()}:{os.getpid()}"
+    attempts = factory.catalog.take_lease(job_id, me, config.lease_seconds)
+    if attempts is None:
+        return  # another worker holds it
+    if attempts > config.max_attempts:
+        message = f"job lost its worker {attempts - 1} times; giving up (FACTORY_MAX_ATTEMPTS={config.max_attempts})"
+        factory.catalog.set_job_state(job_id, JobState.failed, message, 1)
+        return
+    with _heartbeat(factory.catalog, job_id, me, config.lease_seconds):
+        try:
+            factory.execute(job_id)
+        except FactoryError:
+            pass  # the job is marked failed in the catalog
+    factory.catalog.release_lease(job_id, me)
+
+
+@contextmanager
+def _heartbeat(catalog: Catalog, job_id: str, worker: str, seconds: float):
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(seconds / 3):
+            try:
+                catalog.renew_lease(job_id, worker, seconds)
+            except FactoryError:
+                pass  # the database is away for a moment; the next beat tries again
+
+    thread = threading.Thread(target=beat, name=f"lease-{job_id}", daemon=True)
+    thread.start()
     try:
-        return factory.execute(job_id).state
-    except FactoryError:
-        return factory.catalog.job(job_id).state
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+@app.task(name="quantfactory.reconcile", ignore_result=True)
+def reconcile() -> list[str]:
+    """One pass: re-enqueue jobs whose lease expired and queued jobs that the broker does not hold."""
+    config = settings.load()
+    factory = Factory(config)
+    again = factory.catalog.expired_leases()
+    held = _jobs_in_broker()
+    again += [j for j in factory.catalog.queued_jobs(older_than=60) if j not in held and j not in again]
+    for job_id in again:
+        enqueue(factory, job_id)
+    return again
+
+
+def _jobs_in_broker() -> set[str]:
+    """Job ids in the queue's messages and in the messages delivered but not yet acknowledged."""
+    with app.connection_for_read() as conn:
+        client = conn.default_channel.client
+        raw = client.lrange(QUEUE, 0, -1) + [json.loads(v)[0] for v in client.hvals("unacked")]
+    ids = set()
+    for message in raw:
+        headers = (json.loads(message) if isinstance(message, bytes | str) else message).get("headers", {})
+        if headers.get("task") == run_job.name:
+            ids.update(ast.literal_eval(headers.get("argsrepr", "()")))
+    return ids
 
 
 def enqueue(factory: Factory, job_id: str) -> None:
     """Queue `job_id` on the gpu queue; a broker that cannot be reached fails the job and raises (exit 5)."""
     factory.catalog.set_job_state(job_id, JobState.queued)
     try:
-        run_job.apply_async(args=[job_id], queue="gpu", retry=False)
+        run_job.apply_async(args=[job_id], queue=QUEUE, retry=False)
     except OperationalError:
         message = f"the broker at {mask_url(factory.settings.broker_url)} cannot be reached"
         factory.catalog.set_job_state(job_id, JobState.failed, message, ServiceUnavailable.exit_code)
