@@ -253,14 +253,20 @@ class Catalog:
     def name_for(self, source: str, wanted: str, fallback: str | None) -> str:
         """The name `source` is known by: its own if it has one, else `wanted`, else `fallback` if `wanted` is
         taken by another source. `fallback` None: `wanted` was asked for explicitly (--name)."""
-        with self.session() as s:
-            if known := s.scalar(select(Model.name).where(Model.source == source)):
-                return known
-            for name in (wanted, fallback):
-                if name is not None and s.get(Model, name) is None:
-                    s.add(Model(name=name, source=source))
-                    return name
-            owner = s.get(Model, wanted).source
+        owner = "another source"
+        for _ in range(3):  # a concurrent submission of another source may take a name between read and write
+            try:
+                with self.session() as s:
+                    if known := s.scalar(select(Model.name).where(Model.source == source)):
+                        return known
+                    for name in (wanted, fallback):
+                        if name is not None and s.get(Model, name) is None:
+                            s.add(Model(name=name, source=source))
+                            return name
+                    owner = s.get(Model, wanted).source
+                break
+            except IntegrityError:
+                continue
         also = f" and {fallback!r}" if fallback else ""
         raise SpecError(f"the name {wanted!r}{also} already belong(s) to {owner!r}; pass another --name")
 

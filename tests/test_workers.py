@@ -28,19 +28,23 @@ def qf(env, *args, check=False) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, check=check, timeout=120)
 
 
+def _start_worker(env, log_path: Path) -> subprocess.Popen:
+    log = open(log_path, "w")
+    proc = subprocess.Popen([sys.executable, "-m", "factory.cli", "worker"], env=env, cwd=ROOT, stdout=log,
+                            stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while "ready." not in log_path.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+        time.sleep(0.3)
+    return proc
+
+
 @pytest.fixture
 def worker(env, tmp_path):
-    log = open(tmp_path / "worker.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "factory.cli", "worker", "--queues", "gpu,cpu"], env=env,
-                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 60
-    while "ready." not in (tmp_path / "worker.log").read_text():
-        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "worker.log").read_text()
-        time.sleep(0.3)
+    proc = _start_worker(env, tmp_path / "worker.log")
     yield proc
     proc.terminate()
     proc.wait(timeout=30)
-    log.close()
 
 
 def wait_for(env, job_id: str, timeout: float = 240) -> dict:
@@ -214,17 +218,6 @@ def test_queued_jobs_survive_a_redis_restart(env, tiny, tmp_path):
             worker.wait(timeout=30)
     finally:
         server.stop()
-
-
-def _start_worker(env, log_path: Path) -> subprocess.Popen:
-    log = open(log_path, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "factory.cli", "worker"], env=env, cwd=ROOT, stdout=log,
-                            stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 60
-    while "ready." not in log_path.read_text():
-        assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
-        time.sleep(0.3)
-    return proc
 
 
 def test_killed_worker_the_job_finishes_elsewhere_once(env, tiny, tmp_path):

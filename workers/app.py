@@ -1,7 +1,7 @@
 """The Celery app, configured for multi-hour GPU jobs.
 
-- acks_late + prefetch 1 + concurrency 1: a job is acknowledged only when it is done, a worker holds one job at
-  a time, and a job of a worker that died goes back to the queue;
+- acks_late + prefetch 1 + concurrency 1: a job is acknowledged only when it is done and a worker holds one job
+  at a time; a worker that dies is noticed through its lease in the catalog (workers/tasks.py), not the broker;
 - the Redis visibility timeout (broker and result backend) is longer than the longest job
   (FACTORY_VISIBILITY_TIMEOUT seconds, default 12 hours), so a slow job is not handed to a second worker;
 - queues: `gpu` (quantization and evaluation), `cpu` (work that needs no GPU).
