@@ -28,6 +28,7 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
     create_engine,
+    inspect,
     select,
 )
 from sqlalchemy.exc import IntegrityError, OperationalError
@@ -81,6 +82,15 @@ def measurement_key(source_identity: str, calibration_sha: str, rows: int, lengt
 
 class Base(DeclarativeBase):
     type_annotation_map = {dict: JSON, list: JSON}
+
+
+SCHEMA_VERSION = 1
+
+
+class Meta(Base):
+    __tablename__ = "meta"
+    key: Mapped[str] = mapped_column(String(32), primary_key=True)
+    value: Mapped[str] = mapped_column(Text)
 
 
 class Model(Base):
@@ -237,9 +247,25 @@ class Catalog:
         self.engine = create_engine(_normalize_url(url), connect_args=args, pool_pre_ping=True)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         try:
+            had_tables = inspect(self.engine).has_table("jobs")
             Base.metadata.create_all(self.engine)
+            self._check_schema(had_tables)
         except OperationalError:
             raise ServiceUnavailable(f"the catalog database at {mask_url(url)} cannot be reached") from None
+
+    def _check_schema(self, had_tables: bool) -> None:
+        """A catalog made by another schema version is refused in one sentence (there are no migrations yet)."""
+        with self.session() as s:
+            found = s.get(Meta, "schema")
+            if found is None and not had_tables:
+                s.add(Meta(key="schema", value=str(SCHEMA_VERSION)))
+                return
+            version = found.value if found else "0"
+        if version != str(SCHEMA_VERSION):
+            raise ServiceUnavailable(
+                f"the catalog at {mask_url(self.url)} has schema version {version}, this quantfactory needs "
+                f"{SCHEMA_VERSION}; point FACTORY_DB_URL at a new database (there are no migrations yet)"
+            )
 
     @contextmanager
     def session(self) -> Iterator[Session]:

@@ -18,7 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from rich.table import Table
 
 from factory import naming, settings
-from factory.errors import FactoryError, NotFound, SpecError
+from factory.errors import FactoryError, NotFound, ServiceUnavailable, SpecError
 
 app = typer.Typer(
     add_completion=False,
@@ -96,6 +96,8 @@ class Renderer:
         elif kind == "step":
             self._step(event)
         elif kind == "progress":
+            if self.live and event["step"] not in self.tasks:  # following a step that started before we looked
+                self.tasks[event["step"]] = self.progress.add_task(event["step"], total=None, unit="")
             task = self.tasks.get(event["step"])
             if task is not None and "total" in event:
                 self.progress.update(task, total=event["total"], completed=event["done"], unit=event.get("unit", ""))
@@ -317,9 +319,14 @@ def show(
 def status(
     job_id: Annotated[str | None, typer.Argument(metavar="[JOB]")] = None,
     as_json: Annotated[bool, typer.Option("--json")] = False,
+    follow: Annotated[bool, typer.Option("--follow", help="Show the job's progress live until it ends.")] = False,
 ) -> None:
     """A job's state and steps; without JOB, the recent jobs."""
     catalog = _catalog()
+    if follow and job_id is not None:
+        _follow(catalog, job_id, as_json)
+        if as_json:
+            return  # the events were the output
     if job_id is None:
         rows = _job_rows(catalog.jobs(limit=20))
     else:
@@ -331,6 +338,34 @@ def status(
         print(json.dumps(rows if job_id is None else rows[0], indent=2))
     else:
         out.print(_job_table(rows))
+
+
+def _follow(catalog, job_id: str, as_json: bool) -> None:
+    """Render the job's events as its worker publishes them, until a result event or a terminal state."""
+    import redis
+
+    from factory.catalog import TERMINAL, mask_url
+    from workers.tasks import EVENTS
+
+    url = settings.load().broker_url
+    try:
+        channel = redis.Redis.from_url(url).pubsub(ignore_subscribe_messages=True)
+        channel.subscribe(EVENTS + job_id)
+    except redis.RedisError:
+        raise ServiceUnavailable(f"the broker at {mask_url(url)} cannot be reached") from None
+    with Renderer(as_json) as render:
+        while True:
+            job = catalog.job(job_id)
+            if job is None:
+                raise NotFound(f"no job {job_id!r}; `qf status` lists the recent ones")
+            message = channel.get_message(timeout=2.0)
+            if message is not None:
+                event = json.loads(message["data"])
+                render(event)
+                if event["event"] == "result":
+                    return
+            elif job.state in TERMINAL:
+                return
 
 
 @app.command()

@@ -341,3 +341,17 @@ def test_names_of_different_sources(qf, tiny, tmp_path):
     result = qf("run", third, "--awq", "--name", "tiny")
     assert result.exit_code == 2
     assert last_line(result) == f"error: the name 'tiny' already belong(s) to '{tiny}'; pass another --name"
+
+
+def test_catalog_of_another_schema_is_refused(tmp_path):
+    import sqlite3
+
+    home = tmp_path / "home"
+    home.mkdir()
+    with sqlite3.connect(home / "catalog.db") as db:  # a catalog from before schema versions
+        db.execute("CREATE TABLE jobs (id TEXT PRIMARY KEY)")
+    result = Qf(home=home)("ls")
+    assert result.exit_code == 5
+    assert last_line(result) == (f"error: the catalog at sqlite:///{home / 'catalog.db'} has schema version 0, this "
+                                 "quantfactory needs 1; point FACTORY_DB_URL at a new database (there are no "
+                                 "migrations yet)")

@@ -264,3 +264,21 @@ def test_reconcile_requeues_a_job_the_broker_lost(env, tiny):
     assert qf(env, "reconcile", check=True).stdout.split() == [job_id]
     assert redis.Redis.from_url(BROKER).llen("gpu") == 1
     assert qf(env, "reconcile", check=True).stdout.split() == []  # now the broker holds it
+
+
+def test_status_follow_streams_the_workers_events(env, tiny, tmp_path):
+    job_id = qf(env, "submit", tiny, "--awq", "--eval-windows", 1, check=True).stdout.strip()
+    follower = subprocess.Popen([sys.executable, "-m", "factory.cli", "status", job_id, "--follow", "--json"],
+                                env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(3)  # subscribed before the worker starts
+    worker = _start_worker(env, tmp_path / "worker.log")
+    try:
+        out, errors = follower.communicate(timeout=240)
+    finally:
+        worker.terminate()
+        worker.wait(timeout=30)
+    assert follower.returncode == 0, errors
+    events = [json.loads(line) for line in out.splitlines()]
+    assert events[-1]["event"] == "result" and events[-1]["state"] == "succeeded"
+    assert any(e["event"] == "progress" and e.get("unit") == "layer" for e in events)
+    assert [e["step"] for e in events if e["event"] == "step" and e["state"] == "succeeded"][0] == "inspect"

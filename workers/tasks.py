@@ -16,6 +16,7 @@ import socket
 import threading
 from contextlib import contextmanager
 
+import redis
 from kombu.exceptions import OperationalError
 
 from factory import settings
@@ -25,12 +26,13 @@ from factory.pipeline import Factory
 from workers.app import app
 
 QUEUE = "gpu"
+EVENTS = "quantfactory:events:"  # + job id: the pipeline's events, published for `qf status --follow`
 
 
 @app.task(name="quantfactory.run_job", ignore_result=True)  # outcomes live in the catalog
 def run_job(job_id: str) -> None:
     config = settings.load()
-    factory = Factory(config)
+    factory = Factory(config, _publisher(config.broker_url, job_id))
     job = factory.catalog.job(job_id)
     if job is None or job.state in TERMINAL:
         return
@@ -48,6 +50,19 @@ def run_job(job_id: str) -> None:
         except FactoryError:
             pass  # the job is marked failed in the catalog
     factory.catalog.release_lease(job_id, me)
+
+
+def _publisher(broker_url: str, job_id: str):
+    """An emit that publishes each event on the job's channel; followers are optional, so failures are ignored."""
+    client = redis.Redis.from_url(broker_url)
+
+    def emit(event: dict) -> None:
+        try:
+            client.publish(EVENTS + job_id, json.dumps(event, default=str))
+        except redis.RedisError:
+            pass
+
+    return emit
 
 
 @contextmanager
