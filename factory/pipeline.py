@@ -1,7 +1,8 @@
 """The steps of a job, and the one place that moves a job's state.
 
     submit:  check the request (exit 2/4/5 before any job exists), then create the job or find the same one
-    execute: inspect -> quantize:<tag>... -> evaluate:fp16 -> evaluate:<tag>... -> gate -> publish:<tag>...
+    execute: inspect -> [measure] -> quantize:<tag>... -> evaluate:fp16 -> evaluate:<tag>... -> gate
+             -> publish:<tag>...
 
 `qf run` calls both in-process; a worker calls `execute` with a job id. A failed job runs again from where it
 stopped: finished quantize and evaluate steps are reused. Nothing here prints: progress goes to `emit` as
@@ -119,7 +120,9 @@ class Factory:
         return job, created
 
     # execute --------------------------------------------------------------------------------------------
-    def execute(self, job_id: str) -> Job:
+    def execute(self, job_id: str, publish: bool = True) -> Job:
+        """Run the steps not done yet. publish=False (a GPU worker) stops after the gate and leaves the job queued
+        for its publishing step, which runs `execute` again elsewhere: every finished step is reused there."""
         job = self.catalog.job(job_id)
         if job.state in (JobState.succeeded, JobState.cancelled):
             self._result(job)
@@ -131,6 +134,9 @@ class Factory:
             fp16 = self._evaluate_fp16(job, prepared)
             ppls = {spec.tag: self._evaluate(job, prepared, spec, outputs[spec.tag]) for spec in prepared.specs}
             refused = self._gate(job, ppls, fp16)
+            if not publish:
+                self.catalog.set_job_state(job_id, JobState.queued)
+                return self.catalog.job(job_id)
             for spec in prepared.specs:
                 if spec.tag not in refused:
                     self._publish(job, prepared, spec, outputs[spec.tag], ppls[spec.tag], fp16)

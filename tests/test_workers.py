@@ -28,10 +28,10 @@ def qf(env, *args, check=False) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, check=check, timeout=120)
 
 
-def _start_worker(env, log_path: Path) -> subprocess.Popen:
+def _start_worker(env, log_path: Path, queues: str = "gpu,cpu") -> subprocess.Popen:
     log = open(log_path, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "factory.cli", "worker"], env=env, cwd=ROOT, stdout=log,
-                            stderr=subprocess.STDOUT)
+    proc = subprocess.Popen([sys.executable, "-m", "factory.cli", "worker", "--queues", queues], env=env, cwd=ROOT,
+                            stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 60
     while "ready." not in log_path.read_text():
         assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
@@ -282,3 +282,31 @@ def test_status_follow_streams_the_workers_events(env, tiny, tmp_path):
     assert events[-1]["event"] == "result" and events[-1]["state"] == "succeeded"
     assert any(e["event"] == "progress" and e.get("unit") == "layer" for e in events)
     assert [e["step"] for e in events if e["event"] == "step" and e["state"] == "succeeded"][0] == "inspect"
+
+
+def test_gpu_worker_quantizes_cpu_worker_publishes(env, tiny, tmp_path):
+    job_id = qf(env, "submit", tiny, "--awq", "--eval-windows", 1, check=True).stdout.strip()
+    gpu = _start_worker(env, tmp_path / "gpu.log", "gpu")
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            status = json.loads(qf(env, "status", job_id, "--json", check=True).stdout)
+            gated = any(s["name"] == "gate" and s["state"] == "succeeded" for s in status["steps"])
+            if gated and status["state"] == "queued":
+                break
+            assert time.monotonic() < deadline, status
+            time.sleep(0.5)
+    finally:
+        gpu.terminate()
+        gpu.wait(timeout=30)
+    assert not any(s["name"].startswith("publish:") for s in status["steps"])
+    assert redis.Redis.from_url(BROKER).llen("cpu") == 1
+    cpu = _start_worker(env, tmp_path / "cpu.log", "cpu")
+    try:
+        status = wait_for(env, job_id)
+    finally:
+        cpu.terminate()
+        cpu.wait(timeout=30)
+    assert status["state"] == "succeeded"
+    names = [s["name"] for s in status["steps"]]
+    assert names.count("quantize:awq-w4g128") == 1 and names[-1] == "publish:awq-w4g128"

@@ -4,7 +4,7 @@
   at a time; a worker that dies is noticed through its lease in the catalog (workers/tasks.py), not the broker;
 - the Redis visibility timeout (broker and result backend) is longer than the longest job
   (FACTORY_VISIBILITY_TIMEOUT seconds, default 12 hours), so a slow job is not handed to a second worker;
-- queues: `gpu` (quantization and evaluation), `cpu` (work that needs no GPU).
+- queues: `gpu` (quantization and evaluation, up to the quality gate), `cpu` (publishing).
 Workers run tasks in their main process (solo pool): the engines already run in their own child processes, and
 no CUDA context is ever created in a forked process.
 """
@@ -24,7 +24,7 @@ app.conf.update(
     worker_concurrency=1,
     task_track_started=True,
     task_default_queue="gpu",
-    task_routes={"quantfactory.run_job": {"queue": "gpu"}},
+    task_routes={"quantfactory.run_job": {"queue": "gpu"}, "quantfactory.publish_job": {"queue": "cpu"}},
     broker_transport_options={"visibility_timeout": _settings.visibility_timeout},
     result_backend_transport_options={"visibility_timeout": _settings.visibility_timeout},
     broker_connection_retry_on_startup=True,

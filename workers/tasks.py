@@ -1,10 +1,12 @@
 """Tasks are thin: they take a job id, re-read the job from the catalog and run the steps not done yet.
 
-Crash recovery does not wait for the broker: a running job holds a lease in the catalog that a heartbeat thread
-renews; `reconcile` (beat, every FACTORY_RECONCILE_SECONDS) puts jobs whose lease expired back on the queue, and
-queued jobs the broker lost. A job taken more than FACTORY_MAX_ATTEMPTS times fails as lost, so a job that kills
-its workers does not loop forever. Redis' visibility timeout stays a backstop: a redelivered message of a job that
-finished or is held by another worker does nothing. `enqueue` is the one place that hands a job to the broker.
+A job runs on the gpu queue up to its quality gate (`run_job`), then a task on the cpu queue publishes it
+(`publish_job`); both go through `Factory.execute`, which reuses every finished step. Crash recovery does not wait
+for the broker: a running job holds a lease in the catalog that a heartbeat thread renews; `reconcile` (beat,
+every FACTORY_RECONCILE_SECONDS) puts jobs whose lease expired back on the queue, and queued jobs the broker lost.
+A job taken more than FACTORY_MAX_ATTEMPTS times fails as lost, so a job that kills its workers does not loop
+forever. Redis' visibility timeout stays a backstop: a redelivered message of a job that finished or is held by
+another worker does nothing. `enqueue` is the one place that hands a job to the broker.
 """
 
 from __future__ import annotations
@@ -26,30 +28,46 @@ from factory.pipeline import Factory
 from workers.app import app
 
 QUEUE = "gpu"
+QUEUES = ("gpu", "cpu")
 EVENTS = "quantfactory:events:"  # + job id: the pipeline's events, published for `qf status --follow`
 
 
 @app.task(name="quantfactory.run_job", ignore_result=True)  # outcomes live in the catalog
 def run_job(job_id: str) -> None:
+    """gpu queue: everything up to the quality gate, then the publishing step goes to the cpu queue."""
+    if _run(job_id, publish=False):
+        publish_job.apply_async(args=[job_id], queue="cpu")
+
+
+@app.task(name="quantfactory.publish_job", ignore_result=True)
+def publish_job(job_id: str) -> None:
+    """cpu queue: publish what passed the gate (the job's finished steps are reused, not run again)."""
+    _run(job_id, publish=True)
+
+
+def _run(job_id: str, publish: bool) -> bool:
+    """Execute under a lease; True when the job got through (queued for publishing, or succeeded)."""
     config = settings.load()
     factory = Factory(config, _publisher(config.broker_url, job_id))
     job = factory.catalog.job(job_id)
     if job is None or job.state in TERMINAL:
-        return
+        return False
     me = f"{socket.gethostname()}:{os.getpid()}"
     attempts = factory.catalog.take_lease(job_id, me, config.lease_seconds)
     if attempts is None:
-        return  # another worker holds it
+        return False  # another worker holds it
     if attempts > config.max_attempts:
         message = f"job lost its worker {attempts - 1} times; giving up (FACTORY_MAX_ATTEMPTS={config.max_attempts})"
         factory.catalog.set_job_state(job_id, JobState.failed, message, 1)
-        return
+        return False
     with _heartbeat(factory.catalog, job_id, me, config.lease_seconds):
         try:
-            factory.execute(job_id)
+            job = factory.execute(job_id, publish=publish)
         except FactoryError:
-            pass  # the job is marked failed in the catalog
-    factory.catalog.release_lease(job_id, me)
+            return False  # the job is marked failed in the catalog
+        finally:
+            factory.catalog.release_lease(job_id, me)
+    return job.state in (JobState.queued, JobState.succeeded)
 
 
 def _publisher(broker_url: str, job_id: str):
@@ -102,11 +120,11 @@ def _jobs_in_broker() -> set[str]:
     """Job ids in the queue's messages and in the messages delivered but not yet acknowledged."""
     with app.connection_for_read() as conn:
         client = conn.default_channel.client
-        raw = client.lrange(QUEUE, 0, -1) + [json.loads(v)[0] for v in client.hvals("unacked")]
+        raw = [m for q in QUEUES for m in client.lrange(q, 0, -1)] + [json.loads(v)[0] for v in client.hvals("unacked")]
     ids = set()
     for message in raw:
         headers = (json.loads(message) if isinstance(message, bytes | str) else message).get("headers", {})
-        if headers.get("task") == run_job.name:
+        if headers.get("task") in (run_job.name, publish_job.name):
             ids.update(ast.literal_eval(headers.get("argsrepr", "()")))
     return ids
 
