@@ -1,11 +1,11 @@
 """The distributed factory's own costs, on this machine's Redis and PostgreSQL.
 
-    .venv/bin/python benchmarks/queue.py [--db postgresql://root@127.0.0.1:5432/test] [--broker redis://...]
+    .venv/bin/python benchmarks/queue_costs.py [--db postgresql://root@127.0.0.1:5432/test] [--broker redis://...]
 
 - accept: 500 distinct submissions through the `qf submit` code path in one process (catalog row + message);
 - status: `qf status JOB` and `qf status` as fresh processes with 10,000 jobs in the catalog (target < 0.5 s);
 - overhead: one tiny AWQ job end to end through a worker (submit -> succeeded) against `qf run` (target < 2 s).
-Uses a fresh database on the server and its own Redis database; writes benchmarks/results/queue.json.
+Uses a fresh database on the server and its own Redis database; writes benchmarks/results/queue_costs.json.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--db", default="postgresql://root@127.0.0.1:5432/test")
     parser.add_argument("--broker", default="redis://127.0.0.1:6379/9")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "queue.json")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "queue_costs.json")
     args = parser.parse_args()
 
     import redis
@@ -95,18 +95,22 @@ def main() -> None:
             redis.Redis.from_url(args.broker).flushdb()
 
             # overhead: one job through a worker vs qf run
+            job_args = ["--awq", "--eval-windows", "2", "--calibration", "builtin:code"]  # not one of the 500
             run_seconds = _qf({**env, "FACTORY_HOME": str(tmp / "run-home"), "FACTORY_DB_URL": ""}, "run",
-                              str(model), "--awq", "--eval-windows", "2")
+                              str(model), *job_args)
             log = open(tmp / "worker.log", "w")
             worker = subprocess.Popen([sys.executable, "-m", "factory.cli", "worker"], env=env, cwd=ROOT,
                                       stdout=log, stderr=subprocess.STDOUT)
+            deadline = time.monotonic() + 60
             while "ready." not in (tmp / "worker.log").read_text():
+                assert time.monotonic() < deadline, (tmp / "worker.log").read_text()
                 time.sleep(0.2)
             start = time.monotonic()
-            job_id = subprocess.run([sys.executable, "-m", "factory.cli", "submit", str(model), "--awq",
-                                     "--eval-windows", "2"], env=env, cwd=ROOT, capture_output=True, text=True,
-                                    check=True).stdout.strip()
+            job_id = subprocess.run([sys.executable, "-m", "factory.cli", "submit", str(model), *job_args], env=env,
+                                    cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+            deadline = time.monotonic() + 300
             while (state := factory.catalog.job(job_id).state) not in ("succeeded", "failed"):
+                assert time.monotonic() < deadline, f"job {job_id} still {state}"
                 time.sleep(0.1)
             queued_seconds = time.monotonic() - start
             worker.terminate()
@@ -119,7 +123,7 @@ def main() -> None:
             conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         redis.Redis.from_url(args.broker).flushdb()
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    result = {"commit": commit, "command": "python benchmarks/queue.py", **result}
+    result = {"commit": commit, "command": "python benchmarks/queue_costs.py", **result}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
