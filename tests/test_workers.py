@@ -310,3 +310,22 @@ def test_gpu_worker_quantizes_cpu_worker_publishes(env, tiny, tmp_path):
     assert status["state"] == "succeeded"
     names = [s["name"] for s in status["steps"]]
     assert names.count("quantize:awq-w4g128") == 1 and names[-1] == "publish:awq-w4g128"
+
+
+def test_a_job_that_keeps_losing_workers_fails_instead_of_looping(env, tiny, monkeypatch):
+    """Each lost worker leaves an expired lease; past FACTORY_MAX_ATTEMPTS the next delivery fails the job."""
+    for key, value in {**env, "FACTORY_MAX_ATTEMPTS": "2", "FACTORY_LEASE_SECONDS": "0.01"}.items():
+        monkeypatch.setenv(key, value)
+    from factory import settings
+    from factory.pipeline import Factory
+    from workers import tasks
+
+    job_id = qf(env, "submit", tiny, "--awq", "--eval-windows", 1, check=True).stdout.strip()
+    catalog = Factory(settings.load()).catalog
+    for lost in ("host:1", "host:2"):  # two workers took it and died
+        assert catalog.take_lease(job_id, lost, 0.01) is not None
+        time.sleep(0.05)
+    tasks.run_job(job_id)  # the third delivery
+    job = catalog.job(job_id)
+    assert (job.state, job.error) == ("failed", "job lost its worker 2 times; giving up (FACTORY_MAX_ATTEMPTS=2)")
+    assert job.steps == []
