@@ -9,6 +9,7 @@ the same job submitted twice is the same row. Only the pipeline changes a job's 
 from __future__ import annotations
 
 import enum
+import fcntl
 import hashlib
 import json
 import re
@@ -30,6 +31,7 @@ from sqlalchemy import (
     create_engine,
     inspect,
     select,
+    text,
 )
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship, sessionmaker
@@ -85,6 +87,7 @@ class Base(DeclarativeBase):
 
 
 SCHEMA_VERSION = 1
+_SCHEMA_LOCK_KEY = 0x71F4C7  # pg_advisory_lock key for creating the tables
 
 
 class Meta(Base):
@@ -247,11 +250,30 @@ class Catalog:
         self.engine = create_engine(_normalize_url(url), connect_args=args, pool_pre_ping=True)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         try:
-            had_tables = inspect(self.engine).has_table("jobs")
-            Base.metadata.create_all(self.engine)
-            self._check_schema(had_tables)
+            with self._schema_lock():
+                had_tables = inspect(self.engine).has_table("jobs")
+                Base.metadata.create_all(self.engine)
+                self._check_schema(had_tables)
         except OperationalError:
             raise ServiceUnavailable(f"the catalog database at {mask_url(url)} cannot be reached") from None
+
+    @contextmanager
+    def _schema_lock(self) -> Iterator[None]:
+        """Processes that open a new catalog at the same moment create its tables one at a time."""
+        if self.engine.dialect.name == "postgresql":
+            with self.engine.connect() as conn:
+                conn.execute(text("SELECT pg_advisory_lock(:key)"), {"key": _SCHEMA_LOCK_KEY})
+                try:
+                    yield
+                finally:
+                    conn.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": _SCHEMA_LOCK_KEY})
+                    conn.commit()
+        elif self.url.startswith("sqlite:///"):
+            with open(self.url.removeprefix("sqlite:///") + ".lock", "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                yield
+        else:
+            yield
 
     def _check_schema(self, had_tables: bool) -> None:
         """A catalog made by another schema version is refused in one sentence (there are no migrations yet)."""

@@ -144,7 +144,10 @@ from factory.cli import app
 source, windows = sys.argv[1], sys.argv[2:]
 for w in windows:
     result = CliRunner().invoke(app, ["submit", source, "--awq", "--eval-windows", w])
-    assert result.exit_code == 0, result.output
+    if result.exit_code != 0:
+        import traceback
+        traceback.print_exception(result.exception)
+        sys.exit(f"submission {w} failed: {result.output}")
     print(result.stdout.strip(), w, flush=True)
 """
 
