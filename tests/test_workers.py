@@ -47,14 +47,31 @@ def worker(env, tmp_path):
     proc.wait(timeout=30)
 
 
-def wait_for(env, job_id: str, timeout: float = 240) -> dict:
+def wait_until(env, job_id: str, done, timeout: float = 240, what: str = "done") -> dict:
+    """Poll `qf status JOB --json` until `done(status)`; the last status."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        status = json.loads(qf(env, "status", job_id, "--json", check=True).stdout)
-        if status["state"] in ("succeeded", "failed", "cancelled"):
-            return status
-        time.sleep(1)
-    raise AssertionError(f"job {job_id} still {status['state']} after {timeout} s")
+    while not done(status := json.loads(qf(env, "status", job_id, "--json", check=True).stdout)):
+        assert time.monotonic() < deadline, f"job {job_id} not {what} after {timeout} s: {status}"
+        time.sleep(0.2)
+    return status
+
+
+def wait_for(env, job_id: str, timeout: float = 240) -> dict:
+    return wait_until(env, job_id, lambda s: s["state"] in ("succeeded", "failed", "cancelled"), timeout, "ended")
+
+
+def quantizing(status: dict) -> bool:
+    return any(s["name"].startswith("quantize:") and s["state"] == "running" for s in status["steps"])
+
+
+def run_worker_until_done(env, job_id: str, log_path: Path, queues: str = "gpu,cpu") -> dict:
+    """Start a worker, wait for the job to end, stop the worker; the job's last status."""
+    worker = _start_worker(env, log_path, queues)
+    try:
+        return wait_for(env, job_id)
+    finally:
+        worker.terminate()
+        worker.wait(timeout=30)
 
 
 def test_submit_runs_on_a_worker(env, worker, tiny):
@@ -114,13 +131,7 @@ def test_cancel_a_queued_job(env, tiny, tmp_path):
 
 def test_cancel_a_running_job_then_retry(env, worker, tiny):
     job_id = qf(env, "submit", tiny, "--awq", "--eval-windows", 1, check=True).stdout.strip()
-    deadline = time.monotonic() + 120
-    while True:
-        status = json.loads(qf(env, "status", job_id, "--json", check=True).stdout)
-        if any(s["name"].startswith("quantize:") and s["state"] == "running" for s in status["steps"]):
-            break
-        assert time.monotonic() < deadline, status
-        time.sleep(0.2)
+    wait_until(env, job_id, quantizing, 120, "quantizing")
     qf(env, "cancel", job_id, check=True)
     deadline = time.monotonic() + 60
     while (status := wait_for(env, job_id))["steps"][-1]["state"] == "running":  # the worker stops at its next event
@@ -229,21 +240,12 @@ def test_killed_worker_the_job_finishes_elsewhere_once(env, tiny, tmp_path):
     env = {**env, "FACTORY_LEASE_SECONDS": "3"}
     first = _start_worker(env, tmp_path / "first.log")
     job_id = qf(env, "submit", tiny, "--awq", "--eval-windows", 1, check=True).stdout.strip()
-    deadline = time.monotonic() + 120
-    while not any(s["name"].startswith("quantize:") and s["state"] == "running"
-                  for s in json.loads(qf(env, "status", job_id, "--json", check=True).stdout)["steps"]):
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
+    wait_until(env, job_id, quantizing, 120, "quantizing")
     first.kill()
     first.wait()
     time.sleep(4)  # the lease runs out
     assert qf(env, "reconcile", check=True).stdout.split() == [job_id]
-    second = _start_worker(env, tmp_path / "second.log")
-    try:
-        status = wait_for(env, job_id)
-    finally:
-        second.terminate()
-        second.wait(timeout=30)
+    status = run_worker_until_done(env, job_id, tmp_path / "second.log")
     assert status["state"] == "succeeded"
     quantize = [(s["state"], s["error"]) for s in status["steps"] if s["name"].startswith("quantize:")]
     assert quantize[0][0] == "failed" and quantize[0][1].startswith("worker ") and quantize[0][1].endswith(" lost")
@@ -291,25 +293,14 @@ def test_gpu_worker_quantizes_cpu_worker_publishes(env, tiny, tmp_path):
     job_id = qf(env, "submit", tiny, "--awq", "--eval-windows", 1, check=True).stdout.strip()
     gpu = _start_worker(env, tmp_path / "gpu.log", "gpu")
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            status = json.loads(qf(env, "status", job_id, "--json", check=True).stdout)
-            gated = any(s["name"] == "gate" and s["state"] == "succeeded" for s in status["steps"])
-            if gated and status["state"] == "queued":
-                break
-            assert time.monotonic() < deadline, status
-            time.sleep(0.5)
+        status = wait_until(env, job_id, lambda st: st["state"] == "queued" and any(
+            s["name"] == "gate" and s["state"] == "succeeded" for s in st["steps"]), 180, "gated and queued")
     finally:
         gpu.terminate()
         gpu.wait(timeout=30)
     assert not any(s["name"].startswith("publish:") for s in status["steps"])
     assert redis.Redis.from_url(BROKER).llen("cpu") == 1
-    cpu = _start_worker(env, tmp_path / "cpu.log", "cpu")
-    try:
-        status = wait_for(env, job_id)
-    finally:
-        cpu.terminate()
-        cpu.wait(timeout=30)
+    status = run_worker_until_done(env, job_id, tmp_path / "cpu.log", "cpu")
     assert status["state"] == "succeeded"
     names = [s["name"] for s in status["steps"]]
     assert names.count("quantize:awq-w4g128") == 1 and names[-1] == "publish:awq-w4g128"
