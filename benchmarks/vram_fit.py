@@ -1,0 +1,136 @@
+"""What an EXL2 quant really occupies on a GPU with exllamav2, at a context length and KV-cache type (CUDA only).
+
+    python benchmarks/vram_fit.py measure ROOT OUT.json [SECONDS]
+
+finds every EXL2 quant under ROOT (registry folders of the factory), and for each context (2k, 8k, 16k, 32k up to
+the model's max positions) and cache (fp16, q4, then q8) loads it in a fresh process, fills the cache with one
+forward pass over the whole context (prefill of ctx-1 tokens, then one token with logits, as a generator does) and
+records: torch's peak allocated and reserved bytes, the drop of free memory (cuda mem_get_info) from just after the
+CUDA context exists, and the GPU's used memory (nvidia-smi) before the process touched CUDA and at the end, which
+counts what a user sees: context, weights, cache, scratch and the allocator's reserve. Also recorded: the quant's
+config and tensor bytes by group, so predictions can be checked against these numbers on any machine. Stops
+starting new loads after SECONDS (default 420), so the run fits one device call.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CACHES = {"fp16": "ExLlamaV2Cache", "q4": "ExLlamaV2Cache_Q4", "q8": "ExLlamaV2Cache_Q8", "q6": "ExLlamaV2Cache_Q6"}
+CONTEXTS = (2048, 8192, 16384, 32768)
+
+
+def _gpu_used_bytes() -> int:
+    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+                         capture_output=True, text=True, check=True).stdout
+    return int(out.split()[0]) * 2**20
+
+
+def one(folder: str, ctx: int, cache_type: str) -> dict:
+    """Runs in its own process: nothing on the GPU before it starts."""
+    used_before = _gpu_used_bytes()
+    os.environ["EXLLAMA_NO_SDPA"] = "1"
+    import exllamav2
+    import torch
+    from exllamav2 import ExLlamaV2, ExLlamaV2Config
+
+    free_start, total = torch.cuda.mem_get_info()
+    config = ExLlamaV2Config(folder)
+    config.arch_compat_overrides()
+    config.max_seq_len = ctx
+    model = ExLlamaV2(config)
+    model.load()
+    free_loaded, _ = torch.cuda.mem_get_info()
+    cache = getattr(exllamav2, CACHES[cache_type])(model, max_seq_len=ctx)
+    ids = torch.randint(0, config.vocab_size, (1, ctx))
+    with torch.inference_mode():
+        model.forward(ids[:, :-1], cache, preprocess_only=True)
+        model.forward(ids[:, -1:], cache)
+    torch.cuda.synchronize()
+    free_end, _ = torch.cuda.mem_get_info()
+    return {"ctx": ctx, "cache": cache_type, "max_input_len": config.max_input_len,
+            "max_attention_size": config.max_attention_size,
+            "allocated_peak": torch.cuda.max_memory_allocated(), "reserved_peak": torch.cuda.max_memory_reserved(),
+            "free_drop_load": free_start - free_loaded, "free_drop": free_start - free_end,
+            "gpu_used_before": used_before, "gpu_used_end": _gpu_used_bytes(), "gpu_total": total}
+
+
+def describe(folder: Path) -> dict:
+    """The quant's shape and its tensor bytes by group (embedding, head, decoder layers, other)."""
+    from safetensors import safe_open
+
+    groups: dict[str, int] = {}
+    for shard in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(shard), "pt") as f:
+            for name in f.keys():
+                t = f.get_slice(name)
+                n = 1
+                for d in t.get_shape():
+                    n *= d
+                size = n * {"F16": 2, "BF16": 2, "F32": 4, "I32": 4, "I16": 2, "U8": 1, "I8": 1}[t.get_dtype()]
+                group = ("embed" if "embed_tokens" in name else "head" if "lm_head" in name
+                         else "layers" if ".layers." in name else "other")
+                groups[group] = groups.get(group, 0) + size
+    config = json.loads((folder / "config.json").read_text())
+    return {"folder": folder.name, "config": config, "tensor_bytes": groups,
+            "file_bytes": sum(p.stat().st_size for p in folder.glob("*.safetensors"))}
+
+
+def quants(root: Path) -> list[Path]:
+    found, seen = [], set()
+    for cfg in sorted(root.rglob("registry/**/config.json")):
+        qc = json.loads(cfg.read_text()).get("quantization_config", {})
+        key = (cfg.parent.parent.name, qc.get("bits"), qc.get("head_bits"))  # registry/<name>/<tag>@<rev>/
+        if qc.get("quant_method") == "exl2" and key not in seen:
+            seen.add(key)
+            found.append(cfg.parent)
+    return found
+
+
+def measure(root: Path, out: Path, budget: float) -> None:
+    start = time.monotonic()
+    results = {"gpu": None, "rows": []}
+    plan = []
+    for folder in quants(root):
+        info = describe(folder)
+        max_pos = info["config"].get("max_position_embeddings", 2048)
+        contexts = [c for c in CONTEXTS if c <= max_pos]
+        results["rows"].append({**info, "path": str(folder.relative_to(root)), "runs": []})
+        for cache in ("fp16", "q4", "q8"):
+            plan += [(len(results["rows"]) - 1, folder, c, cache) for c in contexts]
+    plan.sort(key=lambda p: ["fp16", "q4", "q8"].index(p[3]))  # the required pairs first, q8 if time is left
+    for index, folder, ctx, cache in plan:
+        if time.monotonic() - start > budget:
+            print(f"time budget spent; {cache} at {ctx} for {folder.name} not measured")
+            continue
+        proc = subprocess.run([sys.executable, __file__, "one", str(folder), str(ctx), cache],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            run = {"ctx": ctx, "cache": cache, "error": proc.stderr.strip().splitlines()[-1:]}
+        else:
+            run = json.loads(proc.stdout.strip().splitlines()[-1])
+        results["rows"][index]["runs"].append(run)
+        print(folder.name, json.dumps(run), flush=True)
+        out.write_text(json.dumps(results, indent=1) + "\n")
+    import torch
+
+    results["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    out.write_text(json.dumps(results, indent=1) + "\n")
+
+
+def main() -> None:
+    if len(sys.argv) >= 5 and sys.argv[1] == "one":
+        print(json.dumps(one(sys.argv[2], int(sys.argv[3]), sys.argv[4])))
+    elif len(sys.argv) >= 4 and sys.argv[1] == "measure":
+        measure(Path(sys.argv[2]), Path(sys.argv[3]), float(sys.argv[4]) if len(sys.argv) > 4 else 420)
+    else:
+        raise SystemExit(__doc__)
+
+
+if __name__ == "__main__":
+    main()
