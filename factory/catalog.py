@@ -36,7 +36,7 @@ from sqlalchemy import (
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship, sessionmaker
 
-from factory.errors import ServiceUnavailable, SpecError
+from factory.errors import ServiceUnavailable, SpecError, mask_url
 
 
 class JobState(enum.StrEnum):
@@ -232,10 +232,6 @@ class Evaluation(Base):
     created_at: Mapped[datetime] = mapped_column(default=now)
 
 
-def mask_url(url: str) -> str:
-    return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
-
-
 def _normalize_url(url: str) -> str:
     # Users write postgresql://...; SQLAlchemy's default driver for that is psycopg2, which we install.
     return re.sub(r"^postgres(ql)?://", "postgresql+psycopg2://", url)
@@ -340,16 +336,6 @@ class Catalog:
                 _ = job.steps
             return job
 
-    def jobs(self, limit: int = 20, name: str | None = None) -> list[Job]:
-        with self.session() as s:
-            query = select(Job).order_by(Job.created_at.desc()).limit(limit)
-            if name is not None:
-                query = query.where(Job.name == name)
-            jobs = list(s.scalars(query))
-            for job in jobs:
-                _ = job.steps
-            return jobs
-
     # leases: a running job is held by one worker, which renews the lease; an expired lease means a lost worker
     def take_lease(self, job_id: str, worker: str, seconds: float) -> int | None:
         """Hold the job for `worker`: how many times it has been taken (this time included), or None when another
@@ -398,6 +384,16 @@ class Catalog:
             if job is not None and job.state not in TERMINAL:
                 job.state, job.error, job.exit_code = JobState.cancelled, "cancelled", 1
             return job
+
+    def fail_job(self, job_id: str, error: str) -> None:
+        """The job and its running steps failed with `error` (for a job whose process died without saying why)."""
+        with self.session() as s:
+            job = s.get(Job, job_id, with_for_update=True)
+            for step in job.steps:
+                if step.state == StepState.running:
+                    step.state, step.error, step.ended_at = StepState.failed, error, now()
+            if job.state not in TERMINAL:
+                job.state, job.error, job.exit_code = JobState.failed, error, 1
 
     def set_job_specs(self, job_id: str, specs: list[dict]) -> None:
         with self.session() as s:

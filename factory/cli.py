@@ -233,23 +233,10 @@ def ls(as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
         out.print(_quant_table(rows))
 
 
-def _job_rows(jobs) -> list[dict]:
-    return [
-        {
-            "id": j.id,
-            "name": j.name,
-            "state": j.state,
-            "error": j.error,
-            "exit_code": j.exit_code,
-            "source": j.source,
-            "source_identity": j.source_identity,
-            "specs": j.specs,
-            "created_at": j.created_at.isoformat(timespec="seconds"),
-            "steps": [{"name": s.name, "state": s.state, "seconds": s.seconds, "error": s.error,
-                   "peak_gpu_bytes": s.peak_gpu_bytes} for s in j.steps],
-        }
-        for j in jobs
-    ]
+def _job_rows(**query) -> list[dict]:
+    from factory import status
+
+    return status.job_rows(settings.load().db_url, **query)
 
 
 def _job_table(rows: list[dict], title: str | None = None) -> Table:
@@ -273,7 +260,7 @@ def jobs(
     limit: Annotated[int, typer.Option("--limit", min=1)] = 20,
 ) -> None:
     """Recent jobs with their state and step timings."""
-    rows = _job_rows(_catalog().jobs(limit=limit))
+    rows = _job_rows(limit=limit)
     if as_json:
         print(json.dumps(rows, indent=2))
     else:
@@ -306,7 +293,7 @@ def show(
     catalog = _catalog()
     parsed = naming.parse(ref)
     rows = [q.as_row() for q in _find(catalog, parsed)]
-    job_rows = _job_rows(catalog.jobs(limit=50, name=parsed.name))
+    job_rows = _job_rows(limit=50, name=parsed.name)
     if as_json:
         print(json.dumps({"quants": rows, "jobs": job_rows}, indent=2))
         return
@@ -322,18 +309,13 @@ def status(
     follow: Annotated[bool, typer.Option("--follow", help="Show the job's progress live until it ends.")] = False,
 ) -> None:
     """A job's state and steps; without JOB, the recent jobs."""
-    catalog = _catalog()
     if follow and job_id is not None:
-        _follow(catalog, job_id, as_json)
+        _follow(_catalog(), job_id, as_json)
         if as_json:
             return  # the events were the output
-    if job_id is None:
-        rows = _job_rows(catalog.jobs(limit=20))
-    else:
-        job = catalog.job(job_id)
-        if job is None:
-            raise NotFound(f"no job {job_id!r}; `qf status` lists the recent ones")
-        rows = _job_rows([job])
+    rows = _job_rows(job_id=job_id) if job_id else _job_rows(limit=20)
+    if job_id is not None and not rows:
+        raise NotFound(f"no job {job_id!r}; `qf status` lists the recent ones")
     if as_json:
         print(json.dumps(rows if job_id is None else rows[0], indent=2))
     else:
@@ -344,7 +326,8 @@ def _follow(catalog, job_id: str, as_json: bool) -> None:
     """Render the job's events as its worker publishes them, until a result event or a terminal state."""
     import redis
 
-    from factory.catalog import TERMINAL, mask_url
+    from factory.catalog import TERMINAL
+    from factory.errors import mask_url
     from workers.tasks import EVENTS
 
     url = settings.load().broker_url

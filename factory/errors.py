@@ -14,6 +14,8 @@ Messages are one sentence saying what was wrong and what is allowed; the CLI pri
 
 from __future__ import annotations
 
+import re
+
 
 class FactoryError(Exception):
     exit_code = 1
@@ -54,3 +56,8 @@ class NotFound(FactoryError):
 
 class ServiceUnavailable(FactoryError):
     exit_code = 5
+
+
+def mask_url(url: str) -> str:
+    """A service URL as messages may show it: the password replaced by ***."""
+    return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)

@@ -148,6 +148,27 @@ def test_cancel_a_running_job_then_retry(env, worker, tiny):
     assert [r["job"] for r in json.loads(qf(env, "ls", "--json", check=True).stdout)] == [job_id]
 
 
+def test_a_dead_job_process_fails_the_job_and_the_worker_goes_on(env, worker, tiny):
+    """Each job runs in a process the worker spawns; killed (as the OOM killer would), the job fails with the
+    reason, its engine goes with it, and the same worker runs the retry."""
+    import psutil
+
+    job_id = qf(env, "submit", tiny, "--awq", "--eval-windows", 1, check=True).stdout.strip()
+    wait_until(env, job_id, quantizing, 120, "quantizing")
+    [job_process] = [p for p in psutil.Process(worker.pid).children() if "spawn_main" in " ".join(p.cmdline())]
+    engines = job_process.children(recursive=True)
+    assert engines, "the AWQ engine runs in a child of the job process"
+    job_process.kill()
+    status = wait_for(env, job_id, 60)
+    assert (status["state"], status["error"]) == ("failed", "the job's process died (killed by SIGKILL)")
+    assert (status["steps"][-1]["state"], status["steps"][-1]["error"]) == ("failed", status["error"])
+    gone, alive = psutil.wait_procs(engines, timeout=15)
+    assert alive == [] and worker.poll() is None
+
+    assert qf(env, "retry", job_id, check=True).stdout.strip() == job_id
+    assert wait_for(env, job_id)["state"] == "succeeded"
+
+
 SUBMITTER = """
 import sys
 from typer.testing import CliRunner

@@ -5,8 +5,9 @@
 - the Redis visibility timeout (broker and result backend) is longer than the longest job
   (FACTORY_VISIBILITY_TIMEOUT seconds, default 12 hours), so a slow job is not handed to a second worker;
 - queues: `gpu` (quantization and evaluation, up to the quality gate), `cpu` (publishing).
-Workers run tasks in their main process (solo pool): the engines already run in their own child processes, and
-no CUDA context is ever created in a forked process.
+The worker's own process only takes messages and holds leases (solo pool); each job runs in a fresh process started
+with the `spawn` method (workers/tasks.py), and its engines in their own children: nothing that may hold CUDA is ever
+forked, and a job's GPU memory, or its crash, ends with its process.
 """
 
 from __future__ import annotations

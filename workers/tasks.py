@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import ast
 import json
+import multiprocessing
 import os
+import signal
 import socket
 import threading
 from contextlib import contextmanager
@@ -22,13 +24,15 @@ import redis
 from kombu.exceptions import OperationalError
 
 from factory import settings
-from factory.catalog import TERMINAL, Catalog, JobState, mask_url
-from factory.errors import FactoryError, ServiceUnavailable
+from factory.catalog import TERMINAL, Catalog, JobState
+from factory.engines import child
+from factory.errors import FactoryError, ServiceUnavailable, mask_url
 from factory.pipeline import Factory
 from workers.app import app
 
 QUEUE = "gpu"
 QUEUES = ("gpu", "cpu")
+_SPAWN = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA
 EVENTS = "quantfactory:events:"  # + job id: the pipeline's events, published for `qf status --follow`
 
 
@@ -62,12 +66,32 @@ def _run(job_id: str, publish: bool) -> bool:
         return False
     with _heartbeat(factory.catalog, job_id, me, config.lease_seconds):
         try:
-            job = factory.execute(job_id, publish=publish)
-        except FactoryError:
-            return False  # the job is marked failed in the catalog
+            _execute(factory, job_id, publish)
         finally:
             factory.catalog.release_lease(job_id, me)
-    return job.state in (JobState.queued, JobState.succeeded)
+    return factory.catalog.job(job_id).state in (JobState.queued, JobState.succeeded)
+
+
+def _execute(factory: Factory, job_id: str, publish: bool) -> None:
+    """Factory.execute in a fresh spawned process: what a job does to its process (CUDA memory and context, an
+    out-of-memory kill, a crash in native code) ends with that process, and the worker takes the next job clean."""
+    proc = _SPAWN.Process(target=_execute_here, args=(job_id, publish, os.getpid()), name=f"qf-job-{job_id}")
+    proc.start()
+    proc.join()
+    if proc.exitcode != 0:
+        how = f"killed by {signal.Signals(-proc.exitcode).name}" if proc.exitcode < 0 else f"exit {proc.exitcode}"
+        factory.catalog.fail_job(job_id, f"the job's process died ({how})")
+
+
+def _execute_here(job_id: str, publish: bool, parent: int) -> None:
+    child.die_with_parent()  # a killed worker takes its job process (and that one its engines) along
+    if os.getppid() != parent:
+        return
+    config = settings.load()
+    try:
+        Factory(config, _publisher(config.broker_url, job_id)).execute(job_id, publish=publish)
+    except FactoryError:
+        pass  # the job is marked failed in the catalog
 
 
 def _publisher(broker_url: str, job_id: str):

@@ -34,7 +34,8 @@ def json_event(line: str) -> dict | None:
     return event if isinstance(event, dict) else None
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
+    """This process gets SIGTERM when its parent dies (Linux), so no engine outlives a killed factory."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except (OSError, AttributeError):  # not Linux: the child may outlive a killed parent
@@ -60,7 +61,7 @@ def run_command(
             text=True,
             errors="replace",
             env={**os.environ, **(env or {})},
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         try:
             for line in proc.stdout:

@@ -1,0 +1,74 @@
+"""Jobs and their steps as `qf status`, `qf jobs` and `qf show` print them, read with plain SQL.
+
+The catalog (factory/catalog.py) owns the schema and every write. This module only reads, through sqlite3 or
+psycopg2, because importing SQLAlchemy alone takes 0.4 s on a 2-core machine and `qf status` has half a second
+(benchmarks/queue_costs.py). tests/test_status.py checks that both read the same rows.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sqlite3
+from datetime import datetime
+
+from factory.errors import ServiceUnavailable, SpecError, mask_url
+
+_JOBS = "SELECT id, name, state, error, exit_code, source, source_identity, specs, created_at FROM jobs"
+_STEPS = "SELECT job_id, name, state, started_at, ended_at, error, peak_gpu_bytes FROM steps"
+
+
+def job_rows(url: str, job_id: str | None = None, name: str | None = None, limit: int = 20) -> list[dict]:
+    """The newest `limit` jobs (of model `name`, or the one job `job_id`), newest first; [] for a new catalog."""
+    where, args = ("WHERE id = ?", [job_id]) if job_id else ("WHERE name = ?", [name]) if name else ("", [])
+    conn, missing_table = _connect(url)
+    if conn is None:
+        return []
+    try:
+        jobs = _query(conn, f"{_JOBS} {where} ORDER BY created_at DESC LIMIT ?", [*args, limit])
+        ids = [j[0] for j in jobs]
+        steps = _query(conn, f"{_STEPS} WHERE job_id IN ({', '.join('?' * len(ids))}) ORDER BY id", ids) if ids else []
+    except missing_table:
+        return []
+    finally:
+        conn.close()
+    by_job: dict[str, list[dict]] = {i: [] for i in ids}
+    for job, step, state, started, ended, error, peak in steps:
+        seconds = (_time(ended) - _time(started)).total_seconds() if ended else None
+        by_job[job].append({"name": step, "state": state, "seconds": seconds, "error": error, "peak_gpu_bytes": peak})
+    return [
+        {"id": i, "name": n, "state": s, "error": e, "exit_code": code, "source": src, "source_identity": ident,
+         "specs": json.loads(specs) if isinstance(specs, str) else specs,
+         "created_at": _time(created).isoformat(timespec="seconds"), "steps": by_job[i]}
+        for i, n, s, e, code, src, ident, specs, created in jobs
+    ]
+
+
+def _connect(url: str):
+    """(connection or None when there is no catalog yet, the error a missing table raises)."""
+    if url.startswith("sqlite:///"):
+        try:
+            conn = sqlite3.connect(f"file:{url.removeprefix('sqlite:///')}?mode=ro", uri=True, timeout=30)
+        except sqlite3.OperationalError:
+            return None, sqlite3.OperationalError
+        return conn, sqlite3.OperationalError
+    if re.match(r"^postgres(ql)?(\+psycopg2)?://", url):
+        import psycopg2
+        import psycopg2.errors
+
+        dsn = re.sub(r"^postgres(ql)?(\+psycopg2)?://", "postgresql://", url)
+        try:
+            return psycopg2.connect(dsn, connect_timeout=5), psycopg2.errors.UndefinedTable
+        except psycopg2.OperationalError:
+            raise ServiceUnavailable(f"the catalog database at {mask_url(url)} cannot be reached") from None
+    raise SpecError(f"FACTORY_DB_URL {mask_url(url)} is neither sqlite:///PATH nor postgresql://...")
+
+
+def _query(conn, sql: str, args: list) -> list[tuple]:
+    cursor = conn.cursor()
+    cursor.execute(sql if isinstance(conn, sqlite3.Connection) else sql.replace("?", "%s"), args)
+    return cursor.fetchall()
+
+
+def _time(value) -> datetime:
+    return datetime.fromisoformat(value) if isinstance(value, str) else value
