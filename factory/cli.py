@@ -14,7 +14,15 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
 from rich.table import Table
 
 from factory import naming, settings
@@ -193,6 +201,10 @@ def run(source: SourceArg, exl2: Exl2Opt = None, awq: AwqOpt = False, recipe: Re
         name: NameOpt = None, base_model: BaseOpt = None, as_json: JsonOpt = False) -> None:
     """Quantize, evaluate and publish SOURCE in this process: inspect, quantize, evaluate, gate, publish."""
     request = _request(source, exl2, awq, recipe, calibration, eval_set, eval_windows, name, base_model)
+    if owner := settings.load().hub_owner:
+        from factory import hub
+
+        hub.writer(owner)  # a missing or read-only token fails now, not after hours of quantizing
     _quiet_libraries()
     with Renderer(as_json) as render:
         factory = _factory(render)
@@ -222,8 +234,26 @@ def submit(source: SourceArg, exl2: Exl2Opt = None, awq: AwqOpt = False, recipe:
 
 @app.command("ls")
 @_handled
-def ls(as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+def ls(
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+    remote: Annotated[str | None, typer.Option("--remote", metavar="OWNER", help="List what OWNER published on the "
+                                                "Hub instead of the catalog.")] = None,
+) -> None:
     """List finished quants."""
+    if remote:
+        from factory import hub
+
+        found = hub.published(remote, _templates())
+        if as_json:
+            print(json.dumps(found, indent=2))
+            return
+        table = Table(title=f"published by {remote} on the Hub", title_justify="left")
+        for col in ("QUANT", "REPO", "BRANCH", "COMMIT"):
+            table.add_column(col)
+        for r in found:
+            table.add_row(r["name"], r["repo"], r["branch"], r["commit"][:7])
+        out.print(table)
+        return
     rows = [q.as_row() for q in _catalog().quants()]
     if as_json:
         print(json.dumps(rows, indent=2))
@@ -419,15 +449,45 @@ def worker(
 def pull(
     ref: Annotated[str, typer.Argument(metavar="NAME:TAG[@REV]")],
     output: Annotated[Path | None, typer.Option("-o", "--output", help="Folder to put the files in.")] = None,
+    owner: Annotated[str | None, typer.Option("--hub", metavar="OWNER", help="Where to look on the Hub when the "
+                                              "catalog does not know NAME:TAG (default FACTORY_HUB_OWNER).")] = None,
 ) -> None:
-    """Copy a finished quant out of the registry, verifying every sha256."""
+    """Copy a finished quant out of the registry, or download it from the Hub; every file's sha256 verified."""
     from factory.publish import folder
 
     parsed = naming.parse(ref, tag_required=True)
-    quant = _find(_catalog(), parsed)[0]
+    owner = owner or settings.load().hub_owner
+    try:
+        quant = _find(_catalog(), parsed)[0]
+    except (NotFound, ServiceUnavailable):
+        if not owner:
+            raise
+        return _pull_from_hub(parsed, owner, output)
     dest = output or Path(f"{quant.name}-{quant.tag}")
     files = folder.pull(settings.load().registry / quant.path, dest)
     err.print(f"{quant.name}:{quant.tag}@{quant.rev}: {len(files)} files verified, in {dest}")
+    out.print(str(dest.resolve()))
+
+
+def _templates() -> dict[str, str]:
+    config = settings.load()
+    return {"exl2": config.hub_exl2_repo, "awq": config.hub_awq_repo}
+
+
+def _pull_from_hub(parsed: naming.QuantRef, owner: str, output: Path | None) -> None:
+    from factory import hub
+
+    tags = hub.tags(owner, parsed.name, _templates())
+    if parsed.tag not in tags:
+        known = ", ".join(sorted(tags)) or "none"
+        raise NotFound(f"{parsed.name}:{parsed.tag} is not published under {owner} on the Hub; tags there: {known}")
+    where = tags[parsed.tag]
+    dest = output or Path(f"{parsed.name}-{parsed.tag}")
+    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), console=err,
+                  disable=not err.is_terminal) as bar:
+        task = bar.add_task(f"{where.repo}@{where.branch}", total=None)
+        files = hub.pull(where, parsed.rev, dest, lambda done, total: bar.update(task, completed=done, total=total))
+    err.print(f"{parsed.name}:{parsed.tag} from {where.repo}@{where.branch}: {len(files)} files verified, in {dest}")
     out.print(str(dest.resolve()))
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import calibration
-from factory import engines, evaluate, naming, sources
+from factory import engines, evaluate, hub, naming, sources
 from factory.catalog import Catalog, Job, JobState, Quant, StepState, job_key, measurement_key
 from factory.errors import Cancelled, FactoryError, JobFailed, ModelRefused, QualityGateRefused, SpecError
 from factory.inspect import inspect
@@ -95,7 +95,7 @@ class Factory:
             name=name,
             source=source.source,
             source_identity=source.identity,
-            base_model=request.base_model or source.label,
+            base_model=request.base_model or source.base_model,
             specs=spec_dicts,
             calibration=cal.name,
             calibration_sha=cal.sha256,
@@ -140,6 +140,8 @@ class Factory:
             for spec in prepared.specs:
                 if spec.tag not in refused:
                     self._publish(job, prepared, spec, outputs[spec.tag], ppls[spec.tag], fp16)
+                    if self.settings.hub_owner:
+                        self._push(job, spec)
             if refused:
                 raise refused[next(iter(refused))]
         except KeyboardInterrupt:
@@ -200,13 +202,21 @@ class Factory:
         if self.catalog.job(job_id).state == JobState.cancelled:
             raise Cancelled(f"job {job_id} was cancelled")
 
+    def _local_folder(self, job: Job) -> Path:
+        folder = Path(job.source)
+        if not folder.is_dir():
+            raise ModelRefused(f"source folder {job.source!r} is gone")
+        if sources.folder_identity(folder, self.settings.cache) != job.source_identity:
+            raise ModelRefused(f"source folder {job.source!r} changed since the job was submitted; submit it again")
+        return folder
+
     def _inspect(self, job: Job) -> _Prepared:
+        fetched = None
+        if sources.is_hub(job.source_identity):  # the Hub commit, downloaded and checked once
+            with self._step(job.id, "fetch") as progress:
+                fetched = hub.fetch(job.source_identity, self.settings.cache, progress)
         with self._step(job.id, "inspect"):
-            folder = Path(job.source)
-            if not folder.is_dir():
-                raise ModelRefused(f"source folder {job.source!r} is gone")
-            if sources.folder_identity(folder, self.settings.cache) != job.source_identity:
-                raise ModelRefused(f"source folder {job.source!r} changed since the job was submitted; submit it again")
+            folder = fetched or self._local_folder(job)
             info = inspect(folder)
             specs = [self._resolve(spec, info.in_features, job.device) for spec in _specs(job.specs)]
             self.catalog.set_job_specs(job.id, [s.model_dump() for s in specs])
@@ -379,6 +389,37 @@ class Factory:
             )
             registry.publish(self.settings.registry, job.name, spec.tag, rev, out, manifest)
             self.catalog.put_quant(quant)
+
+    def _push(self, job: Job, spec: Exl2Spec | AwqSpec) -> None:
+        """The quant's branch on the Hub, then main of its repo: the card of every variant there with its plot, and
+        measurement.json (EXL2) or the latest variant's files (AWQ, where vLLM looks)."""
+        s = self.settings
+
+        def where(tag: str) -> hub.Place:
+            return hub.place(s.hub_owner, job.name, tag, s.hub_exl2_repo, s.hub_awq_repo)
+
+        here, rev = where(spec.tag), sources.rev(job.source_identity)
+        folder = registry.quant_dir(s.registry, job.name, spec.tag, rev)
+        with self._step(job.id, f"push:{spec.tag}"):
+            api = hub.writer(s.hub_owner)
+            files = {p.name: p for p in folder.iterdir() if p.is_file()}
+            message = f"{job.name}:{spec.tag}@{rev} from {job.source_identity}"
+            hub.put_branch(api, here.repo, here.branch, files, message)
+            on_hub = hub.refs(here.repo)
+            latest = {q.tag: q.as_row() for q in sorted(self.catalog.quants(name=job.name), key=lambda q: q.created_at)
+                      if q.method == spec.method and where(q.tag).branch in on_hub}
+            rows = list(latest.values())
+            main = s.work / job.id / "hub-main" / spec.method
+            shutil.rmtree(main, ignore_errors=True)
+            main.mkdir(parents=True)
+            main_files = dict(files) if spec.method == "awq" else {}
+            if (folder / "measurement.json").is_file():
+                main_files["measurement.json"] = folder / "measurement.json"
+            places = {r["name"]: where(r["name"].split(":", 1)[1]) for r in rows}
+            (main / card.FILENAME).write_text(card.render(job.name, job.base_model, latest[spec.tag], rows, places))
+            main_files[card.FILENAME] = main / card.FILENAME
+            main_files[card.PLOT] = card.plot(rows, main / card.PLOT)
+            hub.put_branch(api, here.repo, "main", main_files, f"model card: {len(rows)} variants")
 
     def _result(self, job: Job) -> None:
         self.emit(

@@ -2,7 +2,8 @@
 
 A local folder's identity is `sha256:<hex>` over its config, tokenizer and weight files (names and contents);
 file hashes are cached by path, size and mtime under FACTORY_HOME, so a second run does not re-read the weights.
-Hub repos (`org/name[@rev]`) resolve to `org/name@<commit sha>` once the Hub source exists (issue D).
+A Hub repo (`org/name[@revision]`) is identified by `org/name@<commit sha>`, resolved when the job is submitted;
+its files are fetched by the job (factory/hub.py).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from factory.errors import NotFound, ServiceUnavailable
+from factory.errors import NotFound
 
 IDENTITY_FILES = re.compile(
     r"config\.json|generation_config\.json|tokenizer(_config)?\.json|tokenizer\.model|special_tokens_map\.json"
@@ -25,15 +26,20 @@ _HUB_REPO = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?")
 
 @dataclass(frozen=True)
 class Source:
-    path: Path  # the folder the engines read
+    path: Path | None  # the local folder; None for a Hub repo (its job fetches it)
     source: str  # what the user named: an absolute folder path or org/name
     label: str  # the name part, for the quant name
     owner: str  # the owner part (parent folder or org), for a name that is taken
     identity: str  # sha256:<hex> for a folder, org/name@<sha> for a Hub repo
+    base_model: str  # what the model card names as base_model: the Hub repo, or the folder's name
 
     @property
     def rev(self) -> str:
         return rev(self.identity)
+
+
+def is_hub(identity: str) -> bool:
+    return not identity.startswith("sha256:")
 
 
 def rev(identity: str) -> str:
@@ -53,12 +59,15 @@ def resolve(arg: str, cache_dir: Path) -> Source:
             label=path.name,
             owner=path.parent.name,
             identity=folder_identity(path, cache_dir),
+            base_model=path.name,
         )
     if _HUB_REPO.fullmatch(arg) and not arg.startswith((".", "/", "~")):
-        raise ServiceUnavailable(
-            f"{arg!r} looks like a Hub repo, but this factory cannot fetch from the Hub yet; "
-            "download it and pass the local folder"
-        )
+        from factory import hub
+
+        repo, _, revision = arg.partition("@")
+        sha = hub.resolve(repo, revision or None)
+        owner, label = repo.split("/")
+        return Source(path=None, source=repo, label=label, owner=owner, identity=f"{repo}@{sha}", base_model=repo)
     raise NotFound(f"source {arg!r} does not exist; pass a local folder with config.json and safetensors weights")
 
 

@@ -111,3 +111,38 @@ def finished(tiny, tmp_path_factory):
         assert result.exit_code == 0, result.output
         events = [json.loads(line) for line in result.stdout.splitlines()]
         yield qf, events
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    """A local in-memory Hugging Face Hub (tests/hub_server.py), with HF_ENDPOINT and huggingface_hub pointed at it.
+
+    Yields the HubServer: .url, .add_repo(repo_id, files, branch="main") -> sha, .fail(method, path_regex, status,
+    times=1, headers=None), .corrupt(repo_id, path, revision="main"), .set_gated(repo_id), .requests, .count(...),
+    .files(repo_id, revision). Tokens: "hf_alice_write", "hf_alice_read" (alice, read-only), "hf_bob_write".
+    Xet is off (HF_HUB_DISABLE_XET), so uploads take the LFS "basic" path; HF_HOME and the cache are under tmp_path,
+    and no HF_TOKEN or stored token leaks in."""
+    from huggingface_hub import constants
+
+    from tests.hub_server import TOKENS, HubServer
+
+    server = HubServer(TOKENS).start()
+    home = tmp_path / "hf_home"
+    env = {"HF_ENDPOINT": server.url, "HF_HOME": str(home), "HF_HUB_CACHE": str(home / "hub"),
+           "HF_HUB_DISABLE_XET": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_OFFLINE": "0"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_TOKEN_PATH", "HF_OIDC_RESOURCE", "HUGGINGFACE_HUB_CACHE",
+                 "TRANSFORMERS_OFFLINE", "HF_XET_CACHE"):
+        monkeypatch.delenv(name, raising=False)
+    # huggingface_hub read the environment at import time: patch what it computed from it as well.
+    patched = {"ENDPOINT": server.url,
+               "HUGGINGFACE_CO_URL_TEMPLATE": server.url + "/{repo_id}/resolve/{revision}/{filename}",
+               "HF_HOME": str(home), "HF_HUB_CACHE": str(home / "hub"), "HUGGINGFACE_HUB_CACHE": str(home / "hub"),
+               "HF_TOKEN_PATH": str(home / "token"), "HF_STORED_TOKENS_PATH": str(home / "stored_tokens"),
+               "HF_XET_CACHE": str(home / "xet"), "HF_HUB_DISABLE_XET": True, "HF_HUB_DISABLE_TELEMETRY": True,
+               "HF_HUB_OFFLINE": False}
+    for name, value in patched.items():
+        monkeypatch.setattr(constants, name, value)
+    yield server
+    server.stop()

@@ -7,9 +7,12 @@ calibration, eval protocol, tool versions, source identity), and how to load eac
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import yaml
 
 FILENAME = "README.md"
+PLOT = "ppl_vs_size.png"  # beside the card of a Hub repo
 LIBRARY = {"awq": "transformers", "exl2": "exllamav2"}
 QUANTIZED_BY = "quantfactory"
 
@@ -23,13 +26,16 @@ def _versions(versions: dict) -> str:
     return ", ".join(f"{k} {versions[k]}" for k in keep if k in versions)
 
 
-def _how_to_load(row: dict) -> str:
+def _how_to_load(row: dict, place=None) -> str:
     ref, folder = row["name"], row["name"].replace(":", "-")
+    get = f"qf pull {ref} -o {folder}"
+    if place is not None:
+        get = f"hf download {place.repo} --revision {place.branch} --local-dir {folder}\n# or: {get}"
     if row["method"] == "awq":
         return f"""### {ref}
 
 ```bash
-qf pull {ref} -o {folder}
+{get}
 vllm serve ./{folder} --quantization awq        # or any loader that reads AWQ GEMM checkpoints
 ```
 
@@ -42,7 +48,8 @@ tokenizer = AutoTokenizer.from_pretrained("./{folder}")
     return f"""### {ref}
 
 ```bash
-qf pull {ref} -o {folder}       # then point TabbyAPI's model_dir at ./{folder}
+{get}
+# then point TabbyAPI's model_dir at ./{folder}
 ```
 
 ```python
@@ -56,8 +63,10 @@ tokenizer = ExLlamaV2Tokenizer(config)
 """
 
 
-def render(name: str, base_model: str, this: dict, rows: list[dict]) -> str:
-    """`this` is the quant the folder holds; `rows` every quant of the model, `this` included."""
+def render(name: str, base_model: str, this: dict, rows: list[dict], places: dict | None = None) -> str:
+    """`this` is the quant the folder holds; `rows` every quant of the model, `this` included. `places` (quant
+    name -> hub.Place) makes the card of a Hub repo: where each variant is, how to download it, and the plot."""
+    places = places or {}
     meta = {
         "base_model": base_model,
         "base_model_relation": "quantized",
@@ -66,19 +75,23 @@ def render(name: str, base_model: str, this: dict, rows: list[dict]) -> str:
         "quantized_by": QUANTIZED_BY,
     }
     table = [
-        "| quant | method | bits | size | perplexity | vs FP16 | calibration | eval | tools | source |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| quant | method | bits | size | perplexity | vs FP16 | calibration | eval | tools | source |"
+        + (" on the Hub |" if places else ""),
+        "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if places else ""),
     ]
     for r in sorted(rows, key=lambda r: (r["method"], r["bits"])):
         ev = r["eval"]
-        mark = " (this folder)" if r["name"] == this["name"] and r["rev"] == this["rev"] else ""
+        mark = " (this folder)" if not places and (r["name"], r["rev"]) == (this["name"], this["rev"]) else ""
         table.append(
             f"| `{r['name']}`{mark} | {r['method']} | {r['bits']:g} | {_size(r['bytes'])} | {r['ppl']:.4f} "
             f"| {r['change'] * 100:+.2f}% | {r['calibration']} | {ev['text']}, {ev['windows']} x "
             f"{ev['window_length']} tokens, {ev['device']} (FP16 {r['fp16_ppl']:.4f}) | {_versions(r['versions'])} "
             f"| `{r['source_identity']}` |"
+            + (f" `{places[r['name']].repo}` branch `{places[r['name']].branch}` |" if places else "")
         )
-    loads = "\n".join(_how_to_load(r) for r in sorted(rows, key=lambda r: (r["method"], r["bits"])))
+    ordered = sorted(rows, key=lambda r: (r["method"], r["bits"]))
+    loads = "\n".join(_how_to_load(r, places.get(r["name"])) for r in ordered)
+    picture = f"\n![perplexity against size]({PLOT})\n" if places else ""
     return f"""---
 {yaml.safe_dump(meta, sort_keys=False).strip()}
 ---
@@ -90,10 +103,36 @@ saw, on the same token windows for the FP16 model and every quant (no BOS, non-o
 of the text); "vs FP16" is the change against the FP16 model on those windows.
 
 {chr(10).join(table)}
-
+{picture}
 ## How to load
 
 {loads}"""
+
+
+def plot(rows: list[dict], path: Path) -> Path:
+    """Perplexity against size for every variant, the FP16 model as a dashed line (a PNG for the Hub card)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=100)
+    for method, marker in (("exl2", "o"), ("awq", "s")):
+        mine = [r for r in rows if r["method"] == method]
+        points = sorted((r["bytes"] / 2**20, r["ppl"], r["name"].split(":", 1)[1]) for r in mine)
+        if points:
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker=marker, label=method.upper())
+            for x, y, tag in points:
+                ax.annotate(tag, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.axhline(rows[0]["fp16_ppl"], linestyle="--", color="gray", label="FP16")
+    ax.set_xlabel("size (MiB)")
+    ax.set_ylabel(f"perplexity ({rows[0]['eval']['text']})")
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
 
 
 def metadata(card: str) -> dict:

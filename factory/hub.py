@@ -1,0 +1,311 @@
+"""The Hugging Face Hub: where FP16 sources come from, where quants are published, where `qf pull` finds them.
+
+Sources: `org/name[@revision]` resolves to its commit sha when the job is submitted (source identity
+`org/name@<sha>`); the job's fetch step downloads the config, tokenizer, generation and safetensors files pinned
+to that sha into FACTORY_HOME/cache/hub/<org>--<name>/<sha>/ and checks each against the Hub's sha256 (LFS) or
+git blob id, once.
+
+Publishing (FACTORY_HUB_OWNER set): the EXL2 quants of a model share one repo (default `{owner}/{model}-exl2`),
+one branch per size (`4.0bpw`, `4.31bpw-h8`), with the model card, its plot and measurement.json on main; the AWQ
+quants share `{owner}/{model}-AWQ`, one branch per variant (`w4g128`), and main also holds the latest variant's
+files, where vLLM looks. Each branch changes in one commit made against the head it read (parent_commit), so
+publishing the same quant again changes nothing, a concurrent publish is read again and retried, and a failed
+upload leaves the branch where it was; 429 and 5xx answers are retried with backoff.
+
+Tokens come from HF_TOKEN or huggingface_hub's stored login and go nowhere else: not into task arguments, the
+catalog, logs or messages. HF_ENDPOINT points all of it at another Hub (the tests' local server).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from factory.errors import JobFailed, ModelRefused, NotFound, ServiceUnavailable, SpecError
+from factory.sources import file_sha256
+
+SOURCE_FILES = ("*.safetensors", "model.safetensors.index.json", "config.json", "generation_config.json",
+                "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json")
+VERIFIED = ".quantfactory-verified"  # written into a fetched source folder once every file matched the Hub
+RETRY_STATUS = (429, 500, 502, 503, 504)
+RETRIES = 5
+BACKOFF_SECONDS = float(os.environ.get("FACTORY_HUB_BACKOFF", "2"))  # first wait; doubles; Retry-After wins
+KEEP_ON_BRANCH = (".gitattributes",)
+
+
+def endpoint() -> str:
+    from huggingface_hub import constants
+
+    return os.environ.get("HF_ENDPOINT") or constants.ENDPOINT
+
+
+def _api(token: str | None = None):
+    from huggingface_hub import HfApi
+
+    return HfApi(endpoint=endpoint(), token=token)
+
+
+@contextmanager
+def errors(what: str) -> Iterator[None]:
+    """The client's exceptions as one sentence each: missing or gated -> exit 4, unreachable or refused -> 5."""
+    import httpx2
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    try:
+        yield
+    except GatedRepoError:
+        raise NotFound(f"{what} is gated and this token has no access; accept its terms on the Hub, or use a "
+                       "token (HF_TOKEN) that has") from None
+    except RevisionNotFoundError:
+        raise NotFound(f"{what}: the Hub has no such revision") from None
+    except RepositoryNotFoundError:
+        raise NotFound(f"{what} does not exist on the Hub (or is private to another account)") from None
+    except EntryNotFoundError:
+        raise NotFound(f"{what}: a file the Hub listed is missing") from None
+    except HfHubHTTPError as e:
+        status = e.response.status_code if e.response is not None else None
+        if status == 401:
+            raise ServiceUnavailable("the Hub rejected the token (HF_TOKEN or the stored login)") from None
+        if status == 403:
+            raise ServiceUnavailable(f"the Hub refused this token access to {what}") from None
+        raise ServiceUnavailable(f"the Hub at {endpoint()} answered {status} for {what}") from None
+    except (httpx2.TransportError, LocalEntryNotFoundError, ConnectionError, TimeoutError):
+        raise ServiceUnavailable(f"the Hub at {endpoint()} cannot be reached") from None
+
+
+def _status(e: Exception) -> int | None:
+    response = getattr(e, "response", None)
+    return response.status_code if response is not None else None
+
+
+def retrying(call: Callable[[], object]):
+    """`call()`, again after a 429 or 5xx answer (Retry-After respected, else backoff doubling), RETRIES times."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    for attempt in range(RETRIES):
+        try:
+            return call()
+        except HfHubHTTPError as e:
+            if _status(e) not in RETRY_STATUS or attempt == RETRIES - 1:
+                raise
+            wait = e.response.headers.get("Retry-After")
+            time.sleep(min(float(wait) if wait else BACKOFF_SECONDS * 2**attempt, 60))
+    raise AssertionError("unreachable")
+
+
+# sources ---------------------------------------------------------------------------------------------------------
+def resolve(repo: str, revision: str | None) -> str:
+    """The commit sha that `revision` (default main) of `repo` points at now."""
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+
+    what = f"{repo}@{revision}" if revision else repo
+    with errors(what):
+        sha = retrying(lambda: _api(_token()).model_info(repo, revision=revision)).sha
+        # a gated repo's listing is public, its files are not: ask for one now, not in the job
+        url = hf_hub_url(repo, "config.json", revision=sha, endpoint=endpoint())
+        retrying(lambda: get_hf_file_metadata(url, token=_token()))
+    return sha
+
+
+def fetch(identity: str, cache: Path, progress: Callable[..., None]) -> Path:
+    """The source files of `org/name@sha`, downloaded once into the cache and checked against the Hub."""
+    from huggingface_hub import hf_hub_download
+
+    repo, sha = identity.rsplit("@", 1)
+    dest = cache / "hub" / repo.replace("/", "--") / sha
+    if (dest / VERIFIED).is_file():
+        return dest
+    with errors(identity):
+        info = retrying(lambda: _api(_token()).model_info(repo, revision=sha, files_metadata=True))
+        files = [s for s in info.siblings if any(fnmatch.fnmatch(s.rfilename, p) for p in SOURCE_FILES)]
+        if not any(s.rfilename.endswith(".safetensors") for s in files):
+            raise ModelRefused(f"{identity} has no safetensors weights; quantfactory reads only safetensors")
+        total, done = sum(s.size or 0 for s in files), 0
+        for s in files:
+            path = Path(retrying(lambda s=s: hf_hub_download(repo, s.rfilename, revision=sha, local_dir=dest,
+                                                             endpoint=endpoint(), token=_token())))
+            if _file_id(path, lfs=s.lfs is not None) != _remote_id(s):
+                path.unlink()
+                raise JobFailed(f"{identity}: {s.rfilename} does not match the Hub's checksum (deleted; the next "
+                                "attempt downloads it again)")
+            done += s.size or 0
+            progress(done=done, total=total, unit="B")
+    (dest / VERIFIED).write_text(json.dumps({s.rfilename: _remote_id(s) for s in files}, indent=1))
+    return dest
+
+
+def _remote_id(sibling) -> str:
+    return sibling.lfs.sha256 if sibling.lfs is not None else sibling.blob_id
+
+
+def _file_id(path: Path, lfs: bool) -> str:
+    """What the Hub names a file by: its sha256 when it is stored in LFS, else its git blob sha1."""
+    if lfs:
+        return file_sha256(path)
+    data = path.read_bytes()
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def _token() -> str | None:
+    from huggingface_hub import get_token
+
+    return os.environ.get("HF_TOKEN") or get_token()
+
+
+# publishing ------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Place:
+    """Where a quant lives on the Hub: a repo and a branch."""
+
+    repo: str
+    branch: str
+
+    @property
+    def download(self) -> str:
+        return f"hf download {self.repo} --revision {self.branch} --local-dir {self.repo.split('/')[-1]}-{self.branch}"
+
+
+def place(owner: str, name: str, tag: str, exl2_template: str, awq_template: str) -> Place:
+    """`smollm2-135m-instruct:exl2-4.0bpw` -> alice/smollm2-135m-instruct-exl2, branch 4.0bpw."""
+    method, _, variant = tag.partition("-")
+    template = {"exl2": exl2_template, "awq": awq_template}.get(method)
+    if template is None or not variant:
+        raise SpecError(f"tag {tag!r} is neither exl2-... nor awq-...")
+    return Place(template.format(owner=owner, model=name), variant)
+
+
+def writer(owner: str):
+    """An HfApi that may write under `owner`; one sentence (exit 5) when the token is missing or cannot."""
+    token = _token()
+    if not token:
+        raise ServiceUnavailable("publishing to the Hub needs a token with write access: set HF_TOKEN or log in "
+                                 "with `hf auth login`")
+    api = _api(token)
+    with errors("the token's account"):
+        me = retrying(api.whoami)
+    role = me.get("auth", {}).get("accessToken", {}).get("role")
+    if role == "read":
+        raise ServiceUnavailable(f"the Hub token of {me['name']} is read-only; publishing needs write access")
+    allowed = {me["name"], *(o["name"] for o in me.get("orgs", []))}
+    if owner not in allowed:
+        raise ServiceUnavailable(f"the Hub token of {me['name']} cannot publish under {owner!r} "
+                                 f"(FACTORY_HUB_OWNER); it may publish under {', '.join(sorted(allowed))}")
+    return api
+
+
+def put_branch(api, repo: str, branch: str, files: dict[str, Path], message: str) -> str | None:
+    """Make `branch` of `repo` hold exactly `files` (path in repo -> local file) in one commit made against the
+    head it read; None when it already does. A concurrent commit to the branch makes it read again and retry."""
+    from huggingface_hub import CommitOperationAdd, CommitOperationDelete
+    from huggingface_hub.errors import HfHubHTTPError
+
+    with errors(f"{repo}@{branch}"):
+        retrying(lambda: api.create_repo(repo, exist_ok=True))
+        if branch != "main":
+            retrying(lambda: api.create_branch(repo, branch=branch, exist_ok=True))
+        for attempt in range(3):
+            info = retrying(lambda: api.model_info(repo, revision=branch, files_metadata=True))
+            remote = {s.rfilename: s for s in info.siblings}
+            ops: list = [
+                CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(path))
+                for name, path in sorted(files.items())
+                if name not in remote or _file_id(path, remote[name].lfs is not None) != _remote_id(remote[name])
+            ]
+            ops += [CommitOperationDelete(path_in_repo=n) for n in remote if n not in files and n not in KEEP_ON_BRANCH]
+            if not ops:
+                return None
+            try:
+                return retrying(lambda ops=ops, head=info.sha: api.create_commit(
+                    repo, ops, commit_message=message, revision=branch, parent_commit=head)).oid
+            except HfHubHTTPError as e:  # another commit moved the branch: read it again
+                if _status(e) not in (409, 412) or attempt == 2:
+                    raise
+    return None
+
+
+def refs(repo: str) -> dict[str, str]:
+    """Branch name -> commit sha of a repo ({} when it does not exist)."""
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    with errors(repo):
+        try:
+            found = retrying(lambda: _api(_token()).list_repo_refs(repo))
+        except RepositoryNotFoundError:
+            return {}
+    return {b.name: b.target_commit for b in found.branches}
+
+
+# pulling ---------------------------------------------------------------------------------------------------------
+def pull(where: Place, revision: str | None, dest: Path, progress: Callable[..., None]) -> list[str]:
+    """Download a published quant pinned to one commit (the branch head, or `revision` if it is on the branch) and
+    check every file against the Hub; the files land in `dest` only when all of them match."""
+    import shutil
+
+    from huggingface_hub import hf_hub_download
+
+    branches = refs(where.repo)
+    if where.branch not in branches:
+        raise NotFound(f"{where.repo} has no branch {where.branch!r}; it has {', '.join(sorted(branches)) or 'none'}")
+    commit = branches[where.branch]
+    if revision and not commit.startswith(revision):
+        raise NotFound(f"{where.repo}@{where.branch} is at {commit[:7]}, not {revision}; older revisions stay in "
+                       "the branch's history: pass the full commit of the one you want")
+    staging = dest.with_name(dest.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    with errors(f"{where.repo}@{where.branch}"):
+        info = retrying(lambda: _api(_token()).model_info(where.repo, revision=commit, files_metadata=True))
+        files = [s for s in info.siblings if s.rfilename not in KEEP_ON_BRANCH]
+        total, done = sum(s.size or 0 for s in files), 0
+        for s in files:
+            path = Path(retrying(lambda s=s: hf_hub_download(where.repo, s.rfilename, revision=commit,
+                                                             local_dir=staging, endpoint=endpoint(), token=_token())))
+            if _file_id(path, lfs=s.lfs is not None) != _remote_id(s):
+                shutil.rmtree(staging, ignore_errors=True)
+                raise JobFailed(f"{where.repo}@{commit[:7]}: {s.rfilename} does not match the Hub's checksum; "
+                                "nothing was kept")
+            done += s.size or 0
+            progress(done=done, total=total)
+    shutil.rmtree(staging / ".cache", ignore_errors=True)
+    if dest.exists():
+        raise SpecError(f"{dest} exists; pick another folder with -o")
+    staging.rename(dest)
+    return [s.rfilename for s in files]
+
+
+def tags(owner: str, name: str, templates: dict[str, str]) -> dict[str, Place]:
+    """The tags of model `name` published under `owner`: `exl2-4.0bpw` -> its Place (templates: method -> repo)."""
+    found = {}
+    for method, template in templates.items():
+        repo = template.format(owner=owner, model=name)
+        found.update({f"{method}-{b}": Place(repo, b) for b in refs(repo) if b != "main"})
+    return found
+
+
+def published(owner: str, templates: dict[str, str]) -> list[dict]:
+    """Every quant published under `owner`: name:tag, repo, branch, commit (repos the templates name only)."""
+    import re
+
+    with errors(f"the models of {owner}"):
+        models = retrying(lambda: [m.id for m in _api(_token()).list_models(author=owner)])
+    rows = []
+    for method, template in templates.items():
+        pattern = re.escape(template).replace(r"\{owner\}", re.escape(owner)).replace(r"\{model\}", "(?P<model>.+)")
+        for repo in models:
+            if match := re.fullmatch(pattern, repo):
+                rows += [{"name": f"{match['model']}:{method}-{b}", "repo": repo, "branch": b, "commit": c}
+                         for b, c in sorted(refs(repo).items()) if b != "main"]
+    return rows

@@ -1,0 +1,202 @@
+"""The Hub as a source, a publish target and a place to pull from, against the local Hub stand-in (tests/hub_server.py)
+driven through the real huggingface_hub client; tiny model, AWQ on the CPU. A test against the real Hub runs only
+with HF_TOKEN, QF_TEST_REAL_HUB_OWNER and network."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from factory import hub as hub_api
+from factory.publish import card
+
+
+@pytest.fixture(autouse=True)
+def quick_backoff(monkeypatch):
+    monkeypatch.setattr(hub_api, "BACKOFF_SECONDS", 0.01)
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+
+
+def _events(result) -> list[dict]:
+    assert result.exit_code == 0, result.output
+    return [json.loads(line) for line in result.stdout.splitlines()]
+
+
+def test_hub_source_is_pinned_fetched_once_and_verified(qf, tiny, hub):
+    sha = hub.add_repo("meta/tiny-llama", _files(tiny))
+    events = _events(qf("run", "meta/tiny-llama", "--awq", "--eval-windows", 1, "--json"))
+    assert events[0]["source_identity"] == f"meta/tiny-llama@{sha}" and events[0]["name"] == "tiny-llama"
+    steps = [e["step"] for e in events if e["event"] == "step" and e["state"] == "succeeded"]
+    assert steps[:2] == ["fetch", "inspect"]
+    [quant] = events[-1]["quants"]
+    assert quant["rev"] == sha[:7]
+    readme = (qf.home / "registry" / quant["path"] / card.FILENAME).read_text()
+    assert card.metadata(readme)["base_model"] == "meta/tiny-llama"
+
+    # a new upstream commit: naming the old one pins it, and its files are not downloaded again
+    newer = hub.add_repo("meta/tiny-llama", {**_files(tiny), "generation_config.json": b'{"do_sample": false}'})
+    assert newer != sha
+    downloads = hub.count("GET", r"/resolve/")
+    again = _events(qf("run", f"meta/tiny-llama@{sha}", "--awq", "--eval-windows", 2, "--json"))
+    assert again[0]["source_identity"] == f"meta/tiny-llama@{sha}"
+    assert hub.count("GET", r"/resolve/") == downloads
+    latest = _events(qf("run", "meta/tiny-llama", "--awq", "--eval-windows", 1, "--json"))
+    assert latest[0]["source_identity"] == f"meta/tiny-llama@{newer}" and latest[-1]["state"] == "succeeded"
+
+
+@pytest.mark.parametrize(("source", "code", "sentence"), [
+    ("meta/missing", 4, "meta/missing does not exist on the Hub (or is private to another account)"),
+    ("meta/tiny-llama@v9", 4, "meta/tiny-llama@v9: the Hub has no such revision"),
+    ("meta/gated", 4, "meta/gated is gated and this token has no access"),
+])
+def test_hub_source_refusals(qf, tiny, hub, source, code, sentence):
+    hub.add_repo("meta/tiny-llama", _files(tiny))
+    hub.add_repo("meta/gated", _files(tiny))
+    hub.set_gated("meta/gated")
+    result = qf("run", source, "--awq")
+    assert result.exit_code == code, result.output
+    assert sentence in result.stderr and "Traceback" not in result.output
+    assert qf.registry_files() == []
+
+
+def test_unreachable_hub(qf, hub, monkeypatch):
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    result = qf("run", "meta/tiny-llama", "--awq")
+    assert result.exit_code == 5
+    assert "the Hub at http://127.0.0.1:9 cannot be reached" in result.stderr
+
+
+def test_corrupted_download_fails_the_job(qf, tiny, hub):
+    hub.add_repo("meta/tiny-llama", _files(tiny))
+    hub.corrupt("meta/tiny-llama", "model.safetensors")
+    result = qf("run", "meta/tiny-llama", "--awq", "--eval-windows", 1)
+    assert result.exit_code == 1
+    assert "model.safetensors does not match the Hub's checksum" in result.stderr
+    assert qf.registry_files() == []
+
+
+@pytest.fixture
+def alice(monkeypatch):
+    monkeypatch.setenv("FACTORY_HUB_OWNER", "alice")
+    monkeypatch.setenv("HF_TOKEN", "hf_alice_write")
+
+
+def test_publish_to_the_hub_then_pull_by_name_anywhere(qf, tiny, hub, alice, tmp_path, monkeypatch):
+    events = _events(qf("run", tiny, "--awq", "--eval-windows", 1, "--json"))
+    [quant] = events[-1]["quants"]
+    assert "push:awq-w4g128" in [e["step"] for e in events if e["event"] == "step" and e["state"] == "succeeded"]
+    local = qf.home / "registry" / quant["path"]
+    branch = hub.files("alice/tiny-AWQ", "w4g128")
+    assert {n: branch[n] for n in branch if n != ".gitattributes"} == _files(local)
+    main = hub.files("alice/tiny-AWQ", "main")
+    assert main["ppl_vs_size.png"].startswith(b"\x89PNG")
+    meta = card.metadata(main["README.md"].decode())
+    assert meta["base_model_relation"] == "quantized" and "awq" in meta["tags"] and meta["quantized_by"]
+    assert "hf download alice/tiny-AWQ --revision w4g128" in main["README.md"].decode()
+    assert main["model.safetensors"] == branch["model.safetensors"]  # vLLM loads main
+
+    # the same quant again changes nothing on the Hub
+    commits = hub.count("POST", r"/commit/")
+    _events(qf("run", tiny, "--awq", "--eval-windows", 1, "--json"))
+    qf("retry", events[0]["job"])
+    assert hub.count("POST", r"/commit/") == commits
+
+    # anyone, without the catalog: a fresh FACTORY_HOME and a database that cannot be reached
+    monkeypatch.delenv("HF_TOKEN")
+    monkeypatch.delenv("FACTORY_HUB_OWNER")
+    elsewhere = type(qf)(home=tmp_path / "elsewhere", db_url="postgresql://u:pw@127.0.0.1:9/none")
+    result = elsewhere("pull", "tiny:awq-w4g128", "--hub", "alice", "-o", tmp_path / "pulled")
+    assert result.exit_code == 0, result.output
+    assert _files(tmp_path / "pulled") == _files(local)
+    missing = elsewhere("pull", "tiny:exl2-4.0bpw", "--hub", "alice", "-o", tmp_path / "nope")
+    assert missing.exit_code == 4
+    assert "tiny:exl2-4.0bpw is not published under alice on the Hub; tags there: awq-w4g128" in missing.stderr
+    listed = json.loads(elsewhere("ls", "--remote", "alice", "--json").stdout)
+    assert [(r["name"], r["repo"], r["branch"]) for r in listed] == [("tiny:awq-w4g128", "alice/tiny-AWQ", "w4g128")]
+
+    # a file corrupted on the Hub is caught, and nothing is left behind
+    hub.corrupt("alice/tiny-AWQ", "model.safetensors", revision="w4g128")
+    bad = elsewhere("pull", "tiny:awq-w4g128", "--hub", "alice", "-o", tmp_path / "bad")
+    assert bad.exit_code == 1 and "does not match the Hub's checksum" in bad.stderr
+    assert not (tmp_path / "bad").exists() and not (tmp_path / "bad.partial").exists()
+
+
+@pytest.mark.parametrize(("owner", "token", "sentence"), [
+    ("alice", None, "publishing to the Hub needs a token with write access"),
+    ("alice", "hf_alice_read", "the Hub token of alice is read-only"),
+    ("bob", "hf_alice_write", "the Hub token of alice cannot publish under 'bob'"),
+    ("alice", "hf_wrong", "the Hub rejected the token"),
+])
+def test_publishing_refusals_come_before_any_work(qf, tiny, hub, monkeypatch, owner, token, sentence):
+    monkeypatch.setenv("FACTORY_HUB_OWNER", owner)
+    if token:
+        monkeypatch.setenv("HF_TOKEN", token)
+    result = qf("run", tiny, "--awq")
+    assert result.exit_code == 5, result.output
+    assert sentence in result.stderr
+    assert token is None or token not in result.output
+    assert not (qf.home / "registry").exists()
+
+
+def test_upload_retried_after_a_500_and_a_429(tmp_path, hub, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_alice_write")
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(os.urandom(2 << 20))
+    api = hub_api.writer("alice")
+    hub.fail("PUT", r".*", 500)  # the LFS upload
+    hub.fail("POST", r"/commit/", 429, headers={"Retry-After": "0"})
+    commit = hub_api.put_branch(api, "alice/x-exl2", "4.0bpw", {"model.safetensors": weights}, "test")
+    assert commit == hub.head("alice/x-exl2", "4.0bpw")
+    assert hub.files("alice/x-exl2", "4.0bpw")["model.safetensors"] == weights.read_bytes()
+    assert hub_api.put_branch(api, "alice/x-exl2", "4.0bpw", {"model.safetensors": weights}, "again") is None
+
+
+def test_concurrent_publishes_to_one_branch(tmp_path, hub, monkeypatch):
+    """Two publishers race for one branch: each commit is made against the head it read, so the loser reads the
+    branch again; the branch ends holding one publisher's complete files, never a mix."""
+    monkeypatch.setenv("HF_TOKEN", "hf_alice_write")
+    api = hub_api.writer("alice")
+    hub_api.put_branch(api, "alice/x-exl2", "4.0bpw", {}, "create")
+    sets = []
+    for i in range(2):
+        a, b = tmp_path / f"a{i}.bin", tmp_path / f"b{i}.txt"
+        a.write_bytes(os.urandom(1 << 20))
+        b.write_text(f"publisher {i}\n")
+        sets.append({"model.safetensors": a, "notes.txt": b})
+    errors: list[BaseException] = []
+
+    def publish(files):
+        try:
+            hub_api.put_branch(api, "alice/x-exl2", "4.0bpw", files, "race")
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=publish, args=(files,)) for files in sets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    final = hub.files("alice/x-exl2", "4.0bpw")
+    final.pop(".gitattributes", None)
+    assert final in [{n: p.read_bytes() for n, p in files.items()} for files in sets]
+
+
+@pytest.mark.skipif(not (os.environ.get("HF_TOKEN") and os.environ.get("QF_TEST_REAL_HUB_OWNER")),
+                    reason="needs HF_TOKEN, QF_TEST_REAL_HUB_OWNER and network to the real Hub")
+def test_real_hub_round_trip(tmp_path):
+    owner = os.environ["QF_TEST_REAL_HUB_OWNER"]
+    api = hub_api.writer(owner)
+    note = tmp_path / "notes.txt"
+    note.write_text("quantfactory round trip\n")
+    hub_api.put_branch(api, f"{owner}/quantfactory-test-exl2", "4.0bpw", {"notes.txt": note}, "round trip")
+    files = hub_api.pull(hub_api.Place(f"{owner}/quantfactory-test-exl2", "4.0bpw"), None, tmp_path / "out",
+                         lambda **_: None)
+    assert "notes.txt" in files
