@@ -111,13 +111,17 @@ def retrying(call: Callable[[], object]):
 def resolve(repo: str, revision: str | None) -> str:
     """The commit sha that `revision` (default main) of `repo` points at now."""
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.errors import EntryNotFoundError
 
     what = f"{repo}@{revision}" if revision else repo
     with errors(what):
         sha = retrying(lambda: _api(_token()).model_info(repo, revision=revision)).sha
         # a gated repo's listing is public, its files are not: ask for one now, not in the job
         url = hf_hub_url(repo, "config.json", revision=sha, endpoint=endpoint())
-        retrying(lambda: get_hf_file_metadata(url, token=_token()))
+        try:
+            retrying(lambda: get_hf_file_metadata(url, token=_token()))
+        except EntryNotFoundError:
+            raise ModelRefused(f"{what} has no config.json; quantfactory takes transformers checkpoints") from None
     return sha
 
 

@@ -55,11 +55,13 @@ def test_hub_source_is_pinned_fetched_once_and_verified(qf, tiny, hub):
     ("meta/missing", 4, "meta/missing does not exist on the Hub (or is private to another account)"),
     ("meta/tiny-llama@v9", 4, "meta/tiny-llama@v9: the Hub has no such revision"),
     ("meta/gated", 4, "meta/gated is gated and this token has no access"),
+    ("meta/no-config", 3, "meta/no-config has no config.json; quantfactory takes transformers checkpoints"),
 ])
 def test_hub_source_refusals(qf, tiny, hub, source, code, sentence):
     hub.add_repo("meta/tiny-llama", _files(tiny))
     hub.add_repo("meta/gated", _files(tiny))
     hub.set_gated("meta/gated")
+    hub.add_repo("meta/no-config", {"notes.txt": b"not a model"})
     result = qf("run", source, "--awq")
     assert result.exit_code == code, result.output
     assert sentence in result.stderr and "Traceback" not in result.output
@@ -101,6 +103,8 @@ def test_publish_to_the_hub_then_pull_by_name_anywhere(qf, tiny, hub, alice, tmp
     assert meta["base_model_relation"] == "quantized" and "awq" in meta["tags"] and meta["quantized_by"]
     assert "hf download alice/tiny-AWQ --revision w4g128" in main["README.md"].decode()
     assert main["model.safetensors"] == branch["model.safetensors"]  # vLLM loads main
+    for path in qf.home.rglob("*"):  # the token stays out of the catalog (SQLite here), logs and work files
+        assert not path.is_file() or b"hf_alice_write" not in path.read_bytes(), path
 
     # the same quant again changes nothing on the Hub
     commits = hub.count("POST", r"/commit/")
