@@ -202,7 +202,7 @@ def run(source: SourceArg, exl2: Exl2Opt = None, awq: AwqOpt = False, recipe: Re
     """Quantize, evaluate and publish SOURCE in this process: inspect, quantize, evaluate, gate, publish."""
     request = _request(source, exl2, awq, recipe, calibration, eval_set, eval_windows, name, base_model)
     if owner := settings.load().hub_owner:
-        from factory import hub
+        from factory.publish import hub
 
         hub.writer(owner)  # a missing or read-only token fails now, not after hours of quantizing
     _quiet_libraries()
@@ -241,7 +241,7 @@ def ls(
 ) -> None:
     """List finished quants."""
     if remote:
-        from factory import hub
+        from factory.publish import hub
 
         found = hub.published(remote, _templates())
         if as_json:
@@ -475,7 +475,7 @@ def _templates() -> dict[str, str]:
 
 
 def _pull_from_hub(parsed: naming.QuantRef, owner: str, output: Path | None) -> None:
-    from factory import hub
+    from factory.publish import hub
 
     tags = hub.tags(owner, parsed.name, _templates())
     if parsed.tag not in tags:

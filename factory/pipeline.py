@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import calibration
-from factory import engines, evaluate, hub, naming, sources
+from factory import engines, evaluate, naming, sources
 from factory.catalog import Catalog, Job, JobState, Quant, StepState, job_key, measurement_key
 from factory.errors import Cancelled, FactoryError, JobFailed, ModelRefused, QualityGateRefused, SpecError
 from factory.inspect import inspect
-from factory.publish import card
+from factory.publish import card, hub
 from factory.publish import folder as registry
 from factory.settings import Settings
 from factory.specs import AwqSpec, Exl2Spec, Recipe, resolve_awq
@@ -214,7 +214,7 @@ class Factory:
         fetched = None
         if sources.is_hub(job.source_identity):  # the Hub commit, downloaded and checked once
             with self._step(job.id, "fetch") as progress:
-                fetched = hub.fetch(job.source_identity, self.settings.cache, progress)
+                fetched = sources.fetch_hub(job.source_identity, self.settings.cache, progress)
         with self._step(job.id, "inspect"):
             folder = fetched or self._local_folder(job)
             info = inspect(folder)

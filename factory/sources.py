@@ -3,24 +3,30 @@
 A local folder's identity is `sha256:<hex>` over its config, tokenizer and weight files (names and contents);
 file hashes are cached by path, size and mtime under FACTORY_HOME, so a second run does not re-read the weights.
 A Hub repo (`org/name[@revision]`) is identified by `org/name@<commit sha>`, resolved when the job is submitted;
-its files are fetched by the job (factory/hub.py).
+the job's fetch step downloads the config, tokenizer, generation and safetensors files pinned to that sha into
+FACTORY_HOME/cache/hub/<org>--<name>/<sha>/ and checks each against the Hub's sha256 (LFS) or git blob id, once.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from factory.errors import NotFound
+from factory.errors import JobFailed, ModelRefused, NotFound
 
 IDENTITY_FILES = re.compile(
     r"config\.json|generation_config\.json|tokenizer(_config)?\.json|tokenizer\.model|special_tokens_map\.json"
     r"|.*\.safetensors|model\.safetensors\.index\.json"
 )
+HUB_FILES = ("*.safetensors", "model.safetensors.index.json", "config.json", "generation_config.json",
+             "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json")
+VERIFIED = ".quantfactory-verified"  # written into a fetched Hub folder once every file matched the Hub
 _HUB_REPO = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?")
 
 
@@ -62,13 +68,59 @@ def resolve(arg: str, cache_dir: Path) -> Source:
             base_model=path.name,
         )
     if _HUB_REPO.fullmatch(arg) and not arg.startswith((".", "/", "~")):
-        from factory import hub
-
         repo, _, revision = arg.partition("@")
-        sha = hub.resolve(repo, revision or None)
+        sha = resolve_hub(repo, revision or None)
         owner, label = repo.split("/")
         return Source(path=None, source=repo, label=label, owner=owner, identity=f"{repo}@{sha}", base_model=repo)
     raise NotFound(f"source {arg!r} does not exist; pass a local folder with config.json and safetensors weights")
+
+
+def resolve_hub(repo: str, revision: str | None) -> str:
+    """The commit sha that `revision` (default main) of `repo` points at now."""
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.errors import EntryNotFoundError
+
+    from factory.publish import hub
+
+    what = f"{repo}@{revision}" if revision else repo
+    with hub.errors(what):
+        sha = hub.retrying(lambda: hub.client(hub.token()).model_info(repo, revision=revision)).sha
+        # a gated repo's listing is public, its files are not: ask for one now, not in the job
+        url = hf_hub_url(repo, "config.json", revision=sha, endpoint=hub.endpoint())
+        try:
+            hub.retrying(lambda: get_hf_file_metadata(url, token=hub.token()))
+        except EntryNotFoundError:
+            raise ModelRefused(f"{what} has no config.json; quantfactory takes transformers checkpoints") from None
+    return sha
+
+
+def fetch_hub(identity: str, cache: Path, progress: Callable[..., None]) -> Path:
+    """The source files of `org/name@sha`, downloaded once into the cache and checked against the Hub."""
+    from huggingface_hub import hf_hub_download
+
+    from factory.publish import hub
+
+    repo, sha = identity.rsplit("@", 1)
+    dest = cache / "hub" / repo.replace("/", "--") / sha
+    if (dest / VERIFIED).is_file():
+        return dest
+    with hub.errors(identity):
+        info = hub.retrying(lambda: hub.client(hub.token()).model_info(repo, revision=sha, files_metadata=True))
+        files = [s for s in info.siblings if any(fnmatch.fnmatch(s.rfilename, p) for p in HUB_FILES)]
+        if not any(s.rfilename.endswith(".safetensors") for s in files):
+            raise ModelRefused(f"{identity} has no safetensors weights; quantfactory reads only safetensors")
+        total, done = sum(s.size or 0 for s in files), 0
+        for s in files:
+            path = Path(hub.retrying(lambda s=s: hf_hub_download(repo, s.rfilename, revision=sha, local_dir=dest,
+                                                             endpoint=hub.endpoint(), token=hub.token())))
+            if hub.file_id(path, lfs=s.lfs is not None) != hub.remote_id(s):
+                path.unlink()
+                raise JobFailed(f"{identity}: {s.rfilename} does not match the Hub's checksum (deleted; the next "
+                                "attempt downloads it again)")
+            done += s.size or 0
+            progress(done=done, total=total, unit="B")
+    (dest / VERIFIED).write_text(json.dumps({s.rfilename: hub.remote_id(s) for s in files}, indent=1))
+    return dest
 
 
 def folder_identity(folder: Path, cache_dir: Path) -> str:

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from factory import hub as hub_api
 from factory.publish import card
+from factory.publish import hub as hub_api
 
 
 @pytest.fixture(autouse=True)

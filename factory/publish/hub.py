@@ -1,9 +1,5 @@
-"""The Hugging Face Hub: where FP16 sources come from, where quants are published, where `qf pull` finds them.
-
-Sources: `org/name[@revision]` resolves to its commit sha when the job is submitted (source identity
-`org/name@<sha>`); the job's fetch step downloads the config, tokenizer, generation and safetensors files pinned
-to that sha into FACTORY_HOME/cache/hub/<org>--<name>/<sha>/ and checks each against the Hub's sha256 (LFS) or
-git blob id, once.
+"""The Hugging Face Hub through huggingface_hub: publishing quants, pulling them by name, and the client pieces
+that sources.py uses to fetch FP16 checkpoints (errors as one sentence, retries, checksums).
 
 Publishing (FACTORY_HUB_OWNER set): the EXL2 quants of a model share one repo (default `{owner}/{model}-exl2`),
 one branch per size (`4.0bpw`, `4.31bpw-h8`), with the model card, its plot and measurement.json on main; the AWQ
@@ -18,9 +14,7 @@ catalog, logs or messages. HF_ENDPOINT points all of it at another Hub (the test
 
 from __future__ import annotations
 
-import fnmatch
 import hashlib
-import json
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -28,12 +22,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from factory.errors import JobFailed, ModelRefused, NotFound, ServiceUnavailable, SpecError
+from factory.errors import JobFailed, NotFound, ServiceUnavailable, SpecError
 from factory.sources import file_sha256
 
-SOURCE_FILES = ("*.safetensors", "model.safetensors.index.json", "config.json", "generation_config.json",
-                "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json")
-VERIFIED = ".quantfactory-verified"  # written into a fetched source folder once every file matched the Hub
 RETRY_STATUS = (429, 500, 502, 503, 504)
 RETRIES = 5
 BACKOFF_SECONDS = float(os.environ.get("FACTORY_HUB_BACKOFF", "2"))  # first wait; doubles; Retry-After wins
@@ -46,7 +37,7 @@ def endpoint() -> str:
     return os.environ.get("HF_ENDPOINT") or constants.ENDPOINT
 
 
-def _api(token: str | None = None):
+def client(token: str | None = None):
     from huggingface_hub import HfApi
 
     return HfApi(endpoint=endpoint(), token=token)
@@ -107,56 +98,11 @@ def retrying(call: Callable[[], object]):
     raise AssertionError("unreachable")
 
 
-# sources ---------------------------------------------------------------------------------------------------------
-def resolve(repo: str, revision: str | None) -> str:
-    """The commit sha that `revision` (default main) of `repo` points at now."""
-    from huggingface_hub import get_hf_file_metadata, hf_hub_url
-    from huggingface_hub.errors import EntryNotFoundError
-
-    what = f"{repo}@{revision}" if revision else repo
-    with errors(what):
-        sha = retrying(lambda: _api(_token()).model_info(repo, revision=revision)).sha
-        # a gated repo's listing is public, its files are not: ask for one now, not in the job
-        url = hf_hub_url(repo, "config.json", revision=sha, endpoint=endpoint())
-        try:
-            retrying(lambda: get_hf_file_metadata(url, token=_token()))
-        except EntryNotFoundError:
-            raise ModelRefused(f"{what} has no config.json; quantfactory takes transformers checkpoints") from None
-    return sha
-
-
-def fetch(identity: str, cache: Path, progress: Callable[..., None]) -> Path:
-    """The source files of `org/name@sha`, downloaded once into the cache and checked against the Hub."""
-    from huggingface_hub import hf_hub_download
-
-    repo, sha = identity.rsplit("@", 1)
-    dest = cache / "hub" / repo.replace("/", "--") / sha
-    if (dest / VERIFIED).is_file():
-        return dest
-    with errors(identity):
-        info = retrying(lambda: _api(_token()).model_info(repo, revision=sha, files_metadata=True))
-        files = [s for s in info.siblings if any(fnmatch.fnmatch(s.rfilename, p) for p in SOURCE_FILES)]
-        if not any(s.rfilename.endswith(".safetensors") for s in files):
-            raise ModelRefused(f"{identity} has no safetensors weights; quantfactory reads only safetensors")
-        total, done = sum(s.size or 0 for s in files), 0
-        for s in files:
-            path = Path(retrying(lambda s=s: hf_hub_download(repo, s.rfilename, revision=sha, local_dir=dest,
-                                                             endpoint=endpoint(), token=_token())))
-            if _file_id(path, lfs=s.lfs is not None) != _remote_id(s):
-                path.unlink()
-                raise JobFailed(f"{identity}: {s.rfilename} does not match the Hub's checksum (deleted; the next "
-                                "attempt downloads it again)")
-            done += s.size or 0
-            progress(done=done, total=total, unit="B")
-    (dest / VERIFIED).write_text(json.dumps({s.rfilename: _remote_id(s) for s in files}, indent=1))
-    return dest
-
-
-def _remote_id(sibling) -> str:
+def remote_id(sibling) -> str:
     return sibling.lfs.sha256 if sibling.lfs is not None else sibling.blob_id
 
 
-def _file_id(path: Path, lfs: bool) -> str:
+def file_id(path: Path, lfs: bool) -> str:
     """What the Hub names a file by: its sha256 when it is stored in LFS, else its git blob sha1."""
     if lfs:
         return file_sha256(path)
@@ -164,7 +110,8 @@ def _file_id(path: Path, lfs: bool) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
-def _token() -> str | None:
+def token() -> str | None:
+    """HF_TOKEN, else the login huggingface_hub stored (`hf auth login`)."""
     from huggingface_hub import get_token
 
     return os.environ.get("HF_TOKEN") or get_token()
@@ -194,11 +141,11 @@ def place(owner: str, name: str, tag: str, exl2_template: str, awq_template: str
 
 def writer(owner: str):
     """An HfApi that may write under `owner`; one sentence (exit 5) when the token is missing or cannot."""
-    token = _token()
-    if not token:
+    secret = token()
+    if not secret:
         raise ServiceUnavailable("publishing to the Hub needs a token with write access: set HF_TOKEN or log in "
                                  "with `hf auth login`")
-    api = _api(token)
+    api = client(secret)
     with errors("the token's account"):
         me = retrying(api.whoami)
     role = me.get("auth", {}).get("accessToken", {}).get("role")
@@ -227,7 +174,7 @@ def put_branch(api, repo: str, branch: str, files: dict[str, Path], message: str
             ops: list = [
                 CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(path))
                 for name, path in sorted(files.items())
-                if name not in remote or _file_id(path, remote[name].lfs is not None) != _remote_id(remote[name])
+                if name not in remote or file_id(path, remote[name].lfs is not None) != remote_id(remote[name])
             ]
             ops += [CommitOperationDelete(path_in_repo=n) for n in remote if n not in files and n not in KEEP_ON_BRANCH]
             if not ops:
@@ -247,7 +194,7 @@ def refs(repo: str) -> dict[str, str]:
 
     with errors(repo):
         try:
-            found = retrying(lambda: _api(_token()).list_repo_refs(repo))
+            found = retrying(lambda: client(token()).list_repo_refs(repo))
         except RepositoryNotFoundError:
             return {}
     return {b.name: b.target_commit for b in found.branches}
@@ -271,13 +218,13 @@ def pull(where: Place, revision: str | None, dest: Path, progress: Callable[...,
     staging = dest.with_name(dest.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
     with errors(f"{where.repo}@{where.branch}"):
-        info = retrying(lambda: _api(_token()).model_info(where.repo, revision=commit, files_metadata=True))
+        info = retrying(lambda: client(token()).model_info(where.repo, revision=commit, files_metadata=True))
         files = [s for s in info.siblings if s.rfilename not in KEEP_ON_BRANCH]
         total, done = sum(s.size or 0 for s in files), 0
         for s in files:
             path = Path(retrying(lambda s=s: hf_hub_download(where.repo, s.rfilename, revision=commit,
-                                                             local_dir=staging, endpoint=endpoint(), token=_token())))
-            if _file_id(path, lfs=s.lfs is not None) != _remote_id(s):
+                                                             local_dir=staging, endpoint=endpoint(), token=token())))
+            if file_id(path, lfs=s.lfs is not None) != remote_id(s):
                 shutil.rmtree(staging, ignore_errors=True)
                 raise JobFailed(f"{where.repo}@{commit[:7]}: {s.rfilename} does not match the Hub's checksum; "
                                 "nothing was kept")
@@ -304,7 +251,7 @@ def published(owner: str, templates: dict[str, str]) -> list[dict]:
     import re
 
     with errors(f"the models of {owner}"):
-        models = retrying(lambda: [m.id for m in _api(_token()).list_models(author=owner)])
+        models = retrying(lambda: [m.id for m in client(token()).list_models(author=owner)])
     rows = []
     for method, template in templates.items():
         pattern = re.escape(template).replace(r"\{owner\}", re.escape(owner)).replace(r"\{model\}", "(?P<model>.+)")
