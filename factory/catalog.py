@@ -1,4 +1,4 @@
-"""The catalog: models, jobs, steps, quants, measurements and evaluations (SQLAlchemy 2).
+"""The catalog: models, jobs, steps, quants, measurements, evaluations, and the watchlist (SQLAlchemy 2).
 
 SQLite under FACTORY_HOME by default; FACTORY_DB_URL for any other database (PostgreSQL in production).
 A job is one submission: one source, one or more specs. Its idempotency key is a hash of what decides the
@@ -232,6 +232,30 @@ class Evaluation(Base):
     created_at: Mapped[datetime] = mapped_column(default=now)
 
 
+class Watch(Base):
+    """A watchlist entry: a Hub repo (`org/name`) or an author's repos by name pattern (`org/*-Instruct`)."""
+
+    __tablename__ = "watches"
+    target: Mapped[str] = mapped_column(String(200), primary_key=True)
+    recipe: Mapped[dict] = mapped_column()  # as written: exl2/awq keys of a recipe
+    filter: Mapped[dict] = mapped_column()  # architectures, max_params
+    created_at: Mapped[datetime] = mapped_column(default=now)
+
+
+class Upstream(Base):
+    """What the scheduler did with one upstream commit for one watch: submitted a job, or skipped it (reason)."""
+
+    __tablename__ = "upstream"
+    __table_args__ = (UniqueConstraint("watch", "repo", "sha"),)
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    watch: Mapped[str] = mapped_column(String(200))
+    repo: Mapped[str] = mapped_column(String(200))
+    sha: Mapped[str] = mapped_column(String(64))
+    job_id: Mapped[str | None] = mapped_column(String(32))
+    skipped: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(default=now)
+
+
 def _normalize_url(url: str) -> str:
     # Users write postgresql://...; SQLAlchemy's default driver for that is psycopg2, which we install.
     return re.sub(r"^postgres(ql)?://", "postgresql+psycopg2://", url)
@@ -429,6 +453,35 @@ class Catalog:
         with self.session() as s:
             rows = s.scalars(select(Step.name).where(Step.job_id == job_id, Step.state == StepState.succeeded))
             return set(rows)
+
+    # the watchlist
+    def watches(self) -> list[Watch]:
+        with self.session() as s:
+            return list(s.scalars(select(Watch).order_by(Watch.target)))
+
+    def put_watch(self, target: str, recipe: dict, filter: dict) -> None:
+        with self.session() as s:
+            s.merge(Watch(target=target, recipe=recipe, filter=filter))
+
+    def remove_watch(self, target: str) -> bool:
+        with self.session() as s:
+            watch = s.get(Watch, target)
+            if watch is not None:
+                s.delete(watch)
+            return watch is not None
+
+    def upstream(self) -> list[Upstream]:
+        with self.session() as s:
+            return list(s.scalars(select(Upstream).order_by(Upstream.id)))
+
+    def record_upstream(self, watch: str, repo: str, sha: str, job_id: str | None, skipped: str | None) -> bool:
+        """Remember what became of `repo@sha` for `watch`; False when another scheduler recorded it first."""
+        try:
+            with self.session() as s:
+                s.add(Upstream(watch=watch, repo=repo, sha=sha, job_id=job_id, skipped=skipped))
+            return True
+        except IntegrityError:
+            return False
 
     # quants
     def put_quant(self, quant: Quant) -> Quant:

@@ -10,6 +10,7 @@ FACTORY_VISIBILITY_TIMEOUT  seconds Redis waits before handing an unacknowledged
 FACTORY_WORKER_DEVICE  the device `qf submit` plans jobs for: cuda (default) or cpu
 FACTORY_LEASE_SECONDS  how long a running job's lease lasts without a heartbeat (default 120; renewed every third)
 FACTORY_RECONCILE_SECONDS  how often beat looks for lost workers and lost messages (default 60)
+FACTORY_WATCH_SECONDS  how often beat asks the Hub about the watchlist (default 3600)
 FACTORY_MAX_ATTEMPTS  how often a job may be taken by a worker before it fails as lost (default 3)
 FACTORY_HUB_OWNER  publish every quant to the Hugging Face Hub under this user or organization as well (default:
                   the registry folder only); the token is HF_TOKEN or huggingface_hub's stored login
@@ -34,6 +35,7 @@ class Settings:  # a plain dataclass: `qf status` must start fast, and pydantic'
     lease_seconds: float = 120.0
     max_attempts: int = 3
     reconcile_seconds: float = 60.0
+    watch_seconds: float = 3600.0
     hub_owner: str | None = None
     hub_exl2_repo: str = "{owner}/{model}-exl2"
     hub_awq_repo: str = "{owner}/{model}-AWQ"
@@ -79,6 +81,7 @@ def load() -> Settings:
         lease_seconds=float(os.environ.get("FACTORY_LEASE_SECONDS") or 120),
         max_attempts=int(os.environ.get("FACTORY_MAX_ATTEMPTS") or 3),
         reconcile_seconds=float(os.environ.get("FACTORY_RECONCILE_SECONDS") or 60),
+        watch_seconds=float(os.environ.get("FACTORY_WATCH_SECONDS") or 3600),
         hub_owner=os.environ.get("FACTORY_HUB_OWNER") or None,
         hub_exl2_repo=os.environ.get("FACTORY_HUB_EXL2_REPO") or "{owner}/{model}-exl2",
         hub_awq_repo=os.environ.get("FACTORY_HUB_AWQ_REPO") or "{owner}/{model}-AWQ",

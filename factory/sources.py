@@ -150,3 +150,59 @@ def file_sha256(path: Path) -> str:
         while chunk := f.read(1 << 22):
             h.update(chunk)
     return h.hexdigest()
+
+
+def hub_releases(watches: list) -> tuple[list, list[str]]:
+    """What the Hub says now about every repo the watches (schedule.WatchEntry) name: (releases, errors). A Hub
+    error about one repo or author goes to `errors` and the others still count; the next check tries again."""
+    from factory.errors import FactoryError
+    from factory.publish import hub
+
+    repos, errors = set(), []
+    for w in watches:
+        if not w.is_pattern:
+            repos.add(w.target)
+            continue
+        try:
+            with hub.errors(f"the models of {w.author}"):
+                ids = hub.retrying(lambda w=w: [m.id for m in hub.client(hub.token()).list_models(author=w.author)])
+            repos |= {i for i in ids if w.matches(i)}
+        except FactoryError as e:
+            errors.append(e.message)
+    releases = []
+    for repo in sorted(repos):
+        try:
+            releases.append(_release(repo))
+        except FactoryError as e:
+            errors.append(e.message)
+    return releases, errors
+
+
+def _release(repo: str):
+    """The newest commit of `repo` with its architectures and parameter count; a gated repo or one without a
+    config.json is a release with a `problem` (recorded as skipped once), a Hub outage raises."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import NotASafetensorsRepoError, SafetensorsParsingError
+
+    from factory.errors import FactoryError
+    from factory.publish import hub
+    from factory.schedule import Release
+
+    api = hub.client(hub.token())
+    with hub.errors(repo):
+        info = hub.retrying(lambda: api.model_info(repo))
+    try:
+        with hub.errors(repo):
+            config = json.loads(Path(hub.retrying(lambda: hf_hub_download(
+                repo, "config.json", revision=info.sha, endpoint=hub.endpoint(), token=hub.token()))).read_text())
+    except NotFound as e:
+        return Release(repo, info.sha, problem=e.message)
+    params = info.safetensors.total if getattr(info, "safetensors", None) else None
+    if params is None:
+        try:
+            with hub.errors(repo):
+                meta = hub.retrying(lambda: api.get_safetensors_metadata(repo, revision=info.sha))
+            params = sum(meta.parameter_count.values())
+        except (FactoryError, NotASafetensorsRepoError, SafetensorsParsingError):
+            params = None  # a count we cannot read leaves the max_params filter open
+    return Release(repo, info.sha, tuple(config.get("architectures") or ()), params)

@@ -25,10 +25,14 @@ app.conf.update(
     worker_concurrency=1,
     task_track_started=True,
     task_default_queue="gpu",
-    task_routes={"quantfactory.run_job": {"queue": "gpu"}, "quantfactory.publish_job": {"queue": "cpu"}},
+    task_routes={"quantfactory.run_job": {"queue": "gpu"}, "quantfactory.publish_job": {"queue": "cpu"},
+                 "quantfactory.reconcile": {"queue": "cpu"}, "quantfactory.check_watchlist": {"queue": "cpu"}},
     broker_transport_options={"visibility_timeout": _settings.visibility_timeout},
     result_backend_transport_options={"visibility_timeout": _settings.visibility_timeout},
     broker_connection_retry_on_startup=True,
     result_expires=7 * 24 * 3600,
-    beat_schedule={"reconcile": {"task": "quantfactory.reconcile", "schedule": _settings.reconcile_seconds}},
+    beat_schedule={
+        "reconcile": {"task": "quantfactory.reconcile", "schedule": _settings.reconcile_seconds},
+        "check-watchlist": {"task": "quantfactory.check_watchlist", "schedule": _settings.watch_seconds},
+    },
 )

@@ -7,6 +7,10 @@ every FACTORY_RECONCILE_SECONDS) puts jobs whose lease expired back on the queue
 A job taken more than FACTORY_MAX_ATTEMPTS times fails as lost, so a job that kills its workers does not loop
 forever. Redis' visibility timeout stays a backstop: a redelivered message of a job that finished or is held by
 another worker does nothing. `enqueue` is the one place that hands a job to the broker.
+
+`check_watchlist` (beat, every FACTORY_WATCH_SECONDS) asks the Hub about the watchlist, plans with
+factory/schedule.py and submits like `qf submit`; one check at a time (a Redis lock), so two beats still make
+one job, and a release already planned is a row in the catalog's `upstream` table.
 """
 
 from __future__ import annotations
@@ -23,16 +27,19 @@ from contextlib import contextmanager
 import redis
 from kombu.exceptions import OperationalError
 
-from factory import settings
+from factory import schedule, settings, sources
 from factory.catalog import TERMINAL, Catalog, JobState
 from factory.engines import child
 from factory.errors import FactoryError, ServiceUnavailable, mask_url
-from factory.pipeline import Factory
+from factory.inspect import SUPPORTED
+from factory.pipeline import Factory, Request
+from factory.specs import recipe_from_dict
 from workers.app import app
 
 QUEUE = "gpu"
 QUEUES = ("gpu", "cpu")
 _SPAWN = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA
+WATCH_LOCK = "quantfactory:watch-lock"
 EVENTS = "quantfactory:events:"  # + job id: the pipeline's events, published for `qf status --follow`
 
 
@@ -162,3 +169,68 @@ def enqueue(factory: Factory, job_id: str) -> None:
         message = f"the broker at {mask_url(factory.settings.broker_url)} cannot be reached"
         factory.catalog.set_job_state(job_id, JobState.failed, message, ServiceUnavailable.exit_code)
         raise ServiceUnavailable(message) from None
+
+
+@app.task(name="quantfactory.check_watchlist", ignore_result=True)
+def check_watchlist() -> dict:
+    return watch_check(dry_run=False)
+
+
+def watch_check(dry_run: bool) -> dict:
+    """One check: {"planned": [...], "errors": [...]} (and "busy": True when another check holds the lock).
+    dry_run plans without submitting or recording anything."""
+    config = settings.load()
+    factory = Factory(config)
+    watches = [schedule.WatchEntry(w.target, w.recipe, w.filter) for w in factory.catalog.watches()]
+    with _lock(config.broker_url, WATCH_LOCK, seconds=3600, skip=dry_run) as held:
+        if not held:
+            return {"busy": True, "planned": [], "errors": []}
+        releases, errors = sources.hub_releases(watches)
+        done = {(u.watch, u.repo, u.sha) for u in factory.catalog.upstream()}
+        planned = schedule.plan(watches, releases, done, set(SUPPORTED))
+        rows = []
+        for p in planned:
+            row = {"watch": p.watch, "repo": p.repo, "sha": p.sha, "skipped": p.skipped, "job": None}
+            if not dry_run:
+                row.update(_carry_out(factory, p, errors))
+            rows.append(row)
+    return {"planned": rows, "errors": errors}
+
+
+def _carry_out(factory: Factory, p: schedule.Planned, errors: list[str]) -> dict:
+    """Submit (or skip) one planned release and record it; a Hub or broker outage records nothing (next check)."""
+    job_id, skipped = None, p.skipped
+    if skipped is None:
+        recipe = recipe_from_dict(p.recipe, f"the recipe of watch {p.watch}")
+        try:
+            job, created = factory.submit(Request(source=f"{p.repo}@{p.sha}", recipe=recipe,
+                                                  device=factory.settings.worker_device))
+            if created or job.state in (JobState.failed, JobState.cancelled):
+                enqueue(factory, job.id)
+            job_id = job.id
+        except ServiceUnavailable as e:
+            errors.append(e.message)
+            return {"job": None, "error": e.message}
+        except FactoryError as e:
+            skipped = e.message
+    factory.catalog.record_upstream(p.watch, p.repo, p.sha, job_id, skipped)
+    return {"job": job_id, "skipped": skipped}
+
+
+@contextmanager
+def _lock(broker_url: str, key: str, seconds: int, skip: bool = False):
+    """Yields True while this process holds `key` in Redis (False: someone else does); skip=True holds nothing."""
+    if skip:
+        yield True
+        return
+    client = redis.Redis.from_url(broker_url)
+    me = f"{socket.gethostname()}:{os.getpid()}:{threading.get_ident()}"
+    try:
+        held = bool(client.set(key, me, nx=True, ex=seconds))
+    except redis.RedisError:
+        raise ServiceUnavailable(f"the broker at {mask_url(broker_url)} cannot be reached") from None
+    try:
+        yield held
+    finally:
+        if held and client.get(key) == me.encode():
+            client.delete(key)
