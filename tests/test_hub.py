@@ -132,6 +132,22 @@ def test_publish_to_the_hub_then_pull_by_name_anywhere(qf, tiny, hub, alice, tmp
     assert not (tmp_path / "bad").exists() and not (tmp_path / "bad.partial").exists()
 
 
+def test_a_new_source_revision_is_published_and_the_old_one_stays_pullable(qf, model_copy, hub, alice, tmp_path):
+    model = model_copy("tiny")
+    first = _events(qf("run", model, "--awq", "--eval-windows", 1, "--json"))[-1]["quants"][0]
+    (model / "generation_config.json").write_text('{"do_sample": false}')
+    second = _events(qf("run", model, "--awq", "--eval-windows", 1, "--json"))[-1]["quants"][0]
+    assert first["rev"] != second["rev"]
+    main = hub.files("alice/tiny-AWQ", "main")["README.md"].decode()
+    assert second["source_identity"] in main and first["source_identity"] not in main
+    elsewhere = type(qf)(home=tmp_path / "elsewhere")  # a machine without this catalog
+    for quant in (first, second):
+        result = elsewhere("pull", f"tiny:awq-w4g128@{quant['rev']}", "--hub", "alice", "-o", tmp_path / quant["rev"])
+        assert result.exit_code == 0, result.output
+        manifest = json.loads((tmp_path / quant["rev"] / "manifest.json").read_text())
+        assert manifest["source_identity"] == quant["source_identity"]
+
+
 @pytest.mark.parametrize(("owner", "token", "sentence"), [
     ("alice", None, "publishing to the Hub needs a token with write access"),
     ("alice", "hf_alice_read", "the Hub token of alice is read-only"),

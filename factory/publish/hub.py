@@ -202,8 +202,9 @@ def refs(repo: str) -> dict[str, str]:
 
 # pulling ---------------------------------------------------------------------------------------------------------
 def pull(where: Place, revision: str | None, dest: Path, progress: Callable[..., None]) -> list[str]:
-    """Download a published quant pinned to one commit (the branch head, or `revision` if it is on the branch) and
-    check every file against the Hub; the files land in `dest` only when all of them match."""
+    """Download a published quant pinned to one commit (the branch head; with `revision`, the newest commit of the
+    branch made from that source revision, or that commit) and check every file against the Hub; the files land
+    in `dest` only when all of them match."""
     import shutil
 
     from huggingface_hub import hf_hub_download
@@ -212,9 +213,13 @@ def pull(where: Place, revision: str | None, dest: Path, progress: Callable[...,
     if where.branch not in branches:
         raise NotFound(f"{where.repo} has no branch {where.branch!r}; it has {', '.join(sorted(branches)) or 'none'}")
     commit = branches[where.branch]
-    if revision and not commit.startswith(revision):
-        raise NotFound(f"{where.repo}@{where.branch} is at {commit[:7]}, not {revision}; older revisions stay in "
-                       "the branch's history: pass the full commit of the one you want")
+    if revision and not commit.startswith(revision):  # an older quant: its commit says which source revision
+        with errors(f"{where.repo}@{where.branch}"):
+            history = retrying(lambda: client(token()).list_repo_commits(where.repo, revision=where.branch))
+        older = [c.commit_id for c in history if c.commit_id.startswith(revision) or f"@{revision} from " in c.title]
+        if not older:
+            raise NotFound(f"{where.repo}@{where.branch} holds no quant of source revision {revision}")
+        commit = older[0]
     staging = dest.with_name(dest.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
     with errors(f"{where.repo}@{where.branch}"):
