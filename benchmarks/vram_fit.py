@@ -1,6 +1,7 @@
 """What an EXL2 quant really occupies on a GPU with exllamav2, at a context length and KV-cache type (CUDA only).
 
-    python benchmarks/vram_fit.py measure ROOT OUT.json [SECONDS]
+    python benchmarks/vram_fit.py measure ROOT OUT.json [SECONDS]     (on a CUDA machine)
+    python benchmarks/vram_fit.py compare MEASURED.json... [--out benchmarks/results/vram_fit.json]
 
 finds every EXL2 quant under ROOT (registry folders of the factory), and for each context (2k, 8k, 16k, 32k up to
 the model's max positions) and cache (fp16, q4, then q8) loads it in a fresh process, fills the cache with one
@@ -10,6 +11,9 @@ CUDA context exists, and the GPU's used memory (nvidia-smi) before the process t
 counts what a user sees: context, weights, cache, scratch and the allocator's reserve. Also recorded: the quant's
 config and tensor bytes by group, so predictions can be checked against these numbers on any machine. Stops
 starting new loads after SECONDS (default 420), so the run fits one device call.
+
+`compare` puts factory/vram.py's prediction beside every measurement: the target is every prediction within 5%
+(or 64 MiB) of the drop a user sees (nvidia-smi, context included), and never below it by more than that.
 """
 
 from __future__ import annotations
@@ -123,9 +127,46 @@ def measure(root: Path, out: Path, budget: float) -> None:
     out.write_text(json.dumps(results, indent=1) + "\n")
 
 
+def compare(measured: list[Path]) -> dict:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from factory import vram
+
+    rows = []
+    for path in measured:
+        data = json.loads(path.read_text())
+        for quant in data["rows"]:
+            shape = vram.Shape.of(quant["config"])
+            groups = quant["tensor_bytes"]
+            weights = sum(v for k, v in groups.items() if k != "embed")
+            for run in quant["runs"]:
+                if "error" in run:
+                    continue
+                predicted = vram.exllamav2(shape, weights, run["ctx"], run["cache"])
+                seen = run["gpu_used_end"] - run["gpu_used_before"]
+                error = predicted["total"] - seen
+                rows.append({"model": quant["config"].get("_name_or_path") or path.stem, "quant": quant["folder"],
+                             "ctx": run["ctx"], "cache": run["cache"], "measured_drop": seen,
+                             "measured_torch_reserved": run["reserved_peak"], "predicted": predicted["total"],
+                             "predicted_parts": predicted, "error_bytes": error, "error": round(error / seen, 4),
+                             "ok": abs(error) <= max(0.05 * seen, 64 * 2**20)})
+    return {"target": "|predicted - measured| <= max(5%, 64 MiB), measured = nvidia-smi used after - before",
+            "all_ok": all(r["ok"] for r in rows), "worst": max((abs(r["error"]) for r in rows), default=None),
+            "rows": rows}
+
+
 def main() -> None:
     if len(sys.argv) >= 5 and sys.argv[1] == "one":
         print(json.dumps(one(sys.argv[2], int(sys.argv[3]), sys.argv[4])))
+    elif len(sys.argv) >= 3 and sys.argv[1] == "compare":
+        args = sys.argv[2:]
+        out = Path(args[args.index("--out") + 1]) if "--out" in args else Path("benchmarks/results/vram_fit.json")
+        files = [Path(a) for a in args if a.endswith(".json") and a != str(out)]
+        result = compare(files)
+        out.write_text(json.dumps(result, indent=1) + "\n")
+        for r in result["rows"]:
+            print(f"{r['quant']:24} {r['ctx']:6} {r['cache']:4} measured {r['measured_drop'] / 2**20:7.0f} MiB "
+                  f"predicted {r['predicted'] / 2**20:7.0f} MiB  {r['error'] * 100:+.1f}%")
+        print(f"all within target: {result['all_ok']}, worst {result['worst'] * 100:.1f}%")
     elif len(sys.argv) >= 4 and sys.argv[1] == "measure":
         measure(Path(sys.argv[2]), Path(sys.argv[3]), float(sys.argv[4]) if len(sys.argv) > 4 else 420)
     else:

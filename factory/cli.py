@@ -492,6 +492,47 @@ def _pull_from_hub(parsed: naming.QuantRef, owner: str, output: Path | None) -> 
     out.print(str(dest.resolve()))
 
 
+@app.command()
+@_handled
+def plan(
+    source: Annotated[str, typer.Argument(metavar="SOURCE", help="A local FP16 folder or a Hub repo org/name.")],
+    vram: Annotated[str, typer.Option("--vram", help="GPU memory, e.g. 24GB (GB means GiB, as on the card).")],
+    ctx: Annotated[int | None, typer.Option("--ctx", min=1, help="Context in tokens (default: the model's max).")]
+    = None,
+    kv_cache: Annotated[str, typer.Option("--kv-cache", help="fp16, q8, q6 or q4.")] = "fp16",
+    gpus: Annotated[int, typer.Option("--gpus", min=1, help="Split the layers over N such GPUs (estimate).")] = 1,
+    as_json: JsonOpt = False,
+) -> None:
+    """Which EXL2 bpw fits a GPU with its context and KV cache (and an AWQ estimate for vLLM); reads only the
+    config and safetensors headers."""
+    from factory import sources
+    from factory import vram as memory
+
+    budget = memory.parse_size(vram)
+    config, tensors = sources.layout(source)
+    shape = memory.Shape.of(config)
+    result = memory.plan(shape, memory.Params.of(tensors, shape), budget, ctx, kv_cache, gpus)
+    if as_json:
+        print(json.dumps(result, indent=2))
+        return
+    h = memory.human
+    title = (f"EXL2 with exllamav2: {h(budget)}{f' x {gpus} GPUs (estimate)' if gpus > 1 else ''}, "
+             f"{result['ctx']} tokens, {kv_cache} cache, {h(result['headroom'])} left free")
+    table = Table(title=title, title_justify="left")
+    for col in ("BPW", "WEIGHTS", "CACHE", "OTHER", "PEAK" + (" PER GPU" if gpus > 1 else ""), "FITS"):
+        table.add_column(col, justify="right")
+    for r in result["rows"]:
+        other = r["total"] - r["weights"] - r["cache"]
+        table.add_row(f"{r['bpw']:.1f}", h(r["weights"]), h(r["cache"]), h(other), h(r["total"]),
+                      "yes" if r["fits"] else "no")
+    out.print(table)
+    out.print(f"highest bpw that fits: {result['best_bpw']:.2f}")
+    for kv, awq in result["awq"].items():
+        verdict = "fits" if awq["budget_needed"] <= budget * gpus else "does not fit"
+        out.print(f"AWQ w4 with vLLM, {kv} KV cache (estimate): needs about {h(awq['budget_needed'])} "
+                  f"at gpu_memory_utilization 0.9, {verdict}")
+
+
 watch_app = typer.Typer(help="The watchlist: upstream repos re-quantized when they get a new commit.",
                         no_args_is_help=True)
 app.add_typer(watch_app, name="watch")

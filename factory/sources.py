@@ -206,3 +206,30 @@ def _release(repo: str):
         except (FactoryError, NotASafetensorsRepoError, SafetensorsParsingError):
             params = None  # a count we cannot read leaves the max_params filter open
     return Release(repo, info.sha, tuple(config.get("architectures") or ()), params)
+
+
+def layout(arg: str) -> tuple[dict, dict[str, list[int]]]:
+    """config.json and every tensor's shape of a local folder or a Hub repo (`org/name[@rev]`), without reading
+    weights: safetensors headers locally, the Hub's safetensors metadata (ranged reads) for a repo."""
+    from factory.inspect import read_header
+
+    path = Path(arg).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise NotFound(f"{arg!r} has no config.json")
+        tensors = {n: i["shape"] for f in sorted(path.glob("*.safetensors")) for n, i in read_header(f).items()}
+        return json.loads((path / "config.json").read_text()), tensors
+    if not (_HUB_REPO.fullmatch(arg) and not arg.startswith((".", "/", "~"))):
+        raise NotFound(f"source {arg!r} does not exist; pass a local folder or a Hub repo org/name")
+    from huggingface_hub import hf_hub_download
+
+    from factory.publish import hub
+
+    repo, _, revision = arg.partition("@")
+    sha = resolve_hub(repo, revision or None)
+    with hub.errors(arg):
+        config = json.loads(Path(hub.retrying(lambda: hf_hub_download(
+            repo, "config.json", revision=sha, endpoint=hub.endpoint(), token=hub.token()))).read_text())
+        meta = hub.retrying(lambda: hub.client(hub.token()).get_safetensors_metadata(repo, revision=sha))
+    tensors = {n: t.shape for f in meta.files_metadata.values() for n, t in f.tensors.items()}
+    return config, tensors

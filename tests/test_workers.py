@@ -155,9 +155,9 @@ def test_a_dead_job_process_fails_the_job_and_the_worker_goes_on(env, worker, ti
 
     job_id = qf(env, "submit", tiny, "--awq", "--eval-windows", 1, check=True).stdout.strip()
     wait_until(env, job_id, quantizing, 120, "quantizing")
-    [job_process] = [p for p in psutil.Process(worker.pid).children() if "spawn_main" in " ".join(p.cmdline())]
+    spawned = [p for p in psutil.Process(worker.pid).children() if "spawn_main" in " ".join(p.cmdline())]
+    [job_process] = [p for p in spawned if p.children()]  # the other one waits for the next job
     engines = job_process.children(recursive=True)
-    assert engines, "the AWQ engine runs in a child of the job process"
     job_process.kill()
     status = wait_for(env, job_id, 60)
     assert (status["state"], status["error"]) == ("failed", "the job's process died (killed by SIGKILL)")

@@ -1,0 +1,248 @@
+"""GPU memory of a quant at a context length and KV-cache type, from config.json and safetensors headers only (no
+weights read, no GPU): what `qf plan`, `--fit` and the "fits on" tables use.
+
+EXL2 with exllamav2 on one GPU, as the drop of free memory a user sees, in parts:
+  context   the CUDA context, cuBLAS workspace and exllamav2's kernels: what the process holds outside PyTorch's
+            allocator (CONTEXT_BYTES: 757 MiB in every one of 26 runs on the H200, 527 of them the bare context)
+  weights   every tensor of the quant except the embedding, which exllamav2 keeps in system memory; exact from a
+            quant's headers, else bpw/8 bytes per decoder linear weight, HEAD_STORED_BITS/8 per head weight
+            (its bits plus scales) and 2 per norm weight
+  scratch   exllamav2's fixed per-device scratch (ExLlamaV2.set_device_map): the largest module's
+            scratch_space_fixed at max_input_len 2048
+  tables    the rotary sin/cos tables for the context
+  cache     K and V of every layer for the context: fp16 2 bytes per element, q8 1, q6 1 (K) and 0.5 (V), q4 0.5;
+            quantized caches add fp16 scales per 32 elements and one layer of fp16 K/V to work in
+  forward   what a prefill chunk allocates on top: hidden states, attention scores (at most max_attention_size per
+            head), K/V expanded to every head (grouped-query models) over the context, MLP intermediates
+and the caching allocator's rounding on top (SLACK). Without flash-attn, as measured; flash-attn needs less for the
+attention scores, so the estimate stays above what such a setup uses.
+
+AWQ w4 with vLLM is an estimate (not measured here): fp16 embedding and head, 4-bit linears with fp16 scales and
+4-bit zeros per group, the KV cache for the context in fp16 or fp8, the context, CUDA graphs and activations, and
+vLLM's own rule that it uses at most gpu_memory_utilization (0.9) of the card.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from factory.errors import SpecError
+
+GiB, MiB = 2**30, 2**20
+MAX_INPUT_LEN = 2048  # exllamav2's defaults: tokens per forward chunk, attention scores per head, dequant elements
+MAX_ATTENTION = 2048**2
+MAX_DQ = 512 * 2**20
+CACHES = ("fp16", "q8", "q6", "q4")
+_CACHE_BYTES = {"fp16": (2.0, 2.0), "q8": (1.0, 1.0), "q6": (1.0, 0.5), "q4": (0.5, 0.5)}
+HEAD_STORED_BITS = {6: 6.48, 8: 8.04}  # what a head at 6 and 8 bits takes per weight with its scales (real quants)
+BPWS = tuple(x / 2 for x in range(4, 17))  # 2.0 .. 8.0
+FIT_BUDGETS = (8 * GiB, 12 * GiB, 16 * GiB, 24 * GiB, 48 * GiB)
+
+# Measured on the H200 (torch 2.11, CUDA 13; benchmarks/results/vram_fit.json). Another GPU or driver has another
+# context size: a few hundred MiB either way.
+CONTEXT_BYTES = 757 * MiB
+SLACK = 0.02  # reserved over allocated blocks; with the forward term's margin, reserved stayed below the prediction
+
+
+def parse_size(text: str) -> int:
+    """'24GB', '24 GiB', '24G', '12288MB' -> bytes. GB means GiB, as GPU makers count it (a 24GB card has 24 GiB)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(G|GB|GiB|M|MB|MiB|T|TB|TiB)\s*", text, flags=re.I)
+    if not m:
+        raise SpecError(f"size {text!r} is not a number with a unit (GB or MB), e.g. 24GB")
+    value, unit = float(m[1]), m[2][0].upper()
+    if value <= 0:
+        raise SpecError(f"size {text!r} must be more than zero")
+    return int(value * {"M": MiB, "G": GiB, "T": 1024 * GiB}[unit])
+
+
+def human(n: float) -> str:
+    return f"{n / GiB:.2f} GiB" if abs(n) >= GiB else f"{n / MiB:.0f} MiB"
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    max_positions: int
+
+    @classmethod
+    def of(cls, config: dict) -> Shape:
+        heads = config["num_attention_heads"]
+        return cls(hidden=config["hidden_size"], layers=config["num_hidden_layers"], heads=heads,
+                   kv_heads=config.get("num_key_value_heads") or heads,
+                   head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+                   intermediate=config["intermediate_size"], vocab=config["vocab_size"],
+                   max_positions=config.get("max_position_embeddings") or 2048)
+
+
+@dataclass(frozen=True)
+class Params:
+    """Parameter counts by group, from the FP16 checkpoint's safetensors headers."""
+
+    embed: int
+    head: int  # the output head; a tied head counts here too (exllamav2 and vLLM both hold one)
+    linear: int  # the decoder's linear weights (what EXL2 quantizes at bpw)
+    other: int  # norms, biases
+
+    @classmethod
+    def of(cls, tensors: dict[str, list[int]], shape: Shape) -> Params:
+        groups = {"embed": 0, "head": 0, "linear": 0, "other": 0}
+        for name, dims in tensors.items():
+            n = math.prod(dims)
+            group = ("embed" if "embed_tokens" in name else "head" if name.startswith("lm_head")
+                     else "linear" if len(dims) == 2 else "other")
+            groups[group] += n
+        groups["head"] = groups["head"] or shape.vocab * shape.hidden
+        return cls(**groups)
+
+
+def exl2_weights(params: Params, bpw: float, head_bits: int = 6) -> int:
+    """Bytes on the GPU of an EXL2 quant that does not exist yet (the embedding stays in system memory)."""
+    head = HEAD_STORED_BITS.get(head_bits, head_bits + 0.5)
+    return int(params.linear * bpw / 8 + params.head * head / 8 + params.other * 2)
+
+
+def quant_weights(folder: Path) -> int:
+    """Bytes on the GPU of a finished EXL2 quant: every tensor but the embedding, from its headers."""
+    from factory.inspect import read_header
+
+    total = 0
+    for shard in sorted(folder.glob("*.safetensors")):
+        for name, info in read_header(shard).items():
+            if "embed_tokens" not in name:
+                begin, end = info["data_offsets"]
+                total += end - begin
+    return total
+
+
+def cache_bytes(shape: Shape, ctx: int, cache: str) -> int:
+    elements = ctx * shape.kv_heads * shape.head_dim  # of K (or V) in one layer
+    k, v = _CACHE_BYTES[cache]
+    total = shape.layers * elements * (k + v)
+    if cache != "fp16":
+        total += shape.layers * 2 * (elements // 32) * 2 + 2 * elements * 2  # scales; one fp16 layer to work in
+    return int(total)
+
+
+def scratch_bytes(shape: Shape) -> int:
+    """exllamav2's fixed scratch: the largest module's scratch_space_fixed (attention, MLP, head)."""
+    n, h, i = MAX_INPUT_LEN, shape.hidden, shape.intermediate
+    q = shape.heads * shape.head_dim
+    attn = n * max(q, h) * 2 + 2 * min(max(h * q, q * h, h * shape.kv_heads * shape.head_dim), MAX_DQ)
+    mlp = n * h * 2 + 2 * n * max(h, i) * 2 + 2 * min(h * i, MAX_DQ)
+    head = 2 * min(h * shape.vocab, MAX_DQ)
+    return max(attn, mlp, head)
+
+
+def forward_bytes(shape: Shape, ctx: int) -> int:
+    """What the largest prefill chunk allocates beyond the scratch: hidden states and residual, attention scores
+    (fp16 and their fp32 softmax), K/V expanded to every head over the context, the MLP's intermediates."""
+    chunk = min(MAX_INPUT_LEN, ctx)
+    scores = shape.heads * min(MAX_ATTENTION, chunk * ctx) * (2 + 4)
+    expanded = 2 * ctx * shape.heads * shape.head_dim * 2 if shape.kv_heads != shape.heads else 0
+    states = 3 * chunk * max(shape.hidden, shape.heads * shape.head_dim) * 2
+    mlp = 2 * chunk * shape.intermediate * 2
+    return scores + expanded + states + mlp
+
+
+def tables_bytes(shape: Shape, ctx: int) -> int:
+    return 2 * shape.head_dim * ctx * 2
+
+
+def exllamav2(shape: Shape, weights: int, ctx: int, cache: str) -> dict[str, int]:
+    """The predicted drop of free GPU memory, in parts and in total."""
+    parts = {"context": CONTEXT_BYTES, "weights": weights, "scratch": scratch_bytes(shape),
+             "tables": tables_bytes(shape, ctx), "cache": cache_bytes(shape, ctx, cache),
+             "forward": forward_bytes(shape, ctx)}
+    torch_part = sum(v for k, v in parts.items() if k != "context")
+    parts["slack"] = int(torch_part * SLACK)
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def vllm_awq(shape: Shape, params: Params, ctx: int, kv: str = "fp16", group: int = 128) -> dict[str, int]:
+    """An estimate for vLLM serving AWQ w4 (not measured): weights, KV cache, context, CUDA graphs, activations;
+    vLLM takes at most 0.9 of the card, so the budget it needs is total / 0.9."""
+    weights = int(params.linear * (4 + (16 + 4) / group) / 8 + (params.embed + params.head + params.other) * 2)
+    kv_bytes = 2 * shape.layers * ctx * shape.kv_heads * shape.head_dim * (1 if kv == "fp8" else 2)
+    activations = 2048 * max(shape.intermediate, shape.vocab) * 4 * 2
+    parts = {"context": CONTEXT_BYTES, "weights": weights, "cache": kv_bytes, "cuda_graphs": 512 * MiB,
+             "activations": activations}
+    parts["total"] = sum(parts.values())
+    parts["budget_needed"] = int(parts["total"] / 0.9)
+    return parts
+
+
+def source_shape(folder: Path) -> tuple[Shape, Params]:
+    """Shape and parameter counts of a local FP16 checkpoint (config.json and safetensors headers)."""
+    from factory.inspect import read_header
+
+    config = json.loads((folder / "config.json").read_text())
+    shape = Shape.of(config)
+    tensors = {name: info["shape"] for f in sorted(folder.glob("*.safetensors")) for name, info in
+               read_header(f).items()}
+    return shape, Params.of(tensors, shape)
+
+
+HEADROOM = 512 * MiB  # left free on the card: the desktop, other processes, fragmentation
+
+
+def plan(shape: Shape, params: Params, budget: int, ctx: int | None = None, cache: str = "fp16", gpus: int = 1,
+         headroom: int = HEADROOM, head_bits: int = 6) -> dict:
+    """Predicted peak for every bpw in [2.0, 8.0] and the highest that fits `budget` (per GPU) with `headroom`
+    left; several GPUs split the layers evenly (an estimate: exllamav2's autosplit fills them in order)."""
+    ctx = ctx or shape.max_positions
+    if ctx > shape.max_positions:
+        raise SpecError(f"a context of {ctx} tokens is more than the model's {shape.max_positions} positions")
+    if cache not in CACHES:
+        raise SpecError(f"KV cache {cache!r} is not one of {', '.join(CACHES)}")
+    if gpus < 1:
+        raise SpecError("--gpus must be at least 1")
+    room = budget - headroom
+    if room <= 0:
+        raise SpecError(f"a budget of {human(budget)} leaves nothing after {human(headroom)} of headroom")
+
+    def per_gpu(bpw: float) -> dict[str, int]:
+        parts = exllamav2(shape, exl2_weights(params, bpw, head_bits), ctx, cache)
+        if gpus > 1:  # each GPU: its own context, scratch and forward buffers, a share of weights and cache
+            shared = ("weights", "cache", "slack")
+            parts = {k: (v // gpus if k in shared else v) for k, v in parts.items() if k != "total"}
+            parts["total"] = sum(parts.values())
+        return parts
+
+    rows = [{"bpw": b, **per_gpu(b), "fits": per_gpu(b)["total"] <= room} for b in BPWS]
+    steps = [round(8.0 - i * 0.05, 2) for i in range(121)]  # 8.00, 7.95, ... 2.00
+    best = next((b for b in steps if per_gpu(b)["total"] <= room), None)
+    result = {"budget": budget, "gpus": gpus, "headroom": headroom, "ctx": ctx, "cache": cache, "rows": rows,
+              "best_bpw": best, "estimate": gpus > 1,
+              "awq": {kv: vllm_awq(shape, params, ctx, kv) for kv in ("fp16", "fp8")}}
+    if best is None:
+        need = per_gpu(2.0)["total"]
+        raise SpecError(f"even 2.0 bpw needs {human(need)} with a {ctx}-token {cache} cache, "
+                        f"{human(need - room)} more than {human(budget)} minus {human(headroom)} of headroom")
+    return result
+
+
+def fits_table(shape: Shape, weights: int, budgets=FIT_BUDGETS, caches=("fp16", "q4")) -> list[dict]:
+    """For a finished quant: the longest context (of 2k, 4k, 8k, ... up to the model's maximum) that fits each
+    budget with each cache type, with HEADROOM left."""
+    contexts = [c for c in (2048, 4096, 8192, 16384, 32768, 65536, 131072) if c <= shape.max_positions]
+    if shape.max_positions not in contexts:
+        contexts.append(shape.max_positions)
+    rows = []
+    for budget in budgets:
+        row = {"budget": budget}
+        for cache in caches:
+            fitting = [c for c in contexts if exllamav2(shape, weights, c, cache)["total"] <= budget - HEADROOM]
+            row[cache] = max(fitting, default=None)
+        rows.append(row)
+    return rows
