@@ -183,24 +183,54 @@ WindowsOpt = Annotated[int | None, typer.Option("--eval-windows", min=1, help="2
 NameOpt = Annotated[str | None, typer.Option("--name", help="The quant name (default: the folder's name).")]
 BaseOpt = Annotated[str | None, typer.Option("--base-model", help="The Hub repo the card names as base_model.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="JSON instead of tables and progress bars.")]
+FitOpt = Annotated[str | None, typer.Option("--fit", help="VRAM budgets, e.g. 24GB,16GB: EXL2 at the highest bpw "
+                                            "that fits each with --ctx and --kv-cache (see qf plan).")]
+CtxOpt = Annotated[int | None, typer.Option("--ctx", min=1, help="Context in tokens (default: the model's max).")]
+KvOpt = Annotated[str, typer.Option("--kv-cache", help="fp16, q8, q6 or q4.")]
 
 
-def _request(source, exl2, awq, recipe, calibration, eval_set, eval_windows, name, base_model, device=None):
+def _request(source, exl2, awq, recipe, calibration, eval_set, eval_windows, name, base_model, device=None,
+             fit=None, ctx=None, kv_cache="fp16"):
     from factory.pipeline import Request
     from factory.specs import build_recipe
 
-    chosen = build_recipe(recipe, exl2, awq, calibration=calibration, eval=eval_set, eval_windows=eval_windows)
-    return Request(source=source, recipe=chosen, exl2_from_flag=exl2 is not None, name=name, base_model=base_model,
-                   device=device)
+    fitted = _fit(source, fit, ctx, kv_cache, exl2) if fit else None
+    chosen = build_recipe(recipe, exl2, awq, fit=fitted, calibration=calibration, eval=eval_set,
+                          eval_windows=eval_windows)
+    return Request(source=source, recipe=chosen, exl2_from_flag=exl2 is not None or fit is not None, name=name,
+                   base_model=base_model, device=device)
+
+
+def _fit(source: str, budgets: str, ctx: int | None, kv_cache: str, exl2: str | None) -> list[tuple[float, dict]]:
+    """--fit 24GB,16GB -> [(bpw, budget)]: the highest bpw whose predicted peak fits each budget."""
+    from factory import sources
+    from factory import vram as memory
+
+    if exl2 is not None:
+        raise SpecError("give --exl2 sizes or --fit budgets, not both")
+    config, tensors = sources.layout(source)
+    shape = memory.Shape.of(config)
+    params = memory.Params.of(tensors, shape)
+    chosen = []
+    for text in budgets.split(","):
+        budget = memory.parse_size(text)
+        plan = memory.plan(shape, params, budget, ctx, kv_cache)
+        bpw = plan["best_bpw"]
+        err.print(f"--fit {text.strip()}: EXL2 {bpw:.2f} bpw for {plan['ctx']} tokens with a {kv_cache} cache "
+                  f"({memory.human(budget)}, {memory.human(plan['headroom'])} left free)", highlight=False)
+        chosen.append((bpw, {"vram": budget, "ctx": plan["ctx"], "cache": kv_cache}))
+    return chosen
 
 
 @app.command()
 @_handled
 def run(source: SourceArg, exl2: Exl2Opt = None, awq: AwqOpt = False, recipe: RecipeOpt = None,
         calibration: CalibrationOpt = None, eval_set: EvalOpt = None, eval_windows: WindowsOpt = None,
-        name: NameOpt = None, base_model: BaseOpt = None, as_json: JsonOpt = False) -> None:
+        name: NameOpt = None, base_model: BaseOpt = None, fit: FitOpt = None, ctx: CtxOpt = None,
+        kv_cache: KvOpt = "fp16", as_json: JsonOpt = False) -> None:
     """Quantize, evaluate and publish SOURCE in this process: inspect, quantize, evaluate, gate, publish."""
-    request = _request(source, exl2, awq, recipe, calibration, eval_set, eval_windows, name, base_model)
+    request = _request(source, exl2, awq, recipe, calibration, eval_set, eval_windows, name, base_model,
+                       fit=fit, ctx=ctx, kv_cache=kv_cache)
     if owner := settings.load().hub_owner:
         from factory.publish import hub
 
@@ -219,14 +249,16 @@ def run(source: SourceArg, exl2: Exl2Opt = None, awq: AwqOpt = False, recipe: Re
 @_handled
 def submit(source: SourceArg, exl2: Exl2Opt = None, awq: AwqOpt = False, recipe: RecipeOpt = None,
            calibration: CalibrationOpt = None, eval_set: EvalOpt = None, eval_windows: WindowsOpt = None,
-           name: NameOpt = None, base_model: BaseOpt = None) -> None:
+           name: NameOpt = None, base_model: BaseOpt = None, fit: FitOpt = None, ctx: CtxOpt = None,
+           kv_cache: KvOpt = "fp16") -> None:
     """Queue a job for the workers; prints only its id (the same job twice: the same id)."""
     from factory.catalog import JobState
     from workers.tasks import enqueue
 
     factory = _factory()
     job, created = factory.submit(_request(source, exl2, awq, recipe, calibration, eval_set, eval_windows, name,
-                                           base_model, device=factory.settings.worker_device))
+                                           base_model, device=factory.settings.worker_device, fit=fit, ctx=ctx,
+                                           kv_cache=kv_cache))
     if created or job.state in (JobState.failed, JobState.cancelled):
         enqueue(factory, job.id)
     print(job.id)
@@ -323,11 +355,26 @@ def show(
     catalog = _catalog()
     parsed = naming.parse(ref)
     rows = [q.as_row() for q in _find(catalog, parsed)]
+    registry = settings.load().registry
+    for r in rows:
+        if r["method"] == "exl2" and (registry / r["path"]).is_dir():
+            from factory import vram
+
+            r["fits"] = vram.quant_fits(registry / r["path"])
     job_rows = _job_rows(limit=50, name=parsed.name)
     if as_json:
         print(json.dumps({"quants": rows, "jobs": job_rows}, indent=2))
         return
     out.print(_quant_table(rows, title=f"quants of {parsed.name}"))
+    for r in rows:
+        if r.get("fits"):
+            table = Table(title=f"{r['name']}@{r['rev']} fits on (longest context, exllamav2, 512 MiB left free)",
+                          title_justify="left")
+            for col in ("GPU", "FP16 CACHE", "Q4 CACHE"):
+                table.add_column(col, justify="right")
+            for f in r["fits"]:
+                table.add_row(f"{f['budget'] / 2**30:.0f} GB", *(f"{f[c]:,}" if f[c] else "-" for c in ("fp16", "q4")))
+            out.print(table)
     out.print(_job_table(job_rows, title="jobs"))
 
 

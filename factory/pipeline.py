@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import calibration
-from factory import engines, evaluate, naming, sources
+from factory import engines, evaluate, naming, sources, vram
 from factory.catalog import Catalog, Job, JobState, Quant, StepState, job_key, measurement_key
 from factory.errors import Cancelled, FactoryError, JobFailed, ModelRefused, QualityGateRefused, SpecError
 from factory.inspect import inspect
@@ -379,6 +379,8 @@ class Factory:
                 },
             )
             this = quant.as_row()
+            if spec.method == "exl2":
+                this["fits"] = vram.quant_fits(out)
             others = [q.as_row() for q in self.catalog.quants(name=job.name) if (q.tag, q.rev) != (spec.tag, rev)]
             (out / card.FILENAME).write_text(card.render(job.name, job.base_model, this, [this, *others]))
             manifest = {k: this[k] for k in ("source", "source_identity", "calibration", "versions", "job")}
@@ -409,6 +411,9 @@ class Factory:
             latest = {q.tag: q.as_row() for q in sorted(self.catalog.quants(name=job.name), key=lambda q: q.created_at)
                       if q.method == spec.method and where(q.tag).branch in on_hub}
             rows = list(latest.values())
+            for r in rows:
+                if r["method"] == "exl2":
+                    r["fits"] = vram.quant_fits(s.registry / r["path"])
             main = s.work / job.id / "hub-main" / spec.method
             shutil.rmtree(main, ignore_errors=True)
             main.mkdir(parents=True)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from factory import naming
 from factory.errors import SpecError
@@ -44,10 +44,19 @@ def check_head_bits(value: object) -> int:
     return int(value)  # type: ignore[arg-type]
 
 
+class Fit(_Closed):
+    """The budget an EXL2 size was chosen for (`--fit`): VRAM in bytes, the context and the KV cache it must hold."""
+
+    vram: int = Field(gt=0)
+    ctx: int = Field(gt=0)
+    cache: Literal["fp16", "q8", "q6", "q4"] = "fp16"
+
+
 class Exl2Spec(_Closed):
     method: Literal["exl2"] = "exl2"
     bpw: float
     head_bits: int = 6
+    fit: Fit | None = None
     measurement_rows: int = Field(16, ge=1)
     measurement_length: int = Field(2048, ge=16)
     rows: int = Field(100, ge=1)
@@ -133,6 +142,7 @@ def resolve_awq(spec: AwqSpec, in_features: list[int], cuda: bool) -> AwqSpec:
 class Exl2Targets(_Closed):
     bpw: list[float] = Field(min_length=1)
     head_bits: int = 6
+    fit: list[Fit] | None = None  # --fit: the budget each bpw (same order) was chosen for
 
     @field_validator("bpw", mode="before")
     @classmethod
@@ -144,8 +154,17 @@ class Exl2Targets(_Closed):
     def _head(cls, v: object) -> int:
         return check_head_bits(v)
 
+    @model_validator(mode="after")
+    def _one_fit_per_size(self) -> Exl2Targets:
+        if self.fit is not None and len(self.fit) != len(self.bpw):
+            raise SpecError(f"exl2 fit lists {len(self.fit)} budgets for {len(self.bpw)} sizes; give one per size")
+        return self
+
     def specs(self) -> list[Exl2Spec]:
-        return [Exl2Spec(bpw=b, head_bits=self.head_bits) for b in sorted(set(self.bpw))]
+        fits: dict[float, Fit] = {}
+        for b, f in zip(self.bpw, self.fit or [], strict=False):  # two budgets that chose one size: the smaller
+            fits[b] = min(fits.get(b, f), f, key=lambda x: x.vram)
+        return [Exl2Spec(bpw=b, head_bits=self.head_bits, fit=fits.get(b)) for b in sorted(set(self.bpw))]
 
 
 class Recipe(_Closed):
@@ -211,12 +230,18 @@ def standard_recipe() -> Recipe:
     return load_recipe(CONFIGS / "standard.yaml")
 
 
-def build_recipe(path: Path | None = None, exl2: str | None = None, awq: bool = False, **overrides: object) -> Recipe:
+def build_recipe(path: Path | None = None, exl2: str | None = None, awq: bool = False,
+                 fit: list[tuple[float, dict]] | None = None, **overrides: object) -> Recipe:
     """The recipe a command line asks for: --recipe FILE, else the standard recipe; method flags replace its
-    targets (keeping its settings for those methods); options that are not None replace its keys."""
+    targets (keeping its settings for those methods); `fit` ((bpw, budget) pairs from `qf plan`'s arithmetic)
+    stands for --exl2 with those sizes; options that are not None replace its keys."""
     data = (load_recipe(path) if path else standard_recipe()).model_dump(exclude_none=True)
+    if fit is not None:
+        exl2 = ",".join(str(b) for b, _ in fit)
     if exl2 is not None or awq:
         data["exl2"] = {**data.get("exl2", {}), "bpw": parse_bpw_list(exl2)} if exl2 is not None else None
         data["awq"] = data.get("awq", {}) if awq else None
+    if fit is not None:
+        data["exl2"]["fit"] = [f for _, f in fit]
     data.update({k: v for k, v in overrides.items() if v is not None})
     return recipe_from_dict(data, "options")

@@ -246,3 +246,9 @@ def fits_table(shape: Shape, weights: int, budgets=FIT_BUDGETS, caches=("fp16", 
             row[cache] = max(fitting, default=None)
         rows.append(row)
     return rows
+
+
+def quant_fits(folder: Path) -> list[dict]:
+    """The "fits on" table of a finished EXL2 quant in `folder` (its config.json and safetensors headers)."""
+    shape = Shape.of(json.loads((folder / "config.json").read_text()))
+    return fits_table(shape, quant_weights(folder))

@@ -99,5 +99,53 @@ def test_too_small_says_by_how_much():
     with pytest.raises(SpecError, match=r"even 2.0 bpw needs .* more than 2.00 GiB minus 512 MiB of headroom"):
         vram.plan(shape, params, 2 * 2**30, 32768, "fp16")
     one = vram.plan(shape, params, 8 * 2**30, 32768, "q4")["best_bpw"]
+    assert 2.0 <= vram.plan(shape, params, 4 * 2**30, 32768, "q4")["best_bpw"] < one < 8.0
     two = vram.plan(shape, params, 8 * 2**30, 32768, "q4", gpus=2)
     assert two["estimate"] and two["best_bpw"] >= one
+
+
+def test_fit_chooses_the_sizes_and_records_the_budget(qf, tiny, monkeypatch):
+    """--fit on a submission for CUDA workers: one EXL2 size per budget, chosen by the plan, the budget in the spec."""
+    import redis
+
+    monkeypatch.setenv("FACTORY_BROKER_URL", "redis://127.0.0.1:6379/7")
+    monkeypatch.setenv("FACTORY_WORKER_DEVICE", "cuda")
+    redis.Redis.from_url("redis://127.0.0.1:6379/7").flushdb()
+    result = qf("submit", tiny, "--fit", "2GB,1500MB", "--ctx", 2048, "--kv-cache", "q4")
+    assert result.exit_code == 0, result.output
+    job = qf.json("status", result.stdout.strip())
+    plans = {b: qf.json("plan", tiny, "--vram", b, "--ctx", 2048, "--kv-cache", "q4")["best_bpw"]
+             for b in ("2GB", "1500MB")}
+    assert plans == {"2GB": 8.0, "1500MB": 8.0}  # the tiny model's weights are nothing: both budgets take 8.0
+    assert [(s["bpw"], s["fit"]) for s in job["specs"]] == [(8.0, {"vram": 1500 * 2**20, "ctx": 2048, "cache": "q4"})]
+    assert "--fit 1500MB: EXL2 8.00 bpw for 2048 tokens with a q4 cache" in result.stderr
+    both = qf("submit", tiny, "--fit", "2GB", "--exl2", "4.0")
+    assert both.exit_code == 2 and "give --exl2 sizes or --fit budgets, not both" in both.stderr
+    small = qf("submit", tiny, "--fit", "700MB")
+    assert small.exit_code == 2 and "even 2.0 bpw needs" in small.stderr
+
+
+def test_fits_table_of_a_finished_quant_and_its_card(tmp_path):
+    """A folder shaped like an EXL2 quant of SmolLM2 (its config, tensors of the recorded sizes): the table the
+    card and `qf show` print."""
+    import torch
+    from safetensors.torch import save_file
+
+    from factory.publish import card
+
+    quant = json.loads(MEASURED.read_text())["rows"][1]  # exl2-4.0bpw
+    folder = tmp_path / "q"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(quant["config"]))
+    sizes = quant["tensor_bytes"]
+    save_file({"model.embed_tokens.weight": torch.zeros(sizes["embed"] // 2, dtype=torch.float16),
+               "lm_head.q_weight": torch.zeros(sizes["head"] // 2, dtype=torch.int16),
+               "model.layers.0.mlp.q_weight": torch.zeros(sizes["layers"] // 2, dtype=torch.int16)},
+              str(folder / "output.safetensors"))
+    assert vram.quant_weights(folder) == sizes["head"] // 2 * 2 + sizes["layers"] // 2 * 2
+    fits = vram.quant_fits(folder)
+    assert [f["budget"] for f in fits] == list(vram.FIT_BUDGETS)
+    assert all(f["fp16"] == 8192 and f["q4"] == 8192 for f in fits)  # a 135M model fits 8 GB at its full context
+    row = {"name": "smollm2:exl2-4.0bpw", "fits": fits, "fit": {"vram": 8 * 2**30, "ctx": 8192, "cache": "q4"}}
+    text = card._fits(row)
+    assert "| 8 GB | 8,192 tokens | 8,192 tokens |" in text and "Made to fit 8 GiB with 8192 tokens of q4" in text

@@ -25,6 +25,7 @@ import threading
 from contextlib import contextmanager
 
 import redis
+from celery.signals import worker_ready
 from kombu.exceptions import OperationalError
 
 from factory import schedule, settings, sources
@@ -81,24 +82,51 @@ def _run(job_id: str, publish: bool) -> bool:
 
 def _execute(factory: Factory, job_id: str, publish: bool) -> None:
     """Factory.execute in a fresh spawned process: what a job does to its process (CUDA memory and context, an
-    out-of-memory kill, a crash in native code) ends with that process, and the worker takes the next job clean."""
-    proc = _SPAWN.Process(target=_execute_here, args=(job_id, publish, os.getpid()), name=f"qf-job-{job_id}")
-    proc.start()
+    out-of-memory kill, a crash in native code) ends with that process, and the worker takes the next job clean.
+    The process for the next job is started (and has done its imports) while this one runs."""
+    global _spare
+    proc, conn = _spare if _spare and _spare[0].is_alive() else _spawn()
+    conn.send((job_id, publish))
+    _spare = _spawn()
     proc.join()
     if proc.exitcode != 0:
         how = f"killed by {signal.Signals(-proc.exitcode).name}" if proc.exitcode < 0 else f"exit {proc.exitcode}"
         factory.catalog.fail_job(job_id, f"the job's process died ({how})")
 
 
-def _execute_here(job_id: str, publish: bool, parent: int) -> None:
+_spare = None  # (process, connection): a spawned job process that waits for its job (daemonic: it ends with us)
+
+
+def _spawn():
+    ours, theirs = _SPAWN.Pipe()
+    proc = _SPAWN.Process(target=_job_process, args=(theirs, os.getpid()), name="qf-job", daemon=True)
+    proc.start()
+    theirs.close()
+    return proc, ours
+
+
+def _job_process(conn, parent: int) -> None:
     child.die_with_parent()  # a killed worker takes its job process (and that one its engines) along
     if os.getppid() != parent:
+        return
+    import torch  # noqa: F401  - what every job needs, imported before the job arrives
+    import transformers  # noqa: F401
+
+    try:
+        job_id, publish = conn.recv()
+    except EOFError:  # the worker stopped
         return
     config = settings.load()
     try:
         Factory(config, _publisher(config.broker_url, job_id)).execute(job_id, publish=publish)
     except FactoryError:
         pass  # the job is marked failed in the catalog
+
+
+@worker_ready.connect
+def _warm_up(**_) -> None:
+    global _spare
+    _spare = _spare or _spawn()
 
 
 def _publisher(broker_url: str, job_id: str):

@@ -63,6 +63,24 @@ tokenizer = ExLlamaV2Tokenizer(config)
 """
 
 
+def _fits(row: dict) -> str:
+    """How long a context each card size holds with this quant in exllamav2 (rows with a "fits" table)."""
+    if not row.get("fits"):
+        return ""
+    caches = [k for k in row["fits"][0] if k != "budget"]
+    lines = [f"### {row['name']}", ""]
+    if row.get("fit"):
+        f = row["fit"]
+        lines += [f"Made to fit {f['vram'] / 2**30:.0f} GiB with {f['ctx']} tokens of {f['cache']} cache (--fit).",
+                  ""]
+    lines += ["| GPU | " + " | ".join(f"longest context, {c} cache" for c in caches) + " |",
+              "|---|" + "---|" * len(caches)]
+    for r in row["fits"]:
+        cells = [f"{r[c]:,} tokens" if r[c] else "does not fit" for c in caches]
+        lines.append(f"| {r['budget'] / 2**30:.0f} GB | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def render(name: str, base_model: str, this: dict, rows: list[dict], places: dict | None = None) -> str:
     """`this` is the quant the folder holds; `rows` every quant of the model, `this` included. `places` (quant
     name -> hub.Place) makes the card of a Hub repo: where each variant is, how to download it, and the plot."""
@@ -91,6 +109,11 @@ def render(name: str, base_model: str, this: dict, rows: list[dict], places: dic
         )
     ordered = sorted(rows, key=lambda r: (r["method"], r["bits"]))
     loads = "\n".join(_how_to_load(r, places.get(r["name"])) for r in ordered)
+    fits = "\n".join(_fits(r) for r in ordered if r.get("fits"))
+    if fits:
+        fits = ("\n## Fits on\n\nThe longest context (powers of two up to the model's maximum) that exllamav2 holds "
+                "with 512 MiB of the card left free, as factory/vram.py predicts it (checked against real memory on "
+                "an H200: benchmarks/results/vram_fit.json).\n\n" + fits)
     picture = f"\n![perplexity against size]({PLOT})\n" if places else ""
     return f"""---
 {yaml.safe_dump(meta, sort_keys=False).strip()}
@@ -106,7 +129,7 @@ of the text); "vs FP16" is the change against the FP16 model on those windows.
 {picture}
 ## How to load
 
-{loads}"""
+{loads}{fits}"""
 
 
 def plot(rows: list[dict], path: Path) -> Path:
