@@ -152,6 +152,33 @@ def load_exl2(folder: Path, dev: str) -> Logits:
     return lambda ids: model.forward(ids, cache=None)
 
 
+KV_CACHES = {"fp16": "ExLlamaV2Cache", "q8": "ExLlamaV2Cache_Q8", "q6": "ExLlamaV2Cache_Q6", "q4": "ExLlamaV2Cache_Q4"}
+KV_CHUNK = 128  # tokens per forward when scoring through a cache
+
+
+def load_exl2_cached(folder: Path, dev: str, cache: str) -> Logits:
+    """exllamav2 with a KV cache of type `cache`: each window goes through in KV_CHUNK-token forwards, so every
+    token attends to the earlier ones through the (quantized) cache, as in generation."""
+    import os
+
+    os.environ["EXLLAMA_NO_SDPA"] = "1"
+    import exllamav2
+    import torch
+    from exllamav2 import ExLlamaV2, ExLlamaV2Config
+
+    config = ExLlamaV2Config(str(folder))
+    config.arch_compat_overrides()
+    model = ExLlamaV2(config)
+    model.load()
+    kv = getattr(exllamav2, KV_CACHES[cache])(model, max_seq_len=min(WINDOW, config.max_seq_len))
+
+    def logits(ids: torch.Tensor) -> torch.Tensor:
+        kv.current_seq_len = 0
+        return torch.cat([model.forward(ids[:, i : i + KV_CHUNK], kv) for i in range(0, ids.shape[1], KV_CHUNK)], 1)
+
+    return logits
+
+
 LOADERS = {"fp16": load_fp16, "awq": load_awq, "exl2": load_exl2}
 EVALUATORS = {"fp16": "transformers", "awq": "autoawq", "exl2": "exllamav2"}
 
@@ -165,9 +192,9 @@ class Result:
     peak_gpu_bytes: int | None = None
 
 
-def evaluate(folder: Path, method: str, data: Stream, on_window=None) -> Result:
+def evaluate(folder: Path, method: str, data: Stream, on_window=None, kv_cache: str | None = None) -> Result:
     """Perplexity of the model in `folder` through `method`'s loader (fp16: transformers; awq: AutoAWQ's
-    dequantization into transformers; exl2: exllamav2)."""
+    dequantization into transformers; exl2: exllamav2, with `kv_cache` through a cache of that type)."""
     import torch
 
     dev = device()
@@ -175,7 +202,7 @@ def evaluate(folder: Path, method: str, data: Stream, on_window=None) -> Result:
     if dev == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    logits_of = LOADERS[method](folder, dev)
+    logits_of = load_exl2_cached(folder, dev, kv_cache) if kv_cache else LOADERS[method](folder, dev)
     ppl = perplexity(logits_of, data, on_window)
     peak = torch.cuda.max_memory_allocated() if dev == "cuda" else None
     del logits_of

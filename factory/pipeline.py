@@ -30,6 +30,7 @@ from factory.settings import Settings
 from factory.specs import AwqSpec, Exl2Spec, Recipe, resolve_awq
 
 Emit = Callable[[dict], None]
+KV_EVAL_CACHES = ("fp16", "q8", "q4")  # EXL2 quants are also scored through these exllamav2 caches
 CANCEL_CHECK_SECONDS = 1.0  # how often a running step looks whether its job was cancelled
 
 
@@ -133,13 +134,15 @@ class Factory:
             outputs = {spec.tag: self._quantize(job, prepared, spec) for spec in prepared.specs}
             fp16 = self._evaluate_fp16(job, prepared)
             ppls = {spec.tag: self._evaluate(job, prepared, spec, outputs[spec.tag]) for spec in prepared.specs}
+            exl2 = [s for s in prepared.specs if s.method == "exl2"]
+            kv = {s.tag: self._evaluate_kv(job, prepared, s, outputs[s.tag]) for s in exl2}
             refused = self._gate(job, ppls, fp16)
             if not publish:
                 self.catalog.set_job_state(job_id, JobState.queued)
                 return self.catalog.job(job_id)
             for spec in prepared.specs:
                 if spec.tag not in refused:
-                    self._publish(job, prepared, spec, outputs[spec.tag], ppls[spec.tag], fp16)
+                    self._publish(job, prepared, spec, outputs[spec.tag], ppls[spec.tag], fp16, kv.get(spec.tag))
                     if self.settings.hub_owner:
                         self._push(job, spec)
             if refused:
@@ -316,25 +319,46 @@ class Factory:
             return done[spec.tag]
         return self._measure(job, prepared, spec.tag, out, spec.method)
 
+    def _evaluate_kv(self, job: Job, prepared: _Prepared, spec: Exl2Spec, out: Path) -> dict[str, float]:
+        """An EXL2 quant's perplexity through exllamav2's fp16, q8 and q4 KV caches (what cache quantization costs)."""
+        done = {e.subject: e.ppl for e in self.catalog.evaluations(job.id)}
+        subjects = {cache: f"{spec.tag}:kv-{cache}" for cache in KV_EVAL_CACHES}
+        if all(s in done for s in subjects.values()):
+            return {cache: done[s] for cache, s in subjects.items()}
+        ppls = {}
+        with self._step(job.id, f"evaluate:{spec.tag}:kv") as progress:
+            for cache, subject in subjects.items():
+                def on_window(d: int, t: int, c: str = cache) -> None:
+                    progress(done=d, total=t, unit=f"{c} cache window")
+
+                result = evaluate.evaluate(out, "exl2", prepared.stream, on_window, kv_cache=cache)
+                ppls[cache] = self._record(job, prepared, subject, result, progress)
+                self.emit({"event": "evaluation", "subject": subject, "ppl": result.ppl})
+        return ppls
+
     def _measure(self, job: Job, prepared: _Prepared, subject: str, folder: Path, method: str) -> float:
         with self._step(job.id, f"evaluate:{subject}") as progress:
             result = evaluate.evaluate(
                 folder, method, prepared.stream, lambda done, total: progress(done=done, total=total, unit="window")
             )
-            progress(peak_gpu_bytes=result.peak_gpu_bytes)
-            self.catalog.add_evaluation(
-                job_id=job.id,
-                subject=subject,
-                source_identity=job.source_identity,
-                evaluator=result.evaluator,
-                device=result.device,
-                eval_sha=job.eval_sha,
-                windows=len(prepared.stream.windows),
-                window_length=prepared.stream.window_length,
-                ppl=result.ppl,
-                seconds=result.seconds,
-            )
+            self._record(job, prepared, subject, result, progress)
         self.emit({"event": "evaluation", "subject": subject, "ppl": result.ppl})
+        return result.ppl
+
+    def _record(self, job: Job, prepared: _Prepared, subject: str, result: evaluate.Result, progress) -> float:
+        progress(peak_gpu_bytes=result.peak_gpu_bytes)
+        self.catalog.add_evaluation(
+            job_id=job.id,
+            subject=subject,
+            source_identity=job.source_identity,
+            evaluator=result.evaluator,
+            device=result.device,
+            eval_sha=job.eval_sha,
+            windows=len(prepared.stream.windows),
+            window_length=prepared.stream.window_length,
+            ppl=result.ppl,
+            seconds=result.seconds,
+        )
         return result.ppl
 
     def _gate(self, job: Job, ppls: dict[str, float], fp16: float) -> dict[str, QualityGateRefused]:
@@ -345,7 +369,8 @@ class Factory:
                 if not (math.isfinite(ppl) and ppl <= job.max_ppl_ratio * fp16)
             }
 
-    def _publish(self, job: Job, prepared: _Prepared, spec, out: Path, ppl: float, fp16: float) -> None:
+    def _publish(self, job: Job, prepared: _Prepared, spec, out: Path, ppl: float, fp16: float,
+                 kv: dict[str, float] | None = None) -> None:
         rev = sources.rev(job.source_identity)
         with self._step(job.id, f"publish:{spec.tag}"):
             (out / card.FILENAME).unlink(missing_ok=True)
@@ -376,6 +401,7 @@ class Factory:
                     "windows": len(prepared.stream.windows),
                     "window_length": prepared.stream.window_length,
                     "device": job.device,
+                    **({"kv_cache": kv} if kv else {}),  # exllamav2's perplexity through fp16, q8 and q4 caches
                 },
             )
             this = quant.as_row()

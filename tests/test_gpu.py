@@ -149,6 +149,21 @@ def test_quality_falls_with_fewer_bits(standard):
     assert exl2[-1]["change"] < 0.03
 
 
+def test_kv_cache_perplexities(standard):
+    """Every EXL2 quant is also scored through exllamav2's fp16, q8 and q4 caches (128-token forwards)."""
+    name, _, events = standard
+    found = {}
+    for q in events[-1]["quants"]:
+        if q["method"] == "exl2":
+            kv = q["eval"]["kv_cache"]
+            assert set(kv) == {"fp16", "q8", "q4"} and all(v > 1 for v in kv.values())
+            found[q["name"].split(":", 1)[1]] = kv
+            if name == "smollm2-135m-instruct":  # through an fp16 cache, in chunks: the same as one full forward
+                assert kv["fp16"] == pytest.approx(q["ppl"], rel=0.005)
+    RESULTS["checks"][f"{name}_kv_cache_ppl"] = found
+    _save()
+
+
 def test_measurement_is_reused_for_another_size(standard, tmp_path):
     """4.31 bpw with an 8-bit head: the size of AWQ w4g64 (4 + 20/64 bits per weight, FP16 head)."""
     name, qf, _ = standard

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import json
+import logging
 import multiprocessing
 import os
 import signal
@@ -40,6 +41,7 @@ from workers.app import app
 QUEUE = "gpu"
 QUEUES = ("gpu", "cpu")
 _SPAWN = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA
+log = logging.getLogger("quantfactory")
 WATCH_LOCK = "quantfactory:watch-lock"
 EVENTS = "quantfactory:events:"  # + job id: the pipeline's events, published for `qf status --follow`
 
@@ -201,7 +203,13 @@ def enqueue(factory: Factory, job_id: str) -> None:
 
 @app.task(name="quantfactory.check_watchlist", ignore_result=True)
 def check_watchlist() -> dict:
-    return watch_check(dry_run=False)
+    result = watch_check(dry_run=False)
+    for error in result["errors"]:
+        log.warning("watchlist check: %s (tried again at the next check)", error)
+    for p in result["planned"]:
+        what = f"job {p['job']}" if p["job"] else f"skipped: {p['skipped']}" if p["skipped"] else "not submitted"
+        log.info("watchlist check: %s %s@%s -> %s", p["watch"], p["repo"], p["sha"][:7], what)
+    return result
 
 
 def watch_check(dry_run: bool) -> dict:

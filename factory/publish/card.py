@@ -13,6 +13,7 @@ import yaml
 
 FILENAME = "README.md"
 PLOT = "ppl_vs_size.png"  # beside the card of a Hub repo
+KV_CHUNK_NOTE = "each window fed 128 tokens at a time, so every token reads the earlier ones from the cache"
 LIBRARY = {"awq": "transformers", "exl2": "exllamav2"}
 QUANTIZED_BY = "quantfactory"
 
@@ -69,6 +70,9 @@ def _fits(row: dict) -> str:
         return ""
     caches = [k for k in row["fits"][0] if k != "budget"]
     lines = [f"### {row['name']}", ""]
+    if kv := row.get("eval", {}).get("kv_cache"):
+        scores = ", ".join(f"{cache} {ppl:.4f}" for cache, ppl in kv.items())
+        lines += [f"Perplexity through exllamav2's KV cache ({KV_CHUNK_NOTE}): {scores}.", ""]
     if row.get("fit"):
         f = row["fit"]
         lines += [f"Made to fit {f['vram'] / 2**30:.0f} GiB with {f['ctx']} tokens of {f['cache']} cache (--fit).",
