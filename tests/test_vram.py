@@ -98,9 +98,9 @@ def test_too_small_says_by_how_much():
                                                                               + 3 * 2048 * 8192), other=0)
     with pytest.raises(SpecError, match=r"even 2.0 bpw needs .* more than 2.00 GiB minus 512 MiB of headroom"):
         vram.plan(shape, params, 2 * 2**30, 32768, "fp16")
-    one = vram.plan(shape, params, 3 * 2**30, 32768, "q4")["best_bpw"]
-    assert 2.0 <= vram.plan(shape, params, int(2.5 * 2**30), 32768, "q4")["best_bpw"] < one < 8.0
-    two = vram.plan(shape, params, int(2.5 * 2**30), 32768, "q4", gpus=2)
+    one = vram.plan(shape, params, int(3.5 * 2**30), 32768, "q4")["best_bpw"]
+    assert 2.0 <= vram.plan(shape, params, int(3.25 * 2**30), 32768, "q4")["best_bpw"] < one < 8.0
+    two = vram.plan(shape, params, int(3.25 * 2**30), 32768, "q4", gpus=2)
     assert two["estimate"] and two["best_bpw"] > one
 
 
