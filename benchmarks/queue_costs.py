@@ -4,7 +4,8 @@
 
 - accept: 500 distinct submissions through the `qf submit` code path in one process (catalog row + message);
 - status: `qf status JOB` and `qf status` as fresh processes with 10,000 jobs in the catalog (target < 0.5 s);
-- overhead: one tiny AWQ job end to end through a worker (submit -> succeeded) against `qf run` (target < 2 s).
+- overhead: one tiny AWQ job end to end through a worker that is up (its next job process has done its imports)
+  (submit -> succeeded) against `qf run` (target < 2 s).
 Uses a fresh database on the server and its own Redis database; writes benchmarks/results/queue_costs.json.
 """
 
@@ -102,7 +103,7 @@ def main() -> None:
             worker = subprocess.Popen([sys.executable, "-m", "factory.cli", "worker"], env=env, cwd=ROOT,
                                       stdout=log, stderr=subprocess.STDOUT)
             deadline = time.monotonic() + 60
-            while "ready." not in (tmp / "worker.log").read_text():
+            while "ready for the next job" not in (tmp / "worker.log").read_text():  # a worker that is up
                 assert time.monotonic() < deadline, (tmp / "worker.log").read_text()
                 time.sleep(0.2)
             start = time.monotonic()

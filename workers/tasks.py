@@ -22,6 +22,7 @@ import multiprocessing
 import os
 import signal
 import socket
+import sys
 import threading
 from contextlib import contextmanager
 
@@ -114,6 +115,7 @@ def _job_process(conn, parent: int) -> None:
     import torch  # noqa: F401  - what every job needs, imported before the job arrives
     import transformers  # noqa: F401
 
+    print(f"job process {os.getpid()} ready for the next job", file=sys.stderr, flush=True)  # the worker's log
     try:
         job_id, publish = conn.recv()
     except EOFError:  # the worker stopped
