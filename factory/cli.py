@@ -194,14 +194,18 @@ def _request(source, exl2, awq, recipe, calibration, eval_set, eval_windows, nam
     from factory.pipeline import Request
     from factory.specs import build_recipe
 
-    fitted = _fit(source, fit, ctx, kv_cache, exl2) if fit else None
+    fitted = None
+    if fit:
+        written = build_recipe(recipe).exl2  # its head bits count in the plan
+        fitted = _fit(source, fit, ctx, kv_cache, exl2, written.head_bits if written else 6)
     chosen = build_recipe(recipe, exl2, awq, fit=fitted, calibration=calibration, eval=eval_set,
                           eval_windows=eval_windows)
     return Request(source=source, recipe=chosen, exl2_from_flag=exl2 is not None or fit is not None, name=name,
                    base_model=base_model, device=device)
 
 
-def _fit(source: str, budgets: str, ctx: int | None, kv_cache: str, exl2: str | None) -> list[tuple[float, dict]]:
+def _fit(source: str, budgets: str, ctx: int | None, kv_cache: str, exl2: str | None,
+         head_bits: int) -> list[tuple[float, dict]]:
     """--fit 24GB,16GB -> [(bpw, budget)]: the highest bpw whose predicted peak fits each budget."""
     from factory import sources
     from factory import vram as memory
@@ -214,7 +218,7 @@ def _fit(source: str, budgets: str, ctx: int | None, kv_cache: str, exl2: str | 
     chosen = []
     for text in budgets.split(","):
         budget = memory.parse_size(text)
-        plan = memory.plan(shape, params, budget, ctx, kv_cache)
+        plan = memory.plan(shape, params, budget, ctx, kv_cache, head_bits=head_bits)
         bpw = plan["best_bpw"]
         err.print(f"--fit {text.strip()}: EXL2 {bpw:.2f} bpw for {plan['ctx']} tokens with a {kv_cache} cache "
                   f"({memory.human(budget)}, {memory.human(plan['headroom'])} left free)", highlight=False)

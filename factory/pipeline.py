@@ -60,6 +60,7 @@ class Factory:
         self.settings = settings
         self.catalog = Catalog(settings.db_url)
         self.emit = emit
+        self._hub_writer = None  # an HfApi checked once for writing under FACTORY_HUB_OWNER
 
     # submit ---------------------------------------------------------------------------------------------
     def submit(self, request: Request) -> tuple[Job, bool]:
@@ -401,7 +402,8 @@ class Factory:
                     "windows": len(prepared.stream.windows),
                     "window_length": prepared.stream.window_length,
                     "device": job.device,
-                    **({"kv_cache": kv} if kv else {}),  # exllamav2's perplexity through fp16, q8 and q4 caches
+                    # exllamav2's perplexity through fp16, q8 and q4 caches (JSON: no NaN or infinity, so null)
+                    **({"kv_cache": {c: p if math.isfinite(p) else None for c, p in kv.items()}} if kv else {}),
                 },
             )
             this = quant.as_row()
@@ -420,7 +422,7 @@ class Factory:
 
     def _push(self, job: Job, spec: Exl2Spec | AwqSpec) -> None:
         """The quant's branch on the Hub, then main of its repo: the card of every variant there with its plot, and
-        measurement.json (EXL2) or the latest variant's files (AWQ, where vLLM looks)."""
+        measurement.json (EXL2) or the newest variant's files (AWQ, where vLLM looks)."""
         s = self.settings
 
         def where(tag: str) -> hub.Place:
@@ -428,29 +430,34 @@ class Factory:
 
         here, rev = where(spec.tag), sources.rev(job.source_identity)
         folder = registry.quant_dir(s.registry, job.name, spec.tag, rev)
-        with self._step(job.id, f"push:{spec.tag}"):
-            api = hub.writer(s.hub_owner)
-            files = {p.name: p for p in folder.iterdir() if p.is_file()}
-            message = f"{job.name}:{spec.tag}@{rev} from {job.source_identity}"
-            hub.put_branch(api, here.repo, here.branch, files, message)
+
+        def main_files() -> dict[str, Path]:  # made again after a concurrent commit to main
             on_hub = hub.refs(here.repo)
-            latest = {q.tag: q.as_row() for q in sorted(self.catalog.quants(name=job.name), key=lambda q: q.created_at)
-                      if q.method == spec.method and where(q.tag).branch in on_hub}
-            rows = list(latest.values())
+            latest = {q.tag: q for q in sorted(self.catalog.quants(name=job.name), key=lambda q: q.created_at)
+                      if q.method == spec.method and where(q.tag).branch in on_hub and (s.registry / q.path).is_dir()}
+            rows = [q.as_row() for q in latest.values()]
             for r in rows:
                 if r["method"] == "exl2":
                     r["fits"] = vram.quant_fits(s.registry / r["path"])
+            newest = max(rows, key=lambda r: r["created_at"])
+            files = {}
+            if spec.method == "awq":
+                files = {p.name: p for p in (s.registry / newest["path"]).iterdir() if p.is_file()}
+            elif (s.registry / newest["path"] / "measurement.json").is_file():
+                files["measurement.json"] = s.registry / newest["path"] / "measurement.json"
             main = s.work / job.id / "hub-main" / spec.method
             shutil.rmtree(main, ignore_errors=True)
             main.mkdir(parents=True)
-            main_files = dict(files) if spec.method == "awq" else {}
-            if (folder / "measurement.json").is_file():
-                main_files["measurement.json"] = folder / "measurement.json"
             places = {r["name"]: where(r["name"].split(":", 1)[1]) for r in rows}
-            (main / card.FILENAME).write_text(card.render(job.name, job.base_model, latest[spec.tag], rows, places))
-            main_files[card.FILENAME] = main / card.FILENAME
-            main_files[card.PLOT] = card.plot(rows, main / card.PLOT)
-            hub.put_branch(api, here.repo, "main", main_files, f"model card: {len(rows)} variants")
+            (main / card.FILENAME).write_text(card.render(job.name, job.base_model, newest, rows, places))
+            return {**files, card.FILENAME: main / card.FILENAME, card.PLOT: card.plot(rows, main / card.PLOT)}
+
+        with self._step(job.id, f"push:{spec.tag}"):
+            self._hub_writer = self._hub_writer or hub.writer(s.hub_owner)
+            files = {p.name: p for p in folder.iterdir() if p.is_file()}
+            message = f"{job.name}:{spec.tag}@{rev} from {job.source_identity}"
+            hub.put_branch(self._hub_writer, here.repo, here.branch, files, message)
+            hub.put_branch(self._hub_writer, here.repo, "main", main_files, f"model card of {job.name}")
 
     def _result(self, job: Job) -> None:
         self.emit(

@@ -106,20 +106,34 @@ def fetch_hub(identity: str, cache: Path, progress: Callable[..., None]) -> Path
         return dest
     with hub.errors(identity):
         info = hub.retrying(lambda: hub.client(hub.token()).model_info(repo, revision=sha, files_metadata=True))
-        files = [s for s in info.siblings if any(fnmatch.fnmatch(s.rfilename, p) for p in HUB_FILES)]
+        files = [s for s in info.siblings if "/" not in s.rfilename
+                 and any(fnmatch.fnmatch(s.rfilename, p) for p in HUB_FILES)]
         if not any(s.rfilename.endswith(".safetensors") for s in files):
             raise ModelRefused(f"{identity} has no safetensors weights; quantfactory reads only safetensors")
+        index = next((s for s in files if s.rfilename == "model.safetensors.index.json"), None)
+        if index is not None:  # only the shards it names (not e.g. Mistral's consolidated.safetensors beside them)
+            files.remove(index)
+            files.insert(0, index)
         total, done = sum(s.size or 0 for s in files), 0
+        shards: set[str] | None = None
         for s in files:
+            if shards is not None and s.rfilename.endswith(".safetensors") and s.rfilename not in shards:
+                continue
             path = Path(hub.retrying(lambda s=s: hf_hub_download(repo, s.rfilename, revision=sha, local_dir=dest,
                                                              endpoint=hub.endpoint(), token=hub.token())))
             if hub.file_id(path, lfs=s.lfs is not None) != hub.remote_id(s):
                 path.unlink()
                 raise JobFailed(f"{identity}: {s.rfilename} does not match the Hub's checksum (deleted; the next "
                                 "attempt downloads it again)")
+            if s is index:
+                shards = set(json.loads(path.read_text())["weight_map"].values())
+                total = sum(f.size or 0 for f in files if not f.rfilename.endswith(".safetensors")
+                            or f.rfilename in shards)
             done += s.size or 0
             progress(done=done, total=total, unit="B")
-    (dest / VERIFIED).write_text(json.dumps({s.rfilename: hub.remote_id(s) for s in files}, indent=1))
+    (dest / VERIFIED).write_text(json.dumps({s.rfilename: hub.remote_id(s) for s in files
+                                             if shards is None or s.rfilename in shards
+                                             or not s.rfilename.endswith(".safetensors")}, indent=1))
     return dest
 
 

@@ -21,15 +21,18 @@ _STEPS = "SELECT job_id, name, state, started_at, ended_at, error, peak_gpu_byte
 def job_rows(url: str, job_id: str | None = None, name: str | None = None, limit: int = 20) -> list[dict]:
     """The newest `limit` jobs (of model `name`, or the one job `job_id`), newest first; [] for a new catalog."""
     where, args = ("WHERE id = ?", [job_id]) if job_id else ("WHERE name = ?", [name]) if name else ("", [])
-    conn, missing_table = _connect(url)
+    conn, database_error = _connect(url)
     if conn is None:
         return []
     try:
         jobs = _query(conn, f"{_JOBS} {where} ORDER BY created_at DESC LIMIT ?", [*args, limit])
         ids = [j[0] for j in jobs]
         steps = _query(conn, f"{_STEPS} WHERE job_id IN ({', '.join('?' * len(ids))}) ORDER BY id", ids) if ids else []
-    except missing_table:
-        return []
+    except database_error as e:
+        if "no such table" in str(e) or getattr(e, "pgcode", None) == "42P01":  # a catalog without tables yet
+            return []
+        reason = str(e).strip().splitlines()[0]
+        raise ServiceUnavailable(f"the catalog database at {mask_url(url)} cannot be read: {reason}") from None
     finally:
         conn.close()
     by_job: dict[str, list[dict]] = {i: [] for i in ids}
@@ -45,20 +48,19 @@ def job_rows(url: str, job_id: str | None = None, name: str | None = None, limit
 
 
 def _connect(url: str):
-    """(connection or None when there is no catalog yet, the error a missing table raises)."""
+    """(connection or None when there is no catalog yet, the driver's error class)."""
     if url.startswith("sqlite:///"):
         try:
             conn = sqlite3.connect(f"file:{url.removeprefix('sqlite:///')}?mode=ro", uri=True, timeout=30)
         except sqlite3.OperationalError:
-            return None, sqlite3.OperationalError
-        return conn, sqlite3.OperationalError
+            return None, sqlite3.Error
+        return conn, sqlite3.Error
     if re.match(r"^postgres(ql)?(\+psycopg2)?://", url):
         import psycopg2
-        import psycopg2.errors
 
         dsn = re.sub(r"^postgres(ql)?(\+psycopg2)?://", "postgresql://", url)
         try:
-            return psycopg2.connect(dsn, connect_timeout=5), psycopg2.errors.UndefinedTable
+            return psycopg2.connect(dsn, connect_timeout=5), psycopg2.Error
         except psycopg2.OperationalError:
             raise ServiceUnavailable(f"the catalog database at {mask_url(url)} cannot be reached") from None
     raise SpecError(f"FACTORY_DB_URL {mask_url(url)} is neither sqlite:///PATH nor postgresql://...")

@@ -51,6 +51,33 @@ def test_hub_source_is_pinned_fetched_once_and_verified(qf, tiny, hub):
     assert latest[0]["source_identity"] == f"meta/tiny-llama@{newer}" and latest[-1]["state"] == "succeeded"
 
 
+def test_fetch_takes_only_the_indexed_shards_at_the_top(qf, tiny, hub):
+    """A repo with an index, its shard, a consolidated copy beside it and files in a subfolder: the fetch step
+    downloads the config, tokenizer, index and the shard it names, nothing else."""
+    files = _files(tiny)
+    weights = files.pop("model.safetensors")
+    from safetensors import safe_open
+
+    with safe_open(str(tiny / "model.safetensors"), "pt") as f:
+        names = list(f.keys())
+    index = {"metadata": {}, "weight_map": {n: "model-00001-of-00001.safetensors" for n in names}}
+    hub.add_repo("meta/sharded", {**files, "model-00001-of-00001.safetensors": weights,
+                                  "model.safetensors.index.json": json.dumps(index).encode(),
+                                  "consolidated.safetensors": weights, "original/model.safetensors": weights})
+    events = _events(qf("run", "meta/sharded", "--awq", "--eval-windows", 1, "--json"))
+    assert events[-1]["state"] == "succeeded"
+    fetched = {p.name for p in (qf.home / "cache" / "hub" / "meta--sharded").rglob("*.safetensors")}
+    assert fetched == {"model-00001-of-00001.safetensors"}
+
+
+def test_a_hub_that_fails_mid_download_is_unreachable_not_missing(qf, tiny, hub):
+    hub.add_repo("meta/tiny-llama", _files(tiny))
+    hub.fail("*", r"/resolve/[^/]+/model\.safetensors$", 503, times=100)
+    result = qf("run", "meta/tiny-llama", "--awq", "--eval-windows", 1)
+    assert result.exit_code == 5, result.output
+    assert "cannot be reached" in result.stderr
+
+
 @pytest.mark.parametrize(("source", "code", "sentence"), [
     ("meta/missing", 4, "meta/missing does not exist on the Hub (or is private to another account)"),
     ("meta/tiny-llama@v9", 4, "meta/tiny-llama@v9: the Hub has no such revision"),
@@ -119,6 +146,12 @@ def test_publish_to_the_hub_then_pull_by_name_anywhere(qf, tiny, hub, alice, tmp
     result = elsewhere("pull", "tiny:awq-w4g128", "--hub", "alice", "-o", tmp_path / "pulled")
     assert result.exit_code == 0, result.output
     assert _files(tmp_path / "pulled") == _files(local)
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("mine")
+    downloads = hub.count("GET", r"/resolve/")
+    taken = elsewhere("pull", "tiny:awq-w4g128", "--hub", "alice", "-o", tmp_path / "full")
+    assert taken.exit_code == 2 and "exists and is not an empty folder" in taken.stderr
+    assert hub.count("GET", r"/resolve/") == downloads and (tmp_path / "full" / "x").read_text() == "mine"
     missing = elsewhere("pull", "tiny:exl2-4.0bpw", "--hub", "alice", "-o", tmp_path / "nope")
     assert missing.exit_code == 4
     assert "tiny:exl2-4.0bpw is not published under alice on the Hub; tags there: awq-w4g128" in missing.stderr

@@ -160,6 +160,11 @@ def test_hub_outage_loses_nothing_and_the_next_check_catches_up(env, hub, tiny, 
     hub.fail("GET", r"/api/models/meta/tiny-llama", 503, times=20)  # then it answers 503 for a while
     assert watch_check()["errors"] and jobs() == []
     hub.failures.clear()
+    hub.fail("*", r"/resolve/[^/]+/config\.json$", 503, times=100)  # the config download fails: not a skip
+    flaky = watch_check()
+    assert flaky["errors"] and flaky["planned"] == []
+    assert json.loads(qf("watch", "ls", "--json").stdout)[0]["seen"] == []
+    hub.failures.clear()
     up = watch_check()
     assert up["errors"] == [] and [p["repo"] for p in up["planned"] if p["job"]] == ["meta/tiny-llama"]
     assert len(jobs()) == 1

@@ -76,25 +76,30 @@ def _run(job_id: str, publish: bool) -> bool:
         factory.catalog.set_job_state(job_id, JobState.failed, message, 1)
         return False
     with _heartbeat(factory.catalog, job_id, me, config.lease_seconds):
-        try:
-            _execute(factory, job_id, publish)
-        finally:
-            factory.catalog.release_lease(job_id, me)
-    return factory.catalog.job(job_id).state in (JobState.queued, JobState.succeeded)
+        outcome = _execute(factory, job_id, publish)
+        state = factory.catalog.job(job_id).state
+        if state == JobState.running:  # its process ended without recording how (the catalog was away?)
+            factory.catalog.fail_job(job_id, "the job's process ended without recording an outcome")
+        factory.catalog.release_lease(job_id, me)  # not reached when the catalog is away: the lease runs out
+    return outcome == state and state in (JobState.queued, JobState.succeeded)
 
 
-def _execute(factory: Factory, job_id: str, publish: bool) -> None:
+def _execute(factory: Factory, job_id: str, publish: bool) -> str | None:
     """Factory.execute in a fresh spawned process: what a job does to its process (CUDA memory and context, an
     out-of-memory kill, a crash in native code) ends with that process, and the worker takes the next job clean.
-    The process for the next job is started (and has done its imports) while this one runs."""
+    The process for the next job is started (and has done its imports) while this one runs. Returns the state the
+    job process reported (None when it died)."""
     global _spare
     proc, conn = _spare if _spare and _spare[0].is_alive() else _spawn()
     conn.send((job_id, publish))
     _spare = _spawn()
     proc.join()
+    outcome = conn.recv() if conn.poll() else None
     if proc.exitcode != 0:
         how = f"killed by {signal.Signals(-proc.exitcode).name}" if proc.exitcode < 0 else f"exit {proc.exitcode}"
         factory.catalog.fail_job(job_id, f"the job's process died ({how})")
+        return None
+    return outcome
 
 
 _spare = None  # (process, connection): a spawned job process that waits for its job (daemonic: it ends with us)
@@ -122,9 +127,9 @@ def _job_process(conn, parent: int) -> None:
         return
     config = settings.load()
     try:
-        Factory(config, _publisher(config.broker_url, job_id)).execute(job_id, publish=publish)
+        conn.send(Factory(config, _publisher(config.broker_url, job_id)).execute(job_id, publish=publish).state)
     except FactoryError:
-        pass  # the job is marked failed in the catalog
+        conn.send(JobState.failed)  # marked failed in the catalog, unless the catalog was what failed
 
 
 @worker_ready.connect

@@ -71,7 +71,7 @@ def _fits(row: dict) -> str:
     caches = [k for k in row["fits"][0] if k != "budget"]
     lines = [f"### {row['name']}", ""]
     if kv := row.get("eval", {}).get("kv_cache"):
-        scores = ", ".join(f"{cache} {ppl:.4f}" for cache, ppl in kv.items())
+        scores = ", ".join(f"{c} {p:.4f}" if p is not None else f"{c} not finite" for c, p in kv.items())
         lines += [f"Perplexity through exllamav2's KV cache ({KV_CHUNK_NOTE}): {scores}.", ""]
     if row.get("fit"):
         f = row["fit"]

@@ -65,6 +65,8 @@ def errors(what: str) -> Iterator[None]:
         raise NotFound(f"{what}: the Hub has no such revision") from None
     except RepositoryNotFoundError:
         raise NotFound(f"{what} does not exist on the Hub (or is private to another account)") from None
+    except LocalEntryNotFoundError:  # the client's word for a download it could not make (network, 5xx)
+        raise ServiceUnavailable(f"the Hub at {endpoint()} cannot be reached") from None
     except EntryNotFoundError:
         raise NotFound(f"{what}: a file the Hub listed is missing") from None
     except HfHubHTTPError as e:
@@ -74,7 +76,7 @@ def errors(what: str) -> Iterator[None]:
         if status == 403:
             raise ServiceUnavailable(f"the Hub refused this token access to {what}") from None
         raise ServiceUnavailable(f"the Hub at {endpoint()} answered {status} for {what}") from None
-    except (httpx2.TransportError, LocalEntryNotFoundError, ConnectionError, TimeoutError):
+    except (httpx2.TransportError, ConnectionError, TimeoutError):
         raise ServiceUnavailable(f"the Hub at {endpoint()} cannot be reached") from None
 
 
@@ -158,9 +160,11 @@ def writer(owner: str):
     return api
 
 
-def put_branch(api, repo: str, branch: str, files: dict[str, Path], message: str) -> str | None:
+def put_branch(api, repo: str, branch: str, files: dict[str, Path] | Callable[[], dict[str, Path]],
+               message: str) -> str | None:
     """Make `branch` of `repo` hold exactly `files` (path in repo -> local file) in one commit made against the
-    head it read; None when it already does. A concurrent commit to the branch makes it read again and retry."""
+    head it read; None when it already does. A concurrent commit to the branch makes it read again and retry
+    (with `files` made again when it is a function: a card that lists what the other commit added)."""
     from huggingface_hub import CommitOperationAdd, CommitOperationDelete
     from huggingface_hub.errors import HfHubHTTPError
 
@@ -171,12 +175,14 @@ def put_branch(api, repo: str, branch: str, files: dict[str, Path], message: str
         for attempt in range(3):
             info = retrying(lambda: api.model_info(repo, revision=branch, files_metadata=True))
             remote = {s.rfilename: s for s in info.siblings}
+            wanted = files() if callable(files) else files
             ops: list = [
                 CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(path))
-                for name, path in sorted(files.items())
+                for name, path in sorted(wanted.items())
                 if name not in remote or file_id(path, remote[name].lfs is not None) != remote_id(remote[name])
             ]
-            ops += [CommitOperationDelete(path_in_repo=n) for n in remote if n not in files and n not in KEEP_ON_BRANCH]
+            gone = [n for n in remote if n not in wanted and n not in KEEP_ON_BRANCH]
+            ops += [CommitOperationDelete(path_in_repo=n) for n in gone]
             if not ops:
                 return None
             try:
@@ -209,6 +215,9 @@ def pull(where: Place, revision: str | None, dest: Path, progress: Callable[...,
 
     from huggingface_hub import hf_hub_download
 
+    dest = dest.resolve()
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise SpecError(f"{dest} exists and is not an empty folder; pick another with -o")
     branches = refs(where.repo)
     if where.branch not in branches:
         raise NotFound(f"{where.repo} has no branch {where.branch!r}; it has {', '.join(sorted(branches)) or 'none'}")
@@ -222,23 +231,26 @@ def pull(where: Place, revision: str | None, dest: Path, progress: Callable[...,
         commit = older[0]
     staging = dest.with_name(dest.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
-    with errors(f"{where.repo}@{where.branch}"):
-        info = retrying(lambda: client(token()).model_info(where.repo, revision=commit, files_metadata=True))
-        files = [s for s in info.siblings if s.rfilename not in KEEP_ON_BRANCH]
-        total, done = sum(s.size or 0 for s in files), 0
-        for s in files:
-            path = Path(retrying(lambda s=s: hf_hub_download(where.repo, s.rfilename, revision=commit,
-                                                             local_dir=staging, endpoint=endpoint(), token=token())))
-            if file_id(path, lfs=s.lfs is not None) != remote_id(s):
-                shutil.rmtree(staging, ignore_errors=True)
-                raise JobFailed(f"{where.repo}@{commit[:7]}: {s.rfilename} does not match the Hub's checksum; "
-                                "nothing was kept")
-            done += s.size or 0
-            progress(done=done, total=total)
-    shutil.rmtree(staging / ".cache", ignore_errors=True)
-    if dest.exists():
-        raise SpecError(f"{dest} exists; pick another folder with -o")
-    staging.rename(dest)
+    try:
+        with errors(f"{where.repo}@{where.branch}"):
+            info = retrying(lambda: client(token()).model_info(where.repo, revision=commit, files_metadata=True))
+            files = [s for s in info.siblings if s.rfilename not in KEEP_ON_BRANCH]
+            total, done = sum(s.size or 0 for s in files), 0
+            for s in files:
+                path = Path(retrying(lambda s=s: hf_hub_download(where.repo, s.rfilename, revision=commit,
+                                                                 local_dir=staging, endpoint=endpoint(),
+                                                                 token=token())))
+                if file_id(path, lfs=s.lfs is not None) != remote_id(s):
+                    raise JobFailed(f"{where.repo}@{commit[:7]}: {s.rfilename} does not match the Hub's checksum; "
+                                    "nothing was kept")
+                done += s.size or 0
+                progress(done=done, total=total)
+        shutil.rmtree(staging / ".cache", ignore_errors=True)
+        if dest.exists():
+            dest.rmdir()  # empty, checked above
+        staging.rename(dest)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return [s.rfilename for s in files]
 
 
