@@ -94,7 +94,10 @@ def _execute(factory: Factory, job_id: str, publish: bool) -> str | None:
     conn.send((job_id, publish))
     _spare = _spawn()
     proc.join()
-    outcome = conn.recv() if conn.poll() else None
+    try:
+        outcome = conn.recv() if conn.poll() else None
+    except EOFError:  # it died before saying anything
+        outcome = None
     if proc.exitcode != 0:
         how = f"killed by {signal.Signals(-proc.exitcode).name}" if proc.exitcode < 0 else f"exit {proc.exitcode}"
         factory.catalog.fail_job(job_id, f"the job's process died ({how})")
