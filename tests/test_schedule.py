@@ -160,14 +160,28 @@ def test_hub_outage_loses_nothing_and_the_next_check_catches_up(env, hub, tiny, 
     hub.fail("GET", r"/api/models/meta/tiny-llama", 503, times=20)  # then it answers 503 for a while
     assert watch_check()["errors"] and jobs() == []
     hub.failures.clear()
-    hub.fail("*", r"/resolve/[^/]+/config\.json$", 503, times=100)  # the config download fails: not a skip
-    flaky = watch_check()
-    assert flaky["errors"] and flaky["planned"] == []
-    assert json.loads(qf("watch", "ls", "--json").stdout)[0]["seen"] == []
-    hub.failures.clear()
     up = watch_check()
     assert up["errors"] == [] and [p["repo"] for p in up["planned"] if p["job"]] == ["meta/tiny-llama"]
     assert len(jobs()) == 1
+
+
+def test_a_config_the_hub_cannot_serve_now_is_an_error_not_a_skip(env, hub, tiny, monkeypatch):
+    """A 5xx on config.json (which huggingface_hub retries, then reports as a missing local entry) is an outage:
+    the release is not recorded as skipped, and the next check gets it."""
+    import types
+
+    from huggingface_hub.utils import _http
+
+    from factory import sources
+
+    monkeypatch.setattr(_http, "time", types.SimpleNamespace(sleep=lambda seconds: None))  # its backoff, not ours
+    hub.add_repo("meta/tiny-llama", _files(tiny))
+    hub.fail("*", r"/resolve/[^/]+/config\.json$", 503, times=100)
+    releases, errors = sources.hub_releases([schedule.entry("meta/tiny-llama", {"awq": {}})])
+    assert releases == [] and errors == ["the Hub at " + hub.url + " cannot be reached"]
+    hub.failures.clear()
+    releases, errors = sources.hub_releases([schedule.entry("meta/tiny-llama", {"awq": {}})])
+    assert errors == [] and [(r.repo, r.problem) for r in releases] == [("meta/tiny-llama", None)]
 
 
 def test_gated_and_unsupported_models_are_skipped_once(env, hub, tiny):
