@@ -207,14 +207,11 @@ def _request(source, exl2, awq, recipe, calibration, eval_set, eval_windows, nam
 def _fit(source: str, budgets: str, ctx: int | None, kv_cache: str, exl2: str | None,
          head_bits: int) -> list[tuple[float, dict]]:
     """--fit 24GB,16GB -> [(bpw, budget)]: the highest bpw whose predicted peak fits each budget."""
-    from factory import sources
     from factory import vram as memory
 
     if exl2 is not None:
         raise SpecError("give --exl2 sizes or --fit budgets, not both")
-    config, tensors = sources.layout(source)
-    shape = memory.Shape.of(config)
-    params = memory.Params.of(tensors, shape)
+    shape, params = memory.source_shape(source)
     chosen = []
     for text in budgets.split(","):
         budget = memory.parse_size(text)
@@ -256,15 +253,11 @@ def submit(source: SourceArg, exl2: Exl2Opt = None, awq: AwqOpt = False, recipe:
            name: NameOpt = None, base_model: BaseOpt = None, fit: FitOpt = None, ctx: CtxOpt = None,
            kv_cache: KvOpt = "fp16") -> None:
     """Queue a job for the workers; prints only its id (the same job twice: the same id)."""
-    from factory.catalog import JobState
-    from workers.tasks import enqueue
+    from workers.tasks import submit as queue
 
     factory = _factory()
-    job, created = factory.submit(_request(source, exl2, awq, recipe, calibration, eval_set, eval_windows, name,
-                                           base_model, device=factory.settings.worker_device, fit=fit, ctx=ctx,
-                                           kv_cache=kv_cache))
-    if created or job.state in (JobState.failed, JobState.cancelled):
-        enqueue(factory, job.id)
+    job = queue(factory, _request(source, exl2, awq, recipe, calibration, eval_set, eval_windows, name, base_model,
+                                  device=factory.settings.worker_device, fit=fit, ctx=ctx, kv_cache=kv_cache))
     print(job.id)
 
 
@@ -548,21 +541,17 @@ def _pull_from_hub(parsed: naming.QuantRef, owner: str, output: Path | None) -> 
 def plan(
     source: Annotated[str, typer.Argument(metavar="SOURCE", help="A local FP16 folder or a Hub repo org/name.")],
     vram: Annotated[str, typer.Option("--vram", help="GPU memory, e.g. 24GB (GB means GiB, as on the card).")],
-    ctx: Annotated[int | None, typer.Option("--ctx", min=1, help="Context in tokens (default: the model's max).")]
-    = None,
-    kv_cache: Annotated[str, typer.Option("--kv-cache", help="fp16, q8, q6 or q4.")] = "fp16",
+    ctx: CtxOpt = None,
+    kv_cache: KvOpt = "fp16",
     gpus: Annotated[int, typer.Option("--gpus", min=1, help="Split the layers over N such GPUs (estimate).")] = 1,
     as_json: JsonOpt = False,
 ) -> None:
     """Which EXL2 bpw fits a GPU with its context and KV cache (and an AWQ estimate for vLLM); reads only the
     config and safetensors headers."""
-    from factory import sources
     from factory import vram as memory
 
     budget = memory.parse_size(vram)
-    config, tensors = sources.layout(source)
-    shape = memory.Shape.of(config)
-    result = memory.plan(shape, memory.Params.of(tensors, shape), budget, ctx, kv_cache, gpus)
+    result = memory.plan(*memory.source_shape(source), budget, ctx, kv_cache, gpus)
     if as_json:
         print(json.dumps(result, indent=2))
         return

@@ -138,8 +138,8 @@ def load_awq(folder: Path, dev: str) -> Logits:
     return _transformers(model, dev)
 
 
-def load_exl2(folder: Path, dev: str) -> Logits:
-    """exllamav2's own forward pass (CUDA only); it loads EXL2 quants and FP16 folders alike."""
+def _exl2_model(folder: Path):
+    """exllamav2's model of `folder` (CUDA only; it loads EXL2 quants and FP16 folders alike)."""
     import os
 
     os.environ["EXLLAMA_NO_SDPA"] = "1"  # read at import: its SDPA path is wrong on torch 2.11
@@ -149,6 +149,12 @@ def load_exl2(folder: Path, dev: str) -> Logits:
     config.arch_compat_overrides()
     model = ExLlamaV2(config)
     model.load()
+    return model
+
+
+def load_exl2(folder: Path, dev: str) -> Logits:
+    """exllamav2's own forward pass over a whole window, no cache."""
+    model = _exl2_model(folder)
     return lambda ids: model.forward(ids, cache=None)
 
 
@@ -159,18 +165,11 @@ KV_CHUNK = 128  # tokens per forward when scoring through a cache
 def load_exl2_cached(folder: Path, dev: str, cache: str) -> Logits:
     """exllamav2 with a KV cache of type `cache`: each window goes through in KV_CHUNK-token forwards, so every
     token attends to the earlier ones through the (quantized) cache, as in generation."""
-    import os
-
-    os.environ["EXLLAMA_NO_SDPA"] = "1"
+    model = _exl2_model(folder)
     import exllamav2
     import torch
-    from exllamav2 import ExLlamaV2, ExLlamaV2Config
 
-    config = ExLlamaV2Config(str(folder))
-    config.arch_compat_overrides()
-    model = ExLlamaV2(config)
-    model.load()
-    kv = getattr(exllamav2, KV_CACHES[cache])(model, max_seq_len=min(WINDOW, config.max_seq_len))
+    kv = getattr(exllamav2, KV_CACHES[cache])(model, max_seq_len=min(WINDOW, model.config.max_seq_len))
 
     def logits(ids: torch.Tensor) -> torch.Tensor:
         kv.current_seq_len = 0

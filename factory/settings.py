@@ -63,6 +63,20 @@ class Settings:  # a plain dataclass: `qf status` must start fast, and pydantic'
         return self.home / "cache"
 
 
+_FROM_ENV = {  # field -> (variable, type); an unset or empty variable leaves the field's default
+    "broker_url": ("FACTORY_BROKER_URL", str),
+    "visibility_timeout": ("FACTORY_VISIBILITY_TIMEOUT", int),
+    "worker_device": ("FACTORY_WORKER_DEVICE", str),
+    "lease_seconds": ("FACTORY_LEASE_SECONDS", float),
+    "max_attempts": ("FACTORY_MAX_ATTEMPTS", int),
+    "reconcile_seconds": ("FACTORY_RECONCILE_SECONDS", float),
+    "watch_seconds": ("FACTORY_WATCH_SECONDS", float),
+    "hub_owner": ("FACTORY_HUB_OWNER", str),
+    "hub_exl2_repo": ("FACTORY_HUB_EXL2_REPO", str),
+    "hub_awq_repo": ("FACTORY_HUB_AWQ_REPO", str),
+}
+
+
 def load() -> Settings:
     env_home = os.environ.get("FACTORY_HOME")
     if env_home:
@@ -72,17 +86,5 @@ def load() -> Settings:
         home = Path(data) / "quantfactory"
     home = home.expanduser().resolve()
     db_url = os.environ.get("FACTORY_DB_URL") or f"sqlite:///{home / 'catalog.db'}"
-    return Settings(
-        home=home,
-        db_url=db_url,
-        broker_url=os.environ.get("FACTORY_BROKER_URL") or "redis://127.0.0.1:6379/0",
-        visibility_timeout=int(os.environ.get("FACTORY_VISIBILITY_TIMEOUT") or 43200),
-        worker_device=os.environ.get("FACTORY_WORKER_DEVICE") or "cuda",
-        lease_seconds=float(os.environ.get("FACTORY_LEASE_SECONDS") or 120),
-        max_attempts=int(os.environ.get("FACTORY_MAX_ATTEMPTS") or 3),
-        reconcile_seconds=float(os.environ.get("FACTORY_RECONCILE_SECONDS") or 60),
-        watch_seconds=float(os.environ.get("FACTORY_WATCH_SECONDS") or 3600),
-        hub_owner=os.environ.get("FACTORY_HUB_OWNER") or None,
-        hub_exl2_repo=os.environ.get("FACTORY_HUB_EXL2_REPO") or "{owner}/{model}-exl2",
-        hub_awq_repo=os.environ.get("FACTORY_HUB_AWQ_REPO") or "{owner}/{model}-AWQ",
-    )
+    found = {field: kind(os.environ[var]) for field, (var, kind) in _FROM_ENV.items() if os.environ.get(var)}
+    return Settings(home=home, db_url=db_url, **found)

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from factory.errors import JobFailed, ModelRefused, NotFound
+from factory.errors import ModelRefused, NotFound
 
 IDENTITY_FILES = re.compile(
     r"config\.json|generation_config\.json|tokenizer(_config)?\.json|tokenizer\.model|special_tokens_map\.json"
@@ -67,12 +67,16 @@ def resolve(arg: str, cache_dir: Path) -> Source:
             identity=folder_identity(path, cache_dir),
             base_model=path.name,
         )
-    if _HUB_REPO.fullmatch(arg) and not arg.startswith((".", "/", "~")):
+    if _is_hub_name(arg):
         repo, _, revision = arg.partition("@")
         sha = resolve_hub(repo, revision or None)
         owner, label = repo.split("/")
         return Source(path=None, source=repo, label=label, owner=owner, identity=f"{repo}@{sha}", base_model=repo)
     raise NotFound(f"source {arg!r} does not exist; pass a local folder with config.json and safetensors weights")
+
+
+def _is_hub_name(arg: str) -> bool:
+    return bool(_HUB_REPO.fullmatch(arg)) and not arg.startswith((".", "/", "~"))
 
 
 def resolve_hub(repo: str, revision: str | None) -> str:
@@ -96,8 +100,6 @@ def resolve_hub(repo: str, revision: str | None) -> str:
 
 def fetch_hub(identity: str, cache: Path, progress: Callable[..., None]) -> Path:
     """The source files of `org/name@sha`, downloaded once into the cache and checked against the Hub."""
-    from huggingface_hub import hf_hub_download
-
     from factory.publish import hub
 
     repo, sha = identity.rsplit("@", 1)
@@ -112,28 +114,15 @@ def fetch_hub(identity: str, cache: Path, progress: Callable[..., None]) -> Path
             raise ModelRefused(f"{identity} has no safetensors weights; quantfactory reads only safetensors")
         index = next((s for s in files if s.rfilename == "model.safetensors.index.json"), None)
         if index is not None:  # only the shards it names (not e.g. Mistral's consolidated.safetensors beside them)
-            files.remove(index)
-            files.insert(0, index)
+            shards = set(json.loads(hub.download(repo, index, sha, dest).read_text())["weight_map"].values())
+            files = [s for s in files if not s.rfilename.endswith(".safetensors") or s.rfilename in shards]
         total, done = sum(s.size or 0 for s in files), 0
-        shards: set[str] | None = None
         for s in files:
-            if shards is not None and s.rfilename.endswith(".safetensors") and s.rfilename not in shards:
-                continue
-            path = Path(hub.retrying(lambda s=s: hf_hub_download(repo, s.rfilename, revision=sha, local_dir=dest,
-                                                             endpoint=hub.endpoint(), token=hub.token())))
-            if hub.file_id(path, lfs=s.lfs is not None) != hub.remote_id(s):
-                path.unlink()
-                raise JobFailed(f"{identity}: {s.rfilename} does not match the Hub's checksum (deleted; the next "
-                                "attempt downloads it again)")
-            if s is index:
-                shards = set(json.loads(path.read_text())["weight_map"].values())
-                total = sum(f.size or 0 for f in files if not f.rfilename.endswith(".safetensors")
-                            or f.rfilename in shards)
+            if s is not index:
+                hub.download(repo, s, sha, dest)
             done += s.size or 0
             progress(done=done, total=total, unit="B")
-    (dest / VERIFIED).write_text(json.dumps({s.rfilename: hub.remote_id(s) for s in files
-                                             if shards is None or s.rfilename in shards
-                                             or not s.rfilename.endswith(".safetensors")}, indent=1))
+    (dest / VERIFIED).write_text(json.dumps({s.rfilename: hub.remote_id(s) for s in files}, indent=1))
     return dest
 
 
@@ -195,7 +184,6 @@ def hub_releases(watches: list) -> tuple[list, list[str]]:
 def _release(repo: str):
     """The newest commit of `repo` with its architectures and parameter count; a gated repo or one without a
     config.json is a release with a `problem` (recorded as skipped once), a Hub outage raises."""
-    from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import NotASafetensorsRepoError, SafetensorsParsingError
 
     from factory.errors import FactoryError
@@ -207,8 +195,7 @@ def _release(repo: str):
         info = hub.retrying(lambda: api.model_info(repo))
     try:
         with hub.errors(repo):
-            config = json.loads(Path(hub.retrying(lambda: hf_hub_download(
-                repo, "config.json", revision=info.sha, endpoint=hub.endpoint(), token=hub.token()))).read_text())
+            config = hub.config(repo, info.sha)
     except NotFound as e:
         return Release(repo, info.sha, problem=e.message)
     params = info.safetensors.total if getattr(info, "safetensors", None) else None
@@ -233,17 +220,14 @@ def layout(arg: str) -> tuple[dict, dict[str, list[int]]]:
             raise NotFound(f"{arg!r} has no config.json")
         tensors = {n: i["shape"] for f in sorted(path.glob("*.safetensors")) for n, i in read_header(f).items()}
         return json.loads((path / "config.json").read_text()), tensors
-    if not (_HUB_REPO.fullmatch(arg) and not arg.startswith((".", "/", "~"))):
+    if not _is_hub_name(arg):
         raise NotFound(f"source {arg!r} does not exist; pass a local folder or a Hub repo org/name")
-    from huggingface_hub import hf_hub_download
-
     from factory.publish import hub
 
     repo, _, revision = arg.partition("@")
     sha = resolve_hub(repo, revision or None)
     with hub.errors(arg):
-        config = json.loads(Path(hub.retrying(lambda: hf_hub_download(
-            repo, "config.json", revision=sha, endpoint=hub.endpoint(), token=hub.token()))).read_text())
+        config = hub.config(repo, sha)
         meta = hub.retrying(lambda: hub.client(hub.token()).get_safetensors_metadata(repo, revision=sha))
     tensors = {n: t.shape for f in meta.files_metadata.values() for n, t in f.tensors.items()}
     return config, tensors

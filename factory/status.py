@@ -14,6 +14,7 @@ from datetime import datetime
 
 from factory.errors import ServiceUnavailable, SpecError, mask_url
 
+_POSTGRES = re.compile(r"^postgres(ql)?(\+psycopg2)?://")  # the URL forms users and SQLAlchemy write
 _JOBS = "SELECT id, name, state, error, exit_code, source, source_identity, specs, created_at FROM jobs"
 _STEPS = "SELECT job_id, name, state, started_at, ended_at, error, peak_gpu_bytes FROM steps"
 
@@ -55,10 +56,10 @@ def _connect(url: str):
         except sqlite3.OperationalError:
             return None, sqlite3.Error
         return conn, sqlite3.Error
-    if re.match(r"^postgres(ql)?(\+psycopg2)?://", url):
+    if _POSTGRES.match(url):
         import psycopg2
 
-        dsn = re.sub(r"^postgres(ql)?(\+psycopg2)?://", "postgresql://", url)
+        dsn = _POSTGRES.sub("postgresql://", url)
         try:
             return psycopg2.connect(dsn, connect_timeout=5), psycopg2.Error
         except psycopg2.OperationalError:

@@ -182,14 +182,12 @@ def vllm_awq(shape: Shape, params: Params, ctx: int, kv: str = "fp16", group: in
     return parts
 
 
-def source_shape(folder: Path) -> tuple[Shape, Params]:
-    """Shape and parameter counts of a local FP16 checkpoint (config.json and safetensors headers)."""
-    from factory.inspect import read_header
+def source_shape(source: str) -> tuple[Shape, Params]:
+    """Shape and parameter counts of an FP16 checkpoint, a local folder or a Hub repo (config and headers only)."""
+    from factory import sources
 
-    config = json.loads((folder / "config.json").read_text())
+    config, tensors = sources.layout(source)
     shape = Shape.of(config)
-    tensors = {name: info["shape"] for f in sorted(folder.glob("*.safetensors")) for name, info in
-               read_header(f).items()}
     return shape, Params.of(tensors, shape)
 
 

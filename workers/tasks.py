@@ -31,7 +31,7 @@ from celery.signals import worker_ready
 from kombu.exceptions import OperationalError
 
 from factory import schedule, settings, sources
-from factory.catalog import TERMINAL, Catalog, JobState
+from factory.catalog import TERMINAL, Catalog, Job, JobState
 from factory.engines import child
 from factory.errors import FactoryError, ServiceUnavailable, mask_url
 from factory.inspect import SUPPORTED
@@ -200,6 +200,15 @@ def _jobs_in_broker() -> set[str]:
     return ids
 
 
+def submit(factory: Factory, request: Request) -> Job:
+    """Create the job (or find the same one) and queue it unless it is queued, running or done already: what
+    `qf submit` and the watchlist check do."""
+    job, created = factory.submit(request)
+    if created or job.state in (JobState.failed, JobState.cancelled):
+        enqueue(factory, job.id)
+    return job
+
+
 def enqueue(factory: Factory, job_id: str) -> None:
     """Queue `job_id` on the gpu queue; a broker that cannot be reached fails the job and raises (exit 5)."""
     factory.catalog.set_job_state(job_id, JobState.queued)
@@ -249,11 +258,8 @@ def _carry_out(factory: Factory, p: schedule.Planned, errors: list[str]) -> dict
     if skipped is None:
         recipe = recipe_from_dict(p.recipe, f"the recipe of watch {p.watch}")
         try:
-            job, created = factory.submit(Request(source=f"{p.repo}@{p.sha}", recipe=recipe,
-                                                  device=factory.settings.worker_device))
-            if created or job.state in (JobState.failed, JobState.cancelled):
-                enqueue(factory, job.id)
-            job_id = job.id
+            job_id = submit(factory, Request(source=f"{p.repo}@{p.sha}", recipe=recipe,
+                                             device=factory.settings.worker_device)).id
         except ServiceUnavailable as e:
             errors.append(e.message)
             return {"job": None, "error": e.message}

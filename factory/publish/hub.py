@@ -15,6 +15,7 @@ catalog, logs or messages. HF_ENDPOINT points all of it at another Hub (the test
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -112,6 +113,27 @@ def file_id(path: Path, lfs: bool) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
+def download(repo: str, sibling, revision: str, folder: Path) -> Path:
+    """One file (`sibling`, from model_info with files_metadata) of `repo` at `revision` into `folder`, checked
+    against the Hub's sha256 (LFS) or git blob id; a file that does not match is deleted (JobFailed)."""
+    from huggingface_hub import hf_hub_download
+
+    path = Path(retrying(lambda: hf_hub_download(repo, sibling.rfilename, revision=revision, local_dir=folder,
+                                                 endpoint=endpoint(), token=token())))
+    if file_id(path, lfs=sibling.lfs is not None) != remote_id(sibling):
+        path.unlink()
+        raise JobFailed(f"{repo}@{revision[:7]}: {sibling.rfilename} does not match the Hub's checksum; deleted")
+    return path
+
+
+def config(repo: str, revision: str) -> dict:
+    """config.json of `repo` at `revision` (through huggingface_hub's cache)."""
+    from huggingface_hub import hf_hub_download
+
+    return json.loads(Path(retrying(lambda: hf_hub_download(repo, "config.json", revision=revision,
+                                                            endpoint=endpoint(), token=token()))).read_text())
+
+
 def token() -> str | None:
     """HF_TOKEN, else the login huggingface_hub stored (`hf auth login`)."""
     from huggingface_hub import get_token
@@ -126,10 +148,6 @@ class Place:
 
     repo: str
     branch: str
-
-    @property
-    def download(self) -> str:
-        return f"hf download {self.repo} --revision {self.branch} --local-dir {self.repo.split('/')[-1]}-{self.branch}"
 
 
 def place(owner: str, name: str, tag: str, exl2_template: str, awq_template: str) -> Place:
@@ -213,8 +231,6 @@ def pull(where: Place, revision: str | None, dest: Path, progress: Callable[...,
     in `dest` only when all of them match."""
     import shutil
 
-    from huggingface_hub import hf_hub_download
-
     dest = dest.resolve()
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise SpecError(f"{dest} exists and is not an empty folder; pick another with -o")
@@ -237,12 +253,7 @@ def pull(where: Place, revision: str | None, dest: Path, progress: Callable[...,
             files = [s for s in info.siblings if s.rfilename not in KEEP_ON_BRANCH]
             total, done = sum(s.size or 0 for s in files), 0
             for s in files:
-                path = Path(retrying(lambda s=s: hf_hub_download(where.repo, s.rfilename, revision=commit,
-                                                                 local_dir=staging, endpoint=endpoint(),
-                                                                 token=token())))
-                if file_id(path, lfs=s.lfs is not None) != remote_id(s):
-                    raise JobFailed(f"{where.repo}@{commit[:7]}: {s.rfilename} does not match the Hub's checksum; "
-                                    "nothing was kept")
+                download(where.repo, s, commit, staging)  # a mismatch leaves nothing: staging goes below
                 done += s.size or 0
                 progress(done=done, total=total)
         shutil.rmtree(staging / ".cache", ignore_errors=True)
