@@ -25,7 +25,10 @@ import sys
 import time
 from pathlib import Path
 
-CACHES = {"fp16": "ExLlamaV2Cache", "q4": "ExLlamaV2Cache_Q4", "q8": "ExLlamaV2Cache_Q8", "q6": "ExLlamaV2Cache_Q6"}
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from factory import vram  # noqa: E402
+from factory.evaluate import KV_CACHES  # noqa: E402  - cache type -> exllamav2 class, as the factory scores them
+
 CONTEXTS = (2048, 8192, 16384, 32768)
 
 
@@ -50,7 +53,7 @@ def one(folder: str, ctx: int, cache_type: str) -> dict:
     model = ExLlamaV2(config)
     model.load()
     free_loaded, _ = torch.cuda.mem_get_info()
-    cache = getattr(exllamav2, CACHES[cache_type])(model, max_seq_len=ctx)
+    cache = getattr(exllamav2, KV_CACHES[cache_type])(model, max_seq_len=ctx)
     ids = torch.randint(0, config.vocab_size, (1, ctx))
     with torch.inference_mode():
         model.forward(ids[:, :-1], cache, preprocess_only=True)
@@ -66,22 +69,8 @@ def one(folder: str, ctx: int, cache_type: str) -> dict:
 
 def describe(folder: Path) -> dict:
     """The quant's shape and its tensor bytes by group (embedding, head, decoder layers, other)."""
-    from safetensors import safe_open
-
-    groups: dict[str, int] = {}
-    for shard in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(shard), "pt") as f:
-            for name in f.keys():
-                t = f.get_slice(name)
-                n = 1
-                for d in t.get_shape():
-                    n *= d
-                size = n * {"F16": 2, "BF16": 2, "F32": 4, "I32": 4, "I16": 2, "U8": 1, "I8": 1}[t.get_dtype()]
-                group = ("embed" if "embed_tokens" in name else "head" if "lm_head" in name
-                         else "layers" if ".layers." in name else "other")
-                groups[group] = groups.get(group, 0) + size
     config = json.loads((folder / "config.json").read_text())
-    return {"folder": folder.name, "config": config, "tensor_bytes": groups,
+    return {"folder": folder.name, "config": config, "tensor_bytes": vram.tensor_bytes(folder),
             "file_bytes": sum(p.stat().st_size for p in folder.glob("*.safetensors"))}
 
 
@@ -128,9 +117,6 @@ def measure(root: Path, out: Path, budget: float) -> None:
 
 
 def compare(measured: list[Path]) -> dict:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from factory import vram
-
     rows = []
     for path in measured:
         data = json.loads(path.read_text())

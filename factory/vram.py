@@ -36,8 +36,8 @@ GiB, MiB = 2**30, 2**20
 MAX_INPUT_LEN = 2048  # exllamav2's defaults: tokens per forward chunk, attention scores per head, dequant elements
 MAX_ATTENTION = 2048**2
 MAX_DQ = 512 * 2**20
-CACHES = ("fp16", "q8", "q6", "q4")
-_CACHE_BYTES = {"fp16": (2.0, 2.0), "q8": (1.0, 1.0), "q6": (1.0, 0.5), "q4": (0.5, 0.5)}
+_CACHE_BYTES = {"fp16": (2.0, 2.0), "q8": (1.0, 1.0), "q6": (1.0, 0.5), "q4": (0.5, 0.5)}  # per K, V element
+CACHES = tuple(_CACHE_BYTES)
 HEAD_STORED_BITS = {6: 6.48, 8: 8.04}  # what a head at 6 and 8 bits takes per weight with its scales (real quants)
 BPWS = tuple(x / 2 for x in range(4, 17))  # 2.0 .. 8.0
 FIT_BUDGETS = (8 * GiB, 12 * GiB, 16 * GiB, 24 * GiB, 48 * GiB)
@@ -111,17 +111,23 @@ def exl2_weights(params: Params, bpw: float, head_bits: int = 6) -> int:
     return int(params.linear * bpw / 8 + params.head * head / 8 + params.other * 2)
 
 
-def quant_weights(folder: Path) -> int:
-    """Bytes on the GPU of a finished EXL2 quant: every tensor but the embedding, from its headers."""
+def tensor_bytes(folder: Path) -> dict[str, int]:
+    """A finished quant's tensor bytes by group (embed, head, layers, other), from its safetensors headers."""
     from factory.inspect import read_header
 
-    total = 0
+    groups: dict[str, int] = {}
     for shard in sorted(folder.glob("*.safetensors")):
         for name, info in read_header(shard).items():
-            if "embed_tokens" not in name:
-                begin, end = info["data_offsets"]
-                total += end - begin
-    return total
+            begin, end = info["data_offsets"]
+            group = ("embed" if "embed_tokens" in name else "head" if "lm_head" in name
+                     else "layers" if ".layers." in name else "other")
+            groups[group] = groups.get(group, 0) + end - begin
+    return groups
+
+
+def quant_weights(folder: Path) -> int:
+    """Bytes on the GPU of a finished EXL2 quant: every tensor but the embedding."""
+    return sum(n for group, n in tensor_bytes(folder).items() if group != "embed")
 
 
 def cache_bytes(shape: Shape, ctx: int, cache: str) -> int:
@@ -217,7 +223,7 @@ def plan(shape: Shape, params: Params, budget: int, ctx: int | None = None, cach
             parts["total"] = sum(parts.values())
         return parts
 
-    rows = [{"bpw": b, **per_gpu(b), "fits": per_gpu(b)["total"] <= room} for b in BPWS]
+    rows = [{"bpw": b, **parts, "fits": parts["total"] <= room} for b in BPWS for parts in [per_gpu(b)]]
     steps = [round(8.0 - i * 0.05, 2) for i in range(121)]  # 8.00, 7.95, ... 2.00
     best = next((b for b in steps if per_gpu(b)["total"] <= room), None)
     result = {"budget": budget, "gpus": gpus, "headroom": headroom, "ctx": ctx, "cache": cache, "rows": rows,
