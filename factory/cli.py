@@ -352,11 +352,11 @@ def show(
     catalog = _catalog()
     parsed = naming.parse(ref)
     rows = [q.as_row() for q in _find(catalog, parsed)]
+    from factory import vram
+
     registry = settings.load().registry
     for r in rows:
         if r["method"] == "exl2" and (registry / r["path"]).is_dir():
-            from factory import vram
-
             r["fits"] = vram.quant_fits(registry / r["path"])
     job_rows = _job_rows(limit=50, name=parsed.name)
     if as_json:
@@ -365,7 +365,8 @@ def show(
     out.print(_quant_table(rows, title=f"quants of {parsed.name}"))
     for r in rows:
         if r.get("fits"):
-            table = Table(title=f"{r['name']}@{r['rev']} fits on (longest context, exllamav2, 512 MiB left free)",
+            left = vram.human(vram.HEADROOM)
+            table = Table(title=f"{r['name']}@{r['rev']} fits on (longest context, exllamav2, {left} left free)",
                           title_justify="left")
             for col in ("GPU", "FP16 CACHE", "Q4 CACHE"):
                 table.add_column(col, justify="right")

@@ -11,9 +11,12 @@ from pathlib import Path
 
 import yaml
 
+from factory.evaluate import KV_CHUNK
+from factory.vram import HEADROOM, human
+
 FILENAME = "README.md"
 PLOT = "ppl_vs_size.png"  # beside the card of a Hub repo
-KV_CHUNK_NOTE = "each window fed 128 tokens at a time, so every token reads the earlier ones from the cache"
+KV_CHUNK_NOTE = f"each window fed {KV_CHUNK} tokens at a time, so every token reads the earlier ones from the cache"
 LIBRARY = {"awq": "transformers", "exl2": "exllamav2"}
 QUANTIZED_BY = "quantfactory"
 
@@ -116,8 +119,8 @@ def render(name: str, base_model: str, this: dict, rows: list[dict], places: dic
     fits = "\n".join(_fits(r) for r in ordered if r.get("fits"))
     if fits:
         fits = ("\n## Fits on\n\nThe longest context (powers of two up to the model's maximum) that exllamav2 holds "
-                "with 512 MiB of the card left free, as factory/vram.py predicts it (checked against real memory on "
-                "an H200: benchmarks/results/vram_fit.json).\n\n" + fits)
+                f"with {human(HEADROOM)} of the card left free, as factory/vram.py predicts it (checked against real "
+                "memory on an H200: benchmarks/results/vram_fit.json).\n\n" + fits)
     picture = f"\n![perplexity against size]({PLOT})\n" if places else ""
     return f"""---
 {yaml.safe_dump(meta, sort_keys=False).strip()}
