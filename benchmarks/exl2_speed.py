@@ -5,7 +5,7 @@
     python benchmarks/exl2_speed.py raw-quant DIR       # convert_exl2 -m M.json -b 4.0 -cf: one raw pass Q
     python benchmarks/exl2_speed.py factory DIR         # qf run --exl2 3.0,4.0,5.0: one measurement, three passes
 
-Each part is a fresh process, runs in under 10 minutes on an H200, and merges its numbers into
+Each part is a fresh process (two may run at once, each on its own GPU: scripts/gpu_bench does so), runs in under 10 minutes on an H200, and merges its numbers into
 benchmarks/results/exl2_speed.json (GPU.md's shape). Only quantize work counts: for the factory, its measure and
 quantize steps (its evaluation and publishing are left out). Once all three parts are in:
     speed.exl2_overhead_ratio   = factory (measure + first pass) / (M + Q)      target <= 1.03
@@ -15,10 +15,12 @@ Every part records the peak GPU memory its steps allocated. Same calibration tex
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -34,22 +36,24 @@ def _merge(part: str, data: dict) -> None:
 
     from factory.engines import exl2
 
-    results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"parts": {}}
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    results.update(gpu=torch.cuda.get_device_name(0), commit=os.environ.get("QF_COMMIT") or commit,
-                   versions={"torch": torch.__version__, "exllamav2": exl2.ENGINE.version()},
-                   command="python benchmarks/exl2_speed.py {model,raw-measure,raw-quant,factory} DIR")
-    results["parts"][part] = data
-    parts = results["parts"]
-    if {"raw-measure", "raw-quant", "factory"} <= set(parts):
-        raw = parts["raw-measure"]["seconds"] + parts["raw-quant"]["seconds"]
-        f = parts["factory"]["seconds"]
-        results["speed"] = {
-            "exl2_overhead_ratio": round((f["measure"] + f["quantize"][0]) / raw, 4),
-            "exl2_reuse_speedup_3bpw": round(3 * raw / (f["measure"] + sum(f["quantize"])), 4),
-        }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    with open(Path(tempfile.gettempdir()) / "exl2_speed.lock", "w") as lock:  # parts may run side by side
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"parts": {}}
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        results.update(gpu=torch.cuda.get_device_name(0), commit=os.environ.get("QF_COMMIT") or commit,
+                       versions={"torch": torch.__version__, "exllamav2": exl2.ENGINE.version()},
+                       command="python benchmarks/exl2_speed.py {model,raw-measure,raw-quant,factory} DIR")
+        results["parts"][part] = {**data, "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES", "0")}
+        parts = results["parts"]
+        if {"raw-measure", "raw-quant", "factory"} <= set(parts):
+            raw = parts["raw-measure"]["seconds"] + parts["raw-quant"]["seconds"]
+            f = parts["factory"]["seconds"]
+            results["speed"] = {
+                "exl2_overhead_ratio": round((f["measure"] + f["quantize"][0]) / raw, 4),
+                "exl2_reuse_speedup_3bpw": round(3 * raw / (f["measure"] + sum(f["quantize"])), 4),
+            }
+        RESULTS.write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps({part: data, **({"speed": results["speed"]} if "speed" in results else {})}))
 
 

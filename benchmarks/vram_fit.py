@@ -33,7 +33,8 @@ CONTEXTS = (2048, 8192, 16384, 32768)
 
 
 def _gpu_used_bytes() -> int:
-    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+    gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]  # the card torch sees as cuda:0
+    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", gpu],
                          capture_output=True, text=True, check=True).stdout
     return int(out.split()[0]) * 2**20
 
