@@ -2,8 +2,8 @@
 weights read, no GPU): what `qf plan`, `--fit` and the "fits on" tables use.
 
 EXL2 with exllamav2 on one GPU, as the drop of free memory a user sees, in parts:
-  context   the CUDA context, cuBLAS workspace and exllamav2's kernels: what the process holds outside PyTorch's
-            allocator (CONTEXT_BYTES: 757 MiB in every one of 26 runs on the H200, 527 of them the bare context)
+  context   the CUDA context, cuBLAS and exllamav2's kernels: what the process holds outside PyTorch's allocator
+            (CONTEXT_BYTES: 757 MiB in all 62 loads on two H200 machines, 527 MiB of it the bare context)
   weights   every tensor of the quant except the embedding, which exllamav2 keeps in system memory; exact from a
             quant's headers, else bpw/8 bytes per decoder linear weight, HEAD_STORED_BITS/8 per head weight
             (its bits plus scales) and 2 per norm weight
@@ -12,10 +12,16 @@ EXL2 with exllamav2 on one GPU, as the drop of free memory a user sees, in parts
   tables    the rotary sin/cos tables for the context
   cache     K and V of every layer for the context: fp16 2 bytes per element, q8 1, q6 1 (K) and 0.5 (V), q4 0.5;
             quantized caches add fp16 scales per 32 elements and one layer of fp16 K/V to work in
-  forward   what a prefill chunk allocates on top: hidden states, attention scores (at most max_attention_size per
-            head), K/V expanded to every head (grouped-query models) over the context, MLP intermediates
-and the caching allocator's rounding on top (SLACK). Without flash-attn, as measured; flash-attn needs less for the
-attention scores, so the estimate stays above what such a setup uses.
+  forward   the peak of a prefill chunk's attention without flash-attn (exllamav2's matmul path): two fp16 score
+            tensors alive at once (heads x at most max_attention_size each: exllamav2 shrinks the chunk so that
+            chunk x context stays under it), the mask, K expanded to every head over the context (grouped-query
+            models), the chunk's hidden states and torch's cuBLAS workspace
+  reserve   the caching allocator's blocks beyond the peak: SLACK of it, and once a prefill takes more than one
+            chunk, one more score tensor (the chunks' growing K/V split the freed score blocks, so the next scores
+            need a new one)
+The allocated peak this predicts is within 20 MiB of torch's in every load measured; the reserve is the rough part
+(from 30 to 430 MiB measured). Without flash-attn, as measured; flash-attn needs no score tensors, so the estimate
+stays above what such a setup uses.
 
 AWQ w4 with vLLM is an estimate (not measured here): fp16 embedding and head, 4-bit linears with fp16 scales and
 4-bit zeros per group, the KV cache for the context in fp16 or fp8, the context, CUDA graphs and activations, and
@@ -42,10 +48,11 @@ HEAD_STORED_BITS = {6: 6.48, 8: 8.04}  # what a head at 6 and 8 bits takes per w
 BPWS = tuple(x / 2 for x in range(4, 17))  # 2.0 .. 8.0
 FIT_BUDGETS = (8 * GiB, 12 * GiB, 16 * GiB, 24 * GiB, 48 * GiB)
 
-# Measured on the H200 (torch 2.11, CUDA 13; benchmarks/results/vram_fit.json). Another GPU or driver has another
+# Measured on H200s (torch 2.11, CUDA 13; benchmarks/results/vram_fit.json). Another GPU or driver has another
 # context size: a few hundred MiB either way.
 CONTEXT_BYTES = 757 * MiB
-SLACK = 0.02  # reserved over allocated blocks; with the forward term's margin, reserved stayed below the prediction
+CUBLAS_WORKSPACE = 32 * MiB  # torch's cuBLAS workspace on Hopper, inside its allocator
+SLACK = 0.02  # the allocator's reserve over its peak, beyond the split score blocks (benchmarks/results/vram_fit.json)
 
 
 def parse_size(text: str) -> int:
@@ -149,15 +156,23 @@ def scratch_bytes(shape: Shape) -> int:
     return max(attn, mlp, head)
 
 
+def score_bytes(shape: Shape, ctx: int) -> int:
+    """One fp16 attention-score tensor of the largest prefill chunk: heads x chunk x context, at most
+    max_attention_size per head."""
+    return shape.heads * min(MAX_ATTENTION, min(MAX_INPUT_LEN, ctx) * ctx) * 2
+
+
 def forward_bytes(shape: Shape, ctx: int) -> int:
-    """What the largest prefill chunk allocates beyond the scratch: hidden states and residual, attention scores
-    (fp16 and their fp32 softmax), K/V expanded to every head over the context, the MLP's intermediates."""
+    """The attention's peak in a prefill chunk (exllamav2's matmul attention, beyond the scratch): scores and their
+    softmax (or scores plus mask) alive together with K expanded to every head; or, later, one score tensor with
+    K and V expanded. Plus the mask, the chunk's hidden states and the cuBLAS workspace."""
     chunk = min(MAX_INPUT_LEN, ctx)
-    scores = shape.heads * min(MAX_ATTENTION, chunk * ctx) * (2 + 4)
-    expanded = 2 * ctx * shape.heads * shape.head_dim * 2 if shape.kv_heads != shape.heads else 0
+    scores = score_bytes(shape, ctx)
+    expanded = ctx * shape.heads * shape.head_dim * 2 if shape.kv_heads != shape.heads else 0  # K or V
+    attention = max(2 * scores + expanded, scores + 2 * expanded)
+    mask = scores // shape.heads
     states = 3 * chunk * max(shape.hidden, shape.heads * shape.head_dim) * 2
-    mlp = 2 * chunk * shape.intermediate * 2
-    return scores + expanded + states + mlp
+    return attention + mask + states + CUBLAS_WORKSPACE
 
 
 def tables_bytes(shape: Shape, ctx: int) -> int:
@@ -170,7 +185,7 @@ def exllamav2(shape: Shape, weights: int, ctx: int, cache: str) -> dict[str, int
              "tables": tables_bytes(shape, ctx), "cache": cache_bytes(shape, ctx, cache),
              "forward": forward_bytes(shape, ctx)}
     torch_part = sum(v for k, v in parts.items() if k != "context")
-    parts["slack"] = int(torch_part * SLACK)
+    parts["reserve"] = int(torch_part * SLACK) + (score_bytes(shape, ctx) if ctx > MAX_INPUT_LEN else 0)
     parts["total"] = sum(parts.values())
     return parts
 
@@ -218,7 +233,7 @@ def plan(shape: Shape, params: Params, budget: int, ctx: int | None = None, cach
     def per_gpu(bpw: float) -> dict[str, int]:
         parts = exllamav2(shape, exl2_weights(params, bpw, head_bits), ctx, cache)
         if gpus > 1:  # each GPU: its own context, scratch and forward buffers, a share of weights and cache
-            shared = ("weights", "cache", "slack")
+            shared = ("weights", "cache")
             parts = {k: (v // gpus if k in shared else v) for k, v in parts.items() if k != "total"}
             parts["total"] = sum(parts.values())
         return parts
