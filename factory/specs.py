@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from factory import naming
 from factory.errors import SpecError
+from factory.vram import Cache
 
 BPW_MIN, BPW_MAX = 2.0, 8.0
 HEAD_BITS = (2, 3, 4, 5, 6, 8)
@@ -49,7 +50,7 @@ class Fit(_Closed):
 
     vram: int = Field(gt=0)
     ctx: int = Field(gt=0)
-    cache: Literal["fp16", "q8", "q6", "q4"] = "fp16"
+    cache: Cache = "fp16"
 
 
 class Exl2Spec(_Closed):

@@ -35,6 +35,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, get_args
 
 from factory.errors import SpecError
 
@@ -42,8 +43,9 @@ GiB, MiB = 2**30, 2**20
 MAX_INPUT_LEN = 2048  # exllamav2's defaults: tokens per forward chunk, attention scores per head, dequant elements
 MAX_ATTENTION = 2048**2
 MAX_DQ = 512 * 2**20
+Cache = Literal["fp16", "q8", "q6", "q4"]  # exllamav2's KV-cache types, the one list of them
+CACHES: tuple[str, ...] = get_args(Cache)
 _CACHE_BYTES = {"fp16": (2.0, 2.0), "q8": (1.0, 1.0), "q6": (1.0, 0.5), "q4": (0.5, 0.5)}  # per K, V element
-CACHES = tuple(_CACHE_BYTES)
 HEAD_STORED_BITS = {6: 6.48, 8: 8.04}  # what a head at 6 and 8 bits takes per weight with its scales (real quants)
 BPWS = tuple(x / 2 for x in range(4, 17))  # 2.0 .. 8.0
 FIT_BUDGETS = (8 * GiB, 12 * GiB, 16 * GiB, 24 * GiB, 48 * GiB)

@@ -166,3 +166,12 @@ def test_fits_table_of_a_finished_quant_and_its_card(tmp_path):
     text = card._fits(row)
     assert "| 8 GB | 8,192 tokens | 8,192 tokens |" in text and "Made to fit 8 GiB with 8192 tokens of q4" in text
     assert "fp16 16.2000, q8 16.2100, q4 16.5000" in text
+
+
+def test_one_list_of_cache_types():
+    from factory import evaluate, specs
+
+    assert set(evaluate.KV_CACHES) == set(vram.CACHES) == set(vram._CACHE_BYTES)
+    assert specs.Fit(vram=2**30, ctx=2048, cache="q6").cache == "q6"
+    with pytest.raises(ValueError, match="q3"):
+        specs.Fit(vram=2**30, ctx=2048, cache="q3")
