@@ -23,7 +23,7 @@ from rich.progress import (
     TextColumn,
     TimeElapsedColumn,
 )
-from rich.table import Table
+from rich.table import Column, Table
 
 from factory import naming, settings
 from factory.errors import FactoryError, NotFound, ServiceUnavailable, SpecError
@@ -365,14 +365,17 @@ def show(
     out.print(_quant_table(rows, title=f"quants of {parsed.name}"))
     for r in rows:
         if r.get("fits"):
-            left = vram.human(vram.HEADROOM)
-            table = Table(title=f"{r['name']}@{r['rev']} fits on (longest context, exllamav2, {left} left free)",
-                          title_justify="left")
-            for col in ("GPU", "FP16 CACHE", "Q4 CACHE"):
-                table.add_column(col, justify="right")
+            out.print(f"{r['name']}@{r['rev']}: the longest context that fits each GPU with exllamav2, "
+                      f"{vram.human(vram.HEADROOM)} left free")
+            table = Table(*(Column(c, justify="right") for c in ("GPU", "FP16 CACHE", "Q4 CACHE")))
             for f in r["fits"]:
                 table.add_row(f"{f['budget'] / 2**30:.0f} GB", *(f"{f[c]:,}" if f[c] else "-" for c in ("fp16", "q4")))
             out.print(table)
+            if kv := r["eval"].get("kv_cache"):
+                from factory.evaluate import KV_CHUNK
+                from factory.publish.card import kv_scores
+
+                out.print(f"perplexity through exllamav2's KV cache ({KV_CHUNK}-token forwards): {kv_scores(kv)}")
     out.print(_job_table(job_rows, title="jobs"))
 
 

@@ -140,23 +140,28 @@ def test_fit_chooses_the_sizes_and_records_the_budget(qf, tiny, monkeypatch):
     assert small.exit_code == 2 and "even 2.0 bpw needs" in small.stderr
 
 
-def test_fits_table_of_a_finished_quant_and_its_card(tmp_path):
-    """A folder shaped like an EXL2 quant of SmolLM2 (its config, tensors of the recorded sizes): the table the
-    card and `qf show` print."""
+def _exl2_shaped(folder: Path) -> dict:
+    """A folder shaped like SmolLM2's exl2-4.0bpw quant measured on the H200: its config and tensors of its sizes."""
     import torch
     from safetensors.torch import save_file
 
-    from factory.publish import card
-
-    quant = json.loads(MEASURED.read_text())["rows"][1]  # exl2-4.0bpw
-    folder = tmp_path / "q"
-    folder.mkdir()
+    quant = json.loads(MEASURED.read_text())["rows"][1]
+    folder.mkdir(parents=True)
     (folder / "config.json").write_text(json.dumps(quant["config"]))
     sizes = quant["tensor_bytes"]
     save_file({"model.embed_tokens.weight": torch.zeros(sizes["embed"] // 2, dtype=torch.float16),
                "lm_head.q_weight": torch.zeros(sizes["head"] // 2, dtype=torch.int16),
                "model.layers.0.mlp.q_weight": torch.zeros(sizes["layers"] // 2, dtype=torch.int16)},
               str(folder / "output.safetensors"))
+    return sizes
+
+
+def test_fits_table_of_a_finished_quant_and_its_card(tmp_path):
+    """The table the card and `qf show` print, for a 135M model."""
+    from factory.publish import card
+
+    folder = tmp_path / "q"
+    sizes = _exl2_shaped(folder)
     assert vram.quant_weights(folder) == sizes["head"] // 2 * 2 + sizes["layers"] // 2 * 2
     fits = vram.quant_fits(folder)
     assert [f["budget"] for f in fits] == list(vram.FIT_BUDGETS)
@@ -166,6 +171,26 @@ def test_fits_table_of_a_finished_quant_and_its_card(tmp_path):
     text = card._fits(row)
     assert "| 8 GB | 8,192 tokens | 8,192 tokens |" in text and "Made to fit 8 GiB with 8192 tokens of q4" in text
     assert "fp16 16.2000, q8 16.2100, q4 16.5000" in text
+
+
+def test_qf_show_lists_where_an_exl2_quant_fits_and_its_kv_cache_perplexities(qf, tiny):
+    """An EXL2 quant in the catalog (files shaped like a real one: EXL2 itself needs CUDA) beside a real AWQ one."""
+    from factory.catalog import Catalog, Quant
+
+    assert qf("run", tiny, "--awq", "--eval-windows", 2).exit_code == 0
+    catalog = Catalog(qf.env["FACTORY_DB_URL"] or f"sqlite:///{qf.home / 'catalog.db'}")
+    awq = catalog.quants(name="tiny")[0]
+    _exl2_shaped(qf.home / "registry" / "tiny" / "exl2-4.0bpw" / awq.rev)
+    fields = {c.name: getattr(awq, c.name) for c in Quant.__table__.columns if c.name not in ("id", "created_at")}
+    fields.update(tag="exl2-4.0bpw", method="exl2", path=f"tiny/exl2-4.0bpw/{awq.rev}",
+                  eval={**awq.eval, "kv_cache": {"fp16": 16.635, "q8": 16.627, "q4": None}})
+    catalog.put_quant(Quant(**fields))
+    shown = qf("show", "tiny")
+    assert shown.exit_code == 0, shown.output
+    assert f"tiny:exl2-4.0bpw@{awq.rev}: the longest context that fits each GPU" in shown.stdout
+    assert "through exllamav2's KV cache" in shown.stdout and "q8 16.6270, q4 not finite" in shown.stdout
+    rows = {r["name"]: r for r in qf.json("show", "tiny")["quants"]}
+    assert rows["tiny:exl2-4.0bpw"]["fits"][0]["fp16"] == 8192 and "fits" not in rows["tiny:awq-w4g128"]
 
 
 def test_one_list_of_cache_types():

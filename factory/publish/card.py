@@ -67,6 +67,11 @@ tokenizer = ExLlamaV2Tokenizer(config)
 """
 
 
+def kv_scores(kv: dict[str, float | None]) -> str:
+    """{"fp16": 16.6, "q4": None} -> "fp16 16.6000, q4 not finite"."""
+    return ", ".join(f"{c} {p:.4f}" if p is not None else f"{c} not finite" for c, p in kv.items())
+
+
 def _fits(row: dict) -> str:
     """How long a context each card size holds with this quant in exllamav2 (rows with a "fits" table)."""
     if not row.get("fits"):
@@ -74,8 +79,7 @@ def _fits(row: dict) -> str:
     caches = [k for k in row["fits"][0] if k != "budget"]
     lines = [f"### {row['name']}", ""]
     if kv := row.get("eval", {}).get("kv_cache"):
-        scores = ", ".join(f"{c} {p:.4f}" if p is not None else f"{c} not finite" for c, p in kv.items())
-        lines += [f"Perplexity through exllamav2's KV cache ({KV_CHUNK_NOTE}): {scores}.", ""]
+        lines += [f"Perplexity through exllamav2's KV cache ({KV_CHUNK_NOTE}): {kv_scores(kv)}.", ""]
     if row.get("fit"):
         f = row["fit"]
         lines += [f"Made to fit {f['vram'] / 2**30:.0f} GiB with {f['ctx']} tokens of {f['cache']} cache (--fit).",
