@@ -22,7 +22,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -39,7 +38,7 @@ def _merge(part: str, data: dict) -> None:
     from factory.engines import exl2
 
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    with open(Path(tempfile.gettempdir()) / "exl2_speed.lock", "w") as lock:  # parts may run side by side
+    with open(RESULTS.with_suffix(".lock"), "w") as lock:  # parts may run side by side
         fcntl.flock(lock, fcntl.LOCK_EX)
         results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"parts": {}}
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
@@ -57,7 +56,9 @@ def _merge(part: str, data: dict) -> None:
                 # the raw pass is 4.0 bpw: the factory's own 4.0 pass (its second) against it, like for like
                 "exl2_overhead_ratio_4bpw": round((f["measure"] + f["quantize"][1]) / raw, 4),
             }
-        RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+        staged = RESULTS.with_suffix(".tmp")
+        staged.write_text(json.dumps(results, indent=2) + "\n")
+        staged.replace(RESULTS)  # whole or not at all, for a reader that takes no lock (scripts/gpu_bench)
     print(json.dumps({part: data, **({"speed": results["speed"]} if "speed" in results else {})}))
 
 

@@ -18,10 +18,10 @@ EXL2 with exllamav2 on one GPU, as the drop of free memory a user sees, in parts
             models), the chunk's hidden states and torch's cuBLAS workspace
   reserve   the caching allocator's blocks beyond the peak: SLACK of it, and once a prefill takes more than one
             chunk, one more score tensor (the chunks' growing K/V split the freed score blocks, so the next scores
-            need a new one)
+            need a new one); at least RESERVE_MIN
 The allocated peak this predicts is within 20 MiB of torch's in every load measured; the reserve is the rough part
-(from 30 to 430 MiB measured). Without flash-attn, as measured; flash-attn needs no score tensors, so the estimate
-stays above what such a setup uses.
+(28 to 430 MiB measured), so a total can be a few percent below what a load takes: `plan` keeps HEADROOM free.
+Measured without flash-attn; flash-attn allocates no score tensors, so with it the estimate is high.
 
 AWQ w4 with vLLM is an estimate (not measured here): fp16 embedding and head, 4-bit linears with fp16 scales and
 4-bit zeros per group, the KV cache for the context in fp16 or fp8, the context, CUDA graphs and activations, and
@@ -55,6 +55,7 @@ FIT_BUDGETS = (8 * GiB, 12 * GiB, 16 * GiB, 24 * GiB, 48 * GiB)
 CONTEXT_BYTES = 757 * MiB
 CUBLAS_WORKSPACE = 32 * MiB  # torch's cuBLAS workspace on Hopper, inside its allocator
 SLACK = 0.02  # the allocator's reserve over its peak, beyond the split score blocks (benchmarks/results/vram_fit.json)
+RESERVE_MIN = 64 * MiB  # and at least this much: 28 to 109 MiB were measured for one-chunk prefills
 
 
 def parse_size(text: str) -> int:
@@ -181,13 +182,16 @@ def tables_bytes(shape: Shape, ctx: int) -> int:
     return 2 * shape.head_dim * ctx * 2
 
 
-def exllamav2(shape: Shape, weights: int, ctx: int, cache: str) -> dict[str, int]:
-    """The predicted drop of free GPU memory, in parts and in total."""
-    parts = {"context": CONTEXT_BYTES, "weights": weights, "scratch": scratch_bytes(shape),
-             "tables": tables_bytes(shape, ctx), "cache": cache_bytes(shape, ctx, cache),
+def exllamav2(shape: Shape, weights: int, ctx: int, cache: str, gpus: int = 1) -> dict[str, int]:
+    """The predicted drop of free GPU memory, in parts and in total; with several GPUs, on each of them (each its
+    own context, scratch and forward buffers, a share of the weights and cache: an estimate, exllamav2's autosplit
+    fills them in order)."""
+    parts = {"context": CONTEXT_BYTES, "weights": weights // gpus, "scratch": scratch_bytes(shape),
+             "tables": tables_bytes(shape, ctx), "cache": cache_bytes(shape, ctx, cache) // gpus,
              "forward": forward_bytes(shape, ctx)}
-    torch_part = sum(v for k, v in parts.items() if k != "context")
-    parts["reserve"] = int(torch_part * SLACK) + (score_bytes(shape, ctx) if ctx > MAX_INPUT_LEN else 0)
+    allocated = sum(v for k, v in parts.items() if k != "context")
+    split_scores = score_bytes(shape, ctx) if ctx > MAX_INPUT_LEN else 0
+    parts["reserve"] = max(int(allocated * SLACK) + split_scores, RESERVE_MIN)
     parts["total"] = sum(parts.values())
     return parts
 
@@ -233,12 +237,7 @@ def plan(shape: Shape, params: Params, budget: int, ctx: int | None = None, cach
         raise SpecError(f"a budget of {human(budget)} leaves nothing after {human(headroom)} of headroom")
 
     def per_gpu(bpw: float) -> dict[str, int]:
-        parts = exllamav2(shape, exl2_weights(params, bpw, head_bits), ctx, cache)
-        if gpus > 1:  # each GPU: its own context, scratch and forward buffers, a share of weights and cache
-            shared = ("weights", "cache")
-            parts = {k: (v // gpus if k in shared else v) for k, v in parts.items() if k != "total"}
-            parts["total"] = sum(parts.values())
-        return parts
+        return exllamav2(shape, exl2_weights(params, bpw, head_bits), ctx, cache, gpus)
 
     rows = [{"bpw": b, **parts, "fits": parts["total"] <= room} for b in BPWS for parts in [per_gpu(b)]]
     steps = [round(8.0 - i * 0.05, 2) for i in range(121)]  # 8.00, 7.95, ... 2.00

@@ -36,14 +36,14 @@ def test_every_prediction_is_within_target_of_the_measured_drop():
     assert [r["predicted"] for r in committed["rows"]] == [r["predicted"] for r in result["rows"]]
 
 
-def test_the_allocated_peak_is_modelled_not_fitted():
+def test_the_allocated_peak_matches_torchs():
     """Everything but the context and the allocator's reserve is torch's allocated peak, within 20 MiB, in every
-    load: the reserve is the only rough term."""
+    recorded load (a regression check against these numbers): the reserve is the only rough term."""
     for path in (MEASURED, MEASURED_1B):
         for quant in json.loads(path.read_text())["rows"]:
             shape = vram.Shape.of(quant["config"])
             weights = sum(v for k, v in quant["tensor_bytes"].items() if k != "embed")
-            for run in quant["runs"]:
+            for run in (r for r in quant["runs"] if "error" not in r):
                 parts = vram.exllamav2(shape, weights, run["ctx"], run["cache"])
                 allocated = parts["total"] - parts["context"] - parts["reserve"]
                 assert abs(allocated - run["allocated_peak"]) <= 20 * 2**20, (quant["folder"], run)
