@@ -123,8 +123,7 @@ def compare(measured: list[Path]) -> dict:
         data = json.loads(path.read_text())
         for quant in data["rows"]:
             shape = vram.Shape.of(quant["config"])
-            groups = quant["tensor_bytes"]
-            weights = sum(v for k, v in groups.items() if k != "embed")
+            weights = vram.on_gpu(quant["tensor_bytes"])
             for run in quant["runs"]:
                 if "error" in run:
                     continue

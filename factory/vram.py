@@ -135,9 +135,14 @@ def tensor_bytes(folder: Path) -> dict[str, int]:
     return groups
 
 
+def on_gpu(groups: dict[str, int]) -> int:
+    """Of a quant's tensor bytes by group, those exllamav2 puts on the GPU: all but the embedding."""
+    return sum(n for group, n in groups.items() if group != "embed")
+
+
 def quant_weights(folder: Path) -> int:
-    """Bytes on the GPU of a finished EXL2 quant: every tensor but the embedding."""
-    return sum(n for group, n in tensor_bytes(folder).items() if group != "embed")
+    """Bytes on the GPU of a finished EXL2 quant in `folder`."""
+    return on_gpu(tensor_bytes(folder))
 
 
 def cache_bytes(shape: Shape, ctx: int, cache: str) -> int:

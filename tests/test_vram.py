@@ -42,7 +42,7 @@ def test_the_allocated_peak_matches_torchs():
     for path in (MEASURED, MEASURED_1B):
         for quant in json.loads(path.read_text())["rows"]:
             shape = vram.Shape.of(quant["config"])
-            weights = sum(v for k, v in quant["tensor_bytes"].items() if k != "embed")
+            weights = vram.on_gpu(quant["tensor_bytes"])
             for run in (r for r in quant["runs"] if "error" not in r):
                 parts = vram.exllamav2(shape, weights, run["ctx"], run["cache"])
                 allocated = parts["total"] - parts["context"] - parts["reserve"]
@@ -173,12 +173,15 @@ def test_fits_table_of_a_finished_quant_and_its_card(tmp_path):
     assert "fp16 16.2000, q8 16.2100, q4 16.5000" in text
 
 
-def test_qf_show_lists_where_an_exl2_quant_fits_and_its_kv_cache_perplexities(qf, tiny):
+def test_qf_show_lists_where_an_exl2_quant_fits_and_its_kv_cache_perplexities(qf, tiny, monkeypatch):
     """An EXL2 quant in the catalog (files shaped like a real one: EXL2 itself needs CUDA) beside a real AWQ one."""
+    from factory import settings
     from factory.catalog import Catalog, Quant
 
     assert qf("run", tiny, "--awq", "--eval-windows", 2).exit_code == 0
-    catalog = Catalog(qf.env["FACTORY_DB_URL"] or f"sqlite:///{qf.home / 'catalog.db'}")
+    for var, value in qf.env.items():
+        monkeypatch.setenv(var, value)
+    catalog = Catalog(settings.load().db_url)
     awq = catalog.quants(name="tiny")[0]
     _exl2_shaped(qf.home / "registry" / "tiny" / "exl2-4.0bpw" / awq.rev)
     fields = {c.name: getattr(awq, c.name) for c in Quant.__table__.columns if c.name not in ("id", "created_at")}
