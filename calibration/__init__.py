@@ -76,6 +76,13 @@ def resolve(name: str) -> TextSet:
     return TextSet(name=name, text=text, sha256=hashlib.sha256(text.encode("utf-8")).hexdigest())
 
 
+def public_name(name: str) -> str:
+    """A text set's name as published (manifest, card): `file:/home/alice/corpus.txt` -> `file:corpus.txt`, so
+    no local path leaves the machine; its sha256 says exactly which text it was."""
+    kind, _, rest = name.partition(":")
+    return f"file:{Path(rest).name}" if kind == "file" else name
+
+
 def read_file(path: Path, name: str) -> str:
     if path.suffix == ".txt":
         return path.read_text(encoding="utf-8")

@@ -55,6 +55,7 @@ class StepState(enum.StrEnum):
     succeeded = "succeeded"
     failed = "failed"
     skipped = "skipped"
+    interrupted = "interrupted"  # stopped by Ctrl-C or SIGTERM, or left running by an attempt that was killed
 
 
 def now() -> datetime:
@@ -327,6 +328,9 @@ class Catalog:
             try:
                 with self.session() as s:
                     if known := s.scalar(select(Model.name).where(Model.source == source)):
+                        if fallback is None and known != wanted:
+                            raise SpecError(f"{source!r} is already named {known!r} in the catalog, not {wanted!r}; "
+                                            f"drop --name (its quants are published as {known!r})")
                         return known
                     for name in (wanted, fallback):
                         if name is not None and s.get(Model, name) is None:
@@ -445,6 +449,12 @@ class Catalog:
         with self.session() as s:
             step = s.get(Step, step_id)
             step.state, step.error, step.ended_at, step.peak_gpu_bytes = state, error, now(), peak_gpu_bytes
+
+    def interrupt_steps(self, job_id: str) -> None:
+        """Mark the steps of `job_id` that are still running as interrupted (their attempt is gone)."""
+        with self.session() as s:
+            for step in s.scalars(select(Step).where(Step.job_id == job_id, Step.state == StepState.running)):
+                step.state, step.error, step.ended_at = StepState.interrupted, "interrupted", now()
 
     def skip_step(self, job_id: str, name: str, reason: str) -> None:
         with self.session() as s:

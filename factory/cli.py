@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import functools
 import json
+import signal
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
@@ -53,6 +55,21 @@ def _handled(fn):
             raise typer.Exit(130) from None
 
     return wrapper
+
+
+@contextmanager
+def _sigterm_interrupts():
+    """SIGTERM (what `timeout`, systemd and docker send) stops a run the way Ctrl-C does: the job is marked
+    cancelled ("interrupted"), its running step interrupted, its engine child stopped."""
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _quiet_libraries() -> None:
@@ -237,7 +254,7 @@ def run(source: SourceArg, exl2: Exl2Opt = None, awq: AwqOpt = False, recipe: Re
 
         hub.writer(owner)  # a missing or read-only token fails now, not after hours of quantizing
     _quiet_libraries()
-    with Renderer(as_json) as render:
+    with _sigterm_interrupts(), Renderer(as_json) as render:
         factory = _factory(render)
         job, created = factory.submit(request)
         job = factory.execute(job.id)
@@ -512,10 +529,22 @@ def pull(
         if not owner:
             raise
         return _pull_from_hub(parsed, owner, output)
-    dest = output or Path(f"{quant.name}-{quant.tag}")
+    dest = _output_folder(output or Path(f"{quant.name}-{quant.tag}"))
     files = folder.pull(settings.load().registry / quant.path, dest)
     err.print(f"{quant.name}:{quant.tag}@{quant.rev}: {len(files)} files verified, in {dest}")
     out.print(str(dest.resolve()))
+
+
+def _output_folder(dest: Path) -> Path:
+    """Where `qf pull` may put files: a new or empty real folder outside FACTORY_HOME (SpecError, exit 2)."""
+    if dest.is_symlink():
+        raise SpecError(f"-o {str(dest)!r} is a symbolic link; pass a real folder")
+    if dest.exists() and not dest.is_dir():
+        raise SpecError(f"-o {str(dest)!r} is a file; pass a new or empty folder")
+    home = settings.load().home
+    if dest.resolve().is_relative_to(home):
+        raise SpecError(f"-o {str(dest)!r} is inside FACTORY_HOME ({home}); pull into a folder outside it")
+    return dest
 
 
 def _templates() -> dict[str, str]:
@@ -531,7 +560,7 @@ def _pull_from_hub(parsed: naming.QuantRef, owner: str, output: Path | None) -> 
         known = ", ".join(sorted(tags)) or "none"
         raise NotFound(f"{parsed.name}:{parsed.tag} is not published under {owner} on the Hub; tags there: {known}")
     where = tags[parsed.tag]
-    dest = output or Path(f"{parsed.name}-{parsed.tag}")
+    dest = _output_folder(output or Path(f"{parsed.name}-{parsed.tag}"))
     with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), console=err,
                   disable=not err.is_terminal) as bar:
         task = bar.add_task(f"{where.repo}@{where.branch}", total=None)

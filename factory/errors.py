@@ -59,5 +59,7 @@ class ServiceUnavailable(FactoryError):
 
 
 def mask_url(url: str) -> str:
-    """A service URL as messages may show it: the password replaced by ***."""
-    return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
+    """A service URL as messages, logs and the catalog may show it: the password and any token, key or password in
+    the query replaced by ***. Every URL the factory prints or stores passes through here."""
+    url = re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
+    return re.sub(r"([?&;](?:token|access_token|password|key|secret)=)[^&;#]*", r"\1***", url, flags=re.I)

@@ -1,20 +1,27 @@
 """Refuse checkpoints that cannot work, before any engine starts (ModelRefused, exit 3).
 
-Reads config.json, the tokenizer's presence and every safetensors header; never loads weights. Refused:
-no or unparsable config.json, an already quantized model, custom code (`auto_map`), weights only as pickle,
-no weights, a truncated or unparsable safetensors file, shards that disagree with the index, no tokenizer,
-an architecture outside SUPPORTED. The numbers the engines need later (input dims of the quantized
-linears, sizes) come from here.
+Reads config.json, the tokenizer's presence and every safetensors header; never loads weights, and never opens a
+file that factory/files.py has not checked is a regular file of the model. Refused: a link leaving the folder,
+a FIFO, socket or device; no or unparsable config.json, an already quantized model, custom code (`auto_map`),
+weights only as pickle, no weights, a truncated or malformed safetensors file, shards that disagree with the index,
+no tokenizer, an architecture outside SUPPORTED, config numbers that are not sane integers or disagree with the
+tensors. Every header and config is validated before anything is allocated from it. The numbers the engines need
+later (input dims of the quantized linears, sizes) come from here.
+
+`read_config` and `read_header` are the one reader of a config.json and of a safetensors header: inspection,
+`qf plan` (factory/vram.py) and the Hub's configs go through them.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 from factory.errors import ModelRefused
+from factory.files import INDEX, source_files
 
 # Architectures both engines (AutoAWQ 0.2.9 and exllamav2 0.3.2) convert, as `architectures[0]` -> model_type.
 SUPPORTED = {
@@ -30,20 +37,26 @@ SUPPORTED = {
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 QUANTIZED_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DTYPE_BYTES = {
-    "F64": 8,
-    "F32": 4,
-    "F16": 2,
-    "BF16": 2,
-    "I64": 8,
-    "I32": 4,
-    "I16": 2,
-    "I8": 1,
-    "U8": 1,
-    "BOOL": 1,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "C64": 8,
+    "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+    "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
+    "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
+}  # fmt: skip
+MAX_HEADER = 100 << 20  # what the safetensors library itself accepts
+MAX_RANK = 8
+MAX_CONFIG = 16 << 20
+# The config numbers the factory sizes a model with: (required, lowest, highest allowed).
+CONFIG_NUMBERS = {
+    "hidden_size": (True, 1, 1 << 20),
+    "num_hidden_layers": (True, 1, 4096),
+    "num_attention_heads": (True, 1, 4096),
+    "num_key_value_heads": (False, 1, 4096),
+    "head_dim": (False, 1, 1 << 16),
+    "intermediate_size": (True, 1, 1 << 22),
+    "vocab_size": (True, 1, 1 << 24),
+    "max_position_embeddings": (False, 1, 1 << 26),
 }
-_MAX_HEADER = 100 << 20
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -58,29 +71,35 @@ class ModelInfo:
 
 
 def inspect(folder: Path) -> ModelInfo:
-    config = _config(folder)
-    if "auto_map" in config or _tokenizer_auto_map(folder):
+    files = source_files(folder)
+    if "config.json" not in files:
+        raise ModelRefused(f"no config.json in {str(folder)!r}; pass a Hugging Face checkpoint folder")
+    config = read_config(files["config.json"], check_numbers=False)
+    if "auto_map" in config or _tokenizer_auto_map(files):
         raise ModelRefused(
             "the model needs custom code (auto_map); only architectures built into transformers are allowed"
         )
     if "quantization_config" in config:
-        method = (config["quantization_config"] or {}).get("quant_method", "unknown")
+        qc = config["quantization_config"]
+        method = qc.get("quant_method", "unknown") if isinstance(qc, dict) else "unknown"
         raise ModelRefused(f"config.json says the model is already quantized ({method}); pass the FP16 checkpoint")
-    arch = (config.get("architectures") or [None])[0]
-    if arch not in SUPPORTED:
+    arches = config.get("architectures")
+    arch = arches[0] if isinstance(arches, list) and arches else None
+    if not isinstance(arch, str) or arch not in SUPPORTED:
         raise ModelRefused(f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED)}")
-    files = sorted(p.name for p in folder.glob("*.safetensors"))
-    if not files:
+    check_config(config)
+    weights = [name for name in files if name.endswith(".safetensors")]
+    if not weights:
         if any(p.suffix in PICKLE_SUFFIXES for p in folder.iterdir()):
             raise ModelRefused("the weights are only in pickle files (.bin/.pt); convert them to safetensors first")
         raise ModelRefused(f"no safetensors weights in {str(folder)!r}")
-    if not any((folder / t).is_file() for t in ("tokenizer.json", "tokenizer.model")):
+    if "tokenizer.json" not in files and "tokenizer.model" not in files:
         raise ModelRefused("no tokenizer (tokenizer.json or tokenizer.model) beside the weights")
-    headers = {name: read_header(folder / name) for name in files}
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        _check_index(index, headers)
+    headers = {name: read_header(files[name], name) for name in weights}
+    if INDEX in files:
+        _check_index(files[INDEX], headers)
     tensors = {k: v for h in headers.values() for k, v in h.items()}
+    _check_against_tensors(config, tensors)
     in_features = sorted(
         {
             info["shape"][1]
@@ -94,80 +113,160 @@ def inspect(folder: Path) -> ModelInfo:
         architecture=arch,
         model_type=SUPPORTED[arch],
         config=config,
-        weight_files=files,
-        weight_bytes=sum((folder / f).stat().st_size for f in files),
+        weight_files=weights,
+        weight_bytes=sum(files[f].stat().st_size for f in weights),
         in_features=in_features,
         max_positions=config.get("max_position_embeddings"),
     )
 
 
-def _config(folder: Path) -> dict:
-    path = folder / "config.json"
-    if not path.is_file():
-        raise ModelRefused(f"no config.json in {str(folder)!r}; pass a Hugging Face checkpoint folder")
+def _json(data: bytes, what: str) -> object:
+    """JSON that is UTF-8 and not nested deeper than the parser's recursion limit, or ModelRefused."""
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ModelRefused(f"{what} is not UTF-8 text") from None
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ModelRefused(f"{what} is nested too deeply to be a model's metadata") from None
+
+
+def read_config(path: Path, check_numbers: bool = True) -> dict:
+    """A config.json as a dict: bounded in size and depth, UTF-8, an object; with `check_numbers`, the numbers the
+    factory sizes a model with are checked too (check_config)."""
+    if path.stat().st_size > MAX_CONFIG:
+        raise ModelRefused(f"config.json is {path.stat().st_size} bytes, more than a model config can be")
+    try:
+        config = _json(path.read_bytes(), "config.json")
+    except ValueError as e:
         raise ModelRefused(f"config.json is not valid JSON ({e})") from None
     if not isinstance(config, dict):
         raise ModelRefused("config.json is not a JSON object")
+    if check_numbers:
+        check_config(config)
     return config
 
 
-def _tokenizer_auto_map(folder: Path) -> bool:
-    try:
-        return "auto_map" in json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+def check_config(config: dict) -> dict:
+    """The numbers the factory uses are integers in CONFIG_NUMBERS' ranges, heads divide the hidden size and KV
+    heads divide heads; ModelRefused with one sentence for the first that is not."""
+    for key, (required, low, high) in CONFIG_NUMBERS.items():
+        value = config.get(key)
+        if value is None:
+            if required:
+                raise ModelRefused(f"config.json has no {key}; the factory needs it to size the model")
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ModelRefused(f"config.json: {key} must be an integer, not {_short(value)}")
+        if not low <= value <= high:
+            raise ModelRefused(f"config.json: {key} is {value}; it must be between {low} and {high}")
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    if hidden % heads:
+        raise ModelRefused(f"config.json: hidden_size {hidden} is not divisible by num_attention_heads {heads}")
+    kv = config.get("num_key_value_heads") or heads
+    if heads % kv:
+        raise ModelRefused(f"config.json: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
+    return config
+
+
+def _check_against_tensors(config: dict, tensors: dict[str, dict]) -> None:
+    embed = tensors.get("model.embed_tokens.weight")
+    want = [config["vocab_size"], config["hidden_size"]]
+    if embed is not None and embed["shape"] != want:
+        raise ModelRefused(f"config.json says vocab_size x hidden_size is {want[0]} x {want[1]}, but "
+                           f"model.embed_tokens.weight has shape {embed['shape']}")
+    layers = {int(m[1]) for key in tensors if (m := _LAYER.match(key))}
+    if layers and layers != set(range(config["num_hidden_layers"])):
+        raise ModelRefused(f"config.json says {config['num_hidden_layers']} layers (num_hidden_layers), the weights "
+                           f"hold {len(layers)} (numbered {min(layers)} to {max(layers)})")
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _tokenizer_auto_map(files: dict[str, Path]) -> bool:
+    if "tokenizer_config.json" not in files:
         return False
+    try:
+        found = _json(files["tokenizer_config.json"].read_bytes(), "tokenizer_config.json")
+    except ValueError:
+        return False
+    return isinstance(found, dict) and "auto_map" in found
 
 
-def read_header(path: Path) -> dict[str, dict]:
-    """A safetensors file's tensor table, checked against the file's real size (truncation shows here)."""
+def read_header(path: Path, name: str | None = None) -> dict[str, dict]:
+    """A safetensors file's tensor table, validated before anything is sized from it: a bounded header of JSON,
+    a known dtype, a shape of at most MAX_RANK non-negative integers and integer offsets for every tensor, sizes
+    that match, and a data section that ends where the last tensor does (truncation shows here), so no offset
+    points past the data."""
+    name = name or path.name
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
-            raise ModelRefused(f"{path.name} is truncated: {size} bytes, not even a safetensors header")
+            raise ModelRefused(f"{name} is truncated: {size} bytes, not even a safetensors header")
         (n,) = struct.unpack("<Q", head)
-        if n > min(_MAX_HEADER, size - 8):
-            raise ModelRefused(f"{path.name} is not a safetensors file or is truncated (header of {n} bytes)")
-        try:
-            header = json.loads(f.read(n))
-        except ValueError:
-            raise ModelRefused(f"{path.name} has an unparsable safetensors header") from None
-    header.pop("__metadata__", None)
+        if n > min(MAX_HEADER, size - 8):
+            raise ModelRefused(f"{name} is not a safetensors file or is truncated (header of {n} bytes)")
+        raw = f.read(n)
+    try:
+        header = _json(raw, f"the header of {name}")
+    except ValueError:
+        raise ModelRefused(f"{name} has an unparsable safetensors header") from None
+    if not isinstance(header, dict):
+        raise ModelRefused(f"{name} has an unparsable safetensors header")
+    meta = header.pop("__metadata__", None)
+    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        raise ModelRefused(f"{name} has an unparsable __metadata__ entry (it must map names to strings)")
     data = size - 8 - n
     end = 0
     for key, info in header.items():
-        try:
-            begin, stop = info["data_offsets"]
-            count = 1
-            for d in info["shape"]:
-                count *= d
-            expected = count * DTYPE_BYTES.get(info["dtype"], 0)
-        except (KeyError, TypeError, ValueError):
-            raise ModelRefused(f"{path.name} has an unparsable entry for tensor {key!r}") from None
-        if expected and stop - begin != expected:
-            raise ModelRefused(f"{path.name}: tensor {key!r} has {stop - begin} bytes, its shape needs {expected}")
+        if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+            raise ModelRefused(f"{name} has an unparsable entry for tensor {_short(key)}")
+        dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+        if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
+            raise ModelRefused(f"{name}: tensor {_short(key)} has unknown dtype {_short(dtype)}")
+        if not _integers(shape) or len(shape) > MAX_RANK:
+            raise ModelRefused(f"{name}: tensor {_short(key)} has shape {_short(shape)}; a shape is a list of at most "
+                               f"{MAX_RANK} non-negative integers")
+        if not _integers(offsets) or len(offsets) != 2 or offsets[0] > offsets[1]:
+            raise ModelRefused(f"{name}: tensor {_short(key)} has data_offsets {_short(offsets)}; they must be two "
+                               "non-negative integers, begin <= end")
+        begin, stop = offsets
+        expected = DTYPE_BYTES[dtype]
+        for d in shape:
+            expected *= d
+        if stop - begin != expected:
+            raise ModelRefused(f"{name}: tensor {_short(key)} has {stop - begin} bytes, its shape needs {expected}")
         end = max(end, stop)
     if end != data:
-        raise ModelRefused(f"{path.name} is truncated or padded: its tensors need {end} bytes of data, it holds {data}")
+        raise ModelRefused(f"{name} is truncated or padded: its tensors need {end} bytes of data, it holds {data}")
     return header
+
+
+def _integers(value: object) -> bool:
+    """A list of non-negative ints (bools are not numbers here)."""
+    return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
 
 
 def _check_index(index: Path, headers: dict[str, dict]) -> None:
     try:
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        weight_map = _json(index.read_bytes(), INDEX)["weight_map"]
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise TypeError
     except (ValueError, KeyError, TypeError):
-        raise ModelRefused(f"{index.name} is not a valid safetensors index") from None
+        raise ModelRefused(f"{INDEX} is not a valid safetensors index") from None
     missing = sorted({f for f in weight_map.values() if f not in headers})
     if missing:
-        raise ModelRefused(f"{index.name} names shards that are not there: {', '.join(missing[:3])}")
+        raise ModelRefused(f"{INDEX} names shards that are not there: {', '.join(missing[:3])}")
     for tensor, shard in weight_map.items():
         if tensor not in headers[shard]:
-            raise ModelRefused(f"{index.name} puts tensor {tensor!r} in {shard}, which does not hold it")
-    listed = {f for f in weight_map.values()}
+            raise ModelRefused(f"{INDEX} puts tensor {tensor!r} in {shard}, which does not hold it")
+    listed = set(weight_map.values())
     for shard, header in headers.items():
         extra = [t for t in header if weight_map.get(t) != shard]
         if shard in listed and extra:
-            raise ModelRefused(f"{shard} holds tensor {extra[0]!r}, which {index.name} does not put there")
+            raise ModelRefused(f"{shard} holds tensor {extra[0]!r}, which {INDEX} does not put there")

@@ -2,18 +2,21 @@
 
 Rules:
     name  the source repo's name part or folder name, lowercased; characters [a-z0-9._-]; starts with a letter
-          or digit; at most 96 characters; never `..`. Whatever a user types is lowercased first.
+          or digit; at most 96 characters; never `..`. Whatever a user types is lowercased first (ASCII letters
+          only: `K` (the Kelvin sign) stays what it is, and is refused, instead of becoming `k`).
     tag   `exl2-<bpw with one decimal or more>bpw`, with `-h<N>` appended when head bits N are not 6
           (`exl2-4.0bpw`, `exl2-4.31bpw-h8`), or `awq-w<bits>g<group size>` (`awq-w4g128`).
     rev   the first 7 (or more) hex digits of the source commit or content hash; without it, the newest.
 Valid:     tiny:awq-w4g64, SmolLM2-135M-Instruct:EXL2-4.0BPW, qwen2.5-7b:exl2-6.5bpw-h8@a1b2c3d
-Not valid: ../etc:awq-w4g64 (`..`), tiny:awq (no group), tiny:exl2-4bpw (no decimal), -x:awq-w4g64 (leading -)
+Not valid: ../etc:awq-w4g64 (`..`), tiny:awq (no group), tiny:exl2-4bpw (no decimal), -x:awq-w4g64 (leading -),
+           \u212aiwi:awq-w4g64 (not ASCII)
 A valid name never reaches outside the registry folder: it has no `/` and no `..`.
 """
 
 from __future__ import annotations
 
 import re
+import string
 from dataclasses import dataclass
 
 from factory.errors import SpecError
@@ -22,11 +25,17 @@ NAME_MAX = 96
 _NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,95}")
 _TAG = re.compile(r"exl2-\d+\.\d+bpw(-h[23458])?|awq-w\d+g\d+")
 _REV = re.compile(r"[0-9a-f]{7,64}")
+_ASCII_LOWER = str.maketrans(string.ascii_uppercase, string.ascii_lowercase)
+
+
+def ascii_lower(text: str) -> str:
+    """Lowercase ASCII letters only: str.lower() folds some non-ASCII letters into ASCII ones (the Kelvin sign)."""
+    return text.translate(_ASCII_LOWER)
 
 
 def model_name(label: str) -> str:
     """A valid name from a repo or folder name: `SmolLM2 135M (copy)` -> `smollm2-135m-copy`."""
-    name = re.sub(r"[^a-z0-9._-]+", "-", label.lower())
+    name = re.sub(r"[^a-z0-9._-]+", "-", ascii_lower(label))
     name = re.sub(r"\.{2,}", ".", name).strip(".-_")[:NAME_MAX].rstrip(".-_")
     if not _NAME.fullmatch(name):
         raise SpecError(f"cannot make a quant name from {label!r}; pass --name with letters, digits, '.', '_' or '-'")
@@ -56,7 +65,7 @@ class QuantRef:
 
 def parse(text: str, *, tag_required: bool = False) -> QuantRef:
     """`name[:tag][@rev]` -> QuantRef, lowercased; SpecError (exit 2) with the rules when it is not valid."""
-    raw = text.strip().lower()
+    raw = ascii_lower(text.strip())
     rest, _, rev = raw.partition("@")
     name, sep, tag = rest.partition(":")
     problems = []

@@ -5,8 +5,10 @@
              -> publish:<tag>...
 
 `qf run` calls both in-process; a worker calls `execute` with a job id. A failed job runs again from where it
-stopped: finished quantize and evaluate steps are reused. Nothing here prints: progress goes to `emit` as
-events (dicts with an "event" key) that the CLI renders.
+stopped: finished quantize and evaluate steps are reused; steps an earlier attempt left running (it was killed)
+are marked interrupted. Engines and evaluators read the source through a staging folder of its allowlisted files
+(factory/files.py), and a quant is published only when its folder holds nothing else. Nothing here prints:
+progress goes to `emit` as events (dicts with an "event" key) that the CLI renders.
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import calibration
-from factory import engines, evaluate, naming, sources, vram
+from factory import engines, evaluate, files, naming, sources, vram
 from factory.catalog import Catalog, Job, JobState, Quant, StepState, job_key, measurement_key
-from factory.errors import Cancelled, FactoryError, JobFailed, ModelRefused, QualityGateRefused, SpecError
+from factory.errors import Cancelled, FactoryError, JobFailed, ModelRefused, QualityGateRefused, SpecError, mask_url
 from factory.inspect import inspect
 from factory.publish import card, hub
 from factory.publish import folder as registry
@@ -48,7 +50,7 @@ class Request:
 class _Prepared:
     """What the inspect step learns, kept in memory for the later steps of this attempt."""
 
-    folder: Path
+    folder: Path  # the staging folder: links to the source's allowlisted files
     specs: list[Exl2Spec | AwqSpec]
     calibration: dict[str, list[list[int]]]  # tag -> token windows (AWQ)
     calibration_file: Path  # the calibration text as parquet (EXL2 tokenizes it itself)
@@ -86,7 +88,11 @@ class Factory:
 
         source = sources.resolve(request.source, self.settings.cache)
         if request.name:
-            name = self.catalog.name_for(source.source, naming.parse(request.name).name, None)
+            ref = naming.parse(request.name)
+            if ref.tag or ref.rev:
+                raise SpecError(f"--name {request.name!r} holds a tag or revision; use --name NAME; tags come from "
+                                "the spec and revisions from the source")
+            name = self.catalog.name_for(source.source, ref.name, None)
         else:
             name = self.catalog.name_for(
                 source.source, naming.model_name(source.label), naming.model_name(f"{source.owner}-{source.label}")
@@ -130,6 +136,7 @@ class Factory:
             self._result(job)
             return job
         self.catalog.set_job_state(job_id, JobState.running)
+        self.catalog.interrupt_steps(job_id)  # an earlier attempt that was killed left them running
         try:
             prepared = self._inspect(job)
             outputs = {spec.tag: self._quantize(job, prepared, spec) for spec in prepared.specs}
@@ -161,7 +168,7 @@ class Factory:
             self._result(self.catalog.job(job_id))
             raise
         except Exception as e:
-            message = f"internal error: {type(e).__name__}: {e}"
+            message = mask_url(f"internal error: {type(e).__name__}: {e}")
             self.catalog.set_job_state(job_id, JobState.failed, message, 1)
             self._result(self.catalog.job(job_id))
             raise JobFailed(message) from e
@@ -192,8 +199,11 @@ class Factory:
 
         try:
             yield progress
+        except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (qf run turns it into one)
+            self.catalog.end_step(step_id, StepState.interrupted, "interrupted", max(peak, default=None))
+            raise
         except BaseException as e:
-            error = e.message if isinstance(e, FactoryError) else f"{type(e).__name__}: {e}"
+            error = mask_url(e.message if isinstance(e, FactoryError) else f"{type(e).__name__}: {e}")
             self.catalog.end_step(step_id, StepState.failed, error, max(peak, default=None))
             self.emit({"event": "step", "step": name, "state": StepState.failed, "error": error})
             raise
@@ -220,8 +230,9 @@ class Factory:
             with self._step(job.id, "fetch") as progress:
                 fetched = sources.fetch_hub(job.source_identity, self.settings.cache, progress)
         with self._step(job.id, "inspect"):
-            folder = fetched or self._local_folder(job)
-            info = inspect(folder)
+            source_folder = fetched or self._local_folder(job)
+            info = inspect(source_folder)
+            folder = files.stage(source_folder, self.settings.work / job.id / "source")
             specs = [self._resolve(spec, info.in_features, job.device) for spec in _specs(job.specs)]
             self.catalog.set_job_specs(job.id, [s.model_dump() for s in specs])
             cal = _text(job.calibration, job.calibration_sha)
@@ -375,6 +386,7 @@ class Factory:
         rev = sources.rev(job.source_identity)
         with self._step(job.id, f"publish:{spec.tag}"):
             (out / card.FILENAME).unlink(missing_ok=True)
+            files.check_publishable(out, engines.get(spec.method).outputs)
             quant = Quant(
                 job_id=job.id,
                 name=job.name,
@@ -411,12 +423,16 @@ class Factory:
                 this["fits"] = vram.quant_fits(out)
             others = [q.as_row() for q in self.catalog.quants(name=job.name) if (q.tag, q.rev) != (spec.tag, rev)]
             (out / card.FILENAME).write_text(card.render(job.name, job.base_model, this, [this, *others]))
-            manifest = {k: this[k] for k in ("source", "source_identity", "calibration", "versions", "job")}
-            manifest.update(
-                spec=spec.model_dump(),
-                calibration_sha256=job.calibration_sha,
-                eval={**quant.eval, "ppl": ppl, "fp16_ppl": fp16},
-            )
+            manifest = {  # identities, never local paths
+                "source_identity": job.source_identity,
+                "base_model": job.base_model,
+                "calibration": calibration.public_name(job.calibration),
+                "calibration_sha256": job.calibration_sha,
+                "versions": this["versions"],
+                "job": job.id,
+                "spec": spec.model_dump(),
+                "eval": {**quant.eval, "text": calibration.public_name(job.eval), "ppl": ppl, "fp16_ppl": fp16},
+            }
             registry.publish(self.settings.registry, job.name, spec.tag, rev, out, manifest)
             self.catalog.put_quant(quant)
 
@@ -440,23 +456,26 @@ class Factory:
                 if r["method"] == "exl2":
                     r["fits"] = vram.quant_fits(s.registry / r["path"])
             newest = max(rows, key=lambda r: r["created_at"])
-            files = {}
+            main_quant: dict[str, Path] = {}
+            newest_dir = s.registry / newest["path"]
             if spec.method == "awq":
-                files = {p.name: p for p in (s.registry / newest["path"]).iterdir() if p.is_file()}
-            elif (s.registry / newest["path"] / "measurement.json").is_file():
-                files["measurement.json"] = s.registry / newest["path"] / "measurement.json"
+                files.check_publishable(newest_dir, engines.get(spec.method).outputs)
+                main_quant = {p.name: p for p in newest_dir.iterdir() if p.is_file()}
+            elif (newest_dir / "measurement.json").is_file():
+                main_quant["measurement.json"] = newest_dir / "measurement.json"
             main = s.work / job.id / "hub-main" / spec.method
             shutil.rmtree(main, ignore_errors=True)
             main.mkdir(parents=True)
             places = {r["name"]: where(r["name"].split(":", 1)[1]) for r in rows}
             (main / card.FILENAME).write_text(card.render(job.name, job.base_model, newest, rows, places))
-            return {**files, card.FILENAME: main / card.FILENAME, card.PLOT: card.plot(rows, main / card.PLOT)}
+            return {**main_quant, card.FILENAME: main / card.FILENAME, card.PLOT: card.plot(rows, main / card.PLOT)}
 
         with self._step(job.id, f"push:{spec.tag}"):
+            files.check_publishable(folder, engines.get(spec.method).outputs)
             self._hub_writer = self._hub_writer or hub.writer(s.hub_owner)
-            files = {p.name: p for p in folder.iterdir() if p.is_file()}
+            quant_files = {p.name: p for p in folder.iterdir() if p.is_file()}
             message = f"{job.name}:{spec.tag}@{rev} from {job.source_identity}"
-            hub.put_branch(self._hub_writer, here.repo, here.branch, files, message)
+            hub.put_branch(self._hub_writer, here.repo, here.branch, quant_files, message)
             hub.put_branch(self._hub_writer, here.repo, "main", main_files, f"model card of {job.name}")
 
     def _result(self, job: Job) -> None:

@@ -1,9 +1,10 @@
 """Where a job's FP16 checkpoint comes from, and its identity.
 
-A local folder's identity is `sha256:<hex>` over its config, tokenizer and weight files (names and contents);
+A local folder's identity is `sha256:<hex>` over the files it contributes (factory/files.py: weights, config,
+tokenizer, chat template; names and contents);
 file hashes are cached by path, size and mtime under FACTORY_HOME, so a second run does not re-read the weights.
 A Hub repo (`org/name[@revision]`) is identified by `org/name@<commit sha>`, resolved when the job is submitted;
-the job's fetch step downloads the config, tokenizer, generation and safetensors files pinned to that sha into
+the job's fetch step downloads the same allowlist of files pinned to that sha into
 FACTORY_HOME/cache/hub/<org>--<name>/<sha>/ and checks each against the Hub's sha256 (LFS) or git blob id, once.
 """
 
@@ -19,13 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from factory.errors import ModelRefused, NotFound
+from factory.files import SOURCE_PATTERNS, source_files
 
-IDENTITY_FILES = re.compile(
-    r"config\.json|generation_config\.json|tokenizer(_config)?\.json|tokenizer\.model|special_tokens_map\.json"
-    r"|.*\.safetensors|model\.safetensors\.index\.json"
-)
-HUB_FILES = ("*.safetensors", "model.safetensors.index.json", "config.json", "generation_config.json",
-             "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json")
 VERIFIED = ".quantfactory-verified"  # written into a fetched Hub folder once every file matched the Hub
 _HUB_REPO = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?")
 
@@ -109,7 +105,7 @@ def fetch_hub(identity: str, cache: Path, progress: Callable[..., None]) -> Path
     with hub.errors(identity):
         info = hub.retrying(lambda: hub.client(hub.token()).model_info(repo, revision=sha, files_metadata=True))
         files = [s for s in info.siblings if "/" not in s.rfilename
-                 and any(fnmatch.fnmatch(s.rfilename, p) for p in HUB_FILES)]
+                 and any(fnmatch.fnmatchcase(s.rfilename, p) for p in SOURCE_PATTERNS)]
         if not any(s.rfilename.endswith(".safetensors") for s in files):
             raise ModelRefused(f"{identity} has no safetensors weights; quantfactory reads only safetensors")
         index = next((s for s in files if s.rfilename == "model.safetensors.index.json"), None)
@@ -133,13 +129,13 @@ def folder_identity(folder: Path, cache_dir: Path) -> str:
     except (OSError, ValueError):
         cache = {}
     entries = []
-    for f in sorted(p for p in folder.iterdir() if p.is_file() and IDENTITY_FILES.fullmatch(p.name)):
+    for name, f in source_files(folder).items():  # regular files only: a bad link or a FIFO is refused here
         st = f.stat()
         stamp = f"{st.st_size}:{st.st_mtime_ns}"
         hit = cache.get(str(f))
         if not hit or hit[0] != stamp:
             hit = cache[str(f)] = [stamp, file_sha256(f)]
-        entries.append(f"{f.name}:{hit[1]}")
+        entries.append(f"{name}:{hit[1]}")
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(cache))
@@ -212,14 +208,16 @@ def _release(repo: str):
 def layout(arg: str) -> tuple[dict, dict[str, list[int]]]:
     """config.json and every tensor's shape of a local folder or a Hub repo (`org/name[@rev]`), without reading
     weights: safetensors headers locally, the Hub's safetensors metadata (ranged reads) for a repo."""
-    from factory.inspect import read_header
+    from factory.inspect import check_config, read_config, read_header
 
     path = Path(arg).expanduser()
     if path.is_dir():
-        if not (path / "config.json").is_file():
+        files = source_files(path)
+        if "config.json" not in files:
             raise NotFound(f"{arg!r} has no config.json")
-        tensors = {n: i["shape"] for f in sorted(path.glob("*.safetensors")) for n, i in read_header(f).items()}
-        return json.loads((path / "config.json").read_text()), tensors
+        weights = [(name, f) for name, f in files.items() if name.endswith(".safetensors")]
+        tensors = {n: i["shape"] for name, f in weights for n, i in read_header(f, name).items()}
+        return read_config(files["config.json"]), tensors
     if not _is_hub_name(arg):
         raise NotFound(f"source {arg!r} does not exist; pass a local folder or a Hub repo org/name")
     from factory.publish import hub
@@ -227,7 +225,7 @@ def layout(arg: str) -> tuple[dict, dict[str, list[int]]]:
     repo, _, revision = arg.partition("@")
     sha = resolve_hub(repo, revision or None)
     with hub.errors(arg):
-        config = hub.config(repo, sha)
+        config = check_config(hub.config(repo, sha))
         meta = hub.retrying(lambda: hub.client(hub.token()).get_safetensors_metadata(repo, revision=sha))
     tensors = {n: t.shape for f in meta.files_metadata.values() for n, t in f.tensors.items()}
     return config, tensors

@@ -8,6 +8,7 @@ what the user wrote and are filled in by `resolve_awq` before anything is hashed
 from __future__ import annotations
 
 import math
+from importlib import resources
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -22,7 +23,7 @@ BPW_MIN, BPW_MAX = 2.0, 8.0
 HEAD_BITS = (2, 3, 4, 5, 6, 8)
 AWQ_GROUP_SIZES = (32, 64, 128)
 DEFAULT_EVAL = "builtin:wiki"
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+STANDARD = "standard.yaml"  # in the `configs` package (package data, so a wheel has it too)
 
 
 class _Closed(BaseModel):
@@ -218,17 +219,22 @@ def load_recipe(path: Path) -> Recipe:
     path = Path(path)
     if not path.is_file():
         raise SpecError(f"recipe {str(path)!r} does not exist; pass a YAML file such as configs/standard.yaml")
+    return _recipe_from_yaml(path.read_text(encoding="utf-8"), f"recipe {str(path)!r}")
+
+
+def _recipe_from_yaml(text: str, where: str) -> Recipe:
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise SpecError(f"recipe {str(path)!r} is not valid YAML{where}") from None
-    return recipe_from_dict(data, f"recipe {str(path)!r}")
+        at = f" at line {mark.line + 1}" if mark else ""
+        raise SpecError(f"{where} is not valid YAML{at}") from None
+    return recipe_from_dict(data, where)
 
 
 def standard_recipe() -> Recipe:
-    return load_recipe(CONFIGS / "standard.yaml")
+    return _recipe_from_yaml(resources.files("configs").joinpath(STANDARD).read_text(encoding="utf-8"),
+                             f"the standard recipe (configs/{STANDARD})")
 
 
 def build_recipe(path: Path | None = None, exl2: str | None = None, awq: bool = False,

@@ -30,7 +30,6 @@ vLLM's own rule that it uses at most gpu_memory_utilization (0.9) of the card.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass
@@ -275,5 +274,7 @@ def fits_table(shape: Shape, weights: int, budgets=FIT_BUDGETS, caches=("fp16", 
 
 def quant_fits(folder: Path) -> list[dict]:
     """The "fits on" table of a finished EXL2 quant in `folder` (its config.json and safetensors headers)."""
-    shape = Shape.of(json.loads((folder / "config.json").read_text()))
+    from factory.inspect import read_config
+
+    shape = Shape.of(read_config(folder / "config.json"))
     return fits_table(shape, quant_weights(folder))

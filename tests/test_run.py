@@ -64,7 +64,8 @@ def test_manifest(finished, tiny):
     qf, _ = finished
     [row] = qf.json("ls")
     manifest = json.loads((qf.home / "registry" / "tiny" / f"awq-w4g128@{row['rev']}" / MANIFEST).read_text())
-    assert manifest["source_identity"] == row["source_identity"] and manifest["source"] == str(tiny)
+    assert manifest["source_identity"] == row["source_identity"] and manifest["base_model"] == "tiny"
+    assert "source" not in manifest  # the local folder's path stays on this machine (the catalog has it)
     assert manifest["spec"] == {
         "method": "awq",
         "w_bit": 4,

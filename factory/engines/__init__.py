@@ -20,7 +20,7 @@ Emit = Callable[[dict], None]
 
 @dataclass
 class QuantizeRequest:
-    source_dir: Path
+    source_dir: Path  # the job's staging folder: links to the source's allowlisted files only (factory/files.py)
     out_dir: Path  # empty; the engine fills it with the quant's files
     work_dir: Path  # the engine's scratch space, kept between attempts
     spec: dict
@@ -34,6 +34,7 @@ class Engine(Protocol):
     requires_cuda: bool
     needs_measurement: bool  # if so, it has measure(...) and the pipeline keeps and reuses measurements
     default_calibration: str  # the text set used when the recipe names none
+    outputs: tuple[str, ...]  # glob patterns of the files it writes beyond files.COMPANIONS; nothing else is published
 
     def version(self) -> str: ...
 

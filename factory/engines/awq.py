@@ -17,14 +17,7 @@ import shutil
 from pathlib import Path
 
 from factory.engines import QuantizeRequest, check_quant_folder, child
-
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "tokenizer.model",
-    "special_tokens_map.json",
-    "generation_config.json",
-)
+from factory.files import COMPANIONS
 
 
 class AwqEngine:
@@ -32,6 +25,7 @@ class AwqEngine:
     requires_cuda = False
     needs_measurement = False
     default_calibration = "builtin:c4"
+    outputs = ("*.safetensors", "model.safetensors.index.json")
 
     def version(self) -> str:
         return importlib.metadata.version("autoawq")
@@ -51,9 +45,9 @@ class AwqEngine:
             what=f"AWQ quantization ({len(request.calibration)} x {len(request.calibration[0])} calibration tokens)",
         )
         check_output(request.out_dir, request.spec)
-        for name in TOKENIZER_FILES:
+        for name in COMPANIONS:  # the tokenizer, chat template, ...: AutoAWQ writes only config and weights
             if (request.source_dir / name).is_file() and not (request.out_dir / name).exists():
-                shutil.copy2(request.source_dir / name, request.out_dir / name)
+                shutil.copyfile(request.source_dir / name, request.out_dir / name)
 
 
 def check_output(out_dir: Path, spec: dict) -> None:

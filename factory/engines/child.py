@@ -7,6 +7,8 @@ its parent dies, so a killed `qf` leaves no conversion running on behind it. `ru
 the same for our own child modules (`python -m module request.json`), which speak JSON event lines.
 Child: `events()` claims the real stdout for events and points fd 1 at stderr, so libraries that print
 cannot corrupt the event stream.
+The child's environment is an allowlist (`environment`): the locale, paths, CUDA, torch and thread settings a tool
+needs, HF_HUB_OFFLINE=1, and nothing else: no HF_TOKEN, no catalog or broker URL with its password.
 """
 
 from __future__ import annotations
@@ -24,6 +26,11 @@ from factory.errors import JobFailed
 
 LOG_NAME = "engine.log"
 _PR_SET_PDEATHSIG = 1
+PASSED_ON = {"PATH", "HOME", "USER", "LOGNAME", "LANG", "TERM", "TMPDIR", "TZ", "VIRTUAL_ENV", "PYTHONPATH",
+             "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "LD_LIBRARY_PATH", "CC", "CXX", "MAX_JOBS",
+             "XDG_CACHE_HOME", "HF_HOME", "HF_HUB_CACHE", "TOKENIZERS_PARALLELISM"}
+PASSED_ON_PREFIXES = ("LC_", "CUDA_", "NVIDIA_", "TORCH_", "PYTORCH_", "EXLLAMA_", "TRITON_", "NCCL_", "OMP_", "MKL_",
+                      "KMP_", "OPENBLAS_")
 
 
 def json_event(line: str) -> dict | None:
@@ -40,6 +47,12 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except (OSError, AttributeError):  # not Linux: the child may outlive a killed parent
         pass
+
+
+def environment(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """What an engine's child may see of this process's environment (PASSED_ON), offline, plus `extra`."""
+    kept = {k: v for k, v in os.environ.items() if k in PASSED_ON or k.startswith(PASSED_ON_PREFIXES)}
+    return {**kept, "HF_HUB_OFFLINE": "1", **(extra or {})}
 
 
 def run_command(
@@ -60,7 +73,7 @@ def run_command(
             stdin=subprocess.DEVNULL,
             text=True,
             errors="replace",
-            env={**os.environ, **(env or {})},
+            env=environment(env),
             preexec_fn=die_with_parent,
         )
         try:

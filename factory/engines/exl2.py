@@ -13,7 +13,9 @@ What we add, and why:
   the exit code: `output*.safetensors` and a quantization_config with the requested bits;
 - resume: the script continues from `job_new.json` in its work folder by itself; a work folder whose job file
   is unreadable or marked invalid is wiped (`-nr`) instead of crashing the step again;
-- `-cf` copies the source's `model.safetensors.index.json`, which describes the FP16 shards: it is removed;
+- `-cf` copies every regular file beside the source's weights: the source it is given is the job's staging folder
+  (factory/files.py), which holds only the allowlisted files; the FP16 `model.safetensors.index.json` it copies is
+  removed;
 - the measurement used is kept beside the quant (`measurement.json`), for whoever converts more sizes.
 exllamav2 is never imported here: importing it builds its CUDA extension.
 """
@@ -71,6 +73,7 @@ class Exl2Engine:
     requires_cuda = True
     needs_measurement = True
     default_calibration = "builtin:mix"  # 100 x 2048 rows need ~205k tokens; c4 alone has ~80k
+    outputs = ("output*.safetensors", "measurement.json")
 
     def version(self) -> str:
         try:

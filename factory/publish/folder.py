@@ -1,21 +1,30 @@
 """The registry folder: FACTORY_HOME/registry/<name>/<tag>@<rev>/ holds a quant's files and manifest.json.
 
 The manifest records the source identity, spec, calibration hash, tool versions, eval results and the sha256
-and size of every file. Publishing is atomic (a temp folder beside the target, then a rename) and idempotent
-(the same files again change nothing). Pulling copies the files out and checks every sha256.
+and size of every file. Publishing is atomic (a staging folder beside the target, then a rename) and idempotent
+(the same files again change nothing). A publisher holds a lock on its staging folder (`<stem>.lock`, flock) while
+it works; a publish that was killed leaves its staging behind, and every later publish removes staging folders
+that are older than STALE_SECONDS and not held. Pulling copies the files out and checks every sha256.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import shutil
+import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from factory.errors import JobFailed, SpecError
 from factory.sources import file_sha256
 
 MANIFEST = "manifest.json"
+STAGING = ".tmp-"  # the prefix of a publisher's staging folder, its `.old` twin and its `.lock`
+STALE_SECONDS = 3600
 
 
 def quant_dir(registry: Path, name: str, tag: str, rev: str) -> Path:
@@ -37,23 +46,66 @@ def publish(registry: Path, name: str, tag: str, rev: str, files: Path, manifest
     """Put `files` (a flat folder) into the registry as name:tag@rev; returns (folder, manifest written)."""
     dest = quant_dir(registry, name, tag, rev)
     dest.parent.mkdir(parents=True, exist_ok=True)
+    sweep(registry)
     manifest = {**manifest, "name": name, "tag": tag, "rev": rev, "files": file_table(files)}
     if dest.is_dir() and _read(dest) == manifest:
         return dest, manifest
-    tmp = dest.parent / f".tmp-{dest.name}-{uuid.uuid4().hex[:8]}"
-    try:
+    with _staging(dest.parent / f"{STAGING}{dest.name}-{uuid.uuid4().hex[:8]}") as tmp:
         shutil.copytree(files, tmp)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
-        old = None
+        old = tmp.with_name(tmp.name + ".old")
         if dest.exists():
-            old = dest.parent / f".old-{dest.name}-{uuid.uuid4().hex[:8]}"
             dest.rename(old)
         tmp.rename(dest)
-        if old is not None:
-            shutil.rmtree(old)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
     return dest, manifest
+
+
+@contextmanager
+def _staging(tmp: Path) -> Iterator[Path]:
+    """`tmp` (not created yet), held under its lock until the block ends; whatever is left of it then goes."""
+    lock = tmp.with_name(tmp.name + ".lock")
+    with open(lock, "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        try:
+            yield tmp
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+            lock.unlink(missing_ok=True)
+
+
+def _held(lock: Path) -> bool:
+    """Whether a live publisher holds `lock` (never creates it)."""
+    try:
+        fd = os.open(lock, os.O_WRONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def sweep(registry: Path, older_than: float = STALE_SECONDS) -> list[Path]:
+    """Remove the staging left by publishes that were killed: older than `older_than` seconds and not held."""
+    removed = []
+    for path in sorted(registry.glob(f"*/{STAGING}*")):
+        lock = path.with_name(path.name.removesuffix(".lock").removesuffix(".old") + ".lock")
+        try:
+            age = time.time() - os.lstat(path).st_mtime
+        except FileNotFoundError:
+            continue
+        if age < older_than or _held(lock):
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+        removed.append(path)
+    return removed
 
 
 def _read(folder: Path) -> dict | None:

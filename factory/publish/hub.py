@@ -15,7 +15,6 @@ catalog, logs or messages. HF_ENDPOINT points all of it at another Hub (the test
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -23,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from factory.errors import JobFailed, NotFound, ServiceUnavailable, SpecError
+from factory.errors import JobFailed, NotFound, ServiceUnavailable, SpecError, mask_url
 from factory.sources import file_sha256
 
 RETRY_STATUS = (429, 500, 502, 503, 504)
@@ -67,7 +66,7 @@ def errors(what: str) -> Iterator[None]:
     except RepositoryNotFoundError:
         raise NotFound(f"{what} does not exist on the Hub (or is private to another account)") from None
     except LocalEntryNotFoundError:  # the client's word for a download it could not make (network, 5xx)
-        raise ServiceUnavailable(f"the Hub at {endpoint()} cannot be reached") from None
+        raise ServiceUnavailable(f"the Hub at {mask_url(endpoint())} cannot be reached") from None
     except EntryNotFoundError:
         raise NotFound(f"{what}: a file the Hub listed is missing") from None
     except HfHubHTTPError as e:
@@ -76,9 +75,9 @@ def errors(what: str) -> Iterator[None]:
             raise ServiceUnavailable("the Hub rejected the token (HF_TOKEN or the stored login)") from None
         if status == 403:
             raise ServiceUnavailable(f"the Hub refused this token access to {what}") from None
-        raise ServiceUnavailable(f"the Hub at {endpoint()} answered {status} for {what}") from None
+        raise ServiceUnavailable(f"the Hub at {mask_url(endpoint())} answered {status} for {what}") from None
     except (httpx2.TransportError, ConnectionError, TimeoutError):
-        raise ServiceUnavailable(f"the Hub at {endpoint()} cannot be reached") from None
+        raise ServiceUnavailable(f"the Hub at {mask_url(endpoint())} cannot be reached") from None
 
 
 def _status(e: Exception) -> int | None:
@@ -127,11 +126,14 @@ def download(repo: str, sibling, revision: str, folder: Path) -> Path:
 
 
 def config(repo: str, revision: str) -> dict:
-    """config.json of `repo` at `revision` (through huggingface_hub's cache)."""
+    """config.json of `repo` at `revision` (through huggingface_hub's cache), read as inspection reads one."""
     from huggingface_hub import hf_hub_download
 
-    return json.loads(Path(retrying(lambda: hf_hub_download(repo, "config.json", revision=revision,
-                                                            endpoint=endpoint(), token=token()))).read_text())
+    from factory.inspect import read_config
+
+    path = retrying(lambda: hf_hub_download(repo, "config.json", revision=revision, endpoint=endpoint(),
+                                            token=token()))
+    return read_config(Path(path), check_numbers=False)
 
 
 def token() -> str | None:
@@ -230,6 +232,7 @@ def pull(where: Place, revision: str | None, dest: Path, progress: Callable[...,
     branch made from that source revision, or that commit) and check every file against the Hub; the files land
     in `dest` only when all of them match."""
     import shutil
+    import tempfile
 
     dest = dest.resolve()
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
@@ -245,8 +248,9 @@ def pull(where: Place, revision: str | None, dest: Path, progress: Callable[...,
         if not older:
             raise NotFound(f"{where.repo}@{where.branch} holds no quant of source revision {revision}")
         commit = older[0]
-    staging = dest.with_name(dest.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))  # ours alone
+    staging.chmod(0o755)
     try:
         with errors(f"{where.repo}@{where.branch}"):
             info = retrying(lambda: client(token()).model_info(where.repo, revision=commit, files_metadata=True))

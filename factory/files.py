@@ -1,0 +1,107 @@
+"""Which files the factory reads from a source and which may leave it in a quant: one allowlist for all of it.
+
+A source folder contributes its safetensors weights (and their index) and the companion files below, nothing else:
+the source identity hashes them, the Hub fetch downloads them, the engines see a staging folder that holds only
+them, and a quant carries them beside its engine's own outputs. A source file is read only when it is a regular
+file; a symlink is followed only when its target lies inside the source folder or inside the same Hugging Face
+cache repository (`models--ORG--NAME/`, whose snapshots link into `blobs/`). Anything else (a link leaving the
+folder, a FIFO, socket or device) is refused (ModelRefused, exit 3), before any of it is opened.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import stat
+from pathlib import Path
+
+from factory.errors import JobFailed, ModelRefused
+
+COMPANIONS = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "preprocessor_config.json",
+)
+WEIGHTS = "*.safetensors"
+INDEX = "model.safetensors.index.json"
+SOURCE_PATTERNS = (*COMPANIONS, WEIGHTS, INDEX)  # what a source contributes; the Hub fetch asks for these too
+PUBLISHING = ("README.md", "manifest.json")  # what publishing adds: the model card and the manifest
+
+
+_KINDS = (("folder", stat.S_ISDIR), ("FIFO", stat.S_ISFIFO), ("socket", stat.S_ISSOCK), ("device", stat.S_ISCHR),
+          ("device", stat.S_ISBLK))
+
+
+def is_source_file(name: str) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in SOURCE_PATTERNS)
+
+
+def _roots(folder: Path) -> list[Path]:
+    """Where the links of `folder` may point: the folder, and the Hugging Face cache repo it is a snapshot of."""
+    roots = [folder]
+    for parent in folder.parents:
+        if parent.name.startswith("models--"):
+            roots.append(parent)
+            break
+    return roots
+
+
+def _checked(path: Path, roots: list[Path]) -> Path:
+    """The regular file `path` is, or stands for through links that stay inside `roots`."""
+    try:
+        target = path.resolve(strict=True) if path.is_symlink() else path
+        mode = os.stat(target).st_mode  # a stat, never an open: opening a FIFO would wait forever
+    except (OSError, RuntimeError):  # a dangling link or a loop
+        raise ModelRefused(f"{path.name} is a link to nothing ({os.readlink(path)!r}); replace it with the file") \
+            from None
+    if target is not path and not any(target.is_relative_to(root) for root in roots):
+        raise ModelRefused(f"{path.name} is a link to {str(target)!r}, outside the model folder; copy the file "
+                           "into the folder if it belongs to the model")
+    if not stat.S_ISREG(mode):
+        kind = next((k for k, test in _KINDS if test(mode)), "special file")
+        raise ModelRefused(f"{path.name} is a {kind}, not a regular file; the factory reads only regular files")
+    return target
+
+
+def source_files(folder: Path) -> dict[str, Path]:
+    """Every file the factory takes from a source folder: name -> the regular file it reads (links resolved)."""
+    folder = folder.resolve()
+    roots = _roots(folder)
+    return {p.name: _checked(p, roots) for p in sorted(folder.iterdir()) if is_source_file(p.name)}
+
+
+def companions(files: dict[str, Path]) -> dict[str, Path]:
+    return {name: path for name, path in files.items() if name in COMPANIONS}
+
+
+def stage(folder: Path, dest: Path) -> Path:
+    """A folder of links to the checked source files only: what every engine and evaluator reads, so a tool that
+    copies "everything beside the weights" (convert_exl2 -cf) finds nothing else to copy."""
+    files = source_files(folder)
+    dest.mkdir(parents=True, exist_ok=True)
+    for old in dest.iterdir():
+        old.unlink()
+    for name, path in files.items():
+        (dest / name).symlink_to(path)
+    return dest
+
+
+def check_publishable(folder: Path, outputs: tuple[str, ...]) -> None:
+    """Refuse to publish a folder with anything but regular files on the allowlist: the companions, the engine's
+    own `outputs` (glob patterns) and what publishing writes. JobFailed names the first stranger."""
+    allowed = (*COMPANIONS, *outputs, *PUBLISHING)
+    for p in sorted(folder.iterdir()):
+        if p.is_symlink() or not p.is_file():
+            raise JobFailed(f"{p.name} in {folder} is not a regular file; nothing was published")
+        if not any(fnmatch.fnmatchcase(p.name, pattern) for pattern in allowed):
+            raise JobFailed(f"{p.name} in {folder} is not on the list of files a quant may carry; nothing was "
+                            "published")
