@@ -10,6 +10,7 @@ import functools
 import json
 import signal
 import sys
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
@@ -46,7 +47,8 @@ def _handled(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
-            return fn(*args, **kwargs)
+            with _sigterm_interrupts():
+                return fn(*args, **kwargs)
         except FactoryError as e:
             err.print(f"error: {e.message}", markup=False, highlight=False)
             raise typer.Exit(e.exit_code) from None
@@ -59,12 +61,16 @@ def _handled(fn):
 
 @contextmanager
 def _sigterm_interrupts():
-    """SIGTERM (what `timeout`, systemd and docker send) stops a run the way Ctrl-C does: the job is marked
-    cancelled ("interrupted"), its running step interrupted, its engine child stopped."""
+    """SIGTERM (what `timeout`, systemd and docker send) stops a command the way Ctrl-C does: a run's job is marked
+    failed ("interrupted", so the same command continues it), its running step interrupted, its engine child
+    stopped; a pull removes its staging folder."""
 
     def interrupt(signum, frame):
         raise KeyboardInterrupt
 
+    if threading.current_thread() is not threading.main_thread():  # signal handlers belong to the main thread
+        yield
+        return
     previous = signal.signal(signal.SIGTERM, interrupt)
     try:
         yield
@@ -254,7 +260,7 @@ def run(source: SourceArg, exl2: Exl2Opt = None, awq: AwqOpt = False, recipe: Re
 
         hub.writer(owner)  # a missing or read-only token fails now, not after hours of quantizing
     _quiet_libraries()
-    with _sigterm_interrupts(), Renderer(as_json) as render:
+    with Renderer(as_json) as render:
         factory = _factory(render)
         job, created = factory.submit(request)
         job = factory.execute(job.id)

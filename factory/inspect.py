@@ -99,7 +99,7 @@ def inspect(folder: Path) -> ModelInfo:
     if INDEX in files:
         _check_index(files[INDEX], headers)
     tensors = {k: v for h in headers.values() for k, v in h.items()}
-    _check_against_tensors(config, tensors)
+    check_against_tensors(config, {name: info["shape"] for name, info in tensors.items()})
     in_features = sorted(
         {
             info["shape"][1]
@@ -170,13 +170,14 @@ def check_config(config: dict) -> dict:
     return config
 
 
-def _check_against_tensors(config: dict, tensors: dict[str, dict]) -> None:
-    embed = tensors.get("model.embed_tokens.weight")
+def check_against_tensors(config: dict, shapes: dict[str, list[int]]) -> None:
+    """The config (checked by check_config) describes these tensors: the embedding's shape and the layer count."""
+    embed = shapes.get("model.embed_tokens.weight")
     want = [config["vocab_size"], config["hidden_size"]]
-    if embed is not None and embed["shape"] != want:
+    if embed is not None and list(embed) != want:
         raise ModelRefused(f"config.json says vocab_size x hidden_size is {want[0]} x {want[1]}, but "
-                           f"model.embed_tokens.weight has shape {embed['shape']}")
-    layers = {int(m[1]) for key in tensors if (m := _LAYER.match(key))}
+                           f"model.embed_tokens.weight has shape {list(embed)}")
+    layers = {int(m[1]) for key in shapes if (m := _LAYER.match(key))}
     if layers and layers != set(range(config["num_hidden_layers"])):
         raise ModelRefused(f"config.json says {config['num_hidden_layers']} layers (num_hidden_layers), the weights "
                            f"hold {len(layers)} (numbered {min(layers)} to {max(layers)})")

@@ -34,6 +34,7 @@ from factory.specs import AwqSpec, Exl2Spec, Recipe, resolve_awq
 Emit = Callable[[dict], None]
 KV_EVAL_CACHES = ("fp16", "q8", "q4")  # EXL2 quants are also scored through these exllamav2 caches
 CANCEL_CHECK_SECONDS = 1.0  # how often a running step looks whether its job was cancelled
+INTERRUPTED = "interrupted (Ctrl-C or SIGTERM); run the same command again to continue from the finished steps"
 
 
 @dataclass
@@ -155,8 +156,8 @@ class Factory:
                         self._push(job, spec)
             if refused:
                 raise refused[next(iter(refused))]
-        except KeyboardInterrupt:
-            self.catalog.set_job_state(job_id, JobState.cancelled, "interrupted", 130)
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: failed, so that running it again continues where it stopped
+            self.catalog.set_job_state(job_id, JobState.failed, INTERRUPTED, 130)
             raise
         except Cancelled:
             shutil.rmtree(self.settings.work / job_id, ignore_errors=True)

@@ -208,7 +208,7 @@ def _release(repo: str):
 def layout(arg: str) -> tuple[dict, dict[str, list[int]]]:
     """config.json and every tensor's shape of a local folder or a Hub repo (`org/name[@rev]`), without reading
     weights: safetensors headers locally, the Hub's safetensors metadata (ranged reads) for a repo."""
-    from factory.inspect import check_config, read_config, read_header
+    from factory.inspect import check_against_tensors, check_config, read_config, read_header
 
     path = Path(arg).expanduser()
     if path.is_dir():
@@ -217,7 +217,9 @@ def layout(arg: str) -> tuple[dict, dict[str, list[int]]]:
             raise NotFound(f"{arg!r} has no config.json")
         weights = [(name, f) for name, f in files.items() if name.endswith(".safetensors")]
         tensors = {n: i["shape"] for name, f in weights for n, i in read_header(f, name).items()}
-        return read_config(files["config.json"]), tensors
+        config = read_config(files["config.json"])
+        check_against_tensors(config, tensors)
+        return config, tensors
     if not _is_hub_name(arg):
         raise NotFound(f"source {arg!r} does not exist; pass a local folder or a Hub repo org/name")
     from factory.publish import hub
@@ -228,4 +230,5 @@ def layout(arg: str) -> tuple[dict, dict[str, list[int]]]:
         config = check_config(hub.config(repo, sha))
         meta = hub.retrying(lambda: hub.client(hub.token()).get_safetensors_metadata(repo, revision=sha))
     tensors = {n: t.shape for f in meta.files_metadata.values() for n, t in f.tensors.items()}
+    check_against_tensors(config, tensors)
     return config, tensors

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import yaml
 
+from calibration import public_name
 from factory.evaluate import KV_CHUNK
 from factory.vram import HEADROOM, human
 
@@ -113,9 +114,9 @@ def render(name: str, base_model: str, this: dict, rows: list[dict], places: dic
         mark = " (this folder)" if not places and (r["name"], r["rev"]) == (this["name"], this["rev"]) else ""
         table.append(
             f"| `{r['name']}`{mark} | {r['method']} | {r['bits']:g} | {_size(r['bytes'])} | {r['ppl']:.4f} "
-            f"| {r['change'] * 100:+.2f}% | {r['calibration']} | {ev['text']}, {ev['windows']} x "
-            f"{ev['window_length']} tokens, {ev['device']} (FP16 {r['fp16_ppl']:.4f}) | {_versions(r['versions'])} "
-            f"| `{r['source_identity']}` |"
+            f"| {r['change'] * 100:+.2f}% | {public_name(r['calibration'])} | {public_name(ev['text'])}, "
+            f"{ev['windows']} x {ev['window_length']} tokens, {ev['device']} (FP16 {r['fp16_ppl']:.4f}) "
+            f"| {_versions(r['versions'])} | `{r['source_identity']}` |"
             + (f" `{places[r['name']].repo}` branch `{places[r['name']].branch}` |" if places else "")
         )
     ordered = sorted(rows, key=lambda r: (r["method"], r["bits"]))
@@ -160,7 +161,7 @@ def plot(rows: list[dict], path: Path) -> Path:
                 ax.annotate(tag, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
     ax.axhline(rows[0]["fp16_ppl"], linestyle="--", color="gray", label="FP16")
     ax.set_xlabel("size (MiB)")
-    ax.set_ylabel(f"perplexity ({rows[0]['eval']['text']})")
+    ax.set_ylabel(f"perplexity ({public_name(rows[0]['eval']['text'])})")
     ax.legend()
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
