@@ -23,7 +23,7 @@ import psutil
 import pytest
 import torch
 
-from factory import engines, evaluate, settings
+from factory import engines, evaluate, files, settings
 from factory.errors import JobFailed
 from factory.pipeline import Factory, Request
 from factory.specs import build_recipe
@@ -59,14 +59,26 @@ def _save() -> None:
     }, indent=2) + "\n")
 
 
+class _Made(dict):
+    """Models made on first use, so that `-k tiny-llama` runs without SmolLM2's GGUF."""
+
+    def __init__(self, makers: dict):
+        super().__init__()
+        self.makers = makers
+
+    def __missing__(self, name: str) -> Path:
+        self[name] = self.makers[name]()
+        return self[name]
+
+
 @pytest.fixture(scope="session")
 def models(tmp_path_factory) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("models")
     gguf = os.environ.get("QF_SMOLLM2_GGUF")
-    return {
-        "tiny-llama": make_tiny_llama(base / "tiny-llama", hidden=256, layers=4),
-        "smollm2-135m-instruct": convert(base / "SmolLM2-135M-Instruct", Path(gguf) if gguf else None),
-    }
+    return _Made({
+        "tiny-llama": lambda: make_tiny_llama(base / "tiny-llama", hidden=256, layers=4),
+        "smollm2-135m-instruct": lambda: convert(base / "SmolLM2-135M-Instruct", Path(gguf) if gguf else None),
+    })
 
 
 def _events(result) -> list[dict]:
@@ -131,6 +143,7 @@ def test_exl2_outputs_are_complete(standard):
             continue
         folder = qf.home / "registry" / q["path"]
         assert list(folder.glob("output*.safetensors")) and (folder / "measurement.json").is_file()
+        files.check_publishable(folder, engines.get("exl2").outputs)
         assert not (folder / "model.safetensors.index.json").exists()
         qc = json.loads((folder / "config.json").read_text())["quantization_config"]
         assert (qc["quant_method"], qc["bits"], qc["head_bits"]) == ("exl2", q["bits"], 6)
@@ -194,6 +207,26 @@ def test_exllamav2_fp16_matches_transformers(standard):
                             "peak_gpu_bytes": result.peak_gpu_bytes})
     _save()
     assert result.ppl == pytest.approx(fp16, rel=0.001)
+
+
+def test_exl2_publishes_only_the_allowlist(models, tmp_path):
+    """convert_exl2 -cf copies every regular file beside the source's weights: with the staging folder, a stray
+    .env, a link to /etc/passwd and an optimizer state stay behind, and the chat template comes along."""
+    model = tmp_path / "tiny-strays"
+    shutil.copytree(models["tiny-llama"], model)
+    (model / ".env").write_text("HF_TOKEN=hf_stray_secret\n")
+    (model / "notes.txt").symlink_to("/etc/passwd")
+    (model / "optimizer.pt").write_bytes(b"\x80\x04pickle")
+    (model / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    qf = Qf(home=tmp_path / "home")
+    events = _events(qf("run", model, "--exl2", "4.0", "--eval-windows", 4, "--json"))
+    [quant] = events[-1]["quants"]
+    folder = qf.home / "registry" / quant["path"]
+    names = sorted(p.name for p in folder.iterdir())
+    files.check_publishable(folder, engines.get("exl2").outputs)
+    assert "chat_template.jinja" in names and not {".env", "notes.txt", "optimizer.pt"} & set(names), names
+    RESULTS["checks"]["exl2_published_files"] = names
+    _save()
 
 
 # -- resume ------------------------------------------------------------------------------------------------------

@@ -58,3 +58,21 @@ def test_pulled_quant_loads_with_autoawq_dequantization(smollm2_run, tmp_path):
     ids = evaluate.tokenize(tmp_path / "pulled", "The capital of France is Paris. The capital of Germany is Berlin.")
     ppl = evaluate.perplexity(logits_of, evaluate.Stream([ids]))
     assert math.isfinite(ppl) and ppl < 100
+
+
+def test_the_pulled_quant_applies_the_chat_template_as_the_source_does(smollm2, smollm2_run, tmp_path):
+    """vLLM's chat endpoint and apply_chat_template need the source's template (chat_template.jinja) in the quant."""
+    from transformers import AutoTokenizer
+
+    qf, row = smollm2_run
+    assert (smollm2 / "chat_template.jinja").is_file()
+    result = qf("pull", row["name"], "-o", tmp_path / "pulled")
+    assert result.exit_code == 0, result.output
+    messages = [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Capital of France?"}]
+
+    def prompt(folder):
+        return AutoTokenizer.from_pretrained(folder).apply_chat_template(messages, tokenize=False,
+                                                                         add_generation_prompt=True)
+
+    assert prompt(tmp_path / "pulled") == prompt(smollm2)
+    assert "<|im_start|>user\nCapital of France?<|im_end|>" in prompt(smollm2)
