@@ -247,19 +247,6 @@ def _strays(model: Path) -> None:
     (model / "chat_template.jinja").write_text(TEMPLATE)
 
 
-def test_stray_files_stay_behind_and_the_chat_template_comes_along(qf, model_copy):
-    model = model_copy("tiny")
-    _strays(model)
-    result = qf("run", model, "--awq", "--eval-windows", 1, "--json")
-    assert result.exit_code == 0, result.output
-    [quant] = json.loads(result.stdout.splitlines()[-1])["quants"]
-    published = {p.name for p in (qf.home / "registry" / quant["path"]).iterdir()}
-    assert published <= PUBLISHABLE and "chat_template.jinja" in published
-    assert (qf.home / "registry" / quant["path"] / "chat_template.jinja").read_text() == TEMPLATE
-    for path in qf.home.rglob("*"):
-        assert not path.is_file() or b"hf_stray_secret" not in path.read_bytes(), path
-
-
 def test_the_exl2_staging_folder_holds_only_the_allowlist(model_copy, tmp_path):
     """convert_exl2 -cf copies every regular file beside the weights: it gets this folder, not the source."""
     model = model_copy("tiny")
@@ -329,10 +316,11 @@ def test_an_endpoint_with_credentials_is_printed_masked(qf, hub, monkeypatch):
     assert "s3cret" not in result.output
 
 
-def test_nothing_published_names_a_secret_or_a_local_path(qf, model_copy, hub, monkeypatch, tmp_path):
-    """A publish to the registry and the Hub stand-in with a token, a broker password and a calibration file: the
-    token and the password are in no file under FACTORY_HOME and on no branch; no published file names a local
-    path; the manifest names the text by its file name and sha256."""
+def test_nothing_published_that_was_not_meant_to_be(qf, model_copy, hub, monkeypatch, tmp_path):
+    """A publish to the registry and the Hub stand-in of a checkout with stray files beside the model, with a token,
+    a broker password and a calibration file: only allowlisted files are published, the chat template among them;
+    the token, the password and the strays' secret are in no file under FACTORY_HOME and on no branch; no
+    published file names a local path; the manifest names the text by its file name and sha256."""
     monkeypatch.setenv("FACTORY_HUB_OWNER", "alice")
     monkeypatch.setenv("HF_TOKEN", "hf_alice_write")
     monkeypatch.setenv("FACTORY_BROKER_URL", "redis://:brokerpass@127.0.0.1:9/0")
@@ -342,17 +330,19 @@ def test_nothing_published_names_a_secret_or_a_local_path(qf, model_copy, hub, m
     text.parent.mkdir()
     text.write_text(builtin_text("c4"))
     model = model_copy("tiny")
-    (model / "chat_template.jinja").write_text(TEMPLATE)
+    _strays(model)
     result = qf("run", model, "--awq", "--eval-windows", 1, "--calibration", f"file:{text}", "--json")
     assert result.exit_code == 0, result.output
     [quant] = json.loads(result.stdout.splitlines()[-1])["quants"]
     published = {p.name: p.read_bytes() for p in (qf.home / "registry" / quant["path"]).iterdir()}
+    assert set(published) <= PUBLISHABLE and published["chat_template.jinja"] == TEMPLATE.encode()
     on_hub = {**hub.files("alice/tiny-AWQ", "w4g128"), **hub.files("alice/tiny-AWQ", "main")}
     assert set(on_hub) - {".gitattributes", "ppl_vs_size.png"} <= PUBLISHABLE
     for name, data in [*published.items(), *on_hub.items()]:
         assert str(tmp_path).encode() not in data and b"/private/" not in data, name
     for path in qf.home.rglob("*"):
-        assert not path.is_file() or not [w for w in (b"hf_alice_write", b"brokerpass") if w in path.read_bytes()], path
+        secrets = (b"hf_alice_write", b"brokerpass", b"hf_stray_secret")
+        assert not path.is_file() or not [w for w in secrets if w in path.read_bytes()], path
     manifest = json.loads(published["manifest.json"])
     assert manifest["calibration"] == "file:support-tickets.txt" and len(manifest["calibration_sha256"]) == 64
 
@@ -403,37 +393,40 @@ def _quantizing(qf: Qf, proc: subprocess.Popen) -> psutil.Process:
     return wait_until(lambda: next(iter(psutil.Process(proc.pid).children()), None))
 
 
-def test_sigterm_stops_a_run_like_ctrl_c_and_the_same_command_continues(qf, tiny):
+def _gone(engine: psutil.Process) -> bool:
+    return not engine.is_running() or engine.status() == psutil.STATUS_ZOMBIE
+
+
+def test_interrupted_runs_continue(qf, tiny):
+    """SIGTERM stops `qf run` like Ctrl-C (exit 130, step interrupted, job failed "interrupted", engine stopped);
+    SIGKILL leaves a running step that the next attempt marks interrupted; the same command then finishes."""
     args = ("run", tiny, "--awq", "--eval-windows", 1, "--json")
     proc = qf_process(qf, *args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     engine = _quantizing(qf, proc)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and err.splitlines()[-1] == "interrupted"
-    wait_until(lambda: not engine.is_running() or engine.status() == psutil.STATUS_ZOMBIE, 30)
+    wait_until(lambda: _gone(engine), 30)
     [job] = qf.json("jobs")
     assert (job["state"], job["exit_code"]) == ("failed", 130) and job["error"].startswith("interrupted")
-    assert [(s["name"], s["state"]) for s in job["steps"]] == [("inspect", "succeeded"),
-                                                                ("quantize:awq-w4g128", "interrupted")]
-    again = qf(*args)
-    assert again.exit_code == 0, again.output
-    assert qf.json("jobs")[0]["state"] == "succeeded"
+    steps = [("inspect", "succeeded"), ("quantize:awq-w4g128", "interrupted")]
+    assert [(s["name"], s["state"]) for s in job["steps"]] == steps
 
-
-def test_a_killed_run_leaves_steps_the_next_attempt_marks_interrupted(qf, tiny):
-    args = ("run", tiny, "--awq", "--eval-windows", 1, "--json")
     proc = qf_process(qf, *args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     engine = _quantizing(qf, proc)
     proc.kill()
     proc.wait(30)
-    wait_until(lambda: not engine.is_running() or engine.status() == psutil.STATUS_ZOMBIE, 30)  # PDEATHSIG
+    wait_until(lambda: _gone(engine), 30)  # the engine got SIGTERM when its parent died
     [job] = qf.json("jobs")
-    assert [s["state"] for s in job["steps"]] == ["succeeded", "running"]
-    assert qf(*args).exit_code == 0
+    assert [(s["name"], s["state"]) for s in job["steps"]] == [*steps, ("inspect", "succeeded"),
+                                                                ("quantize:awq-w4g128", "running")]
+
+    again = qf(*args)
+    assert again.exit_code == 0, again.output
     [job] = qf.json("jobs")
-    assert [(s["name"], s["state"]) for s in job["steps"]][:3] == [
-        ("inspect", "succeeded"), ("quantize:awq-w4g128", "interrupted"), ("inspect", "succeeded")]
     assert job["state"] == "succeeded"
+    assert [(s["name"], s["state"]) for s in job["steps"]][:4] == [*steps, ("inspect", "succeeded"),
+                                                                   ("quantize:awq-w4g128", "interrupted")]
 
 
 def test_publish_sweeps_its_own_stale_staging(tmp_path):

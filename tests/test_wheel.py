@@ -45,8 +45,8 @@ def test_the_wheel_runs_without_the_source_tree(tiny, tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "FACTORY_DB_URL")}
     env.update(FACTORY_HOME=str(tmp_path / "home"), VIRTUAL_ENV=str(env_dir),
                PATH=f"{env_dir / 'bin'}{os.pathsep}{env['PATH']}")
-    where = _run(python, "-c", "import factory.cli, configs; print(factory.cli.__file__, configs.__file__)", cwd=elsewhere,
-                 env=env).stdout.split()
+    imports = "import factory.cli, configs; print(factory.cli.__file__, configs.__file__)"
+    where = _run(python, "-c", imports, cwd=elsewhere, env=env).stdout.split()
     assert all(Path(w).is_relative_to(site) for w in where), where
     result = _run(env_dir / "bin" / "qf", "run", tiny, "--awq", "--eval-windows", 1, "--json", cwd=elsewhere,
                   env=env)
