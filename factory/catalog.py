@@ -36,7 +36,8 @@ from sqlalchemy import (
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship, sessionmaker
 
-from factory.errors import ServiceUnavailable, SpecError, mask_url
+from factory.errors import ServiceUnavailable, SpecError, database_error, mask_url
+from factory.settings import database_kind
 
 
 class JobState(enum.StrEnum):
@@ -266,7 +267,7 @@ def _normalize_url(url: str) -> str:
 class Catalog:
     def __init__(self, url: str):
         self.url = url
-        if url.startswith("sqlite:///"):
+        if database_kind(url) == "sqlite":
             Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
         args = {"timeout": 30} if url.startswith("sqlite") else {"connect_timeout": 5}
         self.engine = create_engine(_normalize_url(url), connect_args=args, pool_pre_ping=True)
@@ -276,8 +277,8 @@ class Catalog:
                 had_tables = inspect(self.engine).has_table("jobs")
                 Base.metadata.create_all(self.engine)
                 self._check_schema(had_tables)
-        except OperationalError:
-            raise ServiceUnavailable(f"the catalog database at {mask_url(url)} cannot be reached") from None
+        except OperationalError as e:
+            raise database_error(url, e) from None
 
     @contextmanager
     def _schema_lock(self) -> Iterator[None]:
@@ -316,8 +317,8 @@ class Catalog:
         try:
             with self._sessions.begin() as session:
                 yield session
-        except OperationalError:
-            raise ServiceUnavailable(f"the catalog database at {mask_url(self.url)} cannot be reached") from None
+        except OperationalError as e:
+            raise database_error(self.url, e) from None
 
     # models
     def name_for(self, source: str, wanted: str, fallback: str | None) -> str:

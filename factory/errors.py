@@ -63,3 +63,17 @@ def mask_url(url: str) -> str:
     the query replaced by ***. Every URL the factory prints or stores passes through here."""
     url = re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
     return re.sub(r"([?&;](?:token|access_token|password|key|secret)=)[^&;#]*", r"\1***", url, flags=re.I)
+
+
+_UNREACHABLE = ("could not connect", "connection refused", "could not translate host name", "timeout expired",
+                "no such file or directory", "network is unreachable", "server closed the connection")
+
+
+def database_error(url: str, error: BaseException) -> ServiceUnavailable:
+    """What the database said, as one sentence: "cannot be reached" when nothing answered, else its own words
+    (a role that does not exist, a wrong password, a missing database)."""
+    reason = str(getattr(error, "orig", None) or error).strip().splitlines()
+    first = reason[0].rsplit("FATAL:", 1)[-1].strip() if reason else type(error).__name__
+    if any(word in first.lower() for word in _UNREACHABLE):
+        return ServiceUnavailable(f"the catalog database at {mask_url(url)} cannot be reached")
+    return ServiceUnavailable(f"the catalog database at {mask_url(url)} refused: {mask_url(first)}")

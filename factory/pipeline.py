@@ -88,6 +88,10 @@ class Factory:
         windows = recipe.eval_windows or evaluate.default_windows(device)
 
         source = sources.resolve(request.source, self.settings.cache)
+        if source.path is not None:  # a folder that cannot work is refused before a job exists (a Hub repo: at fetch)
+            info = inspect(source.path)
+            for spec in specs:
+                self._resolve(spec, info.in_features, device)
         if request.name:
             ref = naming.parse(request.name)
             if ref.tag or ref.rev:

@@ -21,8 +21,13 @@ FACTORY_HUB_EXL2_REPO, FACTORY_HUB_AWQ_REPO  repo name templates on the Hub (def
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
+
+from factory.errors import SpecError, mask_url
+
+POSTGRES_URL = re.compile(r"^postgres(ql)?(\+psycopg2)?://")  # the URL forms users and SQLAlchemy write
 
 
 @dataclass(frozen=True)
@@ -88,3 +93,12 @@ def load() -> Settings:
     db_url = os.environ.get("FACTORY_DB_URL") or f"sqlite:///{home / 'catalog.db'}"
     found = {field: kind(os.environ[var]) for field, (var, kind) in _FROM_ENV.items() if os.environ.get(var)}
     return Settings(home=home, db_url=db_url, **found)
+
+
+def database_kind(url: str) -> str:
+    """"sqlite" or "postgresql" for the catalog URLs the factory takes; SpecError (exit 2) for any other."""
+    if url.startswith("sqlite:///"):
+        return "sqlite"
+    if POSTGRES_URL.match(url):
+        return "postgresql"
+    raise SpecError(f"FACTORY_DB_URL {mask_url(url)} is neither sqlite:///PATH nor postgresql://...")

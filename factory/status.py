@@ -8,13 +8,12 @@ psycopg2, because importing SQLAlchemy alone takes 0.4 s on a 2-core machine and
 from __future__ import annotations
 
 import json
-import re
 import sqlite3
 from datetime import datetime
 
-from factory.errors import ServiceUnavailable, SpecError, mask_url
+from factory.errors import ServiceUnavailable, database_error, mask_url
+from factory.settings import POSTGRES_URL, database_kind
 
-_POSTGRES = re.compile(r"^postgres(ql)?(\+psycopg2)?://")  # the URL forms users and SQLAlchemy write
 _JOBS = "SELECT id, name, state, error, exit_code, source, source_identity, specs, created_at FROM jobs"
 _STEPS = "SELECT job_id, name, state, started_at, ended_at, error, peak_gpu_bytes FROM steps"
 
@@ -50,21 +49,18 @@ def job_rows(url: str, job_id: str | None = None, name: str | None = None, limit
 
 def _connect(url: str):
     """(connection or None when there is no catalog yet, the driver's error class)."""
-    if url.startswith("sqlite:///"):
+    if database_kind(url) == "sqlite":
         try:
             conn = sqlite3.connect(f"file:{url.removeprefix('sqlite:///')}?mode=ro", uri=True, timeout=30)
         except sqlite3.OperationalError:
             return None, sqlite3.Error
         return conn, sqlite3.Error
-    if _POSTGRES.match(url):
-        import psycopg2
+    import psycopg2
 
-        dsn = _POSTGRES.sub("postgresql://", url)
-        try:
-            return psycopg2.connect(dsn, connect_timeout=5), psycopg2.Error
-        except psycopg2.OperationalError:
-            raise ServiceUnavailable(f"the catalog database at {mask_url(url)} cannot be reached") from None
-    raise SpecError(f"FACTORY_DB_URL {mask_url(url)} is neither sqlite:///PATH nor postgresql://...")
+    try:
+        return psycopg2.connect(POSTGRES_URL.sub("postgresql://", url), connect_timeout=5), psycopg2.Error
+    except psycopg2.OperationalError as e:
+        raise database_error(url, e) from None
 
 
 def _query(conn, sql: str, args: list) -> list[tuple]:

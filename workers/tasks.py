@@ -187,11 +187,19 @@ def reconcile() -> list[str]:
     return again
 
 
+def _broker_unreachable() -> ServiceUnavailable:
+    return ServiceUnavailable(f"the broker at {mask_url(settings.load().broker_url)} cannot be reached")
+
+
 def _jobs_in_broker() -> set[str]:
     """Job ids in the queue's messages and in the messages delivered but not yet acknowledged."""
-    with app.connection_for_read() as conn:
-        client = conn.default_channel.client
-        raw = [m for q in QUEUES for m in client.lrange(q, 0, -1)] + [json.loads(v)[0] for v in client.hvals("unacked")]
+    try:
+        with app.connection_for_read() as conn:
+            client = conn.default_channel.client
+            raw = [m for q in QUEUES for m in client.lrange(q, 0, -1)]
+            raw += [json.loads(v)[0] for v in client.hvals("unacked")]
+    except (OperationalError, redis.RedisError):
+        raise _broker_unreachable() from None
     ids = set()
     for message in raw:
         headers = (json.loads(message) if isinstance(message, bytes | str) else message).get("headers", {})
@@ -202,7 +210,12 @@ def _jobs_in_broker() -> set[str]:
 
 def submit(factory: Factory, request: Request) -> Job:
     """Create the job (or find the same one) and queue it unless it is queued, running or done already: what
-    `qf submit` and the watchlist check do."""
+    `qf submit` and the watchlist check do. A broker that cannot be reached is found before any job exists."""
+    try:
+        with app.connection_for_write() as conn:
+            conn.ensure_connection(max_retries=1)
+    except OperationalError:
+        raise _broker_unreachable() from None
     job, created = factory.submit(request)
     if created or job.state in (JobState.failed, JobState.cancelled):
         enqueue(factory, job.id)
@@ -215,9 +228,9 @@ def enqueue(factory: Factory, job_id: str) -> None:
     try:
         run_job.apply_async(args=[job_id], queue=QUEUE, retry=False)
     except OperationalError:
-        message = f"the broker at {mask_url(factory.settings.broker_url)} cannot be reached"
-        factory.catalog.set_job_state(job_id, JobState.failed, message, ServiceUnavailable.exit_code)
-        raise ServiceUnavailable(message) from None
+        unreachable = _broker_unreachable()
+        factory.catalog.set_job_state(job_id, JobState.failed, unreachable.message, unreachable.exit_code)
+        raise unreachable from None
 
 
 @app.task(name="quantfactory.check_watchlist", ignore_result=True)
