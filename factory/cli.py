@@ -28,7 +28,7 @@ from rich.progress import (
 )
 from rich.table import Column, Table
 
-from factory import naming, settings
+from factory import naming, settings, tables
 from factory.errors import FactoryError, NotFound, ServiceUnavailable, SpecError
 
 app = typer.Typer(
@@ -171,31 +171,6 @@ def _catalog():
     return Catalog(settings.load().db_url)
 
 
-def _size(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
-def _quant_table(rows: list[dict], title: str | None = None) -> Table:
-    table = Table(title=title, title_justify="left")
-    for col in ("NAME:TAG", "METHOD", "BITS", "SIZE", "PPL", "VS FP16", "SOURCE"):
-        table.add_column(col, justify="right" if col in ("BITS", "SIZE", "PPL", "VS FP16") else "left")
-    for r in rows:
-        table.add_row(
-            f"{r['name']}@{r['rev']}",
-            r["method"],
-            f"{r['bits']:g}",
-            _size(r["bytes"]),
-            f"{r['ppl']:.4f}",
-            f"{r['change'] * 100:+.2f}%",
-            f"{r['source_identity'][:19]}",
-        )
-    return table
-
-
 SourceArg = Annotated[str, typer.Argument(help="A local checkpoint folder (config.json, tokenizer, safetensors).")]
 Exl2Opt = Annotated[str | None, typer.Option("--exl2", help="EXL2 targets, e.g. 3.0,4.0,5.0 (needs CUDA).")]
 AwqOpt = Annotated[bool, typer.Option("--awq", help="AWQ w4, group 128 (64 where 128 does not divide).")]
@@ -266,7 +241,7 @@ def run(source: SourceArg, exl2: Exl2Opt = None, awq: AwqOpt = False, recipe: Re
         job = factory.execute(job.id)
     if not as_json:
         rows = [q.as_row() for q in factory.catalog.quants(job_id=job.id)]
-        out.print(_quant_table(rows, title=f"job {job.id} {job.state}"))
+        out.print(tables.quants(rows, out.width, title=f"job {job.id} {job.state}"))
 
 
 @app.command()
@@ -312,27 +287,13 @@ def ls(
     elif not rows:
         err.print("no quants yet: qf run SOURCE makes some")
     else:
-        out.print(_quant_table(rows))
+        out.print(tables.quants(rows, out.width))
 
 
 def _job_rows(**query) -> list[dict]:
     from factory import status
 
     return status.job_rows(settings.load().db_url, **query)
-
-
-def _job_table(rows: list[dict], title: str | None = None) -> Table:
-    table = Table(title=title, title_justify="left")
-    for col in ("JOB", "NAME", "STATE", "CREATED", "STEPS"):
-        table.add_column(col)
-    for r in rows:
-        steps = ", ".join(
-            f"{s['name']} {s['state']}" + (f" {s['seconds']:.1f}s" if s["seconds"] is not None else "")
-            for s in r["steps"]
-        )
-        state = r["state"] + (f": {r['error']}" if r["error"] else "")
-        table.add_row(r["id"], r["name"], state, r["created_at"], steps)
-    return table
 
 
 @app.command()
@@ -346,7 +307,7 @@ def jobs(
     if as_json:
         print(json.dumps(rows, indent=2))
     else:
-        out.print(_job_table(rows))
+        out.print(tables.jobs(rows, out.width))
 
 
 def _find(catalog, ref: naming.QuantRef):
@@ -385,7 +346,7 @@ def show(
     if as_json:
         print(json.dumps({"quants": rows, "jobs": job_rows}, indent=2))
         return
-    out.print(_quant_table(rows, title=f"quants of {parsed.name}"))
+    out.print(tables.quants(rows, out.width, title=f"quants of {parsed.name}"))
     for r in rows:
         if r.get("fits"):
             out.print(f"{r['name']}@{r['rev']}: the longest context that fits each GPU with exllamav2, "
@@ -399,7 +360,7 @@ def show(
                 from factory.publish.card import kv_scores
 
                 out.print(f"perplexity through exllamav2's KV cache ({KV_CHUNK}-token forwards): {kv_scores(kv)}")
-    out.print(_job_table(job_rows, title="jobs"))
+    out.print(tables.jobs(job_rows, out.width, title="jobs"))
 
 
 @app.command()
@@ -419,8 +380,12 @@ def status(
         raise NotFound(f"no job {job_id!r}; `qf status` lists the recent ones")
     if as_json:
         print(json.dumps(rows if job_id is None else rows[0], indent=2))
+    elif job_id is None:
+        out.print(tables.jobs(rows, out.width))
     else:
-        out.print(_job_table(rows))
+        out.print(tables.steps(rows[0], out.width))
+        if rows[0]["error"]:
+            out.print(f"error: {rows[0]['error']}", markup=False, highlight=False)
 
 
 def _follow(catalog, job_id: str, as_json: bool) -> None:

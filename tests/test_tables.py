@@ -1,0 +1,69 @@
+"""The CLI's tables at 80 columns: the name a user copies is never cut, every line fits, one line per row."""
+
+from __future__ import annotations
+
+import pytest
+from rich.console import Console
+
+from factory import tables
+
+QUANTS = [
+    {"name": "smollm2-135m-instruct:awq-w4g64", "rev": "c2f4786", "method": "awq", "bits": 4, "bytes": 174_168_064,
+     "ppl": 14.1926, "change": 0.1467, "source_identity": "sha256:c2f4786a1b2c3d4e5f"},
+    {"name": "smollm2-135m-instruct:exl2-4.31bpw-h8", "rev": "c2f4786", "method": "exl2", "bits": 4.31,
+     "bytes": 147_636_224, "ppl": 15.676, "change": 0.199, "source_identity": "sha256:c2f4786a1b2c3d4e5f"},
+]
+STEPS = [{"name": "inspect", "state": "succeeded", "seconds": 1.2, "error": None, "peak_gpu_bytes": None},
+         {"name": "quantize:exl2-4.0bpw", "state": "succeeded", "seconds": 128.4, "error": None,
+          "peak_gpu_bytes": 1_610_612_736},
+         {"name": "evaluate:exl2-4.0bpw", "state": "failed", "seconds": 3.0,
+          "error": "quality gate refused exl2-4.0bpw: perplexity 32.38 vs FP16 13.08 (ratio 2.476), allowed at most "
+                   "1.5 x FP16", "peak_gpu_bytes": None}]
+JOBS = [
+    {"id": "5afb7b31dd95", "name": "smollm2-135m-instruct", "state": "failed", "created_at": "2026-12-01T10:40:00",
+     "error": STEPS[-1]["error"], "steps": STEPS},
+    {"id": "a1b2c3d4e5f6", "name": "qwen2.5-7b-instruct", "state": "running", "created_at": "2026-12-01T10:41:00",
+     "error": None, "steps": [{**STEPS[0]}, {**STEPS[1], "state": "running", "seconds": None}]},
+]
+
+
+def render(table, width: int = 80) -> list[str]:
+    console = Console(width=width, record=True, color_system=None)
+    console.print(table)
+    return [line.rstrip() for line in console.export_text().rstrip("\n").splitlines()]
+
+
+@pytest.mark.parametrize("width", [80, 200])
+def test_quant_table(width):
+    lines = render(tables.quants(QUANTS, width), width)
+    assert len(lines) == 1 + len(QUANTS) and all(len(line) <= width for line in lines)
+    for line, q in zip(lines[1:], QUANTS, strict=True):
+        assert line.startswith(f"{q['name']}@{q['rev']}  ")
+    assert "166.1 MiB" in lines[1] and "+14.67%" in lines[1] and "14.1926" in lines[1]
+    assert ("SOURCE" in lines[0]) == (width == 200)  # the source gives way first
+
+
+def test_job_table_at_80_columns():
+    lines = render(tables.jobs(JOBS, 80))
+    assert len(lines) == 1 + len(JOBS) and all(len(line) <= 80 for line in lines)
+    assert lines[1].startswith("5afb7b31dd95  smollm2-135m-instruct  failed   quality gate refused")
+    assert lines[1].endswith("…")
+    assert lines[2].startswith("a1b2c3d4e5f6  qwen2.5-7b-instruct    running")
+
+
+def test_job_table_wide():
+    lines = render(tables.jobs(JOBS, 240), 240)
+    assert "quantize:exl2-4.0bpw running" in lines[2] and "2/3 done, 133s" in lines[1]
+    assert lines[1].endswith("allowed at most 1.5 x FP16")
+
+
+def test_steps_of_one_job():
+    lines = render(tables.steps(JOBS[0], 80))
+    assert lines[0] == "job 5afb7b31dd95 (smollm2-135m-instruct): failed"
+    assert len(lines) == 2 + len(STEPS) and all(len(line) <= 80 for line in lines)
+    assert lines[3].startswith("quantize:exl2-4.0bpw  succeeded    128.4") and "1.5 GiB" not in lines[3]
+
+
+def test_sizes_are_binary():
+    assert [tables.size(n) for n in (512, 2048, 174_168_064, 3 * 2**30)] == ["512 B", "2.0 KiB", "166.1 MiB",
+                                                                          "3.00 GiB"]
