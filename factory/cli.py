@@ -171,16 +171,17 @@ def _catalog():
     return Catalog(settings.load().db_url)
 
 
-SourceArg = Annotated[str, typer.Argument(help="A local checkpoint folder (config.json, tokenizer, safetensors).")]
+SourceArg = Annotated[str, typer.Argument(metavar="SOURCE", help="A local checkpoint folder (config.json, tokenizer, "
+                                         "safetensors) or a Hub repo org/name[@revision].")]
 Exl2Opt = Annotated[str | None, typer.Option("--exl2", help="EXL2 targets, e.g. 3.0,4.0,5.0 (needs CUDA).")]
-AwqOpt = Annotated[bool, typer.Option("--awq", help="AWQ w4, group 128 (64 where 128 does not divide).")]
+AwqOpt = Annotated[bool, typer.Option("--awq", metavar="", help="AWQ w4, group 128 (64 where 128 does not divide).")]
 RecipeOpt = Annotated[Path | None, typer.Option("--recipe", help="A recipe YAML (see configs/standard.yaml).")]
 CalibrationOpt = Annotated[str | None, typer.Option("--calibration", help="builtin:<name> or file:<path>.")]
 EvalOpt = Annotated[str | None, typer.Option("--eval", help="builtin:<name> or file:<path>.")]
 WindowsOpt = Annotated[int | None, typer.Option("--eval-windows", min=1, help="2048-token windows to score.")]
 NameOpt = Annotated[str | None, typer.Option("--name", help="The quant name (default: the folder's name).")]
 BaseOpt = Annotated[str | None, typer.Option("--base-model", help="The Hub repo the card names as base_model.")]
-JsonOpt = Annotated[bool, typer.Option("--json", help="JSON instead of tables and progress bars.")]
+JsonOpt = Annotated[bool, typer.Option("--json", metavar="", help="JSON instead of tables and progress bars.")]
 FitOpt = Annotated[str | None, typer.Option("--fit", help="VRAM budgets, e.g. 24GB,16GB: EXL2 at the highest bpw "
                                             "that fits each with --ctx and --kv-cache (see qf plan).")]
 CtxOpt = Annotated[int | None, typer.Option("--ctx", min=1, help="Context in tokens (default: the model's max).")]
@@ -262,7 +263,7 @@ def submit(source: SourceArg, exl2: Exl2Opt = None, awq: AwqOpt = False, recipe:
 @app.command("ls")
 @_handled
 def ls(
-    as_json: Annotated[bool, typer.Option("--json")] = False,
+    as_json: JsonOpt = False,
     remote: Annotated[str | None, typer.Option("--remote", metavar="OWNER", help="List what OWNER published on the "
                                                 "Hub instead of the catalog.")] = None,
 ) -> None:
@@ -299,7 +300,7 @@ def _job_rows(**query) -> list[dict]:
 @app.command()
 @_handled
 def jobs(
-    as_json: Annotated[bool, typer.Option("--json")] = False,
+    as_json: JsonOpt = False,
     limit: Annotated[int, typer.Option("--limit", min=1)] = 20,
 ) -> None:
     """Recent jobs with their state and step timings."""
@@ -330,7 +331,7 @@ def _find(catalog, ref: naming.QuantRef):
 @_handled
 def show(
     ref: Annotated[str, typer.Argument(metavar="NAME[:TAG]")],
-    as_json: Annotated[bool, typer.Option("--json")] = False,
+    as_json: JsonOpt = False,
 ) -> None:
     """One model's quants and job history."""
     catalog = _catalog()
@@ -366,11 +367,14 @@ def show(
 @app.command()
 @_handled
 def status(
-    job_id: Annotated[str | None, typer.Argument(metavar="[JOB]")] = None,
-    as_json: Annotated[bool, typer.Option("--json")] = False,
-    follow: Annotated[bool, typer.Option("--follow", help="Show the job's progress live until it ends.")] = False,
+    job_id: Annotated[str | None, typer.Argument(metavar="JOB")] = None,
+    as_json: JsonOpt = False,
+    follow: Annotated[bool, typer.Option("--follow", metavar="",
+                                         help="Show the job's progress live until it ends.")] = False,
 ) -> None:
     """A job's state and steps; without JOB, the recent jobs."""
+    if follow and job_id is None:
+        raise SpecError("--follow needs a JOB to follow; `qf status` lists the recent ones")
     if follow and job_id is not None:
         _follow(_catalog(), job_id, as_json)
         if as_json:
@@ -457,10 +461,13 @@ def reconcile() -> None:
 @app.command()
 def beat() -> None:
     """Start Celery beat: the periodic reconciler and watchlist check (a second beat is harmless: the check takes
-    a lock, and submissions collapse into existing jobs)."""
+    a lock, and submissions collapse into existing jobs). Its schedule file lives in FACTORY_HOME."""
     import os
 
-    argv = [sys.executable, "-m", "celery", "-A", "workers.app", "beat", "--loglevel", "INFO"]
+    home = settings.load().home
+    home.mkdir(parents=True, exist_ok=True)
+    argv = [sys.executable, "-m", "celery", "-A", "workers.app", "beat", "--loglevel", "INFO",
+            "--schedule", str(home / "celerybeat-schedule")]
     os.execvp(sys.executable, argv)
 
 
@@ -647,7 +654,8 @@ def watch_ls(as_json: JsonOpt = False) -> None:
 @watch_app.command("check")
 @_handled
 def watch_check(
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan; submit and record nothing.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", metavar="",
+                                          help="Print the plan; submit and record nothing.")] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Ask the Hub about every watch now and submit what is new (what beat does every FACTORY_WATCH_SECONDS)."""
@@ -674,7 +682,7 @@ app.add_typer(calib_app, name="calib")
 
 @calib_app.command("ls")
 @_handled
-def calib_ls(as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+def calib_ls(as_json: JsonOpt = False) -> None:
     """The text sets --calibration and --eval can name: builtin ones and files in $FACTORY_HOME/texts."""
     import calibration
 

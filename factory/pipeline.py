@@ -73,7 +73,8 @@ class Factory:
         if device != "cuda" and any(s.method == "exl2" for s in specs):
             if request.exl2_from_flag:
                 where = "this machine has" if request.device is None else "the workers (FACTORY_WORKER_DEVICE) have"
-                raise SpecError(f"--exl2 needs a CUDA GPU and {where} none; AWQ runs without one (--awq)")
+                raise SpecError(f"EXL2 (--exl2, --fit) needs a CUDA GPU and {where} none; AWQ runs without one "
+                                "(--awq)")
             specs = [s for s in specs if s.method != "exl2"]
             self.emit({"event": "note", "message": "no CUDA GPU: skipping the recipe's EXL2 targets"})
         if not specs:

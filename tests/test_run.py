@@ -80,8 +80,11 @@ def test_manifest(finished, tiny):
     assert set(manifest["versions"]) >= {"torch", "transformers", "awq"}
     assert manifest["eval"]["windows"] == 2 and manifest["eval"]["window_length"] == 2048
     assert manifest["eval"]["ppl"] == row["ppl"] and manifest["eval"]["fp16_ppl"] == row["fp16_ppl"]
+    folder = qf.home / "registry" / "tiny" / f"awq-w4g128@{row['rev']}"
     for name, entry in manifest["files"].items():
-        assert file_sha256(qf.home / "registry" / "tiny" / f"awq-w4g128@{row['rev']}" / name) == entry["sha256"]
+        assert file_sha256(folder / name) == entry["sha256"]
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in (folder, *folder.iterdir())}
+    assert modes.pop(folder.name) == "0o755" and set(modes.values()) == {"0o644"}, modes  # AutoAWQ writes 0600
 
 
 def test_jobs_and_show(finished):
@@ -206,7 +209,8 @@ def test_refused_before_a_job(qf, tiny, args, code, message):
 def test_exl2_without_cuda(qf, tiny):
     result = qf("run", tiny, "--exl2", "4.0")
     assert result.exit_code == 2
-    assert last_line(result) == "error: --exl2 needs a CUDA GPU and this machine has none; AWQ runs without one (--awq)"
+    assert last_line(result) == ("error: EXL2 (--exl2, --fit) needs a CUDA GPU and this machine has none; AWQ runs "
+                                 "without one (--awq)")
 
 
 def test_recipe_with_unknown_keys(qf, tiny, tmp_path):

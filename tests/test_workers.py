@@ -105,8 +105,8 @@ def test_broker_unreachable(env, tiny):
 def test_submit_exl2_for_cpu_workers(env, tiny):
     result = qf(env, "submit", tiny, "--exl2", "4.0")
     assert result.returncode == 2
-    assert result.stderr.strip() == ("error: --exl2 needs a CUDA GPU and the workers (FACTORY_WORKER_DEVICE) have "
-                                     "none; AWQ runs without one (--awq)")
+    assert result.stderr.strip() == ("error: EXL2 (--exl2, --fit) needs a CUDA GPU and the workers "
+                                     "(FACTORY_WORKER_DEVICE) have none; AWQ runs without one (--awq)")
 
 
 def test_cancel_a_queued_job(env, tiny, tmp_path):

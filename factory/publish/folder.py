@@ -4,7 +4,8 @@ The manifest records the source identity, spec, calibration hash, tool versions,
 and size of every file. Publishing is atomic (a staging folder beside the target, then a rename) and idempotent
 (the same files again change nothing). A publisher holds a lock on its staging folder (`<stem>.lock`, flock) while
 it works; a publish that was killed leaves its staging behind, and every later publish removes staging folders
-that are older than STALE_SECONDS and not held. Pulling copies the files out and checks every sha256.
+that are older than STALE_SECONDS and not held. Published files are mode 0644 (folders 0755), whatever the engine
+wrote. Pulling copies the files out and checks every sha256.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from factory.sources import file_sha256
 MANIFEST = "manifest.json"
 STAGING = ".tmp-"  # the prefix of a publisher's staging folder, its `.old` twin and its `.lock`
 STALE_SECONDS = 3600
+FILE_MODE, DIR_MODE = 0o644, 0o755  # of everything in the registry (AutoAWQ writes its weights 0600)
 
 
 def quant_dir(registry: Path, name: str, tag: str, rev: str) -> Path:
@@ -53,6 +55,8 @@ def publish(registry: Path, name: str, tag: str, rev: str, files: Path, manifest
     with _staging(dest.parent / f"{STAGING}{dest.name}-{uuid.uuid4().hex[:8]}") as tmp:
         shutil.copytree(files, tmp)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
+        for path in (tmp, *tmp.iterdir()):  # whatever modes the engine wrote: a shared registry is readable by all
+            path.chmod(DIR_MODE if path.is_dir() else FILE_MODE)
         old = tmp.with_name(tmp.name + ".old")
         if dest.exists():
             dest.rename(old)
