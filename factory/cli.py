@@ -11,6 +11,7 @@ import json
 import signal
 import sys
 import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
@@ -86,8 +87,12 @@ def _quiet_libraries() -> None:
     logging.getLogger("transformers").setLevel(logging.ERROR)
 
 
+HEARTBEAT_SECONDS = 60  # without a terminal, a progress line at least this often, so a long step does not look hung
+
+
 class Renderer:
-    """Pipeline events -> JSON lines (--json), or rich progress on a terminal, or plain lines otherwise."""
+    """Pipeline events -> JSON lines (--json), or rich progress on a terminal, or plain lines otherwise (a line per
+    step, and one with the step's progress when nothing was printed for HEARTBEAT_SECONDS)."""
 
     def __init__(self, as_json: bool):
         self.as_json = as_json
@@ -102,6 +107,7 @@ class Renderer:
             console=err,
         )
         self.tasks: dict[str, int] = {}
+        self.last_line = time.monotonic()
 
     def __enter__(self):
         if self.live:
@@ -132,6 +138,8 @@ class Renderer:
             task = self.tasks.get(event["step"])
             if task is not None and "total" in event:
                 self.progress.update(task, total=event["total"], completed=event["done"], unit=event.get("unit", ""))
+            elif not self.live and "total" in event and time.monotonic() - self.last_line > HEARTBEAT_SECONDS:
+                self._line(f"{event['step']}: {event['done']:g} of {event['total']:g} {event.get('unit', '')}".rstrip())
         elif kind == "evaluation":
             self._line(f"perplexity {event['subject']}: {event['ppl']:.4f}")
 
@@ -156,6 +164,7 @@ class Renderer:
             self._line(f"{name} {state}")
 
     def _line(self, text: str) -> None:
+        self.last_line = time.monotonic()
         (self.progress.console if self.live else err).print(text, markup=False, highlight=False)
 
 

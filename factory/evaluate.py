@@ -10,6 +10,7 @@ from the AWQ file, which holds the norms AWQ folded its scales into), so it runs
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -107,9 +108,11 @@ def load_awq(folder: Path, dev: str) -> Logits:
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    with warnings.catch_warnings():  # autoawq's import warns of its deprecation in 15 lines
-        warnings.simplefilter("ignore")
+    # autoawq's import resets the warning filters and warns of its deprecation in 15 lines: keep them in the log
+    with warnings.catch_warnings(record=True) as caught:
         from awq.utils.packing_utils import dequantize_gemm
+    for w in caught:
+        logging.getLogger(__name__).debug("autoawq: %s", w.message)
     _quiet_transformers()
 
     config_dict = json.loads((folder / "config.json").read_text())

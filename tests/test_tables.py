@@ -67,3 +67,15 @@ def test_steps_of_one_job():
 def test_sizes_are_binary():
     assert [tables.size(n) for n in (512, 2048, 174_168_064, 3 * 2**30)] == ["512 B", "2.0 KiB", "166.1 MiB",
                                                                           "3.00 GiB"]
+
+
+def test_piped_progress_prints_a_heartbeat(monkeypatch, capsys):
+    """Without a terminal a long step prints its progress at least every HEARTBEAT_SECONDS, so it does not look hung."""
+    from factory import cli
+
+    monkeypatch.setattr(cli, "HEARTBEAT_SECONDS", 0)
+    monkeypatch.setattr(cli, "err", Console(stderr=True, soft_wrap=True, force_terminal=False))
+    with cli.Renderer(as_json=False) as render:
+        render({"event": "step", "step": "quantize:exl2-4.0bpw", "state": "running"})
+        render({"event": "progress", "step": "quantize:exl2-4.0bpw", "done": 37.5, "total": 100, "unit": "%"})
+    assert capsys.readouterr().err.splitlines() == ["quantize:exl2-4.0bpw ...", "quantize:exl2-4.0bpw: 37.5 of 100 %"]
