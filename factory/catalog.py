@@ -517,6 +517,20 @@ class Catalog:
                 query = query.where(Quant.job_id == job_id)
             return list(s.scalars(query))
 
+    def remove_quant(self, name: str, tag: str, rev: str) -> bool:
+        """Forget the published quant name:tag@rev (`qf rm`); False when there was none."""
+        with self.session() as s:
+            found = s.scalars(select(Quant).where(Quant.name == name, Quant.tag == tag, Quant.rev == rev)).all()
+            for quant in found:
+                s.delete(quant)
+            return bool(found)
+
+    def job_states(self) -> dict[str, tuple[JobState, str]]:
+        """Every job's (state, source identity), for `qf gc`."""
+        with self.session() as s:
+            return {i: (JobState(state), ident) for i, state, ident in
+                    s.execute(select(Job.id, Job.state, Job.source_identity))}
+
     def model_names(self) -> list[str]:
         with self.session() as s:
             return list(s.scalars(select(Model.name).order_by(Model.name)))

@@ -522,6 +522,38 @@ def pull(
     out.print(str(dest.resolve()))
 
 
+@app.command()
+@_handled
+def rm(ref: Annotated[str, typer.Argument(metavar="NAME:TAG[@REV]")]) -> None:
+    """Remove a quant from the registry and the catalog (its copy on the Hub stays; `hf repo` manages that)."""
+    from factory import housekeeping
+
+    parsed = naming.parse(ref, tag_required=True)
+    catalog = _catalog()
+    quant, freed = housekeeping.remove_quant(settings.load(), catalog, _find(catalog, parsed))
+    err.print(f"removed {quant.name}:{quant.tag}@{quant.rev} ({tables.size(freed)} freed)")
+
+
+@app.command()
+@_handled
+def gc(
+    dry_run: Annotated[bool, typer.Option("--dry-run", metavar="", help="List what would go; remove nothing.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Free disk: work folders of finished jobs, staging of killed publishes, Hub downloads no unfinished job needs."""
+    from factory import housekeeping
+
+    items = housekeeping.garbage(settings.load(), _catalog())
+    freed = sum(i.bytes for i in items) if dry_run else housekeeping.collect(items)
+    if as_json:
+        print(json.dumps({"dry_run": dry_run, "bytes": freed,
+                          "items": [{"path": str(i.path), "bytes": i.bytes, "why": i.why} for i in items]}, indent=2))
+        return
+    for i in items:
+        out.print(f"{tables.size(i.bytes):>10}  {i.path}  ({i.why})", markup=False, highlight=False)
+    err.print(f"{'would free' if dry_run else 'freed'} {tables.size(freed)} in {len(items)} places")
+
+
 def _output_folder(dest: Path) -> Path:
     """Where `qf pull` may put files: a new or empty real folder outside FACTORY_HOME (SpecError, exit 2)."""
     if dest.is_symlink():

@@ -84,7 +84,7 @@ def test_manifest(finished, tiny):
     for name, entry in manifest["files"].items():
         assert file_sha256(folder / name) == entry["sha256"]
     modes = {p.name: oct(p.stat().st_mode & 0o777) for p in (folder, *folder.iterdir())}
-    assert modes.pop(folder.name) == "0o755" and set(modes.values()) == {"0o644"}, modes  # AutoAWQ writes 0600
+    assert modes.pop(folder.name) == "0o755" and set(modes.values()) == {"0o444"}, modes  # AutoAWQ writes 0600
 
 
 def test_jobs_and_show(finished):
@@ -128,7 +128,9 @@ def test_pull_refuses_a_corrupted_registry(finished, tmp_path):
     broken = type(qf)(home=tmp_path / "home", db_url=qf.db_url)  # same catalog, a copy of the registry
     shutil.copytree(qf.home, broken.home)
     [row] = broken.json("ls")
-    with open(broken.home / "registry" / row["path"] / "model.safetensors", "r+b") as f:
+    weights = broken.home / "registry" / row["path"] / "model.safetensors"
+    weights.chmod(0o644)  # registry files are read-only
+    with open(weights, "r+b") as f:
         f.seek(100)
         f.write(b"\x00\x01\x02\x03")
     result = broken("pull", "tiny:awq-w4g128", "-o", tmp_path / "out")

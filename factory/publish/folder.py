@@ -4,8 +4,9 @@ The manifest records the source identity, spec, calibration hash, tool versions,
 and size of every file. Publishing is atomic (a staging folder beside the target, then a rename) and idempotent
 (the same files again change nothing). A publisher holds a lock on its staging folder (`<stem>.lock`, flock) while
 it works; a publish that was killed leaves its staging behind, and every later publish removes staging folders
-that are older than STALE_SECONDS and not held. Published files are mode 0644 (folders 0755), whatever the engine
-wrote. Pulling copies the files out and checks every sha256.
+that are older than STALE_SECONDS and not held. Published files are mode 0444 (folders 0755), whatever the engine
+wrote. Pulling checks every sha256; it reflinks or hard-links the files where the target is on the same filesystem
+(registry files are read-only, so a pulled copy cannot change the registry's by accident) and copies otherwise.
 """
 
 from __future__ import annotations
@@ -24,9 +25,11 @@ from factory.errors import JobFailed, SpecError
 from factory.sources import file_sha256
 
 MANIFEST = "manifest.json"
+FICLONE = 0x40049409  # linux/fs.h: clone a file's extents (btrfs, XFS)
 STAGING = ".tmp-"  # the prefix of a publisher's staging folder, its `.old` twin and its `.lock`
 STALE_SECONDS = 3600
-FILE_MODE, DIR_MODE = 0o644, 0o755  # of everything in the registry (AutoAWQ writes its weights 0600)
+FILE_MODE, DIR_MODE = 0o444, 0o755  # of everything in the registry: readable by all, written only by replacing
+# the folder (AutoAWQ writes its weights 0600), so a pull may hard-link the files
 
 
 def quant_dir(registry: Path, name: str, tag: str, rev: str) -> Path:
@@ -93,8 +96,9 @@ def _held(lock: Path) -> bool:
         os.close(fd)
 
 
-def sweep(registry: Path, older_than: float = STALE_SECONDS) -> list[Path]:
-    """Remove the staging left by publishes that were killed: older than `older_than` seconds and not held."""
+def sweep(registry: Path, older_than: float = STALE_SECONDS, remove: bool = True) -> list[Path]:
+    """Remove the staging left by publishes that were killed: older than `older_than` seconds and not held (with
+    remove=False, only list it)."""
     removed = []
     for path in sorted(registry.glob(f"*/{STAGING}*")):
         lock = path.with_name(path.name.removesuffix(".lock").removesuffix(".old") + ".lock")
@@ -104,12 +108,37 @@ def sweep(registry: Path, older_than: float = STALE_SECONDS) -> list[Path]:
             continue
         if age < older_than or _held(lock):
             continue
+        removed.append(path)
+        if not remove:
+            continue
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)
         else:
             path.unlink(missing_ok=True)
-        removed.append(path)
     return removed
+
+
+def remove(dest: Path) -> None:
+    """Take a quant's folder out of the registry: renamed into staging at once (a reader sees it or not), then
+    deleted; a removal that is killed half-way leaves staging that a later sweep takes."""
+    if not dest.exists():
+        return
+    with _staging(dest.parent / f"{STAGING}{dest.name}-rm-{uuid.uuid4().hex[:8]}") as tmp:
+        dest.rename(tmp)
+
+
+def _share_or_copy(src: str, dst: str) -> None:
+    """A reflink (copy-on-write clone), else a hard link, else a copy: a pull does not double the disk it takes."""
+    try:
+        with open(src, "rb") as s, open(dst, "wb") as d:
+            fcntl.ioctl(d.fileno(), FICLONE, s.fileno())
+        return
+    except OSError:
+        Path(dst).unlink(missing_ok=True)
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 def _read(folder: Path) -> dict | None:
@@ -141,7 +170,7 @@ def pull(folder: Path, out: Path) -> list[Path]:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".tmp-{out.name}-{uuid.uuid4().hex[:8]}"
     try:
-        shutil.copytree(folder, tmp)
+        shutil.copytree(folder, tmp, copy_function=_share_or_copy)
         for fname, want in manifest["files"].items():
             if file_sha256(tmp / fname) != want["sha256"]:
                 raise JobFailed(f"{fname} changed while it was copied; pull again")

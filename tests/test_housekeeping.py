@@ -1,0 +1,91 @@
+"""Disk: `qf rm` removes one quant and nothing else, `qf gc` frees what finished work left behind, `qf pull` shares
+the registry's files instead of doubling them."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+
+from factory.publish import folder as registry
+from tests.conftest import Qf
+
+
+def last_line(result) -> str:
+    return result.stderr.splitlines()[-1]
+
+
+def _quant(qf: Qf, model) -> dict:
+    result = qf("run", model, "--awq", "--eval-windows", 1, "--json")
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout.splitlines()[-1])["quants"][0]
+
+
+def _two_revisions(qf: Qf, model_copy) -> tuple[dict, dict]:
+    model = model_copy("tiny")
+    first = _quant(qf, model)
+    (model / "generation_config.json").write_text('{"do_sample": false}')  # another revision of the same model
+    return first, _quant(qf, model)
+
+
+def test_rm_removes_one_quant_and_nothing_else(qf, model_copy):
+    first, second = _two_revisions(qf, model_copy)
+    folders = {q["rev"]: qf.home / "registry" / q["path"] for q in (first, second)}
+    assert all(f.is_dir() for f in folders.values())
+
+    both = qf("rm", "tiny:awq-w4g128")
+    assert both.exit_code == 2
+    assert last_line(both) == (f"error: tiny:awq-w4g128 has 2 revisions ({second['rev']}, {first['rev']}); name one: "
+                               "qf rm tiny:awq-w4g128@REV")
+    result = qf("rm", f"tiny:awq-w4g128@{first['rev']}")
+    assert result.exit_code == 0, result.output
+    assert last_line(result).startswith(f"removed tiny:awq-w4g128@{first['rev']} (") and "KiB freed)" in result.stderr
+    assert not folders[first["rev"]].exists() and folders[second["rev"]].is_dir()
+    assert [(q["name"], q["rev"]) for q in qf.json("ls")] == [("tiny:awq-w4g128", second["rev"])]
+    assert not list((qf.home / "registry" / "tiny").glob(".tmp-*"))
+    gone = qf("rm", f"tiny:awq-w4g128@{first['rev']}")
+    assert gone.exit_code == 4
+    assert last_line(gone) == f"error: tiny:awq-w4g128@{first['rev']} does not exist; tags of tiny: awq-w4g128@" \
+                              f"{second['rev']}"
+
+
+def test_gc_frees_what_finished_work_left(qf, tiny, tmp_path):
+    _quant(qf, tiny)
+    work, download = qf.home / "work", qf.home / "cache" / "hub" / "meta--tiny" / ("a" * 40)
+    (work / "0123456789ab").mkdir(parents=True)  # a job the catalog does not know
+    (work / "0123456789ab" / "calibration.parquet").write_bytes(b"x" * 1000)
+    download.mkdir(parents=True)  # a download no job needs
+    (download / "model.safetensors").write_bytes(b"x" * 5000)
+    stale = qf.home / "registry" / "tiny" / f"{registry.STAGING}awq-w4g128@abc-12345678"
+    stale.mkdir(parents=True)
+    (stale / "model.safetensors").write_bytes(b"x" * 300)
+    hour_ago = time.time() - registry.STALE_SECONDS - 60
+    os.utime(stale, (hour_ago, hour_ago))
+
+    planned = qf.json("gc", "--dry-run")
+    assert planned["dry_run"] and planned["bytes"] == 6300
+    assert {(i["path"], i["why"]) for i in planned["items"]} == {
+        (str(work / "0123456789ab"), "work folder of a job the catalog does not know"),
+        (str(download), "Hub download that no unfinished job needs"),
+        (str(stale), "staging of a publish that was killed"),
+    }
+    assert stale.exists() and (work / "0123456789ab").exists()
+    done = qf("gc")
+    assert done.exit_code == 0 and last_line(done) == "freed 6.2 KiB in 3 places"
+    assert not stale.exists() and not (work / "0123456789ab").exists() and not download.exists()
+    assert qf.json("gc")["items"] == [] and len(qf.json("ls")) == 1
+
+
+def test_pull_shares_the_registry_files(finished, tmp_path):
+    qf, _ = finished
+    result = qf("pull", "tiny:awq-w4g128", "-o", tmp_path / "pulled")
+    assert result.exit_code == 0, result.output
+    [row] = qf.json("ls")
+    src = qf.home / "registry" / row["path"] / "model.safetensors"
+    pulled = tmp_path / "pulled" / "model.safetensors"
+    same_fs = os.stat(src).st_dev == os.stat(tmp_path).st_dev
+    assert not same_fs or os.path.samefile(src, pulled) or pulled.read_bytes() == src.read_bytes()
+    assert oct(src.stat().st_mode & 0o777) == "0o444"  # a linked copy cannot change the registry by accident
+    shutil.rmtree(tmp_path / "pulled")
+    assert src.is_file()
