@@ -197,6 +197,7 @@ class Quant(Base):
             "versions": self.versions,
             "job": self.job_id,
             "path": self.path,
+            "spec": self.spec,
             "fit": (self.spec or {}).get("fit"),  # the VRAM budget --fit chose this size for
             "created_at": (self.created_at or now()).isoformat(timespec="seconds"),
         }

@@ -35,6 +35,8 @@ WEIGHTS = "*.safetensors"
 INDEX = "model.safetensors.index.json"
 SOURCE_PATTERNS = (*COMPANIONS, WEIGHTS, INDEX)  # what a source contributes; the Hub fetch asks for these too
 PUBLISHING = ("README.md", "manifest.json")  # what publishing adds: the model card and the manifest
+UPSTREAM_CARD = "README.md"  # the source's own model card: read for its license and language, never published
+MAX_CARD = 1 << 20
 
 
 _KINDS = (("folder", stat.S_ISDIR), ("FIFO", stat.S_ISFIFO), ("socket", stat.S_ISSOCK), ("device", stat.S_ISCHR),
@@ -77,6 +79,15 @@ def source_files(folder: Path) -> dict[str, Path]:
     folder = folder.resolve()
     roots = _roots(folder)
     return {p.name: _checked(p, roots) for p in sorted(folder.iterdir()) if is_source_file(p.name)}
+
+
+def upstream_card(folder: Path) -> str | None:
+    """The source's README.md (its model card) when it is a regular file of the folder, at most MAX_CARD bytes."""
+    path = folder / UPSTREAM_CARD
+    if not (path.exists() or path.is_symlink()):
+        return None
+    real = _checked(path, _roots(folder.resolve()))
+    return real.read_bytes()[:MAX_CARD].decode("utf-8", errors="replace")
 
 
 def companions(files: dict[str, Path]) -> dict[str, Path]:

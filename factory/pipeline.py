@@ -26,7 +26,7 @@ from factory import engines, evaluate, files, naming, sources, vram
 from factory.catalog import Catalog, Job, JobState, Quant, StepState, job_key, measurement_key
 from factory.errors import Cancelled, FactoryError, JobFailed, ModelRefused, QualityGateRefused, SpecError, mask_url
 from factory.inspect import inspect
-from factory.publish import card, hub
+from factory.publish import card, hub, upstream
 from factory.publish import folder as registry
 from factory.settings import Settings
 from factory.specs import AwqSpec, Exl2Spec, Recipe, resolve_awq
@@ -56,6 +56,7 @@ class _Prepared:
     calibration: dict[str, list[list[int]]]  # tag -> token windows (AWQ)
     calibration_file: Path  # the calibration text as parquet (EXL2 tokenizes it itself)
     stream: evaluate.Stream
+    upstream: upstream.Upstream  # what the card says about the base model
 
 
 class Factory:
@@ -158,7 +159,7 @@ class Factory:
                 if spec.tag not in refused:
                     self._publish(job, prepared, spec, outputs[spec.tag], ppls[spec.tag], fp16, kv.get(spec.tag))
                     if self.settings.hub_owner:
-                        self._push(job, spec)
+                        self._push(job, prepared, spec)
             if refused:
                 raise refused[next(iter(refused))]
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM: failed, so that running it again continues where it stopped
@@ -265,7 +266,9 @@ class Factory:
                         f"{job.eval_windows} x {stream.window_length} tokens on {job.device}",
                     }
                 )
-        return _Prepared(folder=folder, specs=specs, calibration=windows, calibration_file=cal_file, stream=stream)
+        up = upstream.read(job.base_model, files.upstream_card(source_folder), folder)
+        return _Prepared(folder=folder, specs=specs, calibration=windows, calibration_file=cal_file, stream=stream,
+                         upstream=up)
 
     @staticmethod
     def _resolve(spec: Exl2Spec | AwqSpec, in_features: list[int], device: str) -> Exl2Spec | AwqSpec:
@@ -428,7 +431,7 @@ class Factory:
             if spec.method == "exl2":
                 this["fits"] = vram.quant_fits(out)
             others = [q.as_row() for q in self.catalog.quants(name=job.name) if (q.tag, q.rev) != (spec.tag, rev)]
-            (out / card.FILENAME).write_text(card.render(job.name, job.base_model, this, [this, *others]))
+            (out / card.FILENAME).write_text(card.render(job.name, prepared.upstream, this, [this, *others]))
             manifest = {  # identities, never local paths
                 "source_identity": job.source_identity,
                 "base_model": job.base_model,
@@ -442,7 +445,7 @@ class Factory:
             registry.publish(self.settings.registry, job.name, spec.tag, rev, out, manifest)
             self.catalog.put_quant(quant)
 
-    def _push(self, job: Job, spec: Exl2Spec | AwqSpec) -> None:
+    def _push(self, job: Job, prepared: _Prepared, spec: Exl2Spec | AwqSpec) -> None:
         """The quant's branch on the Hub, then main of its repo: the card of every variant there with its plot, and
         measurement.json (EXL2) or the newest variant's files (AWQ, where vLLM looks)."""
         s = self.settings
@@ -473,7 +476,7 @@ class Factory:
             shutil.rmtree(main, ignore_errors=True)
             main.mkdir(parents=True)
             places = {r["name"]: where(r["name"].split(":", 1)[1]) for r in rows}
-            (main / card.FILENAME).write_text(card.render(job.name, job.base_model, newest, rows, places))
+            (main / card.FILENAME).write_text(card.render(job.name, prepared.upstream, newest, rows, places))
             return {**main_quant, card.FILENAME: main / card.FILENAME, card.PLOT: card.plot(rows, main / card.PLOT)}
 
         with self._step(job.id, f"push:{spec.tag}"):

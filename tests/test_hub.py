@@ -36,7 +36,7 @@ def _events(result) -> list[dict]:
 
 
 def test_hub_source_is_pinned_fetched_once_and_verified(qf, tiny, hub):
-    sha = hub.add_repo("meta/tiny-llama", _files(tiny))
+    sha = hub.add_repo("meta/tiny-llama", {**_files(tiny), "README.md": b"---\nlicense: mit\n---\n# Tiny\n"})
     events = _events(qf("run", "meta/tiny-llama", "--awq", "--eval-windows", 1, "--json"))
     assert events[0]["source_identity"] == f"meta/tiny-llama@{sha}" and events[0]["name"] == "tiny-llama"
     steps = [e["step"] for e in events if e["event"] == "step" and e["state"] == "succeeded"]
@@ -45,6 +45,7 @@ def test_hub_source_is_pinned_fetched_once_and_verified(qf, tiny, hub):
     assert quant["rev"] == sha[:7]
     readme = (qf.home / "registry" / quant["path"] / card.FILENAME).read_text()
     assert card.metadata(readme)["base_model"] == "meta/tiny-llama"
+    assert card.metadata(readme)["license"] == "mit"  # from the upstream card, which the fetch downloads too
 
     # a new upstream commit: naming the old one pins it, and its files are not downloaded again
     newer = hub.add_repo("meta/tiny-llama", {**_files(tiny), "generation_config.json": b'{"do_sample": false}'})

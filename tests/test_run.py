@@ -294,12 +294,15 @@ def test_model_card(finished):
     assert card.metadata(text) == {
         "base_model": "tiny",
         "base_model_relation": "quantized",
+        "pipeline_tag": "text-generation",
         "library_name": "transformers",
         "tags": ["awq", "quantfactory", "quantized"],
         "quantized_by": "quantfactory",
     }
     assert "| `tiny:awq-w4g128` (this folder) | awq | 4 |" in text
-    assert f"{row['ppl']:.4f} | {row['change'] * 100:+.2f}% | builtin:c4 | builtin:wiki, 2 x 2048 tokens, cpu" in text
+    assert (f"{row['ppl']:.4f} | {row['change'] * 100:+.2f}% | builtin:c4, 16 x 128 tokens, clipping off | "
+            "builtin:wiki, 2 x 2048 tokens, cpu") in text
+    assert "Read the base model's license on the original model's card." in text
     assert "qf pull tiny:awq-w4g128 -o tiny-awq-w4g128" in text and row["source_identity"] in text
     manifest = json.loads((qf.home / "registry" / row["path"] / MANIFEST).read_text())
     assert "README.md" in manifest["files"]

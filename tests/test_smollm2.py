@@ -11,7 +11,7 @@ import pytest
 from factory import evaluate
 from factory.publish import card
 from tests.conftest import Qf, fresh_database
-from tests.smollm2 import PPL_WIKI, convert
+from tests.smollm2 import NOTE, PPL_WIKI, convert
 
 pytestmark = pytest.mark.smollm2
 BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -43,11 +43,17 @@ def test_awq_lands_between_fp16_and_the_gate(smollm2_run):
     assert row["fp16_ppl"] < row["ppl"] < 1.5 * row["fp16_ppl"]
 
 
-def test_card_names_the_base_model(smollm2_run):
+def test_card_names_the_base_model_its_license_and_prompt_format(smollm2_run):
     qf, row = smollm2_run
-    meta = card.metadata((qf.home / "registry" / row["path"] / "README.md").read_text())
+    text = (qf.home / "registry" / row["path"] / "README.md").read_text()
+    meta = card.metadata(text)
     assert meta["base_model"] == BASE and meta["base_model_relation"] == "quantized"
+    assert (meta["license"], meta["language"], meta["pipeline_tag"]) == ("apache-2.0", ["en"], "text-generation")
     assert meta["library_name"] == "transformers" and "awq" in meta["tags"]
+    assert f"[`{BASE}`](https://huggingface.co/{BASE})" in text and "`apache-2.0`" in text
+    assert f"The FP16 checkpoint these were made from was {NOTE}." in text
+    assert "## Prompt format" in text and "<|im_start|>user\nWhat is the capital of France?<|im_end|>" in text
+    assert "builtin:c4, 16 x 128 tokens, clipping off" in text
 
 
 def test_pulled_quant_loads_with_autoawq_dequantization(smollm2_run, tmp_path):

@@ -1,8 +1,10 @@
 """The model card: README.md in every published folder, in the form the Hub and its users know.
 
-YAML metadata (`base_model`, `base_model_relation: quantized`, `library_name`, `tags`, `quantized_by`), the table
-of this model's quants as known when this one was published (bits, size, perplexity, change vs FP16,
-calibration, eval protocol, tool versions, source identity), and how to load each one.
+YAML metadata (`base_model`, `base_model_relation: quantized`, `license` and `language` as the base model's card
+says, `pipeline_tag`, `library_name`, `tags`, `quantized_by`), where the base model and its license are, the table of
+this model's quants as known when this one was published (bits, size, perplexity, change vs FP16, the calibration
+used, eval protocol, tool versions, source identity), which EXL2 size to pick for common GPUs, the prompt format,
+and how to load each one.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import yaml
 
 from calibration import public_name
 from factory.evaluate import KV_CHUNK
+from factory.publish.upstream import Upstream
 from factory.vram import HEADROOM, human
 
 FILENAME = "README.md"
@@ -20,6 +23,7 @@ PLOT = "ppl_vs_size.png"  # beside the card of a Hub repo
 KV_CHUNK_NOTE = f"each window fed {KV_CHUNK} tokens at a time, so every token reads the earlier ones from the cache"
 LIBRARY = {"awq": "transformers", "exl2": "exllamav2"}
 QUANTIZED_BY = "quantfactory"
+PICK_CONTEXT = 8192  # "which to pick": the largest EXL2 size that holds this many tokens (or the model's most)
 
 
 def _size(n: int) -> str:
@@ -93,13 +97,68 @@ def _fits(row: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render(name: str, base_model: str, this: dict, rows: list[dict], places: dict | None = None) -> str:
+def _calibration(r: dict) -> str:
+    """The calibration a quant was made with: the text set, rows x length, and for AWQ whether it clipped."""
+    spec, text = r.get("spec") or {}, public_name(r["calibration"])
+    if spec.get("calib_rows"):
+        clipping = "on" if spec["clip"] else "off"
+        return f"{text}, {spec['calib_rows']} x {spec['calib_length']} tokens, clipping {clipping}"
+    if spec.get("rows"):
+        return (f"{text}, {spec['rows']} x {spec['length']} tokens (measured on {spec['measurement_rows']} x "
+                f"{spec['measurement_length']})")
+    return text
+
+
+def _picks(rows: list[dict]) -> str:
+    """For each GPU size of the fits tables: the largest EXL2 quant that holds PICK_CONTEXT tokens (or the longest
+    context any quant reaches) with an fp16 cache, else with a q4 cache."""
+    exl2 = sorted((r for r in rows if r.get("fits")), key=lambda r: -r["bits"])
+    if not exl2:
+        return ""
+    longest = max(f[c] or 0 for r in exl2 for f in r["fits"] for c in ("fp16", "q4"))
+    want = min(PICK_CONTEXT, longest)
+    lines = ["## Which one to pick", "", f"The largest EXL2 size that holds {want:,} tokens of context with exllamav2 "
+             "(an fp16 cache where it fits, else q4), by GPU memory:", "", "| GPU | pick | cache |", "|---|---|---|"]
+    for i, budget in enumerate(f["budget"] for f in exl2[0]["fits"]):
+        pick = next(((r, c) for c in ("fp16", "q4") for r in exl2 if (r["fits"][i][c] or 0) >= want), None)
+        cell = f"`{pick[0]['name']}` | {pick[1]}" if pick else "none of these | -"
+        lines.append(f"| {budget / 2**30:.0f} GB | {cell} |")
+    return "\n".join(lines) + "\n"
+
+
+def _about(up: Upstream) -> str:
+    base = f"[`{up.base_model}`]({up.url})" if up.url else f"`{up.base_model}`"
+    terms = f"the original card]({up.url})" if up.url else "the original model's card"
+    if up.license:
+        link = f" ({up.license_link})" if up.license_link else ""
+        license = f"The base model's license applies to these quants: `{up.license}`{link}; read its terms on "
+    else:
+        license = "Read the base model's license on "
+    license += f"[{terms}." if up.url else f"{terms}."
+    note = f"\n\nThe FP16 checkpoint these were made from was {up.note}." if up.note else ""
+    return f"Quants of {base} made by {QUANTIZED_BY}. {license}{note}"
+
+
+def _prompt(up: Upstream) -> str:
+    prompt = up.prompt()
+    if prompt is None:
+        return ""
+    return (f"\n## Prompt format\n\nThe quants carry the base model's chat template (`chat_template.jinja`); a "
+            f"system and a user message become:\n\n```\n{prompt.strip()}\n```\n")
+
+
+def render(name: str, upstream: Upstream, this: dict, rows: list[dict], places: dict | None = None) -> str:
     """`this` is the quant the folder holds; `rows` every quant of the model, `this` included. `places` (quant
     name -> hub.Place) makes the card of a Hub repo: where each variant is, how to download it, and the plot."""
     places = places or {}
+    base_model = upstream.base_model
     meta = {
         "base_model": base_model,
         "base_model_relation": "quantized",
+        **({"license": upstream.license} if upstream.license else {}),
+        **({"license_link": upstream.license_link} if upstream.license_link else {}),
+        **({"language": upstream.language} if upstream.language else {}),
+        "pipeline_tag": "text-generation",
         "library_name": LIBRARY[this["method"]],
         "tags": sorted({this["method"], "quantized", QUANTIZED_BY}),
         "quantized_by": QUANTIZED_BY,
@@ -114,7 +173,7 @@ def render(name: str, base_model: str, this: dict, rows: list[dict], places: dic
         mark = " (this folder)" if not places and (r["name"], r["rev"]) == (this["name"], this["rev"]) else ""
         table.append(
             f"| `{r['name']}`{mark} | {r['method']} | {r['bits']:g} | {_size(r['bytes'])} | {r['ppl']:.4f} "
-            f"| {r['change'] * 100:+.2f}% | {public_name(r['calibration'])} | {public_name(ev['text'])}, "
+            f"| {r['change'] * 100:+.2f}% | {_calibration(r)} | {public_name(ev['text'])}, "
             f"{ev['windows']} x {ev['window_length']} tokens, {ev['device']} (FP16 {r['fp16_ppl']:.4f}) "
             f"| {_versions(r['versions'])} | `{r['source_identity']}` |"
             + (f" `{places[r['name']].repo}` branch `{places[r['name']].branch}` |" if places else "")
@@ -133,12 +192,15 @@ def render(name: str, base_model: str, this: dict, rows: list[dict], places: dic
 
 # {name}: quantized {base_model}
 
-Quants of `{base_model}` made by {QUANTIZED_BY}. Perplexity is measured on held-out text that calibration never
-saw, on the same token windows for the FP16 model and every quant (no BOS, non-overlapping windows from the start
-of the text); "vs FP16" is the change against the FP16 model on those windows.
+{_about(upstream)}
+
+Perplexity is measured on held-out text that calibration never saw, on the same token windows for the FP16 model
+and every quant (no BOS, non-overlapping windows from the start of the text); "vs FP16" is the change against the
+FP16 model on those windows.
 
 {chr(10).join(table)}
 {picture}
+{_picks(rows)}{_prompt(upstream)}
 ## How to load
 
 {loads}{fits}"""

@@ -1,0 +1,95 @@
+"""What a quant's card says about the model it was made from: the base model's license, language and its own card,
+how the FP16 checkpoint was made when it is not the original release, and the prompt format of its chat template.
+
+Read from the source folder: its README.md's YAML front matter (the upstream model card; a Hub fetch downloads it
+beside the weights, and it is never part of the source's identity nor published) and the chat template the quant
+carries (`chat_template.jinja`, or `chat_template` in tokenizer_config.json). A front matter key
+`quantfactory_note` describes a checkpoint that is not the original release (tests/smollm2.py writes one: its FP16
+weights are dequantized from a GGUF).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+EXAMPLE = [{"role": "system", "content": "You are a helpful assistant."},
+           {"role": "user", "content": "What is the capital of France?"}]
+
+
+@dataclass(frozen=True)
+class Upstream:
+    base_model: str
+    license: str | None = None
+    license_link: str | None = None
+    language: list[str] | None = None
+    note: str | None = None
+    chat_template: str | None = None
+
+    @property
+    def url(self) -> str | None:
+        """The base model's page on the Hub, when base_model is a Hub repo (org/name)."""
+        return f"https://huggingface.co/{self.base_model}" if self.base_model.count("/") == 1 else None
+
+    def prompt(self) -> str | None:
+        """The chat template applied to a short example conversation, as a user would see it; None without one."""
+        if not self.chat_template:
+            return None
+        from jinja2.exceptions import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str):
+            raise TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        try:
+            return env.from_string(self.chat_template).render(messages=EXAMPLE, add_generation_prompt=True,
+                                                              bos_token="", eos_token="")
+        except Exception:  # a template that needs more than transformers' usual variables: show it as it is
+            return self.chat_template
+
+
+def read(base_model: str, card: str | None, staged: Path) -> Upstream:
+    meta = _front_matter(card) if card else {}
+    language = meta.get("language")
+    return Upstream(
+        base_model=base_model,
+        license=_text(meta.get("license")),
+        license_link=_text(meta.get("license_link")),
+        language=[language] if isinstance(language, str) else language if _texts(language) else None,
+        note=_text(meta.get("quantfactory_note")),
+        chat_template=_chat_template(staged),
+    )
+
+
+def _front_matter(card: str) -> dict:
+    if not card.startswith("---"):
+        return {}
+    try:
+        meta = yaml.safe_load(card.split("---", 2)[1])
+    except (yaml.YAMLError, IndexError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def _text(value: object) -> str | None:
+    return value if isinstance(value, str) and value and len(value) <= 2000 else None
+
+
+def _texts(value: object) -> bool:
+    return isinstance(value, list) and 0 < len(value) <= 50 and all(_text(v) for v in value)
+
+
+def _chat_template(staged: Path) -> str | None:
+    path = staged / "chat_template.jinja"
+    if path.is_file():
+        return path.read_text(encoding="utf-8", errors="replace")
+    try:
+        found = json.loads((staged / "tokenizer_config.json").read_text(encoding="utf-8")).get("chat_template")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return found if isinstance(found, str) else None
