@@ -110,6 +110,19 @@ def test_unreachable_hub(qf, hub, monkeypatch):
     assert "the Hub at http://127.0.0.1:9 cannot be reached" in result.stderr
 
 
+@pytest.mark.parametrize(("endpoint", "cause"), [
+    ("http://127.0.0.1:9", "port 9 of 127.0.0.1 refuses connections"),
+    ("http://no-such-hub.invalid", "its name 'no-such-hub.invalid' does not resolve: offline?"),
+])
+def test_an_unreachable_hub_is_named_at_once(qf, hub, monkeypatch, endpoint, cause):
+    """No 25 s of huggingface_hub's retries and their log lines before the sentence: one connection says why."""
+    monkeypatch.setenv("HF_ENDPOINT", endpoint)
+    result = qf("ls", "--remote", "alice")
+    assert result.exit_code == 5
+    assert result.stderr.strip() == (f"error: the Hub at {endpoint} cannot be reached ({cause}); set HF_ENDPOINT for "
+                                     "another Hub, or quantize local folders")
+
+
 def test_corrupted_download_fails_the_job(qf, tiny, hub):
     hub.add_repo("meta/tiny-llama", _files(tiny))
     hub.corrupt("meta/tiny-llama", "model.safetensors")

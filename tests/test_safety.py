@@ -312,7 +312,9 @@ def test_an_endpoint_with_credentials_is_printed_masked(qf, hub, monkeypatch):
     monkeypatch.setenv("HF_ENDPOINT", "http://user:s3cret@127.0.0.1:9")
     result = qf("run", "meta/tiny-llama", "--awq")
     assert result.exit_code == 5
-    assert last_line(result) == "error: the Hub at http://user:***@127.0.0.1:9 cannot be reached"
+    assert last_line(result) == ("error: the Hub at http://user:***@127.0.0.1:9 cannot be reached (port 9 of "
+                                 "127.0.0.1 refuses connections); set HF_ENDPOINT for another Hub, or quantize local "
+                                 "folders")
     assert "s3cret" not in result.output
 
 

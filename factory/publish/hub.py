@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from factory.errors import JobFailed, NotFound, ServiceUnavailable, SpecError, mask_url
 from factory.sources import file_sha256
@@ -43,10 +45,36 @@ def client(token: str | None = None):
     return HfApi(endpoint=endpoint(), token=token)
 
 
+_REACHED: set[str] = set()
+PROBE_SECONDS = 5
+
+
+def _probe(url: str) -> None:
+    """One connection to the Hub's host before the client's first call, so that an offline machine hears why in a
+    second instead of after huggingface_hub's 25 s of retries; once per endpoint and process."""
+    if url in _REACHED:
+        return
+    parts = urlsplit(url)
+    host, port = parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
+    where = f"the Hub at {mask_url(url)} cannot be reached"
+    hint = "; set HF_ENDPOINT for another Hub, or quantize local folders"
+    try:
+        socket.create_connection((host, port), timeout=PROBE_SECONDS).close()
+    except socket.gaierror:
+        raise ServiceUnavailable(f"{where} (its name {host!r} does not resolve: offline?){hint}") from None
+    except ConnectionRefusedError:
+        raise ServiceUnavailable(f"{where} (port {port} of {host} refuses connections){hint}") from None
+    except OSError as e:  # a timeout, no route
+        raise ServiceUnavailable(f"{where} ({e.strerror or 'no answer'}){hint}") from None
+    _REACHED.add(url)
+
+
 @contextmanager
 def errors(what: str) -> Iterator[None]:
     """The client's exceptions as one sentence each: missing or gated -> exit 4, unreachable or refused -> 5."""
     import httpx2
+
+    _probe(endpoint())
     from huggingface_hub.errors import (
         EntryNotFoundError,
         GatedRepoError,
