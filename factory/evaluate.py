@@ -111,8 +111,10 @@ def load_awq(folder: Path, dev: str) -> Logits:
     # autoawq's import resets the warning filters and warns of its deprecation in 15 lines: keep them in the log
     with warnings.catch_warnings(record=True) as caught:
         from awq.utils.packing_utils import dequantize_gemm
-    for w in caught:
-        logging.getLogger(__name__).debug("autoawq: %s", w.message)
+    log = logging.getLogger(__name__)
+    for w in caught:  # the first import only: one line, and the notice itself for whoever logs at debug
+        log.info("AutoAWQ is deprecated upstream and still works here (its notice: debug log)")
+        log.debug("autoawq: %s", w.message)
     _quiet_transformers()
 
     config_dict = json.loads((folder / "config.json").read_text())
