@@ -79,3 +79,17 @@ def test_piped_progress_prints_a_heartbeat(monkeypatch, capsys):
         render({"event": "step", "step": "quantize:exl2-4.0bpw", "state": "running"})
         render({"event": "progress", "step": "quantize:exl2-4.0bpw", "done": 37.5, "total": 100, "unit": "%"})
     assert capsys.readouterr().err.splitlines() == ["quantize:exl2-4.0bpw ...", "quantize:exl2-4.0bpw: 37.5 of 100 %"]
+
+
+def test_the_readmes_sample_output_is_what_qf_prints():
+    """The demo's table in the README, rendered again from its own numbers the way `qf run` prints it piped."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = readme.split("```\njob ", 1)[1].split("```", 1)[0].splitlines()
+    title, header, line = block[0], block[1], block[2]
+    name, method, bits, size, unit, ppl, change, source = line.split()
+    row = {"name": name.split("@")[0], "rev": name.split("@")[1], "method": method, "bits": float(bits),
+           "bytes": float(size) * 2**20, "ppl": float(ppl), "change": float(change.rstrip("%")) / 100,
+           "source_identity": source}
+    assert render(tables.quants([row], 200, title=f"job {title}"), 200) == [f"job {title}", header, line]

@@ -32,8 +32,8 @@ PASSED_ON = {"PATH", "HOME", "USER", "LOGNAME", "LANG", "TERM", "TMPDIR", "TZ", 
              "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "LD_LIBRARY_PATH", "LIBRARY_PATH", "CPATH",
              "C_INCLUDE_PATH", "CPLUS_INCLUDE_PATH", "CC", "CXX", "MAX_JOBS", "XDG_CACHE_HOME", "HF_HOME",
              "HF_HUB_CACHE", "TOKENIZERS_PARALLELISM"}
-PASSED_ON_PREFIXES = ("LC_", "CUDA_", "NVIDIA_", "NVCC_", "TORCH_", "PYTORCH_", "EXLLAMA_", "TRITON_", "NCCL_", "OMP_",
-                      "MKL_", "KMP_", "OPENBLAS_")
+PASSED_ON_PREFIXES = ("LC_", "CUDA_", "NVIDIA_", "NVCC_", "TORCH_", "PYTORCH_", "EXLLAMA_", "TRITON_", "NCCL_",
+                      "OMP_", "MKL_", "KMP_", "OPENBLAS_", "NVPL_", "GOMP_", "MALLOC_")  # BLAS and threading too
 
 
 def json_event(line: str) -> dict | None:
