@@ -82,12 +82,17 @@ def source_files(folder: Path) -> dict[str, Path]:
 
 
 def upstream_card(folder: Path) -> str | None:
-    """The source's README.md (its model card) when it is a regular file of the folder, at most MAX_CARD bytes."""
+    """The source's README.md (its model card) when it is a regular file of the folder, at most MAX_CARD bytes;
+    None otherwise (it is not part of the model: a link out of the folder is not followed, and not refused)."""
     path = folder / UPSTREAM_CARD
     if not (path.exists() or path.is_symlink()):
         return None
-    real = _checked(path, _roots(folder.resolve()))
-    return real.read_bytes()[:MAX_CARD].decode("utf-8", errors="replace")
+    try:
+        real = _checked(path, _roots(folder.resolve()))
+    except ModelRefused:
+        return None
+    with open(real, "rb") as f:
+        return f.read(MAX_CARD).decode("utf-8", errors="replace")
 
 
 def companions(files: dict[str, Path]) -> dict[str, Path]:

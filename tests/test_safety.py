@@ -241,6 +241,7 @@ TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% e
 def _strays(model: Path) -> None:
     """What a user's checkout holds beside the model: none of it may leave."""
     (model / ".env").write_text("HF_TOKEN=hf_stray_secret\n")
+    (model / "README.md").symlink_to("/etc/passwd")  # a card out of the folder: not read, and not refused
     (model / "notes.txt").symlink_to("/etc/passwd")
     (model / "optimizer.pt").write_bytes(b"\x80\x04pickle")
     (model / "modeling_evil.py").write_text("import os\n")
