@@ -95,10 +95,6 @@ def upstream_card(folder: Path) -> str | None:
         return f.read(MAX_CARD).decode("utf-8", errors="replace")
 
 
-def companions(files: dict[str, Path]) -> dict[str, Path]:
-    return {name: path for name, path in files.items() if name in COMPANIONS}
-
-
 def stage(folder: Path, dest: Path) -> Path:
     """A folder of links to the checked source files only: what every engine and evaluator reads, so a tool that
     copies "everything beside the weights" (convert_exl2 -cf) finds nothing else to copy."""

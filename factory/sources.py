@@ -10,7 +10,6 @@ FACTORY_HOME/cache/hub/<org>--<name>/<sha>/ and checks each against the Hub's sh
 
 from __future__ import annotations
 
-import fnmatch
 import hashlib
 import json
 import os
@@ -20,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from factory.errors import ModelRefused, NotFound
-from factory.files import SOURCE_PATTERNS, UPSTREAM_CARD, source_files
+from factory.files import UPSTREAM_CARD, is_source_file, source_files
 
 VERIFIED = ".quantfactory-verified"  # written into a fetched Hub folder once every file matched the Hub
 _HUB_REPO = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?")
@@ -105,7 +104,7 @@ def fetch_hub(identity: str, cache: Path, progress: Callable[..., None]) -> Path
     with hub.errors(identity):
         info = hub.retrying(lambda: hub.client(hub.token()).model_info(repo, revision=sha, files_metadata=True))
         files = [s for s in info.siblings if "/" not in s.rfilename
-                 and any(fnmatch.fnmatchcase(s.rfilename, p) for p in SOURCE_PATTERNS)]
+                 and is_source_file(s.rfilename)]
         if not any(s.rfilename.endswith(".safetensors") for s in files):
             raise ModelRefused(f"{identity} has no safetensors weights; quantfactory reads only safetensors")
         index = next((s for s in files if s.rfilename == "model.safetensors.index.json"), None)
