@@ -68,6 +68,20 @@ def fresh_database():
         admin.dispose()
 
 
+CATALOG_FIXTURES = {"db_url", "finished"}  # every test that writes or reads a catalog uses one of these
+
+
+def pytest_collection_modifyitems(config, items):
+    """The PostgreSQL pass (QF_TEST_PG) runs only the tests that use a catalog: the others do not depend on the
+    database and already ran in the SQLite pass (scripts/test)."""
+    if not PG:
+        return
+    others = [item for item in items if not CATALOG_FIXTURES & set(getattr(item, "fixturenames", ()))]
+    if others:
+        config.hook.pytest_deselected(items=others)
+        items[:] = [item for item in items if item not in others]
+
+
 @pytest.fixture
 def db_url():
     with fresh_database() as url:
