@@ -35,7 +35,7 @@ BIG = dict(hidden=2048, layers=16, heads=32, kv_heads=8, intermediate=8192, voca
 def _merge(part: str, data: dict) -> None:
     import torch
 
-    from factory.engines import exl2
+    from factory.engines.exl2 import engine as exl2
 
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     with open(RESULTS.with_suffix(".lock"), "w") as lock:  # parts may run side by side
@@ -64,11 +64,12 @@ def _merge(part: str, data: dict) -> None:
 
 def _raw(args: list[str], log: Path) -> tuple[float, int | None]:
     """One fresh convert_exl2 process (through our child wrapper only to read its peak GPU memory)."""
-    from factory.engines import child, exl2
+    from factory.engines import child
+    from factory.engines.exl2 import engine as exl2
 
     peak: list[int] = []
     start = time.monotonic()
-    child.run_command([sys.executable, "-m", "factory.engines.exl2", *args], log,
+    child.run_command([sys.executable, "-m", "factory.engines.exl2.engine", *args], log,
                       lambda e: peak.append(e["peak_gpu_bytes"]) if "peak_gpu_bytes" in e else None,
                       "raw convert_exl2", parse=exl2.parse_status, env=exl2.ENV)
     return round(time.monotonic() - start, 2), max(peak, default=None)
@@ -84,7 +85,7 @@ def main() -> None:
         make_tiny_llama(model, device="cuda", **BIG)
         calibration.write_parquet(calibration.resolve("builtin:mix"), cal)
         return
-    from factory.engines.exl2 import _flags
+    from factory.engines.exl2.engine import _flags
 
     if part == "raw-measure":
         seconds, peak = _raw(["-so", *_flags(i=model, o=folder / "raw-m", c=cal, om=measurement)], folder / "m.log")

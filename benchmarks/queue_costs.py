@@ -46,7 +46,7 @@ def main() -> None:
     from factory import settings
     from factory.catalog import Job
     from factory.pipeline import Factory
-    from factory.specs import build_recipe
+    from factory.recipes import build_recipe
     from tests.tiny_model import make_tiny_llama
 
     name = f"qf_bench_{uuid.uuid4().hex[:8]}"

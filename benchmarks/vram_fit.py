@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from factory import vram  # noqa: E402
-from factory.evaluate import KV_CACHES  # noqa: E402  - cache type -> exllamav2 class, as the factory scores them
+from factory.engines.exl2.evaluate import KV_CACHES  # noqa: E402  - cache type -> exllamav2 class, as the factory scores them
 
 CONTEXTS = (2048, 8192, 16384, 32768)
 

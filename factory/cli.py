@@ -7,6 +7,7 @@ Exit codes (factory/errors.py): 0 ok, 1 job failed or refused by the quality gat
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import signal
 import sys
@@ -29,14 +30,14 @@ from rich.progress import (
 )
 from rich.table import Column, Table
 
-from factory import naming, settings, tables
+from factory import engines, naming, settings, tables
 from factory.errors import FactoryError, NotFound, ServiceUnavailable, SpecError
 
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
-    help="quantfactory: EXL2 and AWQ quants of FP16 checkpoints, evaluated and published by name.",
+    help="quantfactory: EXL2, EXL3 and AWQ quants of FP16 checkpoints, evaluated and published by name.",
 )
 out = Console()
 if not out.is_terminal:
@@ -182,8 +183,6 @@ def _catalog():
 
 SourceArg = Annotated[str, typer.Argument(metavar="SOURCE", help="A local checkpoint folder (config.json, tokenizer, "
                                          "safetensors) or a Hub repo org/name[@revision].")]
-Exl2Opt = Annotated[str | None, typer.Option("--exl2", help="EXL2 targets, e.g. 3.0,4.0,5.0 (needs CUDA).")]
-AwqOpt = Annotated[bool, typer.Option("--awq", metavar="", help="AWQ w4, group 128 (64 where 128 does not divide).")]
 RecipeOpt = Annotated[Path | None, typer.Option("--recipe", help="A recipe YAML (see configs/standard.yaml).")]
 CalibrationOpt = Annotated[str | None, typer.Option("--calibration", help="builtin:<name> or file:<path>.")]
 EvalOpt = Annotated[str | None, typer.Option("--eval", help="builtin:<name> or file:<path>.")]
@@ -197,48 +196,59 @@ CtxOpt = Annotated[int | None, typer.Option("--ctx", min=1, help="Context in tok
 KvOpt = Annotated[str, typer.Option("--kv-cache", help="fp16, q8, q6 or q4.")]
 
 
-def _request(source, exl2, awq, recipe, calibration, eval_set, eval_windows, name, base_model, device=None,
+def _with_engine_flags(fn):
+    """Adds an option for every engine that has a flag (`--exl2 3.0,4.0`, `--awq`) after the command's first
+    parameter; the command gets their values as `flags` (engine name -> value)."""
+    params = [p for name, p in inspect.signature(fn, eval_str=True).parameters.items() if name != "flags"]
+    added = []
+    for engine in engines.all_engines():
+        if engine.flag is None:
+            continue
+        if engine.flag.takes_value:
+            option = Annotated[str | None, typer.Option(f"--{engine.name}", help=engine.flag.help)]
+            added.append(inspect.Parameter(f"engine_{engine.name}", inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                           default=None, annotation=option))
+        else:
+            option = Annotated[bool, typer.Option(f"--{engine.name}", metavar="", help=engine.flag.help)]
+            added.append(inspect.Parameter(f"engine_{engine.name}", inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                           default=False, annotation=option))
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        flags = {key.removeprefix("engine_"): kwargs.pop(key) for key in list(kwargs) if key.startswith("engine_")}
+        return fn(*args, flags=flags, **kwargs)
+
+    wrapper.__signature__ = inspect.Signature([*params[:1], *added, *params[1:]])
+    return wrapper
+
+
+def _request(source, flags, recipe, calibration, eval_set, eval_windows, name, base_model, device=None,
              fit=None, ctx=None, kv_cache="fp16"):
     from factory.pipeline import Request
-    from factory.specs import build_recipe
+    from factory.recipes import build_recipe
 
-    fitted = None
+    flags = dict(flags)
     if fit:
-        written = build_recipe(recipe).exl2  # its head bits count in the plan
-        fitted = _fit(source, fit, ctx, kv_cache, exl2, written.head_bits if written else 6)
-    chosen = build_recipe(recipe, exl2, awq, fit=fitted, calibration=calibration, eval=eval_set,
-                          eval_windows=eval_windows)
-    return Request(source=source, recipe=chosen, exl2_from_flag=exl2 is not None or fit is not None, name=name,
-                   base_model=base_model, device=device)
-
-
-def _fit(source: str, budgets: str, ctx: int | None, kv_cache: str, exl2: str | None,
-         head_bits: int) -> list[tuple[float, dict]]:
-    """--fit 24GB,16GB -> [(bpw, budget)]: the highest bpw whose predicted peak fits each budget."""
-    from factory import vram as memory
-
-    if exl2 is not None:
-        raise SpecError("give --exl2 sizes or --fit budgets, not both")
-    shape, params = memory.source_shape(source)
-    chosen = []
-    for text in budgets.split(","):
-        budget = memory.parse_size(text)
-        plan = memory.plan(shape, params, budget, ctx, kv_cache, head_bits=head_bits)
-        bpw = plan["best_bpw"]
-        err.print(f"--fit {text.strip()}: EXL2 {bpw:.2f} bpw for {plan['ctx']} tokens with a {kv_cache} cache "
-                  f"({memory.human(budget)}, {memory.human(plan['headroom'])} left free)", highlight=False)
-        chosen.append((bpw, {"vram": budget, "ctx": plan["ctx"], "cache": kv_cache}))
-    return chosen
+        sizer = next(e for e in engines.all_engines() if e.sizes_to_budget)
+        if flags.get(sizer.name):
+            raise SpecError(f"give --{sizer.name} sizes or --fit budgets, not both")
+        written = build_recipe(recipe).to_dict().get(sizer.name, {})
+        flags[sizer.name] = sizer.fit_budgets(source, fit, ctx, kv_cache, written,
+                                              lambda line: err.print(line, highlight=False))
+    chosen = build_recipe(recipe, flags, calibration=calibration, eval=eval_set, eval_windows=eval_windows)
+    asked = {name for name, value in flags.items() if value}
+    return Request(source=source, recipe=chosen, asked=asked, name=name, base_model=base_model, device=device)
 
 
 @app.command()
 @_handled
-def run(source: SourceArg, exl2: Exl2Opt = None, awq: AwqOpt = False, recipe: RecipeOpt = None,
+@_with_engine_flags
+def run(source: SourceArg, flags: dict, recipe: RecipeOpt = None,
         calibration: CalibrationOpt = None, eval_set: EvalOpt = None, eval_windows: WindowsOpt = None,
         name: NameOpt = None, base_model: BaseOpt = None, fit: FitOpt = None, ctx: CtxOpt = None,
         kv_cache: KvOpt = "fp16", as_json: JsonOpt = False) -> None:
     """Quantize, evaluate and publish SOURCE in this process: inspect, quantize, evaluate, gate, publish."""
-    request = _request(source, exl2, awq, recipe, calibration, eval_set, eval_windows, name, base_model,
+    request = _request(source, flags, recipe, calibration, eval_set, eval_windows, name, base_model,
                        fit=fit, ctx=ctx, kv_cache=kv_cache)
     if owner := settings.load().hub_owner:
         from factory.publish import hub
@@ -256,7 +266,8 @@ def run(source: SourceArg, exl2: Exl2Opt = None, awq: AwqOpt = False, recipe: Re
 
 @app.command()
 @_handled
-def submit(source: SourceArg, exl2: Exl2Opt = None, awq: AwqOpt = False, recipe: RecipeOpt = None,
+@_with_engine_flags
+def submit(source: SourceArg, flags: dict, recipe: RecipeOpt = None,
            calibration: CalibrationOpt = None, eval_set: EvalOpt = None, eval_windows: WindowsOpt = None,
            name: NameOpt = None, base_model: BaseOpt = None, fit: FitOpt = None, ctx: CtxOpt = None,
            kv_cache: KvOpt = "fp16") -> None:
@@ -264,7 +275,7 @@ def submit(source: SourceArg, exl2: Exl2Opt = None, awq: AwqOpt = False, recipe:
     from workers.tasks import submit as queue
 
     factory = _factory()
-    job = queue(factory, _request(source, exl2, awq, recipe, calibration, eval_set, eval_windows, name, base_model,
+    job = queue(factory, _request(source, flags, recipe, calibration, eval_set, eval_windows, name, base_model,
                                   device=factory.settings.worker_device, fit=fit, ctx=ctx, kv_cache=kv_cache))
     print(job.id)
 
@@ -346,30 +357,28 @@ def show(
     catalog = _catalog()
     parsed = naming.parse(ref)
     rows = [q.as_row() for q in _find(catalog, parsed)]
-    from factory import vram
+    from factory import engines, vram
 
     registry = settings.load().registry
     for r in rows:
-        if r["method"] == "exl2" and (registry / r["path"]).is_dir():
-            r["fits"] = vram.quant_fits(registry / r["path"])
+        if (registry / r["path"]).is_dir() and (fits := engines.get(r["method"]).fits(registry / r["path"])):
+            r["fits"] = fits
     job_rows = _job_rows(limit=50, name=parsed.name)
     if as_json:
         print(json.dumps({"quants": rows, "jobs": job_rows}, indent=2))
         return
     out.print(tables.quants(rows, out.width, title=f"quants of {parsed.name}"))
     for r in rows:
+        engine = engines.get(r["method"])
         if r.get("fits"):
-            out.print(f"{r['name']}@{r['rev']}: the longest context that fits each GPU with exllamav2, "
+            out.print(f"{r['name']}@{r['rev']}: the longest context that fits each GPU with {engine.evaluator}, "
                       f"{vram.human(vram.HEADROOM)} left free")
             table = Table(*(Column(c, justify="right") for c in ("GPU", "FP16 CACHE", "Q4 CACHE")))
             for f in r["fits"]:
                 table.add_row(f"{f['budget'] / 2**30:.0f} GB", *(f"{f[c]:,}" if f[c] else "-" for c in ("fp16", "q4")))
             out.print(table)
-            if kv := r["eval"].get("kv_cache"):
-                from factory.evaluate import KV_CHUNK
-                from factory.publish.card import kv_scores
-
-                out.print(f"perplexity through exllamav2's KV cache ({KV_CHUNK}-token forwards): {kv_scores(kv)}")
+        for line in engine.describe_scores(r):
+            out.print(line)
     out.print(tables.jobs(job_rows, out.width, title="jobs"))
 
 
@@ -567,8 +576,9 @@ def _output_folder(dest: Path) -> Path:
 
 
 def _templates() -> dict[str, str]:
-    config = settings.load()
-    return {"exl2": config.hub_exl2_repo, "awq": config.hub_awq_repo}
+    from factory.publish import hub
+
+    return hub.templates(settings.load().hub_repos)
 
 
 def _pull_from_hub(parsed: naming.QuantRef, owner: str, output: Path | None) -> None:
@@ -632,24 +642,25 @@ app.add_typer(watch_app, name="watch")
 
 @watch_app.command("add")
 @_handled
+@_with_engine_flags
 def watch_add(
     target: Annotated[str | None, typer.Argument(metavar="ORG/NAME|ORG/PATTERN")] = None,
-    exl2: Exl2Opt = None, awq: AwqOpt = False, recipe: RecipeOpt = None,
+    flags: dict | None = None, recipe: RecipeOpt = None,
     arch: Annotated[list[str] | None, typer.Option("--arch", help="Only these architectures (repeatable).")] = None,
     max_params: Annotated[float | None, typer.Option("--max-params", help="Only models up to N parameters.")] = None,
     file: Annotated[Path | None, typer.Option("--file", help="Add every entry of a watchlist YAML.")] = None,
 ) -> None:
     """Watch a repo (org/name) or an author's repos by pattern (Qwen/*-Instruct) with a recipe."""
     from factory import schedule
-    from factory.specs import build_recipe
+    from factory.recipes import build_recipe
 
     if (target is None) == (file is None):
         raise SpecError("give a target (org/name or org/pattern) or --file WATCHLIST.yaml, not both")
     if file is not None:
         entries = schedule.load(file)
     else:
-        chosen = build_recipe(recipe, exl2, awq).model_dump(exclude_none=True)
-        recipe_dict = {k: v for k, v in chosen.items() if k in ("exl2", "awq") or recipe is not None}
+        chosen = build_recipe(recipe, flags).to_dict()
+        recipe_dict = {k: v for k, v in chosen.items() if k in engines.available() or recipe is not None}
         limits = {"architectures": arch, "max_params": max_params}
         entries = [schedule.entry(target, recipe_dict, {k: v for k, v in limits.items() if v})]
     catalog = _catalog()

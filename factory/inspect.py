@@ -4,7 +4,7 @@ Reads config.json, the tokenizer's presence and every safetensors header; never 
 file that factory/files.py has not checked is a regular file of the model. Refused: a link leaving the folder,
 a FIFO, socket or device; no or unparsable config.json, an already quantized model, custom code (`auto_map`),
 weights only as pickle, no weights, a truncated or malformed safetensors file, shards that disagree with the index,
-no tokenizer, an architecture outside SUPPORTED, config numbers that are not sane integers or disagree with the
+no tokenizer, an architecture no engine converts, config numbers that are not sane integers or disagree with the
 tensors. Every header and config is validated before anything is allocated from it. The numbers the engines need
 later (input dims of the quantized linears, sizes) come from here.
 
@@ -17,23 +17,13 @@ from __future__ import annotations
 import json
 import re
 import struct
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
 from factory.errors import ModelRefused
 from factory.files import INDEX, source_files
 
-# Architectures both engines (AutoAWQ 0.2.9 and exllamav2 0.3.2) convert, as `architectures[0]` -> model_type.
-SUPPORTED = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "MixtralForCausalLM": "mixtral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "GemmaForCausalLM": "gemma",
-    "Gemma2ForCausalLM": "gemma2",
-    "Phi3ForCausalLM": "phi3",
-}
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 QUANTIZED_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DTYPE_BYTES = {
@@ -70,7 +60,9 @@ class ModelInfo:
     max_positions: int | None
 
 
-def inspect(folder: Path) -> ModelInfo:
+def inspect(folder: Path, architectures: Collection[str]) -> ModelInfo:
+    """What the engines need to know of a checkpoint, or ModelRefused (exit 3). `architectures`: those some engine
+    converts (each engine refuses the others itself: factory/engines/base.py, `refuse`)."""
     files = source_files(folder)
     if "config.json" not in files:
         raise ModelRefused(f"no config.json in {str(folder)!r}; pass a Hugging Face checkpoint folder")
@@ -85,8 +77,8 @@ def inspect(folder: Path) -> ModelInfo:
         raise ModelRefused(f"config.json says the model is already quantized ({method}); pass the FP16 checkpoint")
     arches = config.get("architectures")
     arch = arches[0] if isinstance(arches, list) and arches else None
-    if not isinstance(arch, str) or arch not in SUPPORTED:
-        raise ModelRefused(f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED)}")
+    if not isinstance(arch, str) or arch not in architectures:
+        raise ModelRefused(f"architecture {arch!r} is not supported; supported: {', '.join(sorted(architectures))}")
     check_config(config)
     weights = [name for name in files if name.endswith(".safetensors")]
     if not weights:
@@ -111,7 +103,7 @@ def inspect(folder: Path) -> ModelInfo:
         raise ModelRefused(f"no quantizable linear layers ({', '.join(QUANTIZED_LINEARS)}) in the weights")
     return ModelInfo(
         architecture=arch,
-        model_type=SUPPORTED[arch],
+        model_type=str(config.get("model_type", "")),
         config=config,
         weight_files=weights,
         weight_bytes=sum(files[f].stat().st_size for f in weights),

@@ -4,8 +4,9 @@ Rules:
     name  the source repo's name part or folder name, lowercased; characters [a-z0-9._-]; starts with a letter
           or digit; at most 96 characters; never `..`. Whatever a user types is lowercased first (ASCII letters
           only: `K` (the Kelvin sign) stays what it is, and is refused, instead of becoming `k`).
-    tag   `exl2-<bpw with one decimal or more>bpw`, with `-h<N>` appended when head bits N are not 6
-          (`exl2-4.0bpw`, `exl2-4.31bpw-h8`), or `awq-w<bits>g<group size>` (`awq-w4g128`).
+    tag   the grammar of a registered engine (factory.engines registers each engine's): `exl2-<bpw with one
+          decimal or more>bpw`, with `-h<N>` appended when head bits N are not 6 (`exl2-4.0bpw`, `exl2-4.31bpw-h8`),
+          `awq-w<bits>g<group size>` (`awq-w4g128`), `exl3-4.0bpw`.
     rev   the first 7 (or more) hex digits of the source commit or content hash; without it, the newest.
 Valid:     tiny:awq-w4g64, SmolLM2-135M-Instruct:EXL2-4.0BPW, qwen2.5-7b:exl2-6.5bpw-h8@a1b2c3d
 Not valid: ../etc:awq-w4g64 (`..`), tiny:awq (no group), tiny:exl2-4bpw (no decimal), -x:awq-w4g64 (leading -),
@@ -23,7 +24,7 @@ from factory.errors import SpecError
 
 NAME_MAX = 96
 _NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,95}")
-_TAG = re.compile(r"exl2-\d+\.\d+bpw(-h[23458])?|awq-w\d+g\d+")
+_TAGS: dict[str, tuple[re.Pattern, str]] = {}  # engine name -> (its tag grammar, an example); see register_tag
 _REV = re.compile(r"[0-9a-f]{7,64}")
 _ASCII_LOWER = str.maketrans(string.ascii_uppercase, string.ascii_lowercase)
 
@@ -42,14 +43,24 @@ def model_name(label: str) -> str:
     return name
 
 
-def exl2_tag(bpw: float, head_bits: int = 6) -> str:
-    tag = f"exl2-{bpw:.2f}".rstrip("0")
-    tag = (tag + "0" if tag.endswith(".") else tag) + "bpw"
-    return tag if head_bits == 6 else f"{tag}-h{head_bits}"
+def register_tag(method: str, pattern: str, example: str) -> None:
+    """An engine's tags: they start with `<method>-` and match `pattern` in full."""
+    if not pattern.startswith(f"{method}-"):
+        raise ValueError(f"the tags of engine {method!r} must start with {method}-")
+    _TAGS[method] = (re.compile(pattern), example)
 
 
-def awq_tag(w_bit: int, group_size: int) -> str:
-    return f"awq-w{w_bit}g{group_size}"
+def unregister_tag(method: str) -> None:
+    _TAGS.pop(method, None)
+
+
+def tag_matches(method: str, tag: str) -> bool:
+    return method in _TAGS and _TAGS[method][0].fullmatch(tag) is not None
+
+
+def tag_examples() -> str:
+    examples = [example for _, example in sorted(_TAGS.values(), key=lambda t: t[1])]
+    return ", ".join(examples[:-1]) + (" or " if len(examples) > 1 else "") + examples[-1] if examples else "none"
 
 
 @dataclass(frozen=True)
@@ -71,8 +82,8 @@ def parse(text: str, *, tag_required: bool = False) -> QuantRef:
     problems = []
     if not _NAME.fullmatch(name) or ".." in name:
         problems.append(f"name {name!r} must be 1-96 of [a-z0-9._-], start with a letter or digit, no '..'")
-    if sep and not _TAG.fullmatch(tag):
-        problems.append(f"tag {tag!r} must look like exl2-4.0bpw, exl2-4.0bpw-h8 or awq-w4g128")
+    if sep and not any(tag_matches(method, tag) for method in _TAGS):
+        problems.append(f"tag {tag!r} must look like {tag_examples()}")
     if tag_required and not sep:
         problems.append("a tag is required (NAME:TAG)")
     if "@" in raw and not _REV.fullmatch(rev):

@@ -18,21 +18,21 @@ import shutil
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import calibration
-from factory import engines, evaluate, files, naming, sources, vram
+from factory import engines, evaluate, files, naming, sources
 from factory.catalog import Catalog, Job, JobState, Quant, StepState, job_key, measurement_key
+from factory.engines import Engine, QuantSpec
 from factory.errors import Cancelled, FactoryError, JobFailed, ModelRefused, QualityGateRefused, SpecError, mask_url
-from factory.inspect import inspect
+from factory.inspect import ModelInfo, inspect
 from factory.publish import card, hub, upstream
 from factory.publish import folder as registry
+from factory.recipes import Recipe
 from factory.settings import Settings
-from factory.specs import AwqSpec, Exl2Spec, Recipe, resolve_awq
 
 Emit = Callable[[dict], None]
-KV_EVAL_CACHES = ("fp16", "q8", "q4")  # EXL2 quants are also scored through these exllamav2 caches
 CANCEL_CHECK_SECONDS = 1.0  # how often a running step looks whether its job was cancelled
 INTERRUPTED = "interrupted (Ctrl-C or SIGTERM); run the same command again to continue from the finished steps"
 
@@ -41,7 +41,7 @@ INTERRUPTED = "interrupted (Ctrl-C or SIGTERM); run the same command again to co
 class Request:
     source: str
     recipe: Recipe
-    exl2_from_flag: bool = False  # --exl2 asks for EXL2 explicitly: no CUDA is an error, not a skip
+    asked: set[str] = field(default_factory=set)  # engines a flag asked for (--exl2): no CUDA is an error, not a skip
     name: str | None = None
     base_model: str | None = None  # what the model card names as base_model (default: the source's name)
     device: str | None = None  # where the job will run: None = this machine (qf run); qf submit: the workers'
@@ -52,9 +52,9 @@ class _Prepared:
     """What the inspect step learns, kept in memory for the later steps of this attempt."""
 
     folder: Path  # the staging folder: links to the source's allowlisted files
-    specs: list[Exl2Spec | AwqSpec]
-    calibration: dict[str, list[list[int]]]  # tag -> token windows (AWQ)
-    calibration_file: Path  # the calibration text as parquet (EXL2 tokenizes it itself)
+    specs: list[QuantSpec]
+    calibration: dict[str, list[list[int]]]  # tag -> token windows, for engines that take tokens
+    calibration_file: Path  # the calibration text as parquet, for engines that tokenize it themselves
     stream: evaluate.Stream
     upstream: upstream.Upstream  # what the card says about the base model
 
@@ -70,16 +70,7 @@ class Factory:
     def submit(self, request: Request) -> tuple[Job, bool]:
         recipe = request.recipe
         device = request.device or evaluate.device()
-        specs = recipe.specs()
-        if device != "cuda" and any(s.method == "exl2" for s in specs):
-            if request.exl2_from_flag:
-                where = "this machine has" if request.device is None else "the workers (FACTORY_WORKER_DEVICE) have"
-                raise SpecError(f"EXL2 (--exl2, --fit) needs a CUDA GPU and {where} none; AWQ runs without one "
-                                "(--awq)")
-            specs = [s for s in specs if s.method != "exl2"]
-            self.emit({"event": "note", "message": "no CUDA GPU: skipping the recipe's EXL2 targets"})
-        if not specs:
-            raise SpecError("nothing to make: pass --exl2 BPW[,BPW...], --awq, or a recipe with exl2 or awq targets")
+        specs = self._runnable(recipe.specs(), request, device)
         used = [engines.get(name) for name in sorted({s.method for s in specs})]
         versions = {engine.name: engine.version() for engine in used}
         cal, ev = _calibration(recipe.calibration, used), calibration.resolve(recipe.eval)
@@ -91,9 +82,9 @@ class Factory:
 
         source = sources.resolve(request.source, self.settings.cache)
         if source.path is not None:  # a folder that cannot work is refused before a job exists (a Hub repo: at fetch)
-            info = inspect(source.path)
+            info = inspect(source.path, _architectures(specs))
             for spec in specs:
-                self._resolve(spec, info.in_features, device)
+                _resolve(spec, info, device)
         if request.name:
             ref = naming.parse(request.name)
             if ref.tag or ref.rev:
@@ -134,6 +125,29 @@ class Factory:
         )
         return job, created
 
+    def _runnable(self, specs: list[QuantSpec], request: Request, device: str) -> list[QuantSpec]:
+        """The specs this device can make: without CUDA, those of engines that need it are skipped with a note,
+        or refused when a flag asked for them."""
+        if device != "cuda":
+            for engine in sorted({engines.get(s.method) for s in specs if engines.get(s.method).requires_cuda},
+                                 key=lambda e: e.name):
+                if engine.name in request.asked:
+                    where = ("this machine has" if request.device is None
+                             else "the workers (FACTORY_WORKER_DEVICE) have")
+                    flags = f"--{engine.name}" + (", --fit" if engine.sizes_to_budget else "")
+                    others = [e for e in engines.all_engines() if not e.requires_cuda and e.flag]
+                    alternative = ", ".join(f"{e.label} runs without one (--{e.name})" for e in others)
+                    raise SpecError(f"{engine.label} ({flags}) needs a CUDA GPU and {where} none"
+                                    + (f"; {alternative}" if alternative else ""))
+                specs = [s for s in specs if s.method != engine.name]
+                self.emit({"event": "note", "message": f"no CUDA GPU: skipping the recipe's {engine.label} targets"})
+        if not specs:
+            flags = ", ".join(f"--{e.name}" + (" VALUE" if e.flag.takes_value else "")
+                              for e in engines.all_engines() if e.flag)
+            raise SpecError(f"nothing to make: pass {flags}, or a recipe with {' or '.join(engines.available())} "
+                            "targets")
+        return specs
+
     # execute --------------------------------------------------------------------------------------------
     def execute(self, job_id: str, publish: bool = True) -> Job:
         """Run the steps not done yet. publish=False (a GPU worker) stops after the gate and leaves the job queued
@@ -149,15 +163,14 @@ class Factory:
             outputs = {spec.tag: self._quantize(job, prepared, spec) for spec in prepared.specs}
             fp16 = self._evaluate_fp16(job, prepared)
             ppls = {spec.tag: self._evaluate(job, prepared, spec, outputs[spec.tag]) for spec in prepared.specs}
-            exl2 = [s for s in prepared.specs if s.method == "exl2"]
-            kv = {s.tag: self._evaluate_kv(job, prepared, s, outputs[s.tag]) for s in exl2}
+            extra = {s.tag: self._evaluate_extra(job, prepared, s, outputs[s.tag]) for s in prepared.specs}
             refused = self._gate(job, ppls, fp16)
             if not publish:
                 self.catalog.set_job_state(job_id, JobState.queued)
                 return self.catalog.job(job_id)
             for spec in prepared.specs:
                 if spec.tag not in refused:
-                    self._publish(job, prepared, spec, outputs[spec.tag], ppls[spec.tag], fp16, kv.get(spec.tag))
+                    self._publish(job, prepared, spec, outputs[spec.tag], ppls[spec.tag], fp16, extra[spec.tag])
                     if self.settings.hub_owner:
                         self._push(job, prepared, spec)
             if refused:
@@ -238,43 +251,34 @@ class Factory:
                 fetched = sources.fetch_hub(job.source_identity, self.settings.cache, progress)
         with self._step(job.id, "inspect"):
             source_folder = fetched or self._local_folder(job)
-            info = inspect(source_folder)
+            specs = _specs(job.specs)
+            info = inspect(source_folder, _architectures(specs))
             folder = files.stage(source_folder, self.settings.work / job.id / "source")
-            specs = [self._resolve(spec, info.in_features, job.device) for spec in _specs(job.specs)]
-            self.catalog.set_job_specs(job.id, [s.model_dump() for s in specs])
+            specs = [_resolve(spec, info, job.device) for spec in specs]
             cal = _text(job.calibration, job.calibration_sha)
             cal_ids = evaluate.tokenize(folder, cal.text)
-            windows = {
-                s.tag: calibration.token_windows(cal_ids, s.calib_rows, s.calib_length, job.calibration)
-                for s in specs
-                if isinstance(s, AwqSpec)
-            }
+            specs = [engines.get(s.method).fit_calibration(s, len(cal_ids)) for s in specs]
+            self.catalog.set_job_specs(job.id, [s.model_dump() for s in specs])
+            windows = {}
             for s in specs:
-                if isinstance(s, Exl2Spec):  # exllamav2 takes the first rows x length tokens of the text
-                    for rows, length in ((s.measurement_rows, s.measurement_length), (s.rows, s.length)):
-                        calibration.check_length(cal_ids, rows, length, job.calibration)
+                engine = engines.get(s.method)
+                for rows, length in engine.calibration_lengths(s):
+                    calibration.check_length(cal_ids, rows, length, job.calibration)
+                if asked := engine.calibration_windows(s):
+                    windows[s.tag] = calibration.token_windows(cal_ids, *asked, job.calibration)
             cal_file = calibration.write_parquet(cal, self.settings.work / job.id / "calibration.parquet")
             eval_ids = evaluate.tokenize(folder, _text(job.eval, job.eval_sha).text)
             stream = evaluate.stream(eval_ids, job.eval_windows, info.max_positions, job.eval)
         for s in specs:
-            if isinstance(s, AwqSpec):
-                self.emit(
-                    {
-                        "event": "note",
-                        "message": f"{s.tag}: calibration {job.calibration} {s.calib_rows} x "
-                        f"{s.calib_length} tokens, clipping {'on' if s.clip else 'off'}; eval {job.eval} "
-                        f"{job.eval_windows} x {stream.window_length} tokens on {job.device}",
-                    }
-                )
+            if s.tag in windows:  # what the engine takes of the text, said before it runs for minutes
+                used = engines.get(s.method).describe_calibration(s.model_dump(), job.calibration)
+                self.emit({"event": "note", "message": f"{s.tag}: calibration {used}; eval {job.eval} "
+                           f"{job.eval_windows} x {stream.window_length} tokens on {job.device}"})
         up = upstream.read(job.base_model, files.upstream_card(source_folder), folder)
         return _Prepared(folder=folder, specs=specs, calibration=windows, calibration_file=cal_file, stream=stream,
                          upstream=up)
 
-    @staticmethod
-    def _resolve(spec: Exl2Spec | AwqSpec, in_features: list[int], device: str) -> Exl2Spec | AwqSpec:
-        return resolve_awq(spec, in_features, device == "cuda") if isinstance(spec, AwqSpec) else spec
-
-    def _quantize(self, job: Job, prepared: _Prepared, spec: Exl2Spec | AwqSpec) -> Path:
+    def _quantize(self, job: Job, prepared: _Prepared, spec: QuantSpec) -> Path:
         work = self.settings.work / job.id / spec.tag
         out = work / "out"
         name = f"quantize:{spec.tag}"
@@ -295,14 +299,15 @@ class Factory:
             engine.quantize(request, lambda event: progress(**_progress(event)))
         return out
 
-    def _measurement(self, job: Job, prepared: _Prepared, spec: Exl2Spec) -> Path:
+    def _measurement(self, job: Job, prepared: _Prepared, spec: QuantSpec) -> Path:
         """The measurement for this source, calibration and settings: made once, reused by every later target."""
         engine = engines.get(spec.method)
-        rows, length = spec.measurement_rows, spec.measurement_length
+        rows, length = engine.measurement_settings(spec)
         key = measurement_key(job.source_identity, job.calibration_sha, rows, length, engine.version())
         known = self.catalog.measurement(key)
         if known is not None and Path(known.path).is_file():
-            self.emit({"event": "note", "message": f"reusing EXL2 measurement {key[:12]} ({rows} x {length} tokens)"})
+            self.emit({"event": "note", "message": f"reusing {engine.label} measurement {key[:12]} ({rows} x {length} "
+                       "tokens)"})
             return Path(known.path)
         path = self.settings.measurements / f"{key}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -332,35 +337,43 @@ class Factory:
         if (ppl := self.catalog.baseline(*key)) is not None:
             self.emit({"event": "note", "message": f"FP16 perplexity {ppl:.4f} reused from an earlier evaluation"})
             return ppl
-        return self._measure(job, prepared, "fp16", prepared.folder, "fp16")
+        return self._measure(job, prepared, "fp16", prepared.folder, evaluate.load_fp16, evaluate.FP16_EVALUATOR)
 
-    def _evaluate(self, job: Job, prepared: _Prepared, spec: Exl2Spec | AwqSpec, out: Path) -> float:
+    def _evaluate(self, job: Job, prepared: _Prepared, spec: QuantSpec, out: Path) -> float:
         done = {e.subject: e.ppl for e in self.catalog.evaluations(job.id)}
         if spec.tag in done and f"evaluate:{spec.tag}" in self.catalog.done_steps(job.id):
             return done[spec.tag]
-        return self._measure(job, prepared, spec.tag, out, spec.method)
+        engine = engines.get(spec.method)
+        return self._measure(job, prepared, spec.tag, out, engine.load, engine.evaluator)
 
-    def _evaluate_kv(self, job: Job, prepared: _Prepared, spec: Exl2Spec, out: Path) -> dict[str, float]:
-        """An EXL2 quant's perplexity through exllamav2's fp16, q8 and q4 KV caches (what cache quantization costs)."""
+    def _evaluate_extra(self, job: Job, prepared: _Prepared, spec: QuantSpec, out: Path) -> dict[str, dict]:
+        """The engine's scores beyond perplexity (EXL2: through exllamav2's fp16, q8 and q4 KV caches), as
+        {group: {key: ppl}}; one step per group."""
+        engine = engines.get(spec.method)
         done = {e.subject: e.ppl for e in self.catalog.evaluations(job.id)}
-        subjects = {cache: f"{spec.tag}:kv-{cache}" for cache in KV_EVAL_CACHES}
-        if all(s in done for s in subjects.values()):
-            return {cache: done[s] for cache, s in subjects.items()}
-        ppls = {}
-        with self._step(job.id, f"evaluate:{spec.tag}:kv") as progress:
-            for cache, subject in subjects.items():
-                def on_window(d: int, t: int, c: str = cache) -> None:
-                    progress(done=d, total=t, unit=f"{c} cache window")
+        scores: dict[str, dict] = {}
+        for group in dict.fromkeys(e.group for e in engine.evaluations(spec)):
+            mine = [e for e in engine.evaluations(spec) if e.group == group]
+            subjects = {e.key: f"{spec.tag}:{e.suffix}" for e in mine}
+            if all(s in done for s in subjects.values()):
+                scores[group] = {key: done[s] for key, s in subjects.items()}
+                continue
+            scores[group] = {}
+            with self._step(job.id, f"evaluate:{spec.tag}:{group.split('_')[0]}") as progress:
+                for e in mine:
+                    def on_window(d: int, t: int, unit: str = e.unit) -> None:
+                        progress(done=d, total=t, unit=unit)
 
-                result = evaluate.evaluate(out, "exl2", prepared.stream, on_window, kv_cache=cache)
-                ppls[cache] = self._record(job, prepared, subject, result, progress)
-                self.emit({"event": "evaluation", "subject": subject, "ppl": result.ppl})
-        return ppls
+                    result = evaluate.evaluate(out, e.load, engine.evaluator, prepared.stream, on_window)
+                    scores[group][e.key] = self._record(job, prepared, subjects[e.key], result, progress)
+                    self.emit({"event": "evaluation", "subject": subjects[e.key], "ppl": result.ppl})
+        return scores
 
-    def _measure(self, job: Job, prepared: _Prepared, subject: str, folder: Path, method: str) -> float:
+    def _measure(self, job: Job, prepared: _Prepared, subject: str, folder: Path, load, evaluator: str) -> float:
         with self._step(job.id, f"evaluate:{subject}") as progress:
             result = evaluate.evaluate(
-                folder, method, prepared.stream, lambda done, total: progress(done=done, total=total, unit="window")
+                folder, load, evaluator, prepared.stream,
+                lambda done, total: progress(done=done, total=total, unit="window"),
             )
             self._record(job, prepared, subject, result, progress)
         self.emit({"event": "evaluation", "subject": subject, "ppl": result.ppl})
@@ -390,12 +403,13 @@ class Factory:
                 if not (math.isfinite(ppl) and ppl <= job.max_ppl_ratio * fp16)
             }
 
-    def _publish(self, job: Job, prepared: _Prepared, spec, out: Path, ppl: float, fp16: float,
-                 kv: dict[str, float] | None = None) -> None:
+    def _publish(self, job: Job, prepared: _Prepared, spec: QuantSpec, out: Path, ppl: float, fp16: float,
+                 extra: dict[str, dict]) -> None:
         rev = sources.rev(job.source_identity)
+        engine = engines.get(spec.method)
         with self._step(job.id, f"publish:{spec.tag}"):
             (out / card.FILENAME).unlink(missing_ok=True)
-            files.check_publishable(out, engines.get(spec.method).outputs)
+            files.check_publishable(out, engine.outputs)
             quant = Quant(
                 job_id=job.id,
                 name=job.name,
@@ -423,13 +437,14 @@ class Factory:
                     "windows": len(prepared.stream.windows),
                     "window_length": prepared.stream.window_length,
                     "device": job.device,
-                    # exllamav2's perplexity through fp16, q8 and q4 caches (JSON: no NaN or infinity, so null)
-                    **({"kv_cache": {c: p if math.isfinite(p) else None for c, p in kv.items()}} if kv else {}),
+                    # the engine's other scores, e.g. kv_cache (JSON: no NaN or infinity, so null)
+                    **{group: {k: p if math.isfinite(p) else None for k, p in scores.items()}
+                       for group, scores in extra.items()},
                 },
             )
             this = quant.as_row()
-            if spec.method == "exl2":
-                this["fits"] = vram.quant_fits(out)
+            if fits := engine.fits(out):
+                this["fits"] = fits
             others = [q.as_row() for q in self.catalog.quants(name=job.name) if (q.tag, q.rev) != (spec.tag, rev)]
             (out / card.FILENAME).write_text(card.render(job.name, prepared.upstream, this, [this, *others]))
             manifest = {  # identities, never local paths
@@ -445,13 +460,14 @@ class Factory:
             registry.publish(self.settings.registry, job.name, spec.tag, rev, out, manifest)
             self.catalog.put_quant(quant)
 
-    def _push(self, job: Job, prepared: _Prepared, spec: Exl2Spec | AwqSpec) -> None:
+    def _push(self, job: Job, prepared: _Prepared, spec: QuantSpec) -> None:
         """The quant's branch on the Hub, then main of its repo: the card of every variant there with its plot, and
-        measurement.json (EXL2) or the newest variant's files (AWQ, where vLLM looks)."""
-        s = self.settings
+        the files the engine puts on main (EXL2: measurement.json; AWQ: the newest variant's, where vLLM looks)."""
+        s, engine = self.settings, engines.get(spec.method)
+        templates = hub.templates(s.hub_repos)
 
         def where(tag: str) -> hub.Place:
-            return hub.place(s.hub_owner, job.name, tag, s.hub_exl2_repo, s.hub_awq_repo)
+            return hub.place(s.hub_owner, job.name, tag, templates)
 
         here, rev = where(spec.tag), sources.rev(job.source_identity)
         folder = registry.quant_dir(s.registry, job.name, spec.tag, rev)
@@ -462,16 +478,13 @@ class Factory:
                       if q.method == spec.method and where(q.tag).branch in on_hub and (s.registry / q.path).is_dir()}
             rows = [q.as_row() for q in latest.values()]
             for r in rows:
-                if r["method"] == "exl2":
-                    r["fits"] = vram.quant_fits(s.registry / r["path"])
+                if fits := engine.fits(s.registry / r["path"]):
+                    r["fits"] = fits
             newest = max(rows, key=lambda r: r["created_at"])
-            main_quant: dict[str, Path] = {}
             newest_dir = s.registry / newest["path"]
-            if spec.method == "awq":
-                files.check_publishable(newest_dir, engines.get(spec.method).outputs)
-                main_quant = {p.name: p for p in newest_dir.iterdir() if p.is_file()}
-            elif (newest_dir / "measurement.json").is_file():
-                main_quant["measurement.json"] = newest_dir / "measurement.json"
+            main_quant = {name: newest_dir / name for name in engine.main_files(newest_dir)}
+            if main_quant:
+                files.check_publishable(newest_dir, engine.outputs)
             main = s.work / job.id / "hub-main" / spec.method
             shutil.rmtree(main, ignore_errors=True)
             main.mkdir(parents=True)
@@ -480,7 +493,7 @@ class Factory:
             return {**main_quant, card.FILENAME: main / card.FILENAME, card.PLOT: card.plot(rows, main / card.PLOT)}
 
         with self._step(job.id, f"push:{spec.tag}"):
-            files.check_publishable(folder, engines.get(spec.method).outputs)
+            files.check_publishable(folder, engine.outputs)
             self._hub_writer = self._hub_writer or hub.writer(s.hub_owner)
             quant_files = {p.name: p for p in folder.iterdir() if p.is_file()}
             message = f"{job.name}:{spec.tag}@{rev} from {job.source_identity}"
@@ -507,8 +520,21 @@ def _calibration(name: str | None, used: list) -> calibration.TextSet:
     return max((calibration.resolve(e.default_calibration) for e in used), key=lambda t: len(t.text))
 
 
-def _specs(dicts: list[dict]) -> list[Exl2Spec | AwqSpec]:
-    return [Exl2Spec(**d) if d["method"] == "exl2" else AwqSpec(**d) for d in dicts]
+def _specs(dicts: list[dict]) -> list[QuantSpec]:
+    return [engines.spec_from_dict(d) for d in dicts]
+
+
+def _architectures(specs: list[QuantSpec]) -> set[str]:
+    """What inspection accepts: the architectures some engine of the job converts (each refuses the rest itself)."""
+    return {a for name in {s.method for s in specs} for a in engines.get(name).architectures}
+
+
+def _resolve(spec: QuantSpec, info: ModelInfo, device: str) -> QuantSpec:
+    """The spec with its model- and device-dependent defaults, after its engine said it can take the model."""
+    engine: Engine = engines.get(spec.method)
+    if (reason := engine.refuse(info)) is not None:
+        raise ModelRefused(reason)
+    return engine.resolve(spec, info, device)
 
 
 def _text(name: str, sha256: str) -> calibration.TextSet:

@@ -19,7 +19,7 @@ from pathlib import Path
 import yaml
 
 from factory.errors import SpecError
-from factory.specs import recipe_from_dict
+from factory.recipes import recipe_from_dict
 
 _TARGET = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.*?\[\]-]+")
 FILTER_KEYS = {"architectures", "max_params"}
@@ -100,8 +100,10 @@ def load(path: Path) -> list[WatchEntry]:
 
 
 def plan(watches: list[WatchEntry], releases: list[Release], done: set[tuple[str, str, str]],
-         supported: set[str]) -> list[Planned]:
-    """One Planned per (watch, release) that matches and is not done yet; `done` holds (watch, repo, sha)."""
+         supported: dict[str, set[str]]) -> list[Planned]:
+    """One Planned per (watch, release) that matches and is not done yet; `done` holds (watch, repo, sha);
+    `supported`: engine name -> the architectures it converts (a release is skipped when no engine of the
+    watch's recipe converts it)."""
     planned = []
     for watch in watches:
         for release in releases:
@@ -117,8 +119,9 @@ def _reason(watch: WatchEntry, release: Release, supported: set[str]) -> str | N
     if not release.architectures:
         return "its config.json names no architecture"
     arch = release.architectures[0]
-    if arch not in supported:
-        return f"architecture {arch} is not supported"
+    used = [name for name in supported if name in watch.recipe] or list(supported)
+    if not any(arch in supported[name] for name in used):
+        return f"architecture {arch} is not supported by {', '.join(used)}"
     wanted = watch.filter.get("architectures")
     if wanted and arch not in wanted:
         return f"architecture {arch} is not in the watch's filter ({', '.join(wanted)})"

@@ -14,20 +14,22 @@ FACTORY_WATCH_SECONDS  how often beat asks the Hub about the watchlist (default 
 FACTORY_MAX_ATTEMPTS  how often a job may be taken by a worker before it fails as lost (default 3)
 FACTORY_HUB_OWNER  publish every quant to the Hugging Face Hub under this user or organization as well (default:
                   the registry folder only); the token is HF_TOKEN or huggingface_hub's stored login
-FACTORY_HUB_EXL2_REPO, FACTORY_HUB_AWQ_REPO  repo name templates on the Hub (defaults `{owner}/{model}-exl2`,
-                  `{owner}/{model}-AWQ`; {model} is the factory's name of the model); `qf pull` uses them too
+FACTORY_HUB_<ENGINE>_REPO  an engine's repo name template on the Hub (FACTORY_HUB_EXL2_REPO, FACTORY_HUB_AWQ_REPO,
+                  ...; defaults from the engines: `{owner}/{model}-exl2`, `{owner}/{model}-AWQ`, `{owner}/{model}-exl3`;
+                  {model} is the factory's name of the model); `qf pull` uses them too
 """
 
 from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from factory.errors import SpecError, mask_url
 
 POSTGRES_URL = re.compile(r"^postgres(ql)?(\+psycopg2)?://")  # the URL forms users and SQLAlchemy write
+HUB_REPO_VARIABLE = re.compile(r"FACTORY_HUB_([A-Z0-9]+)_REPO")
 
 
 @dataclass(frozen=True)
@@ -42,8 +44,7 @@ class Settings:  # a plain dataclass: `qf status` must start fast, and pydantic'
     reconcile_seconds: float = 60.0
     watch_seconds: float = 3600.0
     hub_owner: str | None = None
-    hub_exl2_repo: str = "{owner}/{model}-exl2"
-    hub_awq_repo: str = "{owner}/{model}-AWQ"
+    hub_repos: dict[str, str] = field(default_factory=dict)  # engine name -> repo template, where one is set
 
     @property
     def registry(self) -> Path:
@@ -77,8 +78,6 @@ _FROM_ENV = {  # field -> (variable, type); an unset or empty variable leaves th
     "reconcile_seconds": ("FACTORY_RECONCILE_SECONDS", float),
     "watch_seconds": ("FACTORY_WATCH_SECONDS", float),
     "hub_owner": ("FACTORY_HUB_OWNER", str),
-    "hub_exl2_repo": ("FACTORY_HUB_EXL2_REPO", str),
-    "hub_awq_repo": ("FACTORY_HUB_AWQ_REPO", str),
 }
 
 
@@ -92,7 +91,8 @@ def load() -> Settings:
     home = home.expanduser().resolve()
     db_url = os.environ.get("FACTORY_DB_URL") or f"sqlite:///{home / 'catalog.db'}"
     found = {field: kind(os.environ[var]) for field, (var, kind) in _FROM_ENV.items() if os.environ.get(var)}
-    return Settings(home=home, db_url=db_url, **found)
+    repos = {m[1].lower(): v for k, v in os.environ.items() if (m := HUB_REPO_VARIABLE.fullmatch(k)) and v}
+    return Settings(home=home, db_url=db_url, hub_repos=repos, **found)
 
 
 def database_kind(url: str) -> str:

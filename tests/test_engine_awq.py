@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from factory import engines, settings
-from factory.engines.awq import _quantizer_cls
+from factory.engines.awq.engine import _quantizer_cls
 from factory.errors import JobFailed
 from factory.pipeline import Factory, Request
-from factory.specs import build_recipe
+from factory.recipes import build_recipe
 
 
 def _bare_quantizer(cls):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from factory.engines import exl2
+from factory.engines.exl2 import engine as exl2
 from factory.errors import JobFailed
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -26,7 +26,7 @@ import torch
 from factory import engines, evaluate, files, settings
 from factory.errors import JobFailed
 from factory.pipeline import Factory, Request
-from factory.specs import build_recipe
+from factory.recipes import build_recipe
 from tests.conftest import Qf
 from tests.smollm2 import convert
 from tests.tiny_model import make_tiny_llama
@@ -104,7 +104,7 @@ def _rows(model: str, events: list[dict]) -> None:
             seconds["measure"] = measure["seconds"]
         RESULTS["rows"].append({
             "model": model, "method": q["method"], "tag": tag,
-            "evaluator": evaluate.EVALUATORS[q["method"]], "bits": q["bits"], "bytes": q["bytes"],
+            "evaluator": engines.get(q["method"]).evaluator, "bits": q["bits"], "bytes": q["bytes"],
             "ppl": q["ppl"], "fp16_ppl": q["fp16_ppl"], "change": q["change"],
             "eval_windows": q["eval"]["windows"], "seconds": seconds,
             "peak_gpu_bytes": {"quantize": quantize["peak_gpu_bytes"],

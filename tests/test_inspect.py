@@ -83,9 +83,9 @@ CASES = [
     ),
     (
         _unknown_architecture,
-        "architecture 'GPT2LMHeadModel' is not supported; supported: LlamaForCausalLM, "
-        "MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, GemmaForCausalLM, "
-        "Gemma2ForCausalLM, Phi3ForCausalLM",
+        "architecture 'GPT2LMHeadModel' is not supported; supported: Gemma2ForCausalLM, GemmaForCausalLM, "
+        "LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, "
+        "Qwen3ForCausalLM",
     ),
     (_no_tokenizer, "no tokenizer (tokenizer.json or tokenizer.model) beside the weights"),
 ]

@@ -1,6 +1,7 @@
 import pytest
 
 from factory import naming
+from factory.engines.exl2.spec import Exl2Spec
 from factory.errors import SpecError
 
 
@@ -66,5 +67,5 @@ def test_model_name_refuses_nothing_left():
     [(4.0, 6, "exl2-4.0bpw"), (4.31, 8, "exl2-4.31bpw-h8"), (2.5, 6, "exl2-2.5bpw"), (8, 6, "exl2-8.0bpw")],
 )
 def test_exl2_tag(bpw, head, tag):
-    assert naming.exl2_tag(bpw, head) == tag
+    assert Exl2Spec(bpw=bpw, head_bits=head).tag == tag
     assert naming.parse(f"m:{tag}").tag == tag

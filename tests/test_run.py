@@ -9,9 +9,9 @@ import torch
 from factory.pipeline import Factory, Request
 from factory.publish import card
 from factory.publish.folder import MANIFEST
+from factory.recipes import build_recipe
 from factory.settings import Settings
 from factory.sources import file_sha256
-from factory.specs import build_recipe
 from tests.conftest import Qf
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")

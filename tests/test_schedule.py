@@ -12,9 +12,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from factory import schedule
+from factory import engines, schedule
 from factory.errors import SpecError
-from factory.inspect import SUPPORTED
 
 ROOT = Path(__file__).resolve().parent.parent
 BROKER = os.environ.get("QF_TEST_BROKER", "redis://127.0.0.1:6379/7")
@@ -23,7 +22,7 @@ LLAMA = ("LlamaForCausalLM",)
 
 # -- the plan: pure ------------------------------------------------------------------------------------------------
 def _plan(watches, releases, done=()):
-    return schedule.plan(watches, releases, set(done), set(SUPPORTED))
+    return schedule.plan(watches, releases, set(done), {e.name: set(e.architectures) for e in engines.all_engines()})
 
 
 def test_plan_matches_repos_and_patterns_once():
@@ -40,6 +39,15 @@ def test_plan_matches_repos_and_patterns_once():
         ("meta/tiny-llama", "e" * 40)]
 
 
+def test_each_watch_takes_what_its_engines_convert():
+    """Gemma 3 is EXL3's (exllamav3), not AWQ's or EXL2's: a watch with EXL3 targets plans it, the others skip it."""
+    gemma = [schedule.Release("google/gemma-3-270m", "7" * 40, ("Gemma3ForCausalLM",))]
+    awq = schedule.entry("google/gemma-3-270m", {"awq": {}})
+    exl3 = schedule.entry("google/*", {"exl3": {"bpw": [4.0]}})
+    assert {p.watch: p.skipped for p in _plan([awq, exl3], gemma)} == {
+        "google/gemma-3-270m": "architecture Gemma3ForCausalLM is not supported by awq", "google/*": None}
+
+
 def test_plan_skips_with_a_reason():
     watch = schedule.entry("meta/*", {"awq": {}}, {"architectures": ["LlamaForCausalLM"], "max_params": 2e9})
     releases = [
@@ -52,7 +60,7 @@ def test_plan_skips_with_a_reason():
     ]
     assert {p.repo: p.skipped for p in _plan([watch], releases)} == {
         "meta/gated": "meta/gated is gated and this token has no access",
-        "meta/bert": "architecture BertModel is not supported",
+        "meta/bert": "architecture BertModel is not supported by awq",
         "meta/qwen": "architecture Qwen2ForCausalLM is not in the watch's filter (LlamaForCausalLM)",
         "meta/big": "7.00B parameters, the watch's filter allows 2.00B",
         "meta/small": None,
@@ -193,7 +201,7 @@ def test_gated_and_unsupported_models_are_skipped_once(env, hub, tiny):
     qf("watch", "add", "meta/tiny-*", "--awq")
     tick = watch_check()
     assert {p["repo"]: p["skipped"] for p in tick["planned"]} == {
-        "meta/tiny-bert": "architecture BertModel is not supported",
+        "meta/tiny-bert": "architecture BertModel is not supported by awq",
         "meta/tiny-gated": "meta/tiny-gated is gated and this token has no access; accept its terms on the Hub, or "
                            "use a token (HF_TOKEN) that has"}
     assert watch_check()["planned"] == [] and jobs() == []

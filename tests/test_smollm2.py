@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from factory import evaluate
+from factory import engines, evaluate
 from factory.publish import card
 from tests.conftest import Qf, fresh_database
 from tests.smollm2 import NOTE, PPL_WIKI, convert
@@ -60,7 +60,7 @@ def test_pulled_quant_loads_with_autoawq_dequantization(smollm2_run, tmp_path):
     qf, row = smollm2_run
     result = qf("pull", row["name"], "-o", tmp_path / "pulled")
     assert result.exit_code == 0, result.output
-    logits_of = evaluate.load_awq(tmp_path / "pulled", "cpu")
+    logits_of = engines.get("awq").load(tmp_path / "pulled", "cpu")
     ids = evaluate.tokenize(tmp_path / "pulled", "The capital of France is Paris. The capital of Germany is Berlin.")
     ppl = evaluate.perplexity(logits_of, evaluate.Stream([ids]))
     assert math.isfinite(ppl) and ppl < 100

@@ -1,12 +1,15 @@
 import pytest
 
-from factory import specs
+from factory import recipes
+from factory.engines.awq.spec import AwqSpec, resolve
+from factory.engines.exl2.spec import Exl2Spec
 from factory.errors import SpecError
+from factory.specs import parse_bpw_list
 
 
 @pytest.mark.parametrize("bpw", [2.0, 4.31, 8.0, "5"])
 def test_bpw_in_range(bpw):
-    assert specs.Exl2Spec(bpw=bpw).bpw == float(bpw)
+    assert Exl2Spec(bpw=bpw).bpw == float(bpw)
 
 
 @pytest.mark.parametrize(
@@ -20,66 +23,67 @@ def test_bpw_in_range(bpw):
 )
 def test_bpw_refused(bpw, message):
     with pytest.raises(SpecError) as e:
-        specs.Exl2Spec(bpw=bpw)
+        Exl2Spec(bpw=bpw)
     assert e.value.message == message
 
 
 @pytest.mark.parametrize("head", [1, 7, 16, True])
 def test_head_bits_refused(head):
     with pytest.raises(SpecError, match="use one of 2, 3, 4, 5, 6, 8"):
-        specs.Exl2Spec(bpw=4.0, head_bits=head)
+        Exl2Spec(bpw=4.0, head_bits=head)
 
 
 def test_parse_bpw_list():
-    assert specs.parse_bpw_list("3.0, 4,5.5") == [3.0, 4.0, 5.5]
+    assert parse_bpw_list("3.0, 4,5.5", "--exl2") == [3.0, 4.0, 5.5]
     with pytest.raises(SpecError, match="--exl2 needs numbers"):
-        specs.parse_bpw_list(",")
+        parse_bpw_list(",", "--exl2")
 
 
 def test_awq_group_resolution():
-    cpu = specs.resolve_awq(specs.AwqSpec(), [576, 1536], cuda=False)
+    cpu = resolve(AwqSpec(), [576, 1536], cuda=False)
     assert (cpu.group_size, cpu.calib_rows, cpu.calib_length, cpu.clip) == (64, 16, 128, False)
-    gpu = specs.resolve_awq(specs.AwqSpec(), [2048, 8192], cuda=True)
+    gpu = resolve(AwqSpec(), [2048, 8192], cuda=True)
     assert (gpu.group_size, gpu.calib_rows, gpu.calib_length, gpu.clip) == (128, 128, 512, True)
     assert gpu.tag == "awq-w4g128"
     with pytest.raises(SpecError, match=r"AWQ group size 128 does not divide the model's input dims \[576\]"):
-        specs.resolve_awq(specs.AwqSpec(group_size=128), [576, 1536], cuda=False)
+        resolve(AwqSpec(group_size=128), [576, 1536], cuda=False)
     with pytest.raises(SpecError, match="neither AWQ group size 128 nor 64"):
-        specs.resolve_awq(specs.AwqSpec(), [100], cuda=False)
+        resolve(AwqSpec(), [100], cuda=False)
 
 
 def test_recipe_unknown_keys(tmp_path):
     path = tmp_path / "r.yaml"
     path.write_text("awq:\n  w_bit: 4\n  groupsize: 64\nmax_ratio: 2\n")
     with pytest.raises(SpecError) as e:
-        specs.load_recipe(path)
+        recipes.load_recipe(path)
     assert "unknown key 'awq.groupsize'" in e.value.message
     assert "unknown key 'max_ratio'" in e.value.message
-    assert "recipe keys: exl2, awq, calibration, eval, eval_windows, max_ppl_ratio" in e.value.message
+    assert "recipe keys: awq, exl2, exl3, calibration, eval, eval_windows, max_ppl_ratio" in e.value.message
 
 
 def test_recipe_bad_yaml_and_missing(tmp_path):
     path = tmp_path / "r.yaml"
     path.write_text("awq: [\n")
     with pytest.raises(SpecError, match="is not valid YAML at line"):
-        specs.load_recipe(path)
+        recipes.load_recipe(path)
     with pytest.raises(SpecError, match="does not exist"):
-        specs.load_recipe(tmp_path / "nope.yaml")
+        recipes.load_recipe(tmp_path / "nope.yaml")
 
 
 def test_standard_recipe_matches_design():
-    recipe = specs.standard_recipe()
-    assert [s.bpw for s in recipe.exl2.specs()] == [2.5, 3.0, 3.5, 4.0, 4.5, 5.0, 6.0, 8.0]
-    assert recipe.awq == specs.AwqSpec()
+    recipe = recipes.standard_recipe()
+    assert [s.bpw for s in recipe.targets["exl2"].specs()] == [2.5, 3.0, 3.5, 4.0, 4.5, 5.0, 6.0, 8.0]
+    assert recipe.targets["awq"] == AwqSpec()
+    assert set(recipe.targets) == {"awq", "exl2"}  # EXL3 is asked for, not made by default
     assert (recipe.calibration, recipe.eval, recipe.max_ppl_ratio) == (None, "builtin:wiki", 1.5)
 
 
 def test_build_recipe_flags_replace_targets(tmp_path):
-    only_awq = specs.build_recipe(awq=True)
-    assert only_awq.exl2 is None and only_awq.awq == specs.AwqSpec()
+    only_awq = recipes.build_recipe(awq=True)
+    assert set(only_awq.targets) == {"awq"} and only_awq.targets["awq"] == AwqSpec()
     path = tmp_path / "r.yaml"
     path.write_text("exl2: {bpw: [3.0], head_bits: 8}\nawq: {group_size: 64}\nmax_ppl_ratio: 1.2\n")
-    r = specs.build_recipe(path, exl2="4.0,5.0", eval_windows=3)
-    assert r.awq is None and [s.tag for s in r.exl2.specs()] == ["exl2-4.0bpw-h8", "exl2-5.0bpw-h8"]
+    r = recipes.build_recipe(path, exl2="4.0,5.0", eval_windows=3)
+    assert set(r.targets) == {"exl2"} and [s.tag for s in r.specs()] == ["exl2-4.0bpw-h8", "exl2-5.0bpw-h8"]
     assert (r.max_ppl_ratio, r.eval_windows) == (1.2, 3)
-    assert specs.build_recipe(path, awq=True).awq.group_size == 64
+    assert recipes.build_recipe(path, awq=True).targets["awq"].group_size == 64

@@ -10,6 +10,9 @@ from pathlib import Path
 import pytest
 
 from factory import vram
+from factory.engines.exl2 import card as exl2_card
+from factory.engines.exl2 import evaluate as exl2_evaluate
+from factory.engines.exl2.spec import Fit
 from factory.errors import SpecError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -158,7 +161,6 @@ def _exl2_shaped(folder: Path) -> dict:
 
 def test_fits_table_of_a_finished_quant_and_its_card(tmp_path):
     """The table the card and `qf show` print, for a 135M model."""
-    from factory.publish import card
 
     folder = tmp_path / "q"
     sizes = _exl2_shaped(folder)
@@ -168,7 +170,7 @@ def test_fits_table_of_a_finished_quant_and_its_card(tmp_path):
     assert all(f["fp16"] == 8192 and f["q4"] == 8192 for f in fits)  # a 135M model fits 8 GB at its full context
     row = {"name": "smollm2:exl2-4.0bpw", "fits": fits, "fit": {"vram": 8 * 2**30, "ctx": 8192, "cache": "q4"},
            "eval": {"kv_cache": {"fp16": 16.2, "q8": 16.21, "q4": 16.5}}}
-    text = card._fits(row)
+    text = exl2_card.fits(row)
     assert "| 8 GB | 8,192 tokens | 8,192 tokens |" in text and "Made to fit 8 GiB with 8192 tokens of q4" in text
     assert "fp16 16.2000, q8 16.2100, q4 16.5000" in text
 
@@ -197,9 +199,7 @@ def test_qf_show_lists_where_an_exl2_quant_fits_and_its_kv_cache_perplexities(qf
 
 
 def test_one_list_of_cache_types():
-    from factory import evaluate, specs
-
-    assert set(evaluate.KV_CACHES) == set(vram.CACHES) == set(vram._CACHE_BYTES)
-    assert specs.Fit(vram=2**30, ctx=2048, cache="q6").cache == "q6"
+    assert set(exl2_evaluate.KV_CACHES) == set(vram.CACHES) == set(vram._CACHE_BYTES)
+    assert Fit(vram=2**30, ctx=2048, cache="q6").cache == "q6"
     with pytest.raises(ValueError, match="q3"):
-        specs.Fit(vram=2**30, ctx=2048, cache="q3")
+        Fit(vram=2**30, ctx=2048, cache="q3")

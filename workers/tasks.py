@@ -30,13 +30,12 @@ import redis
 from celery.signals import worker_ready
 from kombu.exceptions import OperationalError
 
-from factory import schedule, settings, sources
+from factory import engines, schedule, settings, sources
 from factory.catalog import TERMINAL, Catalog, Job, JobState
 from factory.engines import child
 from factory.errors import FactoryError, ServiceUnavailable, mask_url
-from factory.inspect import SUPPORTED
 from factory.pipeline import Factory, Request
-from factory.specs import recipe_from_dict
+from factory.recipes import recipe_from_dict
 from workers.app import app
 
 QUEUE = "gpu"
@@ -255,7 +254,7 @@ def watch_check(dry_run: bool) -> dict:
             return {"busy": True, "planned": [], "errors": []}
         releases, errors = sources.hub_releases(watches)
         done = {(u.watch, u.repo, u.sha) for u in factory.catalog.upstream()}
-        planned = schedule.plan(watches, releases, done, set(SUPPORTED))
+        planned = schedule.plan(watches, releases, done, {e.name: set(e.architectures) for e in engines.all_engines()})
         rows = []
         for p in planned:
             row = {"watch": p.watch, "repo": p.repo, "sha": p.sha, "skipped": p.skipped, "job": None}

@@ -3,8 +3,8 @@
 YAML metadata (`base_model`, `base_model_relation: quantized`, `license` and `language` as the base model's card
 says, `pipeline_tag`, `library_name`, `tags`, `quantized_by`), where the base model and its license are, the table of
 this model's quants as known when this one was published (bits, size, perplexity, change vs FP16, the calibration
-used, eval protocol, tool versions, source identity), which EXL2 size to pick for common GPUs, the prompt format,
-and how to load each one.
+used, eval protocol, tool versions, source identity), what each engine adds (EXL2: which size to pick for common
+GPUs, where each fits), the prompt format, and how to load each one (the engine's snippet).
 """
 
 from __future__ import annotations
@@ -14,16 +14,12 @@ from pathlib import Path
 import yaml
 
 from calibration import public_name
-from factory.evaluate import KV_CHUNK
+from factory import engines
 from factory.publish.upstream import Upstream
-from factory.vram import HEADROOM, human
 
 FILENAME = "README.md"
 PLOT = "ppl_vs_size.png"  # beside the card of a Hub repo
-KV_CHUNK_NOTE = f"each window fed {KV_CHUNK} tokens at a time, so every token reads the earlier ones from the cache"
-LIBRARY = {"awq": "transformers", "exl2": "exllamav2"}
 QUANTIZED_BY = "quantfactory"
-PICK_CONTEXT = 8192  # "which to pick": the largest EXL2 size that holds this many tokens (or the model's most)
 
 
 def _size(n: int) -> str:
@@ -31,7 +27,7 @@ def _size(n: int) -> str:
 
 
 def _versions(versions: dict) -> str:
-    keep = ("awq", "exl2", "torch", "transformers")
+    keep = (*engines.available(), "torch", "transformers")
     return ", ".join(f"{k} {versions[k]}" for k in keep if k in versions)
 
 
@@ -40,90 +36,20 @@ def _how_to_load(row: dict, place=None) -> str:
     get = f"qf pull {ref} -o {folder}"
     if place is not None:
         get = f"hf download {place.repo} --revision {place.branch} --local-dir {folder}\n# or: {get}"
-    if row["method"] == "awq":
-        return f"""### {ref}
-
-```bash
-{get}
-vllm serve ./{folder} --quantization awq        # or any loader that reads AWQ GEMM checkpoints
-```
-
-```python
-from transformers import AutoModelForCausalLM, AutoTokenizer  # needs a CUDA GPU and the autoawq kernels
-model = AutoModelForCausalLM.from_pretrained("./{folder}", device_map="cuda")
-tokenizer = AutoTokenizer.from_pretrained("./{folder}")
-```
-"""
-    return f"""### {ref}
-
-```bash
-{get}
-# then point TabbyAPI's model_dir at ./{folder}
-```
-
-```python
-from exllamav2 import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config, ExLlamaV2Tokenizer
-config = ExLlamaV2Config("./{folder}")
-model = ExLlamaV2(config)
-cache = ExLlamaV2Cache(model, lazy=True)
-model.load_autosplit(cache)
-tokenizer = ExLlamaV2Tokenizer(config)
-```
-"""
-
-
-def kv_scores(kv: dict[str, float | None]) -> str:
-    """{"fp16": 16.6, "q4": None} -> "fp16 16.6000, q4 not finite"."""
-    return ", ".join(f"{c} {p:.4f}" if p is not None else f"{c} not finite" for c, p in kv.items())
-
-
-def _fits(row: dict) -> str:
-    """How long a context each card size holds with this quant in exllamav2 (rows with a "fits" table)."""
-    if not row.get("fits"):
-        return ""
-    caches = [k for k in row["fits"][0] if k != "budget"]
-    lines = [f"### {row['name']}", ""]
-    if kv := row.get("eval", {}).get("kv_cache"):
-        lines += [f"Perplexity through exllamav2's KV cache ({KV_CHUNK_NOTE}): {kv_scores(kv)}.", ""]
-    if row.get("fit"):
-        f = row["fit"]
-        lines += [f"Made to fit {f['vram'] / 2**30:.0f} GiB with {f['ctx']} tokens of {f['cache']} cache (--fit).",
-                  ""]
-    lines += ["| GPU | " + " | ".join(f"longest context, {c} cache" for c in caches) + " |",
-              "|---|" + "---|" * len(caches)]
-    for r in row["fits"]:
-        cells = [f"{r[c]:,} tokens" if r[c] else "does not fit" for c in caches]
-        lines.append(f"| {r['budget'] / 2**30:.0f} GB | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    return f"### {ref}\n\n```bash\n{get}\n```\n\n{engines.get(row['method']).how_to_load(folder)}"
 
 
 def _calibration(r: dict) -> str:
-    """The calibration a quant was made with: the text set, rows x length, and for AWQ whether it clipped."""
+    """The calibration a quant was made with: the text set, and how much of it (its engine says)."""
     spec, text = r.get("spec") or {}, public_name(r["calibration"])
-    if spec.get("calib_rows"):
-        clipping = "on" if spec["clip"] else "off"
-        return f"{text}, {spec['calib_rows']} x {spec['calib_length']} tokens, clipping {clipping}"
-    if spec.get("rows"):
-        return (f"{text}, {spec['rows']} x {spec['length']} tokens (measured on {spec['measurement_rows']} x "
-                f"{spec['measurement_length']})")
-    return text
+    return engines.get(r["method"]).describe_calibration(spec, text) if spec else text
 
 
-def _picks(rows: list[dict]) -> str:
-    """For each GPU size of the fits tables: the largest EXL2 quant that holds PICK_CONTEXT tokens (or the longest
-    context any quant reaches) with an fp16 cache, else with a q4 cache."""
-    exl2 = sorted((r for r in rows if r.get("fits")), key=lambda r: -r["bits"])
-    if not exl2:
-        return ""
-    longest = max(f[c] or 0 for r in exl2 for f in r["fits"] for c in ("fp16", "q4"))
-    want = min(PICK_CONTEXT, longest)
-    lines = ["## Which one to pick", "", f"The largest EXL2 size that holds {want:,} tokens of context with exllamav2 "
-             "(an fp16 cache where it fits, else q4), by GPU memory:", "", "| GPU | pick | cache |", "|---|---|---|"]
-    for i, budget in enumerate(f["budget"] for f in exl2[0]["fits"]):
-        pick = next(((r, c) for c in ("fp16", "q4") for r in exl2 if (r["fits"][i][c] or 0) >= want), None)
-        cell = f"`{pick[0]['name']}` | {pick[1]}" if pick else "none of these | -"
-        lines.append(f"| {budget / 2**30:.0f} GB | {cell} |")
-    return "\n".join(lines) + "\n"
+def _sections(rows: list[dict]) -> tuple[str, str]:
+    """What each engine adds about its quants: before the prompt format, and after the load snippets."""
+    parts = [engines.get(m).card_sections([r for r in rows if r["method"] == m])
+             for m in sorted({r["method"] for r in rows})]
+    return "".join(p[0] for p in parts), "".join(p[1] for p in parts)
 
 
 def _about(up: Upstream) -> str:
@@ -159,7 +85,7 @@ def render(name: str, upstream: Upstream, this: dict, rows: list[dict], places: 
         **({"license_link": upstream.license_link} if upstream.license_link else {}),
         **({"language": upstream.language} if upstream.language else {}),
         "pipeline_tag": "text-generation",
-        "library_name": LIBRARY[this["method"]],
+        "library_name": engines.get(this["method"]).library_name,
         "tags": sorted({this["method"], "quantized", QUANTIZED_BY}),
         "quantized_by": QUANTIZED_BY,
     }
@@ -180,11 +106,7 @@ def render(name: str, upstream: Upstream, this: dict, rows: list[dict], places: 
         )
     ordered = sorted(rows, key=lambda r: (r["method"], r["bits"]))
     loads = "\n".join(_how_to_load(r, places.get(r["name"])) for r in ordered)
-    fits = "\n".join(_fits(r) for r in ordered if r.get("fits"))
-    if fits:
-        fits = ("\n## Fits on\n\nThe longest context (powers of two up to the model's maximum) that exllamav2 holds "
-                f"with {human(HEADROOM)} of the card left free, as factory/vram.py predicts it (checked against real "
-                "memory on an H200: benchmarks/results/vram_fit.json).\n\n" + fits)
+    before, after = _sections(rows)
     picture = f"\n![perplexity against size]({PLOT})\n" if places else ""
     return f"""---
 {yaml.safe_dump(meta, sort_keys=False).strip()}
@@ -200,10 +122,10 @@ FP16 model on those windows.
 
 {chr(10).join(table)}
 {picture}
-{_picks(rows)}{_prompt(upstream)}
+{before}{_prompt(upstream)}
 ## How to load
 
-{loads}{fits}"""
+{loads}{chr(10) + after if after else ""}"""
 
 
 def plot(rows: list[dict], path: Path) -> Path:
@@ -214,11 +136,11 @@ def plot(rows: list[dict], path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=100)
-    for method, marker in (("exl2", "o"), ("awq", "s")):
-        mine = [r for r in rows if r["method"] == method]
+    for method in sorted({r["method"] for r in rows}):
+        engine, mine = engines.get(method), [r for r in rows if r["method"] == method]
         points = sorted((r["bytes"] / 2**20, r["ppl"], r["name"].split(":", 1)[1]) for r in mine)
         if points:
-            ax.plot([p[0] for p in points], [p[1] for p in points], marker=marker, label=method.upper())
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker=engine.plot_marker, label=engine.label)
             for x, y, tag in points:
                 ax.annotate(tag, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
     ax.axhline(rows[0]["fp16_ppl"], linestyle="--", color="gray", label="FP16")

@@ -1,12 +1,13 @@
 """The Hugging Face Hub through huggingface_hub: publishing quants, pulling them by name, and the client pieces
 that sources.py uses to fetch FP16 checkpoints (errors as one sentence, retries, checksums).
 
-Publishing (FACTORY_HUB_OWNER set): the EXL2 quants of a model share one repo (default `{owner}/{model}-exl2`),
-one branch per size (`4.0bpw`, `4.31bpw-h8`), with the model card, its plot and measurement.json on main; the AWQ
-quants share `{owner}/{model}-AWQ`, one branch per variant (`w4g128`), and main also holds the latest variant's
-files, where vLLM looks. Each branch changes in one commit made against the head it read (parent_commit), so
-publishing the same quant again changes nothing, a concurrent publish is read again and retried, and a failed
-upload leaves the branch where it was; 429 and 5xx answers are retried with backoff.
+Publishing (FACTORY_HUB_OWNER set): one engine's quants of a model share one repo (its template: EXL2
+`{owner}/{model}-exl2`, AWQ `{owner}/{model}-AWQ`), one branch per variant (the engine's `branch`: `4.0bpw`,
+`w4g128`), with the model card and its plot on main beside the files the engine puts there (EXL2 its
+measurement.json; AWQ the latest variant's files, where vLLM looks). Each branch changes in one commit made
+against the head it read (parent_commit), so publishing the same quant again changes nothing, a concurrent publish
+is read again and retried, and a failed upload leaves the branch where it was; 429 and 5xx answers are retried
+with backoff.
 
 Tokens come from HF_TOKEN or huggingface_hub's stored login and go nowhere else: not into task arguments, the
 catalog, logs or messages. HF_ENDPOINT points all of it at another Hub (the tests' local server).
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from factory import engines
 from factory.errors import JobFailed, NotFound, ServiceUnavailable, SpecError, mask_url
 from factory.sources import file_sha256
 
@@ -180,13 +182,15 @@ class Place:
     branch: str
 
 
-def place(owner: str, name: str, tag: str, exl2_template: str, awq_template: str) -> Place:
+def templates(repos: dict[str, str]) -> dict[str, str]:
+    """Every engine's repo template: FACTORY_HUB_<ENGINE>_REPO where set (`repos`), else the engine's default."""
+    return {e.name: repos.get(e.name, e.hub_repo) for e in engines.all_engines()}
+
+
+def place(owner: str, name: str, tag: str, templates: dict[str, str]) -> Place:
     """`smollm2-135m-instruct:exl2-4.0bpw` -> alice/smollm2-135m-instruct-exl2, branch 4.0bpw."""
-    method, _, variant = tag.partition("-")
-    template = {"exl2": exl2_template, "awq": awq_template}.get(method)
-    if template is None or not variant:
-        raise SpecError(f"tag {tag!r} is neither exl2-... nor awq-...")
-    return Place(template.format(owner=owner, model=name), variant)
+    engine = engines.of_tag(tag)
+    return Place(templates[engine.name].format(owner=owner, model=name), engine.branch(tag))
 
 
 def writer(owner: str):
@@ -302,7 +306,8 @@ def tags(owner: str, name: str, templates: dict[str, str]) -> dict[str, Place]:
     found = {}
     for method, template in templates.items():
         repo = template.format(owner=owner, model=name)
-        found.update({f"{method}-{b}": Place(repo, b) for b in refs(repo) if b != "main"})
+        engine = engines.get(method)
+        found.update({engine.tag_of_branch(b): Place(repo, b) for b in refs(repo) if b != "main"})
     return found
 
 
@@ -317,6 +322,7 @@ def published(owner: str, templates: dict[str, str]) -> list[dict]:
         pattern = re.escape(template).replace(r"\{owner\}", re.escape(owner)).replace(r"\{model\}", "(?P<model>.+)")
         for repo in models:
             if match := re.fullmatch(pattern, repo):
-                rows += [{"name": f"{match['model']}:{method}-{b}", "repo": repo, "branch": b, "commit": c}
+                tag_of = engines.get(method).tag_of_branch
+                rows += [{"name": f"{match['model']}:{tag_of(b)}", "repo": repo, "branch": b, "commit": c}
                          for b, c in sorted(refs(repo).items()) if b != "main"]
     return rows

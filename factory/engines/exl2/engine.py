@@ -1,7 +1,7 @@
 """EXL2 through exllamav2's own conversion script, in a child process.
 
-    measure:  python -m factory.engines.exl2 -i SRC -o WORK -c CAL.parquet -om MEASUREMENT.json ...
-    quantize: python -m factory.engines.exl2 -i SRC -o WORK -c CAL.parquet -m MEASUREMENT.json
+    measure:  python -m factory.engines.exl2.engine -i SRC -o WORK -c CAL.parquet -om MEASUREMENT.json ...
+    quantize: python -m factory.engines.exl2.engine -i SRC -o WORK -c CAL.parquet -m MEASUREMENT.json
               -b BPW -hb HEAD -cf OUT ...
 The child runs `exllamav2.conversion.convert_exl2` as __main__ with exactly those arguments (runpy) and then
 reports the peak GPU memory the conversion allocated (for VRAM planning).
@@ -29,7 +29,10 @@ import shutil
 import sys
 from pathlib import Path
 
-from factory.engines import QuantizeRequest, check_quant_folder, child
+from factory.engines import child
+from factory.engines.base import Engine, Evaluation, Flag, QuantizeRequest, check_quant_folder
+from factory.engines.exl2 import card, evaluate
+from factory.engines.exl2.spec import Exl2Spec, Exl2Targets, targets_from_flag
 from factory.errors import JobFailed, SpecError
 
 SCRIPT = "exllamav2.conversion.convert_exl2"
@@ -68,12 +71,87 @@ def _resume_or_wipe(work_dir: Path) -> list[str]:
     return ["-nr"]  # corrupt, invalid or finished-but-unchecked: start clean
 
 
-class Exl2Engine:
+# exllamav2 0.3.2's architectures (exllamav2/architecture.py) that config.json names; inspect refuses the rest.
+ARCHITECTURES = frozenset({
+    "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+    "GemmaForCausalLM", "Gemma2ForCausalLM", "Phi3ForCausalLM",
+})  # fmt: skip
+
+
+class Exl2Engine(Engine):
     name = "exl2"
+    label = "EXL2"
+    spec = Exl2Spec
+    targets = Exl2Targets
+    flag = Flag("EXL2 targets, e.g. 3.0,4.0,5.0 (needs CUDA).", takes_value=True)
+    tag_pattern = r"exl2-\d+\.\d+bpw(-h[23458])?"
+    tag_example = "exl2-4.0bpw"
+    architectures = ARCHITECTURES
     requires_cuda = True
     needs_measurement = True
     default_calibration = "builtin:mix"  # 100 x 2048 rows need ~205k tokens; c4 alone has ~80k
     outputs = ("output*.safetensors", "measurement.json")
+    evaluator = "exllamav2"
+    library_name = "exllamav2"
+    hub_repo = "{owner}/{model}-exl2"
+    plot_marker = "o"
+    sizes_to_budget = True
+
+    def fit_budgets(self, source: str, budgets: str, ctx: int | None, cache: str, written: dict, note) -> dict:
+        """--fit 24GB,16GB -> the highest bpw whose predicted peak fits each budget, with the budget it was for."""
+        from factory import vram as memory
+
+        shape, params = memory.source_shape(source)
+        sizes, fits = [], []
+        for text in budgets.split(","):
+            budget = memory.parse_size(text)
+            plan = memory.plan(shape, params, budget, ctx, cache, head_bits=written.get("head_bits", 6))
+            bpw = plan["best_bpw"]
+            note(f"--fit {text.strip()}: EXL2 {bpw:.2f} bpw for {plan['ctx']} tokens with a {cache} cache "
+                 f"({memory.human(budget)}, {memory.human(plan['headroom'])} left free)")
+            sizes.append(bpw)
+            fits.append({"vram": budget, "ctx": plan["ctx"], "cache": cache})
+        return {**written, "bpw": sizes, "fit": fits}
+
+    def targets_from_flag(self, value: str | dict, written: dict) -> dict:
+        return value if isinstance(value, dict) else targets_from_flag(value, written)
+
+    def calibration_lengths(self, spec: Exl2Spec) -> list[tuple[int, int]]:
+        # exllamav2 reads the text file itself and takes its first rows x length tokens
+        return [(spec.measurement_rows, spec.measurement_length), (spec.rows, spec.length)]
+
+    def measurement_settings(self, spec: Exl2Spec) -> tuple[int, int]:
+        return spec.measurement_rows, spec.measurement_length
+
+    def describe_calibration(self, spec: dict, text: str) -> str:
+        return (f"{text}, {spec['rows']} x {spec['length']} tokens (measured on {spec['measurement_rows']} x "
+                f"{spec['measurement_length']})")
+
+    def load(self, folder: Path, device: str):
+        return evaluate.load(folder)
+
+    def evaluations(self, spec: Exl2Spec) -> list[Evaluation]:
+        return [Evaluation("kv_cache", cache, evaluate.cached_loader(cache), f"{cache} cache window")
+                for cache in evaluate.KV_EVAL_CACHES]
+
+    def describe_scores(self, row: dict) -> list[str]:
+        kv = row["eval"].get("kv_cache")
+        return [f"perplexity through exllamav2's KV cache ({evaluate.KV_CHUNK}-token forwards): {card.kv_scores(kv)}"
+                ] if kv else []
+
+    def fits(self, folder: Path) -> list[dict] | None:
+        from factory import vram
+
+        return vram.quant_fits(folder)
+
+    def main_files(self, newest: Path) -> list[str]:
+        return ["measurement.json"] if (newest / "measurement.json").is_file() else []
+
+    def how_to_load(self, folder: str) -> str:
+        return card.how_to_load(folder)
+
+    def card_sections(self, rows: list[dict]) -> tuple[str, str]:
+        return card.picks(rows), card.fits_on(rows)
 
     def version(self) -> str:
         try:

@@ -1,4 +1,4 @@
-"""AWQ through AutoAWQ 0.2.9, in a child process (`python -m factory.engines.awq request.json`).
+"""AWQ through AutoAWQ 0.2.9, in a child process (`python -m factory.engines.awq.engine request.json`).
 
 What the child does beyond calling AutoAWQ, and why:
 - calibration arrives as token windows of exactly the requested length: AutoAWQ silently drops texts longer
@@ -16,19 +16,67 @@ import importlib.metadata
 import shutil
 from pathlib import Path
 
-from factory.engines import QuantizeRequest, check_quant_folder, child
+from factory.engines import child
+from factory.engines.awq import evaluate
+from factory.engines.awq.spec import AwqSpec, resolve
+from factory.engines.base import Engine, Flag, QuantizeRequest, check_quant_folder
 from factory.files import COMPANIONS
 
+# AutoAWQ 0.2.9 quantizes more model types (awq/models/auto.py); these are the ones tested here, with the
+# llama-style linears inspect finds.
+ARCHITECTURES = frozenset({
+    "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+    "GemmaForCausalLM", "Gemma2ForCausalLM", "Phi3ForCausalLM",
+})  # fmt: skip
 
-class AwqEngine:
+
+class AwqEngine(Engine):
     name = "awq"
-    requires_cuda = False
-    needs_measurement = False
+    label = "AWQ"
+    spec = AwqSpec
+    targets = AwqSpec
+    flag = Flag("AWQ w4, group 128 (64 where 128 does not divide).", takes_value=False)
+    tag_pattern = r"awq-w\d+g\d+"
+    tag_example = "awq-w4g128"
+    architectures = ARCHITECTURES
     default_calibration = "builtin:c4"
     outputs = ("*.safetensors", "model.safetensors.index.json")
+    evaluator = "autoawq"
+    library_name = "transformers"
+    hub_repo = "{owner}/{model}-AWQ"
+    plot_marker = "s"
 
     def version(self) -> str:
         return importlib.metadata.version("autoawq")
+
+    def resolve(self, spec: AwqSpec, info, device: str) -> AwqSpec:
+        return resolve(spec, info.in_features, device == "cuda")
+
+    def calibration_windows(self, spec: AwqSpec) -> tuple[int, int]:
+        return spec.calib_rows, spec.calib_length
+
+    def describe_calibration(self, spec: dict, text: str) -> str:
+        clipping = "on" if spec["clip"] else "off"
+        return f"{text}, {spec['calib_rows']} x {spec['calib_length']} tokens, clipping {clipping}"
+
+    def load(self, folder: Path, device: str):
+        return evaluate.load(folder, device)
+
+    def main_files(self, newest: Path) -> list[str]:
+        # vLLM and transformers read a repo's main branch: the newest variant's files go there too
+        return sorted(p.name for p in newest.iterdir() if p.is_file())
+
+    def how_to_load(self, folder: str) -> str:
+        return f"""```bash
+vllm serve ./{folder} --quantization awq        # or any loader that reads AWQ GEMM checkpoints
+```
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer  # needs a CUDA GPU and the autoawq kernels
+model = AutoModelForCausalLM.from_pretrained("./{folder}", device_map="cuda")
+tokenizer = AutoTokenizer.from_pretrained("./{folder}")
+```
+"""
 
     def quantize(self, request: QuantizeRequest, emit) -> None:
         shutil.rmtree(request.out_dir, ignore_errors=True)

@@ -1,0 +1,1 @@
+"""AWQ through AutoAWQ (see engine.py)."""

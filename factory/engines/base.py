@@ -1,0 +1,202 @@
+"""What every engine is: the interface the pipeline, the card, publishing, naming and the CLI read, and the few
+pieces engines share. An engine owns everything about its method (see README.md); nothing outside
+factory/engines/ names a method.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar
+
+from factory.errors import JobFailed
+from factory.specs import Closed
+
+if TYPE_CHECKING:
+    import torch
+
+    from factory.inspect import ModelInfo
+
+Emit = Callable[[dict], None]
+Logits = Callable[["torch.Tensor"], "torch.Tensor"]  # token ids [1, L] on the CPU -> logits [1, L, V]
+
+
+class QuantSpec(Closed):
+    """One quant an engine makes: closed (unknown keys are refused), with `method` its engine's name."""
+
+    method: str
+
+    @property
+    def tag(self) -> str:  # the name's tag: `exl2-4.0bpw`
+        raise NotImplementedError
+
+    @property
+    def bits(self) -> float:
+        raise NotImplementedError
+
+
+class Targets(Closed):
+    """What a recipe's key for this engine holds (`exl2: {bpw: [...], head_bits: 6}`): one or more specs."""
+
+    def specs(self) -> list[QuantSpec]:
+        raise NotImplementedError
+
+
+@dataclass
+class QuantizeRequest:
+    source_dir: Path  # the job's staging folder: links to the source's allowlisted files only (factory/files.py)
+    out_dir: Path  # empty; the engine fills it with the quant's files
+    work_dir: Path  # the engine's scratch space, kept between attempts
+    spec: dict
+    calibration: list[list[int]] = field(default_factory=list)  # token windows, for engines that take tokens
+    calibration_file: Path | None = None  # the calibration text as parquet ("text"), for engines that tokenize
+    measurement: Path | None = None  # for engines with needs_measurement
+
+
+@dataclass(frozen=True)
+class Flag:
+    """The engine's option on `qf run`, `qf submit` and `qf watch add` (`--exl2 3.0,4.0`, `--awq`)."""
+
+    help: str
+    takes_value: bool  # `--exl2 3.0,4.0`; False: a switch (`--awq`)
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """One score of a quant beyond its perplexity, on the same windows: recorded as the evaluation subject
+    `<tag>:<suffix>` and in the quant's eval as `eval[group][key]` (EXL2: `kv_cache.q4`, subject `...:kv-q4`)."""
+
+    group: str
+    key: str
+    load: Callable[[Path, str], Logits]
+    unit: str = "window"
+
+    @property
+    def suffix(self) -> str:
+        return f"{self.group.split('_')[0]}-{self.key}"
+
+
+class Engine:
+    """The interface, with the defaults most engines keep. A subclass sets the class attributes and implements
+    `version`, `quantize` and `load`; the rest it overrides where its method differs."""
+
+    name: ClassVar[str]  # the method: in tags, the catalog, recipes and `--<name>`
+    label: ClassVar[str]  # as people write it: EXL2
+    spec: ClassVar[type[QuantSpec]]
+    targets: ClassVar[type[Targets]]
+    flag: ClassVar[Flag | None] = None  # None: recipes only
+    tag_pattern: ClassVar[str]  # a regex its tags match in full
+    tag_example: ClassVar[str]
+    architectures: ClassVar[frozenset[str]]  # config.json `architectures[0]` it converts
+    requires_cuda: ClassVar[bool] = False
+    needs_measurement: ClassVar[bool] = False  # then it has measure(...) and measurement_settings(spec)
+    default_calibration: ClassVar[str] = "builtin:c4"
+    outputs: ClassVar[tuple[str, ...]]  # globs of what it writes beyond files.COMPANIONS; nothing else is published
+    evaluator: ClassVar[str]  # the runtime its perplexity is measured with
+    library_name: ClassVar[str]  # the model card's library_name
+    hub_repo: ClassVar[str]  # the default Hub repo template (FACTORY_HUB_<NAME>_REPO replaces it)
+    plot_marker: ClassVar[str] = "o"
+    sizes_to_budget: ClassVar[bool] = False  # `--fit 24GB`: then it has fit_budgets(...)
+
+    # what it makes -------------------------------------------------------------------------------------------
+    def version(self) -> str:
+        raise NotImplementedError
+
+    def spec_from_dict(self, data: dict) -> QuantSpec:
+        return self.spec.model_validate(data)
+
+    def targets_from_flag(self, value: str | bool, written: dict) -> dict:
+        """The recipe key for this engine that `--<name> VALUE` asks for, keeping the recipe's other settings."""
+        return written
+
+    def fit_budgets(self, source: str, budgets: str, ctx: int | None, cache: str, written: dict,
+                    note: Callable[[str], None]) -> dict:
+        """`--fit 24GB,16GB`: the recipe key for the sizes that fit those budgets (engines with sizes_to_budget)."""
+        raise NotImplementedError
+
+    def refuse(self, info: ModelInfo) -> str | None:
+        """Why this engine cannot convert the model (one sentence), or None."""
+        arch = info.architecture
+        if arch not in self.architectures:
+            return f"{self.label} does not convert {arch}; it converts {', '.join(sorted(self.architectures))}"
+        return None
+
+    def resolve(self, spec: QuantSpec, info: ModelInfo, device: str) -> QuantSpec:
+        """Fill in defaults that depend on the model or the device, or refuse (SpecError) what cannot work."""
+        return spec
+
+    def fit_calibration(self, spec: QuantSpec, tokens: int) -> QuantSpec:
+        """The spec once the calibration text is tokenized (`tokens` long), for defaults that depend on it."""
+        return spec
+
+    def calibration_windows(self, spec: QuantSpec) -> tuple[int, int] | None:
+        """(rows, length) of the token windows `quantize` takes (request.calibration); None: it reads the text
+        file (request.calibration_file) itself."""
+        return None
+
+    def calibration_lengths(self, spec: QuantSpec) -> list[tuple[int, int]]:
+        """(rows, length) pairs the calibration text must hold enough tokens for."""
+        windows = self.calibration_windows(spec)
+        return [windows] if windows else []
+
+    def describe_calibration(self, spec: dict, text: str) -> str:
+        """The card's calibration column: the text set and how much of it was used."""
+        return text
+
+    def quantize(self, request: QuantizeRequest, emit: Emit) -> None:
+        raise NotImplementedError
+
+    # how it is scored ----------------------------------------------------------------------------------------
+    def load(self, folder: Path, device: str) -> Logits:
+        """A function from token ids to logits through the engine's own runtime, for perplexity."""
+        raise NotImplementedError
+
+    def evaluations(self, spec: QuantSpec) -> list[Evaluation]:
+        """Scores beyond perplexity (EXL2: through quantized KV caches)."""
+        return []
+
+    def fits(self, folder: Path) -> list[dict] | None:
+        """The longest context each GPU size holds with this quant (the card's "fits on" table), if it knows."""
+        return None
+
+    # how it is published -------------------------------------------------------------------------------------
+    def branch(self, tag: str) -> str:
+        """The quant's branch in the engine's Hub repo: `exl2-4.0bpw` -> `4.0bpw`."""
+        return tag.removeprefix(f"{self.name}-")
+
+    def tag_of_branch(self, branch: str) -> str:
+        return f"{self.name}-{branch}"
+
+    def main_files(self, newest: Path) -> list[str]:
+        """Which files of the newest quant also go on the repo's main branch (beside the card and its plot)."""
+        return []
+
+    def how_to_load(self, folder: str) -> str:
+        """The card's snippet after `qf pull ... -o FOLDER`: markdown code blocks."""
+        raise NotImplementedError
+
+    def describe_scores(self, row: dict) -> list[str]:
+        """Lines `qf show` prints about a quant's scores beyond perplexity."""
+        return []
+
+    def card_sections(self, rows: list[dict]) -> tuple[str, str]:
+        """Markdown sections the card adds about this engine's quants (`rows`): one before the prompt format and
+        the load snippets, one after them (EXL2: which size to pick; where each fits)."""
+        return "", ""
+
+
+def check_quant_folder(out_dir: Path, weights: str, want: dict, tool: str, log: Path | None = None) -> None:
+    """Outputs are checked, not trusted: weight files matching `weights`, and a config.json whose
+    quantization_config says what the spec asked for (`want`)."""
+    see = f"; see {log}" if log else ""
+    if not list(out_dir.glob(weights)):
+        raise JobFailed(f"{tool} wrote no {weights} into {out_dir}{see}")
+    try:
+        qc = json.loads((out_dir / "config.json").read_text())["quantization_config"]
+    except (OSError, ValueError, KeyError):
+        raise JobFailed(f"{tool} wrote no quantization_config into {out_dir / 'config.json'}{see}") from None
+    got = {k: qc.get(k) for k in want}
+    if got != want:
+        raise JobFailed(f"{tool}'s quantization_config {got} does not match the spec {want}")

@@ -1,0 +1,1 @@
+"""EXL2 through exllamav2 (see engine.py)."""

@@ -1,0 +1,1 @@
+"""EXL3 through exllamav3 (see engine.py)."""

@@ -1,0 +1,36 @@
+"""EXL3's parts of the model card: how to load a quant with exllamav3 or TabbyAPI, and its KV-cache scores."""
+
+from __future__ import annotations
+
+from factory.engines.exl3.evaluate import KV_CHUNK_NOTE
+
+
+def how_to_load(folder: str) -> str:
+    return f"""```bash
+# point TabbyAPI's model_dir at ./{folder} (TabbyAPI loads EXL3 through exllamav3)
+```
+
+```python
+from exllamav3 import Cache, Config, Generator, Model, Tokenizer
+config = Config.from_directory("./{folder}")
+model = Model.from_config(config)
+cache = Cache(model, max_num_tokens=8192)
+model.load()
+tokenizer = Tokenizer.from_config(config)
+generator = Generator(model=model, cache=cache, tokenizer=tokenizer)
+```
+"""
+
+
+def kv_scores(kv: dict[str, float | None]) -> str:
+    """{"q8": 16.6, "q4": None} -> "q8 16.6000, q4 not finite"."""
+    return ", ".join(f"{c} {p:.4f}" if p is not None else f"{c} not finite" for c, p in kv.items())
+
+
+def kv_section(rows: list[dict]) -> str:
+    lines = [f"- `{r['name']}`: {kv_scores(r['eval']['kv_cache'])}" for r in rows if r["eval"].get("kv_cache")]
+    if not lines:
+        return ""
+    return ("## EXL3 through a quantized KV cache\n\n"
+            f"Perplexity through exllamav3's quantized cache ({KV_CHUNK_NOTE}), on the same windows:\n\n"
+            + "\n".join(lines) + "\n")

@@ -1,0 +1,218 @@
+"""EXL3 through exllamav3's own conversion script, in a child process.
+
+    python -m factory.engines.exl3.engine -i SRC -o OUT -w WORK -b BPW -hb HEAD -cd CAL.safetensors -cr R -cc L [-r]
+The child runs `exllamav3.conversion.convert_model` as __main__ with those arguments (runpy) and then reports the
+peak GPU memory the conversion allocated.
+
+What we add, and why (facts of exllamav3 1.6.5):
+- calibration is the job's text set, never exllamav3's built-in mix (it holds wiki.utf8, the default eval text):
+  token rows of the source's tokenizer, written as `-cd` safetensors (`input_ids`, rows x length, int64);
+- its progress bars print nothing into a pipe: the ` -- Quantized: <module> ...` line of each finished module
+  becomes a progress event, the ` -- Estimated remaining time: ...` line its ETA;
+- it exits 0 when an argument is refused (` !! Error: ...`), so the outputs are checked, not the exit code:
+  weights, a config.json whose quantization_config says exl3 with the bits asked for, and quantization_config.json
+  (the last file it writes);
+- resume: `-r` when the work folder holds a job (args.json and ckpt/job.json that parse); anything else there is
+  wiped and the conversion starts over (without `-r` it would mix a new job with the old job's tensors);
+- the output folder is emptied first: exllamav3 only warns about stale shards in it;
+- exllamav3 pads every dimension to a multiple of 128 and its gated MLP does not crop the padding of its output:
+  a hidden size that is not a multiple of 128 fails at layer 0 (SmolLM2-135M: 576), so `refuse` says so at submit.
+exllamav3 is never imported here: importing it builds its CUDA extension.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+
+from factory.engines import child
+from factory.engines.base import Engine, Evaluation, Flag, QuantizeRequest, check_quant_folder
+from factory.engines.exl3 import card, evaluate
+from factory.engines.exl3.spec import MIN_ROWS, ROWS, Exl3Spec, Exl3Targets, targets_from_flag
+from factory.errors import JobFailed, SpecError
+
+SCRIPT = "exllamav3.conversion.convert_model"
+PEAK = "[PEAK_GPU_BYTES]"
+PAD = 128  # exllamav3 pads linear layers to multiples of this (modules/linear.py)
+MODULE = re.compile(r"^ -- (?:Quantized|Unquantized): (?P<key>\S+)\s+(?!.*g_sc:)")  # a whole module, not a linear
+ETA = re.compile(r"^ -- Estimated remaining time: (?P<eta>.+?)(?: \(avg over last \d+ blocks\))?$")
+ERROR = re.compile(r"^ !! Error: (?P<message>.*)$")
+CAL_TENSOR = "input_ids"
+
+# exllamav3 1.6.5's architectures (exllamav3/architecture/architectures.py) whose configs and tensors are laid out
+# as factory/inspect.py reads them (a flat config, model.layers.N); the multimodal ...ForConditionalGeneration
+# ones nest their text model and are not taken yet.
+ARCHITECTURES = frozenset({
+    "AfmoeForCausalLM", "ApertusForCausalLM", "ArceeForCausalLM", "Cohere2ForCausalLM", "CohereForCausalLM",
+    "DeciLMForCausalLM", "DeepseekV3ForCausalLM", "Dots1ForCausalLM", "Ernie4_5_ForCausalLM",
+    "Ernie4_5_MoeForCausalLM", "Exaone4ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Glm4ForCausalLM",
+    "Glm4MoeForCausalLM", "GptOssForCausalLM", "Lfm2ForCausalLM", "LlamaForCausalLM", "MiMoForCausalLM",
+    "MiniMaxM2ForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "NemotronHForCausalLM", "Olmo3ForCausalLM",
+    "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM",
+    "SeedOssForCausalLM", "SmolLM3ForCausalLM",
+})  # fmt: skip
+
+
+def _parser(modules: int):
+    """A parse function that counts finished modules: exllamav3 prints one line per module, none per percent."""
+    done = [0]
+    error: list[str] = []
+
+    def parse(line: str) -> dict | None:
+        if line.startswith(PEAK):
+            return {"event": "progress", "peak_gpu_bytes": int(line.removeprefix(PEAK))}
+        if match := MODULE.match(line):
+            done[0] += 1
+            return {"event": "progress", "done": min(done[0], modules), "total": modules, "unit": "module",
+                    "module": match["key"]}
+        if match := ETA.match(line):
+            return {"event": "progress", "eta": match["eta"]}
+        if match := ERROR.match(line):
+            error.append(match["message"])
+        return None
+
+    parse.errors = error  # type: ignore[attr-defined]
+    return parse
+
+
+def _resume_or_wipe(work_dir: Path) -> list[str]:
+    try:
+        json.loads((work_dir / "args.json").read_text())
+        json.loads((work_dir / "ckpt" / "job.json").read_text())
+        return ["-r"]
+    except (OSError, ValueError):
+        shutil.rmtree(work_dir, ignore_errors=True)  # nothing, or a job we cannot trust: start over
+        work_dir.mkdir(parents=True)
+        return []
+
+
+def write_calibration(rows: list[list[int]], path: Path) -> Path:
+    """Token rows as exllamav3 reads `-cd`: a safetensors file with `input_ids` of shape (rows, length)."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({CAL_TENSOR: np.asarray(rows, dtype=np.int64)}, str(path))
+    return path
+
+
+class Exl3Engine(Engine):
+    name = "exl3"
+    label = "EXL3"
+    spec = Exl3Spec
+    targets = Exl3Targets
+    flag = Flag("EXL3 targets, e.g. 3.0,4.0,5.0 (exllamav3; needs CUDA).", takes_value=True)
+    tag_pattern = r"exl3-\d+\.\d+bpw(-h(1|2|3|4|5|7|8|16))?"
+    tag_example = "exl3-4.0bpw"
+    architectures = ARCHITECTURES
+    requires_cuda = True
+    default_calibration = "builtin:mix"  # no wiki: that is the default eval text
+    outputs = ("model*.safetensors", "model.safetensors.index.json", "quantization_config.json")
+    evaluator = "exllamav3"
+    library_name = "exllamav3"
+    hub_repo = "{owner}/{model}-exl3"
+    plot_marker = "^"
+
+    def version(self) -> str:
+        try:
+            return importlib.metadata.version("exllamav3")
+        except importlib.metadata.PackageNotFoundError:
+            raise SpecError("EXL3 needs the exllamav3 package: pip install exllamav3==1.6.5") from None
+
+    def targets_from_flag(self, value: str, written: dict) -> dict:
+        return targets_from_flag(value, written)
+
+    def refuse(self, info) -> str | None:
+        if reason := super().refuse(info):
+            return reason
+        hidden = info.config["hidden_size"]
+        if hidden % PAD:
+            return (f"EXL3 cannot convert a model whose hidden size ({hidden}) is not a multiple of {PAD}: exllamav3 "
+                    "pads it and its MLP does not crop the padding back")
+        act = info.config.get("hidden_act", "silu")
+        if info.architecture == "LlamaForCausalLM" and act != "silu":
+            return f"EXL3 converts Llama models with the silu activation only, not {act}"
+        return None
+
+    def fit_calibration(self, spec: Exl3Spec, tokens: int) -> Exl3Spec:
+        if spec.rows is not None:
+            return spec
+        return spec.model_copy(update={"rows": max(MIN_ROWS, min(ROWS, tokens // spec.length))})
+
+    def calibration_windows(self, spec: Exl3Spec) -> tuple[int, int]:
+        return spec.rows or ROWS, spec.length
+
+    def describe_calibration(self, spec: dict, text: str) -> str:
+        return f"{text}, {spec['rows']} x {spec['length']} tokens"
+
+    def quantize(self, request: QuantizeRequest, emit) -> None:
+        spec, work, log = request.spec, request.work_dir / "convert", request.work_dir / child.LOG_NAME
+        shutil.rmtree(request.out_dir, ignore_errors=True)
+        resume = _resume_or_wipe(work)
+        cal = write_calibration(request.calibration, request.work_dir / "calibration.safetensors")
+        config = json.loads((request.source_dir / "config.json").read_text())
+        modules = config["num_hidden_layers"] + 3  # the embedding, every layer, the final norm, the head
+        args = ["-i", request.source_dir, "-o", request.out_dir, "-w", work, "-b", spec["bpw"],
+                "-hb", spec["head_bits"], "-cd", cal, "-cr", len(request.calibration),
+                "-cc", len(request.calibration[0]), *resume]
+        parse = _parser(modules)
+        cmd = [sys.executable, "-u", "-m", __name__, *map(str, args)]
+        child.run_command(cmd, log, emit, f"EXL3 conversion at {spec['bpw']} bpw", parse=parse)
+        if parse.errors:
+            raise JobFailed(f"exllamav3 refused the conversion: {parse.errors[-1]}; see {log}")
+        check_output(request.out_dir, spec, log)
+        shutil.rmtree(work, ignore_errors=True)
+
+    def load(self, folder: Path, device: str):
+        return evaluate.load(folder)
+
+    def evaluations(self, spec: Exl3Spec) -> list[Evaluation]:
+        return [Evaluation("kv_cache", cache, evaluate.cached_loader(cache), f"{cache} cache window")
+                for cache in evaluate.KV_EVAL_CACHES]
+
+    def describe_scores(self, row: dict) -> list[str]:
+        kv = row["eval"].get("kv_cache")
+        return [f"perplexity through exllamav3's KV cache ({evaluate.KV_CHUNK}-token forwards): {card.kv_scores(kv)}"
+                ] if kv else []
+
+    def how_to_load(self, folder: str) -> str:
+        return card.how_to_load(folder)
+
+    def card_sections(self, rows: list[dict]) -> tuple[str, str]:
+        return "", card.kv_section(rows)
+
+
+def check_output(out_dir: Path, spec: dict, log: Path) -> None:
+    """exllamav3 writes the bits it reached (2 decimals) beside the head bits asked for."""
+    check_quant_folder(out_dir, "model*.safetensors", {"quant_method": "exl3", "head_bits": spec["head_bits"]},
+                       "exllamav3", log)
+    bits = json.loads((out_dir / "config.json").read_text())["quantization_config"].get("bits")
+    if not isinstance(bits, (int, float)) or abs(bits - spec["bpw"]) > 0.05:
+        raise JobFailed(f"exllamav3 reached {bits} bits per weight, not the {spec['bpw']} asked for; see {log}")
+    if not (out_dir / "quantization_config.json").is_file():
+        raise JobFailed(f"exllamav3 did not finish writing {out_dir} (no quantization_config.json); see {log}")
+
+
+ENGINE = Exl3Engine()
+
+
+def main() -> None:
+    """The child: convert_model as __main__ with our arguments, then its peak GPU memory."""
+    import runpy
+
+    import torch
+
+    sys.argv = [SCRIPT, *sys.argv[1:]]
+    try:
+        runpy.run_module(SCRIPT, run_name="__main__", alter_sys=True)
+    finally:
+        if torch.cuda.is_available():
+            print(f"{PEAK}{torch.cuda.max_memory_allocated()}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
