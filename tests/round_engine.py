@@ -1,0 +1,108 @@
+"""A test engine that lives only here, to prove that an engine is the only place a method lives: registered by
+the test (factory.engines.register), it runs `qf run` end to end with no edit anywhere else.
+
+It rounds every FP16 weight's mantissa to N bits (round-to-nearest, `torch.frexp`), in a child process of its own
+(`python -m tests.round_engine request.json`), and writes a checkpoint transformers loads once its
+quantization_config is set aside. Tags: `round-m<N>`; recipe key `round: {mantissa: [3, 5]}`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from factory.engines import child
+from factory.engines.base import Engine, QuantizeRequest, QuantSpec, Targets, check_quant_folder
+from factory.evaluate import quiet_transformers, torch_dtype, transformers_logits
+from factory.files import COMPANIONS
+
+
+class RoundSpec(QuantSpec):
+    method: Literal["round"] = "round"
+    mantissa: int = Field(ge=1, le=10)
+
+    @property
+    def tag(self) -> str:
+        return f"round-m{self.mantissa}"
+
+    @property
+    def bits(self) -> float:
+        return 6.0 + self.mantissa  # sign, five exponent bits, the mantissa kept
+
+
+class RoundTargets(Targets):
+    mantissa: list[int] = Field(min_length=1)
+
+    def specs(self) -> list[RoundSpec]:
+        return [RoundSpec(mantissa=m) for m in sorted(set(self.mantissa))]
+
+
+class RoundEngine(Engine):
+    name = "round"
+    label = "ROUND"
+    spec = RoundSpec
+    targets = RoundTargets
+    tag_pattern = r"round-m\d+"
+    tag_example = "round-m3"
+    architectures = frozenset({"LlamaForCausalLM"})
+    outputs = ("model.safetensors",)
+    evaluator = "transformers"
+    library_name = "transformers"
+    hub_repo = "{owner}/{model}-round"
+
+    def version(self) -> str:
+        return "1"
+
+    def quantize(self, request: QuantizeRequest, emit) -> None:
+        shutil.rmtree(request.out_dir, ignore_errors=True)
+        payload = {"source_dir": str(request.source_dir), "out_dir": str(request.out_dir), "spec": request.spec}
+        child.run(__name__, payload, request.work_dir, emit, what=f"rounding to {request.spec['mantissa']} bits")
+        check_quant_folder(request.out_dir, "model.safetensors",
+                           {"quant_method": "round", "mantissa": request.spec["mantissa"]}, "the round engine")
+
+    def load(self, folder: Path, device: str):
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        quiet_transformers()
+        config = json.loads((folder / "config.json").read_text())
+        config.pop("quantization_config")
+        model = AutoModelForCausalLM.from_pretrained(folder, config=AutoConfig.for_model(**config),
+                                                     dtype=torch_dtype(device))
+        return transformers_logits(model, device)
+
+    def how_to_load(self, folder: str) -> str:
+        return f"```python\n# transformers loads ./{folder} once quantization_config is removed from its config\n```\n"
+
+
+ENGINE = RoundEngine()
+
+
+def main() -> None:
+    emit = child.events()
+    request = child.read_request()
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    source, out, bits = Path(request["source_dir"]), Path(request["out_dir"]), request["spec"]["mantissa"]
+    tensors = load_file(source / "model.safetensors")
+    rounded = {}
+    for i, (name, t) in enumerate(sorted(tensors.items())):
+        mantissa, exponent = torch.frexp(t.float())
+        rounded[name] = torch.ldexp(torch.round(mantissa * 2**bits) / 2**bits, exponent).to(t.dtype).contiguous()
+        emit(event="progress", done=i + 1, total=len(tensors), unit="tensor")
+    out.mkdir(parents=True)
+    save_file(rounded, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "round", "mantissa": bits}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    for name in COMPANIONS:
+        if (source / name).is_file() and not (out / name).exists():
+            shutil.copyfile(source / name, out / name)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""An engine is the only place a method lives: one that exists only in tests/ runs `qf run` end to end, and the
+import graph keeps its layers (a lower layer never imports a higher one)."""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+import pytest
+
+from factory import engines
+from factory.publish import card
+from tests.round_engine import ENGINE
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def round_engine():
+    engines.register(ENGINE)
+    yield ENGINE
+    engines.unregister(ENGINE.name)
+
+
+def test_an_engine_from_tests_runs_end_to_end(qf, tiny, tmp_path, round_engine):
+    recipe = tmp_path / "round.yaml"
+    recipe.write_text("round: {mantissa: [3]}\n")
+    result = qf("run", tiny, "--recipe", recipe, "--eval-windows", 2)
+    assert result.exit_code == 0, result.output
+    [row] = qf.json("ls")
+    assert (row["name"], row["method"], row["bits"]) == ("tiny:round-m3", "round", 9.0)
+    assert row["fp16_ppl"] < row["ppl"] < 1.5 * row["fp16_ppl"]  # 3 mantissa bits cost something, not everything
+    steps = {s["name"] for s in qf.json("status", row["job"])["steps"]}
+    assert {"inspect", "quantize:round-m3", "evaluate:fp16", "evaluate:round-m3", "gate", "publish:round-m3"} <= steps
+    result = qf("pull", "tiny:round-m3", "-o", tmp_path / "pulled")
+    assert result.exit_code == 0, result.output
+    pulled = tmp_path / "pulled"
+    assert json.loads((pulled / "config.json").read_text())["quantization_config"]["quant_method"] == "round"
+    text = (pulled / card.FILENAME).read_text()
+    assert card.metadata(text)["library_name"] == "transformers" and "round" in card.metadata(text)["tags"]
+    assert "transformers loads ./tiny-round-m3" in text
+    logits = round_engine.load(pulled, "cpu")  # what was published is what was scored
+    assert logits is not None
+
+
+def test_an_unknown_engine_key_lists_the_registered_ones(qf, tiny, tmp_path, round_engine):
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text("rounds: {mantissa: [3]}\n")
+    result = qf("run", tiny, "--recipe", recipe)
+    assert result.exit_code == 2
+    assert "unknown key 'rounds' (recipe keys: awq, exl2, exl3, round, calibration" in result.stderr
+
+
+# -- layers -------------------------------------------------------------------------------------------------------
+LEAVES = {"factory.errors", "factory.settings", "factory.specs", "factory.naming"}  # they import only factory.errors
+ENGINES_NEVER = ("factory.catalog", "factory.pipeline", "factory.publish", "factory.cli", "factory.housekeeping",
+                 "workers")
+# Modules outside factory/engines/ that still name a method (what is left of the move; see the issue note):
+# qf plan's EXL2 and AWQ memory models, and the vram arithmetic they use.
+NAMES_A_METHOD = {"factory/vram.py", "factory/cli.py"}
+
+
+def _modules():
+    for folder in ("factory", "workers", "calibration"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+            yield name, path, ast.parse(path.read_text())
+
+
+def _imports(tree) -> set[str]:
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
+    return {m for m in found if m.startswith(("factory", "workers", "calibration"))}
+
+
+def test_lower_layers_never_import_higher_ones():
+    problems = []
+    for name, _, tree in _modules():
+        imported = _imports(tree)
+        if name in LEAVES:
+            problems += [f"{name} imports {m}" for m in imported if not m.startswith("factory.errors")]
+        if name.startswith("factory.engines"):
+            problems += [f"{name} imports {m}" for m in imported if m.startswith(ENGINES_NEVER)]
+        if name.startswith("factory.") and not name.startswith("factory.cli"):
+            problems += [f"{name} imports {m}" for m in imported if m.startswith("workers")]
+    assert problems == []
+
+
+def test_no_module_outside_the_engines_names_a_method():
+    methods = set(engines.available())
+    problems = []
+    for name, path, tree in _modules():
+        where = str(path.relative_to(ROOT))
+        if name.startswith("factory.engines") or where in NAMES_A_METHOD:
+            continue
+        problems += [f"{where}:{node.lineno} {node.value!r}" for node in ast.walk(tree)
+                     if isinstance(node, ast.Constant) and node.value in methods]
+    assert problems == []

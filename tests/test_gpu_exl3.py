@@ -1,0 +1,116 @@
+"""EXL3 on the GPU (exllamav3 1.6.5; scripts/gpu_suite installs it from .whl/exl3 and builds its extension).
+
+Gemma-3-270M (tests/gemma.py, from the GGUF parts in $QF_GEMMA_PARTS) at 2.0-6.0 bpw in one job on the same 48
+windows as its FP16; FP16 through exllamav3 against transformers; a tiny random Llama end to end (convert, score
+through the quantized cache, publish, pull) and a conversion killed and resumed. Results: $QF_GPU_RESULTS.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import calibration
+from factory import engines, evaluate
+from tests.conftest import Qf
+from tests.gemma import convert
+from tests.test_gpu import RESULTS, _events, _rows, _save
+from tests.tiny_model import make_tiny_llama
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+              pytest.mark.skipif(importlib.util.find_spec("exllamav3") is None, reason="needs exllamav3")]
+ROOT = Path(__file__).resolve().parent.parent
+GEMMA_BPWS = os.environ.get("QF_GEMMA_BPWS", "2.0,3.0,4.0,5.0,6.0")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("exl3") / "tiny-llama", hidden=256, layers=4)
+
+
+@pytest.fixture(scope="session")
+def gemma(tmp_path_factory) -> Path:
+    parts = os.environ.get("QF_GEMMA_PARTS")
+    return convert(tmp_path_factory.mktemp("gemma") / "gemma-3-270m", Path(parts) if parts else None)
+
+
+def test_exl3_end_to_end_on_a_tiny_llama(tiny_llama, tmp_path):
+    qf = Qf(home=tmp_path / "home")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("exl3: {bpw: [4.0]}\nmax_ppl_ratio: 3.0\n")
+    events = _events(qf("run", tiny_llama, "--recipe", recipe, "--json"))
+    _rows("tiny-llama", events)
+    [quant] = events[-1]["quants"]
+    assert (quant["name"], quant["method"]) == ("tiny-llama:exl3-4.0bpw", "exl3")
+    assert set(quant["eval"]["kv_cache"]) == {"q8", "q4"}
+    RESULTS["checks"]["exl3_tiny_kv_cache"] = quant["eval"]["kv_cache"]
+    out = tmp_path / "pulled"
+    assert qf("pull", "tiny-llama:exl3-4.0bpw", "-o", out).exit_code == 0
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "exl3" and abs(qc["bits"] - 4.0) <= 0.05 and qc["head_bits"] == 6
+    assert (out / "quantization_config.json").is_file()
+    log = next((tmp_path / "home" / "work").rglob("engine.log"), None)  # removed after success: the job is done
+    assert log is None
+    _save()
+
+
+def test_exl3_conversion_killed_and_resumed(tiny_llama, tmp_path):
+    """SIGKILL the whole `qf run` while exllamav3 converts; the same command resumes its work folder (-r) and
+    finishes."""
+    env = {**os.environ, "FACTORY_HOME": str(tmp_path / "home"), "FACTORY_DB_URL": ""}
+    cmd = [sys.executable, "-m", "factory.cli", "run", str(tiny_llama), "--exl3", "3.0", "--eval-windows", "2",
+           "--json"]
+    first = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+    deadline = time.monotonic() + 300
+    log = None
+    while time.monotonic() < deadline:
+        log = next((tmp_path / "home" / "work").rglob("engine.log"), None) if (tmp_path / "home").exists() else None
+        if log and "Quantized: model.layers.1" in log.read_text(errors="replace"):
+            break
+        time.sleep(0.5)
+    assert log is not None, "the conversion never got to layer 1"
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait()
+    again = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-2000:]
+    events = [json.loads(line) for line in again.stdout.splitlines()]
+    assert events[-1]["state"] == "succeeded"
+    RESULTS["checks"]["exl3_resumed_after_sigkill"] = True
+    _save()
+
+
+def test_gemma_exl3_sizes_one_job(gemma, tmp_path):
+    qf = Qf(home=tmp_path / "home")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"exl3: {{bpw: [{GEMMA_BPWS}]}}\nmax_ppl_ratio: 10.0\n")
+    events = _events(qf("run", gemma, "--recipe", recipe, "--json"))
+    _rows("gemma-3-270m", events)
+    quants = sorted(events[-1]["quants"], key=lambda q: q["bits"])
+    assert [q["bits"] for q in quants] == [float(b) for b in GEMMA_BPWS.split(",")]
+    ppls = [q["ppl"] for q in quants]
+    assert ppls == sorted(ppls, reverse=True), ppls  # perplexity falls as bits rise
+    assert all(q["eval"]["windows"] == 48 for q in quants)
+
+
+def test_gemma_fp16_through_exllamav3_agrees_with_transformers(gemma):
+    tokens = evaluate.tokenize(gemma, calibration.resolve("builtin:wiki").text)
+    data = evaluate.stream(tokens, 48, 32768, "builtin:wiki")
+    exl3 = engines.get("exl3")
+    theirs = evaluate.evaluate(gemma, evaluate.load_fp16, evaluate.FP16_EVALUATOR, data)
+    ours = evaluate.evaluate(gemma, exl3.load, exl3.evaluator, data)
+    RESULTS["rows"] += [{"model": "gemma-3-270m", "method": "fp16", "evaluator": r.evaluator, "bits": 16, "ppl": r.ppl,
+                         "eval_windows": 48, "seconds": {"evaluate": r.seconds}, "peak_gpu_bytes": r.peak_gpu_bytes}
+                        for r in (theirs, ours)]
+    RESULTS["checks"]["gemma_fp16_exllamav3_vs_transformers"] = ours.ppl / theirs.ppl - 1
+    _save()
+    assert abs(ours.ppl / theirs.ppl - 1) < 0.001, (ours.ppl, theirs.ppl)
