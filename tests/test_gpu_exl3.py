@@ -39,8 +39,10 @@ def tiny_llama(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def gemma(tmp_path_factory) -> Path:
-    parts = os.environ.get("QF_GEMMA_PARTS")
-    return convert(tmp_path_factory.mktemp("gemma") / "gemma-3-270m", Path(parts) if parts else None)
+    """$QF_GEMMA_DIR (made there once, reused) or a session folder."""
+    parts, made = os.environ.get("QF_GEMMA_PARTS"), os.environ.get("QF_GEMMA_DIR")
+    out = Path(made) if made else tmp_path_factory.mktemp("gemma") / "gemma-3-270m"
+    return convert(out, Path(parts) if parts else None)
 
 
 def test_exl3_end_to_end_on_a_tiny_llama(tiny_llama, tmp_path):
