@@ -26,11 +26,12 @@ from factory.errors import JobFailed
 
 LOG_NAME = "engine.log"
 _PR_SET_PDEATHSIG = 1
-# What a tool may need: locale and paths, the compiler for JIT-built kernels (exllamav2 builds its extension on
-# first import), CUDA, torch and thread settings.
+# What a tool may need: locale and paths, the compiler for JIT-built kernels (exllamav2 and exllamav3 build their
+# extensions on first import; a compiler setting that differs from the build's, e.g. CUDAHOSTCXX, which exllamav3
+# passes to nvcc as -ccbin, makes torch rebuild it: 250 s on an H200 box), CUDA, torch and thread settings.
 PASSED_ON = {"PATH", "HOME", "USER", "LOGNAME", "LANG", "TERM", "TMPDIR", "TZ", "VIRTUAL_ENV", "PYTHONPATH",
              "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "LD_LIBRARY_PATH", "LIBRARY_PATH", "CPATH",
-             "C_INCLUDE_PATH", "CPLUS_INCLUDE_PATH", "CC", "CXX", "MAX_JOBS", "XDG_CACHE_HOME", "HF_HOME",
+             "C_INCLUDE_PATH", "CPLUS_INCLUDE_PATH", "CC", "CXX", "CUDAHOSTCXX", "MAX_JOBS", "XDG_CACHE_HOME", "HF_HOME",
              "HF_HUB_CACHE", "TOKENIZERS_PARALLELISM"}
 PASSED_ON_PREFIXES = ("LC_", "CUDA_", "NVIDIA_", "NVCC_", "TORCH_", "PYTORCH_", "EXLLAMA_", "TRITON_", "NCCL_",
                       "OMP_", "MKL_", "KMP_", "OPENBLAS_", "NVPL_", "GOMP_", "MALLOC_")  # BLAS and threading too
