@@ -58,7 +58,7 @@ def test_exl3_end_to_end_on_a_tiny_llama(tiny_llama, tmp_path):
     out = tmp_path / "pulled"
     assert qf("pull", "tiny-llama:exl3-4.0bpw", "-o", out).exit_code == 0
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
-    assert qc["quant_method"] == "exl3" and abs(qc["bits"] - 4.0) <= 0.05 and qc["head_bits"] == 6
+    assert qc["quant_method"] == "exl3" and 4.0 <= qc["bits"] <= 4.25 and qc["head_bits"] == 6
     assert (out / "quantization_config.json").is_file()
     log = next((tmp_path / "home" / "work").rglob("engine.log"), None)  # removed after success: the job is done
     assert log is None

@@ -31,8 +31,8 @@ _PR_SET_PDEATHSIG = 1
 # passes to nvcc as -ccbin, makes torch rebuild it: 250 s on an H200 box), CUDA, torch and thread settings.
 PASSED_ON = {"PATH", "HOME", "USER", "LOGNAME", "LANG", "TERM", "TMPDIR", "TZ", "VIRTUAL_ENV", "PYTHONPATH",
              "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "LD_LIBRARY_PATH", "LIBRARY_PATH", "CPATH",
-             "C_INCLUDE_PATH", "CPLUS_INCLUDE_PATH", "CC", "CXX", "CUDAHOSTCXX", "MAX_JOBS", "XDG_CACHE_HOME", "HF_HOME",
-             "HF_HUB_CACHE", "TOKENIZERS_PARALLELISM"}
+             "C_INCLUDE_PATH", "CPLUS_INCLUDE_PATH", "CC", "CXX", "CUDAHOSTCXX", "MAX_JOBS", "XDG_CACHE_HOME",
+             "HF_HOME", "HF_HUB_CACHE", "TOKENIZERS_PARALLELISM"}
 PASSED_ON_PREFIXES = ("LC_", "CUDA_", "NVIDIA_", "NVCC_", "TORCH_", "PYTORCH_", "EXLLAMA_", "TRITON_", "NCCL_",
                       "OMP_", "MKL_", "KMP_", "OPENBLAS_", "NVPL_", "GOMP_", "MALLOC_")  # BLAS and threading too
 

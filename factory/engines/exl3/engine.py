@@ -186,12 +186,16 @@ class Exl3Engine(Engine):
         return "", card.kv_section(rows)
 
 
+BITS_OVER = 0.25  # what exllamav3 may add to the bits asked for: its layers' sign vectors and scales
+
+
 def check_output(out_dir: Path, spec: dict, log: Path) -> None:
-    """exllamav3 writes the bits it reached (2 decimals) beside the head bits asked for."""
+    """exllamav3 writes the bits it reached beside the head bits asked for: a little over the bits asked, for the
+    layers' sign vectors and scales (4.12 at -b 4.0 on a 256-wide test model, tests/fixtures/convert_exl3_tiny.log)."""
     check_quant_folder(out_dir, "model*.safetensors", {"quant_method": "exl3", "head_bits": spec["head_bits"]},
                        "exllamav3", log)
     bits = json.loads((out_dir / "config.json").read_text())["quantization_config"].get("bits")
-    if not isinstance(bits, (int, float)) or abs(bits - spec["bpw"]) > 0.05:
+    if not isinstance(bits, (int, float)) or not spec["bpw"] - 0.01 <= bits <= spec["bpw"] + BITS_OVER:
         raise JobFailed(f"exllamav3 reached {bits} bits per weight, not the {spec['bpw']} asked for; see {log}")
     if not (out_dir / "quantization_config.json").is_file():
         raise JobFailed(f"exllamav3 did not finish writing {out_dir} (no quantization_config.json); see {log}")
