@@ -69,7 +69,7 @@ def _raw(args: list[str], log: Path) -> tuple[float, int | None]:
 
     peak: list[int] = []
     start = time.monotonic()
-    child.run_command([sys.executable, "-m", "factory.engines.exl2.engine", *args], log,
+    child.run_command([sys.executable, "-m", "factory.engines.script", exl2.SCRIPT, *args], log,
                       lambda e: peak.append(e["peak_gpu_bytes"]) if "peak_gpu_bytes" in e else None,
                       "raw convert_exl2", parse=exl2.parse_status, env=exl2.ENV)
     return round(time.monotonic() - start, 2), max(peak, default=None)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from factory import engines, settings
-from factory.engines.awq.engine import _quantizer_cls
+from factory.engines.awq.quantize import _quantizer_cls
 from factory.errors import JobFailed
 from factory.pipeline import Factory, Request
 from factory.recipes import build_recipe

@@ -25,6 +25,7 @@ from pathlib import Path
 from factory.errors import JobFailed
 
 LOG_NAME = "engine.log"
+PEAK = "[PEAK_GPU_BYTES]"  # what factory/engines/script.py prints after a tool's script, before it exits
 _PR_SET_PDEATHSIG = 1
 # What a tool may need: locale and paths, the compiler for JIT-built kernels (exllamav2 and exllamav3 build their
 # extensions on first import; a compiler setting that differs from the build's, e.g. CUDAHOSTCXX, which exllamav3

@@ -1,10 +1,11 @@
 """EXL2 through exllamav2's own conversion script, in a child process.
 
-    measure:  python -m factory.engines.exl2.engine -i SRC -o WORK -c CAL.parquet -om MEASUREMENT.json ...
-    quantize: python -m factory.engines.exl2.engine -i SRC -o WORK -c CAL.parquet -m MEASUREMENT.json
-              -b BPW -hb HEAD -cf OUT ...
-The child runs `exllamav2.conversion.convert_exl2` as __main__ with exactly those arguments (runpy) and then
-reports the peak GPU memory the conversion allocated (for VRAM planning).
+    measure:  python -m factory.engines.script exllamav2.conversion.convert_exl2 -i SRC -o WORK -c CAL.parquet
+              -om MEASUREMENT.json ...
+    quantize: python -m factory.engines.script exllamav2.conversion.convert_exl2 -i SRC -o WORK -c CAL.parquet
+              -m MEASUREMENT.json -b BPW -hb HEAD -cf OUT ...
+factory/engines/script.py runs the script as __main__ with exactly those arguments (runpy) and then reports the peak
+GPU memory the conversion allocated (for VRAM planning).
 
 What we add, and why:
 - `-so` status lines (`[STATUS]{"stage": ..., "completion": ...}[/STATUS]`) become progress events;
@@ -37,14 +38,13 @@ from factory.errors import JobFailed, SpecError
 
 SCRIPT = "exllamav2.conversion.convert_exl2"
 STATUS = re.compile(r"\[STATUS\](.*)\[/STATUS\]")
-PEAK = "[PEAK_GPU_BYTES]"
 ENV = {"EXLLAMA_NO_SDPA": "1"}
 
 
 def parse_status(line: str) -> dict | None:
     """A `-so` status line -> a progress event; anything else -> None (it goes to the log)."""
-    if line.startswith(PEAK):
-        return {"event": "progress", "peak_gpu_bytes": int(line.removeprefix(PEAK))}
+    if line.startswith(child.PEAK):
+        return {"event": "progress", "peak_gpu_bytes": int(line.removeprefix(child.PEAK))}
     match = STATUS.search(line)
     if not match:
         return None
@@ -161,7 +161,7 @@ class Exl2Engine(Engine):
 
     def _run(self, args: list[str], work_dir: Path, log: Path, emit, what: str) -> None:
         work_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", __name__, *args, *_resume_or_wipe(work_dir), "-so"]
+        cmd = [sys.executable, "-m", "factory.engines.script", SCRIPT, *args, *_resume_or_wipe(work_dir), "-so"]
         child.run_command(cmd, log, emit, what, parse=parse_status, env=ENV)
 
     def measure(self, source_dir: Path, calibration_file: Path, rows: int, length: int, work_dir: Path,
@@ -198,21 +198,3 @@ def check_output(out_dir: Path, spec: dict, log: Path) -> None:
 
 
 ENGINE = Exl2Engine()
-
-
-def main() -> None:
-    """The child: convert_exl2 as __main__ with our arguments, then its peak GPU memory."""
-    import runpy
-
-    import torch
-
-    sys.argv = [SCRIPT, *sys.argv[1:]]
-    try:
-        runpy.run_module(SCRIPT, run_name="__main__", alter_sys=True)
-    finally:
-        if torch.cuda.is_available():
-            print(f"{PEAK}{torch.cuda.max_memory_allocated()}", flush=True)
-
-
-if __name__ == "__main__":
-    main()

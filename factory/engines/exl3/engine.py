@@ -1,8 +1,9 @@
 """EXL3 through exllamav3's own conversion script, in a child process.
 
-    python -m factory.engines.exl3.engine -i SRC -o OUT -w WORK -b BPW -hb HEAD -cd CAL.safetensors -cr R -cc L [-r]
-The child runs `exllamav3.conversion.convert_model` as __main__ with those arguments (runpy) and then reports the
-peak GPU memory the conversion allocated.
+    python -m factory.engines.script exllamav3.conversion.convert_model -i SRC -o OUT -w WORK -b BPW -hb HEAD
+        -cd CAL.safetensors -cr ROWS -cc LENGTH [-r]
+factory/engines/script.py runs the script as __main__ with those arguments (runpy) and then reports the peak GPU
+memory the conversion allocated.
 
 What we add, and why (facts of exllamav3 1.6.5):
 - calibration is the job's text set, never exllamav3's built-in mix (it holds wiki.utf8, the default eval text):
@@ -36,7 +37,6 @@ from factory.engines.exl3.spec import MIN_ROWS, ROWS, Exl3Spec, Exl3Targets, tar
 from factory.errors import JobFailed, SpecError
 
 SCRIPT = "exllamav3.conversion.convert_model"
-PEAK = "[PEAK_GPU_BYTES]"
 PAD = 128  # exllamav3 pads linear layers to multiples of this (modules/linear.py)
 MODULE = re.compile(r"^ -- (?:Quantized|Unquantized): (?P<key>\S+)\s+(?!.*g_sc:)")  # a whole module, not a linear
 ETA = re.compile(r"^ -- Estimated remaining time: (?P<eta>.+?)(?: \(avg over last \d+ blocks\))?$")
@@ -63,8 +63,8 @@ def _parser(modules: int):
     error: list[str] = []
 
     def parse(line: str) -> dict | None:
-        if line.startswith(PEAK):
-            return {"event": "progress", "peak_gpu_bytes": int(line.removeprefix(PEAK))}
+        if line.startswith(child.PEAK):
+            return {"event": "progress", "peak_gpu_bytes": int(line.removeprefix(child.PEAK))}
         if match := MODULE.match(line):
             done[0] += 1
             return {"event": "progress", "done": min(done[0], modules), "total": modules, "unit": "module",
@@ -160,7 +160,7 @@ class Exl3Engine(Engine):
                 "-hb", spec["head_bits"], "-cd", cal, "-cr", len(request.calibration),
                 "-cc", len(request.calibration[0]), *resume]
         parse = _parser(modules)
-        cmd = [sys.executable, "-u", "-m", __name__, *map(str, args)]
+        cmd = [sys.executable, "-u", "-m", "factory.engines.script", SCRIPT, *map(str, args)]
         child.run_command(cmd, log, emit, f"EXL3 conversion at {spec['bpw']} bpw", parse=parse)
         if parse.errors:
             raise JobFailed(f"exllamav3 refused the conversion: {parse.errors[-1]}; see {log}")
@@ -202,21 +202,3 @@ def check_output(out_dir: Path, spec: dict, log: Path) -> None:
 
 
 ENGINE = Exl3Engine()
-
-
-def main() -> None:
-    """The child: convert_model as __main__ with our arguments, then its peak GPU memory."""
-    import runpy
-
-    import torch
-
-    sys.argv = [SCRIPT, *sys.argv[1:]]
-    try:
-        runpy.run_module(SCRIPT, run_name="__main__", alter_sys=True)
-    finally:
-        if torch.cuda.is_available():
-            print(f"{PEAK}{torch.cuda.max_memory_allocated()}", flush=True)
-
-
-if __name__ == "__main__":
-    main()
