@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import enum
 import fcntl
-import hashlib
-import json
 import re
 import uuid
 from collections.abc import Iterator
@@ -61,27 +59,6 @@ class StepState(enum.StrEnum):
 
 def now() -> datetime:
     return datetime.now(UTC).replace(tzinfo=None)
-
-
-def digest(obj: object) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
-def job_key(
-    source_identity: str,
-    specs: list[dict],
-    calibration_sha: str,
-    eval_sha: str,
-    eval_windows: int,
-    versions: dict[str, str],
-    device: str,
-) -> str:
-    """Specs as the user wrote them; with the device they resolve to the same concrete specs every time."""
-    return digest([source_identity, specs, calibration_sha, eval_sha, eval_windows, versions, device])
-
-
-def measurement_key(source_identity: str, calibration_sha: str, rows: int, length: int, exllamav2: str) -> str:
-    return digest([source_identity, calibration_sha, rows, length, exllamav2])
 
 
 class Base(DeclarativeBase):

@@ -22,10 +22,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import calibration
-from factory import engines, evaluate, files, naming, sources
-from factory.catalog import Catalog, Job, JobState, Quant, StepState, job_key, measurement_key
+from factory import engines, evaluate, files, identity, naming, sources
+from factory.catalog import Catalog, Job, JobState, Quant, StepState
 from factory.engines import Engine, QuantSpec
 from factory.errors import Cancelled, FactoryError, JobFailed, ModelRefused, QualityGateRefused, SpecError, mask_url
+from factory.identity import job_key, measurement_key
 from factory.inspect import ModelInfo, inspect
 from factory.publish import card, hub, upstream
 from factory.publish import folder as registry
@@ -240,13 +241,13 @@ class Factory:
         folder = Path(job.source)
         if not folder.is_dir():
             raise ModelRefused(f"source folder {job.source!r} is gone")
-        if sources.folder_identity(folder, self.settings.cache) != job.source_identity:
+        if identity.folder_identity(folder, self.settings.cache) != job.source_identity:
             raise ModelRefused(f"source folder {job.source!r} changed since the job was submitted; submit it again")
         return folder
 
     def _inspect(self, job: Job) -> _Prepared:
         fetched = None
-        if sources.is_hub(job.source_identity):  # the Hub commit, downloaded and checked once
+        if identity.is_hub(job.source_identity):  # the Hub commit, downloaded and checked once
             with self._step(job.id, "fetch") as progress:
                 fetched = sources.fetch_hub(job.source_identity, self.settings.cache, progress)
         with self._step(job.id, "inspect"):
@@ -405,7 +406,7 @@ class Factory:
 
     def _publish(self, job: Job, prepared: _Prepared, spec: QuantSpec, out: Path, ppl: float, fp16: float,
                  extra: dict[str, dict]) -> None:
-        rev = sources.rev(job.source_identity)
+        rev = identity.rev(job.source_identity)
         engine = engines.get(spec.method)
         with self._step(job.id, f"publish:{spec.tag}"):
             (out / card.FILENAME).unlink(missing_ok=True)
@@ -469,7 +470,7 @@ class Factory:
         def where(tag: str) -> hub.Place:
             return hub.place(s.hub_owner, job.name, tag, templates)
 
-        here, rev = where(spec.tag), sources.rev(job.source_identity)
+        here, rev = where(spec.tag), identity.rev(job.source_identity)
         folder = registry.quant_dir(s.registry, job.name, spec.tag, rev)
 
         def main_files() -> dict[str, Path]:  # made again after a concurrent commit to main

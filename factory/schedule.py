@@ -1,7 +1,8 @@
 """Which upstream releases to quantize: watchlist + what the Hub says + what was already done -> a plan.
 
-Pure: no Hub, no database, no clock. `workers/tasks.py` gathers the inputs (beat, or `qf watch check`) and carries
-the plan out through the same submission path as `qf submit`, so a release planned twice is still one job.
+`plan` is pure: no Hub, no database, no clock. `hub_releases` asks the Hub what the watches name now;
+`workers/tasks.py` gathers the inputs with it (beat, or `qf watch check`) and carries the plan out through the same
+submission path as `qf submit`, so a release planned twice is still one job.
 
 A watch is a Hub repo (`org/name`) or an author's repos by name pattern (`Qwen/*-Instruct`; fnmatch, any case),
 with a recipe (its `exl2` and `awq` targets, as in configs/standard.yaml) and an optional filter: `architectures`
@@ -18,7 +19,8 @@ from pathlib import Path
 
 import yaml
 
-from factory.errors import SpecError
+from factory import hubclient as hub
+from factory.errors import FactoryError, NotFound, SpecError
 from factory.recipes import recipe_from_dict
 
 _TARGET = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.*?\[\]-]+")
@@ -129,3 +131,51 @@ def _reason(watch: WatchEntry, release: Release, supported: set[str]) -> str | N
     if limit and release.params and release.params > limit:
         return f"{release.params / 1e9:.2f}B parameters, the watch's filter allows {limit / 1e9:.2f}B"
     return None
+
+
+# what the Hub says ---------------------------------------------------------------------------------------------
+def hub_releases(watches: list[WatchEntry]) -> tuple[list[Release], list[str]]:
+    """What the Hub says now about every repo the watches name: (releases, errors). A Hub
+    error about one repo or author goes to `errors` and the others still count; the next check tries again."""
+    repos, errors = set(), []
+    for w in watches:
+        if not w.is_pattern:
+            repos.add(w.target)
+            continue
+        try:
+            with hub.errors(f"the models of {w.author}"):
+                ids = hub.retrying(lambda w=w: [m.id for m in hub.client(hub.token()).list_models(author=w.author)])
+            repos |= {i for i in ids if w.matches(i)}
+        except FactoryError as e:
+            errors.append(e.message)
+    releases = []
+    for repo in sorted(repos):
+        try:
+            releases.append(_release(repo))
+        except FactoryError as e:
+            errors.append(e.message)
+    return releases, errors
+
+
+def _release(repo: str):
+    """The newest commit of `repo` with its architectures and parameter count; a gated repo or one without a
+    config.json is a release with a `problem` (recorded as skipped once), a Hub outage raises."""
+    from huggingface_hub.errors import NotASafetensorsRepoError, SafetensorsParsingError
+
+    api = hub.client(hub.token())
+    with hub.errors(repo):
+        info = hub.retrying(lambda: api.model_info(repo))
+    try:
+        with hub.errors(repo):
+            config = hub.config(repo, info.sha)
+    except NotFound as e:
+        return Release(repo, info.sha, problem=e.message)
+    params = info.safetensors.total if getattr(info, "safetensors", None) else None
+    if params is None:
+        try:
+            with hub.errors(repo):
+                meta = hub.retrying(lambda: api.get_safetensors_metadata(repo, revision=info.sha))
+            params = sum(meta.parameter_count.values())
+        except (FactoryError, NotASafetensorsRepoError, SafetensorsParsingError):
+            params = None  # a count we cannot read leaves the max_params filter open
+    return Release(repo, info.sha, tuple(config.get("architectures") or ()), params)

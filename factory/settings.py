@@ -56,7 +56,7 @@ class Settings:  # a plain dataclass: `qf status` must start fast, and pydantic'
 
     @property
     def measurements(self) -> Path:
-        """EXL2 measurements, one file per measurement key (see catalog.measurement_key)."""
+        """EXL2 measurements, one file per measurement key (see identity.measurement_key)."""
         return self.home / "measurements"
 
     @property

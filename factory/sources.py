@@ -10,9 +10,7 @@ FACTORY_HOME/cache/hub/<org>--<name>/<sha>/ and checks each against the Hub's sh
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,6 +18,7 @@ from pathlib import Path
 
 from factory.errors import ModelRefused, NotFound
 from factory.files import UPSTREAM_CARD, is_source_file, source_files
+from factory.identity import folder_identity, rev
 
 VERIFIED = ".quantfactory-verified"  # written into a fetched Hub folder once every file matched the Hub
 _HUB_REPO = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?")
@@ -37,15 +36,6 @@ class Source:
     @property
     def rev(self) -> str:
         return rev(self.identity)
-
-
-def is_hub(identity: str) -> bool:
-    return not identity.startswith("sha256:")
-
-
-def rev(identity: str) -> str:
-    """The short revision of a source identity: `sha256:1a2b3c4...` or `org/name@1a2b3c4...` -> `1a2b3c4`."""
-    return identity.rsplit("@", 1)[-1].removeprefix("sha256:")[:7]
 
 
 def resolve(arg: str, cache_dir: Path) -> Source:
@@ -79,7 +69,7 @@ def resolve_hub(repo: str, revision: str | None) -> str:
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
     from huggingface_hub.errors import EntryNotFoundError
 
-    from factory.publish import hub
+    from factory import hubclient as hub
 
     what = f"{repo}@{revision}" if revision else repo
     with hub.errors(what):
@@ -95,7 +85,7 @@ def resolve_hub(repo: str, revision: str | None) -> str:
 
 def fetch_hub(identity: str, cache: Path, progress: Callable[..., None]) -> Path:
     """The source files of `org/name@sha`, downloaded once into the cache and checked against the Hub."""
-    from factory.publish import hub
+    from factory import hubclient as hub
 
     repo, sha = identity.rsplit("@", 1)
     dest = cache / "hub" / repo.replace("/", "--") / sha
@@ -124,89 +114,6 @@ def fetch_hub(identity: str, cache: Path, progress: Callable[..., None]) -> Path
     return dest
 
 
-def folder_identity(folder: Path, cache_dir: Path) -> str:
-    cache_file = cache_dir / "file-sha256.json"
-    try:
-        cache = json.loads(cache_file.read_text())
-    except (OSError, ValueError):
-        cache = {}
-    entries = []
-    for name, f in source_files(folder).items():  # regular files only: a bad link or a FIFO is refused here
-        st = f.stat()
-        stamp = f"{st.st_size}:{st.st_mtime_ns}"
-        hit = cache.get(str(f))
-        if not hit or hit[0] != stamp:
-            hit = cache[str(f)] = [stamp, file_sha256(f)]
-        entries.append(f"{name}:{hit[1]}")
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(cache))
-    tmp.replace(cache_file)
-    return "sha256:" + hashlib.sha256("\n".join(entries).encode()).hexdigest()
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def hub_releases(watches: list) -> tuple[list, list[str]]:
-    """What the Hub says now about every repo the watches (schedule.WatchEntry) name: (releases, errors). A Hub
-    error about one repo or author goes to `errors` and the others still count; the next check tries again."""
-    from factory.errors import FactoryError
-    from factory.publish import hub
-
-    repos, errors = set(), []
-    for w in watches:
-        if not w.is_pattern:
-            repos.add(w.target)
-            continue
-        try:
-            with hub.errors(f"the models of {w.author}"):
-                ids = hub.retrying(lambda w=w: [m.id for m in hub.client(hub.token()).list_models(author=w.author)])
-            repos |= {i for i in ids if w.matches(i)}
-        except FactoryError as e:
-            errors.append(e.message)
-    releases = []
-    for repo in sorted(repos):
-        try:
-            releases.append(_release(repo))
-        except FactoryError as e:
-            errors.append(e.message)
-    return releases, errors
-
-
-def _release(repo: str):
-    """The newest commit of `repo` with its architectures and parameter count; a gated repo or one without a
-    config.json is a release with a `problem` (recorded as skipped once), a Hub outage raises."""
-    from huggingface_hub.errors import NotASafetensorsRepoError, SafetensorsParsingError
-
-    from factory.errors import FactoryError
-    from factory.publish import hub
-    from factory.schedule import Release
-
-    api = hub.client(hub.token())
-    with hub.errors(repo):
-        info = hub.retrying(lambda: api.model_info(repo))
-    try:
-        with hub.errors(repo):
-            config = hub.config(repo, info.sha)
-    except NotFound as e:
-        return Release(repo, info.sha, problem=e.message)
-    params = info.safetensors.total if getattr(info, "safetensors", None) else None
-    if params is None:
-        try:
-            with hub.errors(repo):
-                meta = hub.retrying(lambda: api.get_safetensors_metadata(repo, revision=info.sha))
-            params = sum(meta.parameter_count.values())
-        except (FactoryError, NotASafetensorsRepoError, SafetensorsParsingError):
-            params = None  # a count we cannot read leaves the max_params filter open
-    return Release(repo, info.sha, tuple(config.get("architectures") or ()), params)
-
-
 def layout(arg: str) -> tuple[dict, dict[str, list[int]]]:
     """config.json and every tensor's shape of a local folder or a Hub repo (`org/name[@rev]`), without reading
     weights: safetensors headers locally, the Hub's safetensors metadata (ranged reads) for a repo."""
@@ -224,7 +131,7 @@ def layout(arg: str) -> tuple[dict, dict[str, list[int]]]:
         return config, tensors
     if not _is_hub_name(arg):
         raise NotFound(f"source {arg!r} does not exist; pass a local folder or a Hub repo org/name")
-    from factory.publish import hub
+    from factory import hubclient as hub
 
     repo, _, revision = arg.partition("@")
     sha = resolve_hub(repo, revision or None)

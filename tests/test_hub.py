@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from factory import hubclient
 from factory.publish import card
 from factory.publish import hub as hub_api
 
@@ -22,7 +23,7 @@ def quick_backoff(monkeypatch):
 
     from huggingface_hub.utils import _http
 
-    monkeypatch.setattr(hub_api, "BACKOFF_SECONDS", 0.01)
+    monkeypatch.setattr(hubclient, "BACKOFF_SECONDS", 0.01)
     monkeypatch.setattr(_http, "time", types.SimpleNamespace(sleep=lambda seconds: None))
 
 

@@ -6,12 +6,12 @@ import shutil
 import pytest
 import torch
 
+from factory.identity import file_sha256
 from factory.pipeline import Factory, Request
 from factory.publish import card
 from factory.publish.folder import MANIFEST
 from factory.recipes import build_recipe
 from factory.settings import Settings
-from factory.sources import file_sha256
 from tests.conftest import Qf
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")

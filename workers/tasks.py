@@ -30,7 +30,7 @@ import redis
 from celery.signals import worker_ready
 from kombu.exceptions import OperationalError
 
-from factory import engines, schedule, settings, sources
+from factory import engines, schedule, settings
 from factory.catalog import TERMINAL, Catalog, Job, JobState
 from factory.engines import child
 from factory.errors import FactoryError, ServiceUnavailable, mask_url
@@ -252,7 +252,7 @@ def watch_check(dry_run: bool) -> dict:
     with _lock(config.broker_url, WATCH_LOCK, seconds=3600, skip=dry_run) as held:
         if not held:
             return {"busy": True, "planned": [], "errors": []}
-        releases, errors = sources.hub_releases(watches)
+        releases, errors = schedule.hub_releases(watches)
         done = {(u.watch, u.repo, u.sha) for u in factory.catalog.upstream()}
         planned = schedule.plan(watches, releases, done, {e.name: set(e.architectures) for e in engines.all_engines()})
         rows = []

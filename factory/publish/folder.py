@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from factory.errors import JobFailed, SpecError
-from factory.sources import file_sha256
+from factory.identity import file_sha256
 
 MANIFEST = "manifest.json"
 FICLONE = 0x40049409  # linux/fs.h: clone a file's extents (btrfs, XFS)

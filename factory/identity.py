@@ -1,0 +1,77 @@
+"""Identities and keys, in one place: what a source is (a Hub commit or the sha256 of a folder's files), the
+sha256 of a file, and the keys that decide when a job or a measurement is the same as an earlier one.
+
+    source identity   `org/name@<commit sha>` for a Hub model; `sha256:<hex>` over a local folder's allowlisted
+                      files (factory/files.py), cached by path, size and mtime
+    job key           hash(source identity, specs as written, calibration and eval sha256, windows, engine
+                      versions, device)
+    measurement key   hash(source identity, calibration sha256, rows, length, tool version)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from factory.files import source_files
+
+
+def is_hub(identity: str) -> bool:
+    return not identity.startswith("sha256:")
+
+
+def rev(identity: str) -> str:
+    """The short revision of a source identity: `sha256:1a2b3c4...` or `org/name@1a2b3c4...` -> `1a2b3c4`."""
+    return identity.rsplit("@", 1)[-1].removeprefix("sha256:")[:7]
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def folder_identity(folder: Path, cache_dir: Path) -> str:
+    cache_file = cache_dir / "file-sha256.json"
+    try:
+        cache = json.loads(cache_file.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    entries = []
+    for name, f in source_files(folder).items():  # regular files only: a bad link or a FIFO is refused here
+        st = f.stat()
+        stamp = f"{st.st_size}:{st.st_mtime_ns}"
+        hit = cache.get(str(f))
+        if not hit or hit[0] != stamp:
+            hit = cache[str(f)] = [stamp, file_sha256(f)]
+        entries.append(f"{name}:{hit[1]}")
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(cache))
+    tmp.replace(cache_file)
+    return "sha256:" + hashlib.sha256("\n".join(entries).encode()).hexdigest()
+
+
+def digest(obj: object) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def job_key(
+    source_identity: str,
+    specs: list[dict],
+    calibration_sha: str,
+    eval_sha: str,
+    eval_windows: int,
+    versions: dict[str, str],
+    device: str,
+) -> str:
+    """Specs as the user wrote them; with the device they resolve to the same concrete specs every time."""
+    return digest([source_identity, specs, calibration_sha, eval_sha, eval_windows, versions, device])
+
+
+def measurement_key(source_identity: str, calibration_sha: str, rows: int, length: int, tool_version: str) -> str:
+    return digest([source_identity, calibration_sha, rows, length, tool_version])
