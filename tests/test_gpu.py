@@ -201,7 +201,8 @@ def test_exllamav2_fp16_matches_transformers(standard):
     import calibration
 
     ids = evaluate.tokenize(source, calibration.resolve("builtin:wiki").text)
-    result = evaluate.evaluate(source, "exl2", evaluate.stream(ids, windows, None, "builtin:wiki"))
+    exl2 = engines.get("exl2")
+    result = evaluate.evaluate(source, exl2.load, exl2.evaluator, evaluate.stream(ids, windows, None, "builtin:wiki"))
     RESULTS["rows"].append({"model": name, "method": "fp16", "evaluator": "exllamav2", "bits": 16, "ppl": result.ppl,
                             "eval_windows": windows, "seconds": {"evaluate": result.seconds},
                             "peak_gpu_bytes": result.peak_gpu_bytes})
