@@ -262,7 +262,7 @@ def test_resume_after_kills(models, tmp_path, monkeypatch):
     recipe = build_recipe(exl2="3.5", eval_windows=4)
 
     factory = Factory(settings.load(), _kill_conversion_once())
-    job, _ = factory.submit(Request(source=source, recipe=recipe, exl2_from_flag=True))
+    job, _ = factory.submit(Request(source=source, recipe=recipe, asked={"exl2"}))
     with pytest.raises(JobFailed, match="killed by SIGKILL"):
         factory.execute(job.id)
     job_file = tmp_path / "home" / "work" / job.id / "exl2-3.5bpw" / "convert" / "job_new.json"
@@ -295,7 +295,7 @@ def test_corrupt_work_folder_restarts_clean(models, tmp_path, monkeypatch):
     monkeypatch.delenv("FACTORY_DB_URL", raising=False)
     factory = Factory(settings.load(), _kill_conversion_once())
     job, _ = factory.submit(Request(source=str(models["tiny-llama"]), recipe=build_recipe(exl2="2.5", eval_windows=4),
-                                    exl2_from_flag=True))
+                                    asked={"exl2"}))
     with pytest.raises(JobFailed):
         factory.execute(job.id)
     job_file = tmp_path / "home" / "work" / job.id / "exl2-2.5bpw" / "convert" / "job_new.json"
