@@ -12,8 +12,9 @@ counts what a user sees: context, weights, cache, scratch and the allocator's re
 config and tensor bytes by group, so predictions can be checked against these numbers on any machine. Stops
 starting new loads after SECONDS (default 420), so the run fits one device call.
 
-`compare` puts factory/vram.py's prediction beside every measurement: the target is every prediction within 5%
-(or 64 MiB) of the drop a user sees (nvidia-smi, context included), and never below it by more than that.
+`compare` puts the EXL2 memory model's prediction (factory/engines/exl2/memory.py) beside every measurement: the
+target is every prediction within 5% (or 64 MiB) of the drop a user sees (nvidia-smi, context included), and never
+below it by more than that.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from factory import vram  # noqa: E402
+from factory.engines.exl2 import memory as vram  # noqa: E402
 from factory.engines.exl2.evaluate import KV_CACHES  # noqa: E402  - cache type -> exllamav2 class, as the factory scores them
 
 CONTEXTS = (2048, 8192, 16384, 32768)

@@ -357,7 +357,7 @@ def show(
     catalog = _catalog()
     parsed = naming.parse(ref)
     rows = [q.as_row() for q in _find(catalog, parsed)]
-    from factory import engines, vram
+    from factory import vram
 
     registry = settings.load().registry
     for r in rows:
@@ -608,31 +608,28 @@ def plan(
     gpus: Annotated[int, typer.Option("--gpus", min=1, help="Split the layers over N such GPUs (estimate).")] = 1,
     as_json: JsonOpt = False,
 ) -> None:
-    """Which EXL2 bpw fits a GPU with its context and KV cache (and an AWQ estimate for vLLM); reads only the
-    config and safetensors headers."""
+    """What fits a GPU with its context and KV cache, as each engine's memory model says (EXL2: every bpw and the
+    highest that fits; AWQ: an estimate for vLLM); reads only the config and safetensors headers. --json: the
+    numbers by engine."""
     from factory import vram as memory
 
     budget = memory.parse_size(vram)
-    result = memory.plan(*memory.source_shape(source), budget, ctx, kv_cache, gpus)
+    shape, params = memory.source_shape(source)
+    plans = {e.name: p for e in engines.all_engines()
+             if (p := e.memory_plan(shape, params, budget, ctx, kv_cache, gpus)) is not None}
     if as_json:
-        print(json.dumps(result, indent=2))
+        print(json.dumps({name: p.data for name, p in plans.items()}, indent=2))
         return
-    h = memory.human
-    title = (f"EXL2 with exllamav2: {h(budget)}{f' x {gpus} GPUs (estimate)' if gpus > 1 else ''}, "
-             f"{result['ctx']} tokens, {kv_cache} cache, {h(result['headroom'])} left free")
-    table = Table(title=title, title_justify="left")
-    for col in ("BPW", "WEIGHTS", "CACHE", "OTHER", "PEAK" + (" PER GPU" if gpus > 1 else ""), "FITS"):
-        table.add_column(col, justify="right")
-    for r in result["rows"]:
-        other = r["total"] - r["weights"] - r["cache"]
-        table.add_row(f"{r['bpw']:.1f}", h(r["weights"]), h(r["cache"]), h(other), h(r["total"]),
-                      "yes" if r["fits"] else "no")
-    out.print(table)
-    out.print(f"highest bpw that fits: {result['best_bpw']:.2f}")
-    for kv, awq in result["awq"].items():
-        verdict = "fits" if awq["budget_needed"] <= budget * gpus else "does not fit"
-        out.print(f"AWQ w4 with vLLM, {kv} KV cache (estimate): needs about {h(awq['budget_needed'])} "
-                  f"at gpu_memory_utilization 0.9, {verdict}")
+    for plan_ in sorted(plans.values(), key=lambda p: not p.rows):  # tables first
+        if plan_.rows:
+            table = Table(title=plan_.title, title_justify="left")
+            for col in plan_.columns:
+                table.add_column(col, justify="right")
+            for row in plan_.rows:
+                table.add_row(*row)
+            out.print(table)
+        for line in plan_.lines:
+            out.print(line)
 
 
 watch_app = typer.Typer(help="The watchlist: upstream repos re-quantized when they get a new commit.",

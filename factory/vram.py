@@ -1,31 +1,7 @@
-"""GPU memory of a quant at a context length and KV-cache type, from config.json and safetensors headers only (no
-weights read, no GPU): what `qf plan`, `--fit` and the "fits on" tables use.
-
-EXL2 with exllamav2 on one GPU, as the drop of free memory a user sees, in parts:
-  context   the CUDA context, cuBLAS and exllamav2's kernels: what the process holds outside PyTorch's allocator
-            (CONTEXT_BYTES: 757 MiB in all 62 loads on two H200 machines, 527 MiB of it the bare context)
-  weights   every tensor of the quant except the embedding, which exllamav2 keeps in system memory; exact from a
-            quant's headers, else bpw/8 bytes per decoder linear weight, HEAD_STORED_BITS/8 per head weight
-            (its bits plus scales) and 2 per norm weight
-  scratch   exllamav2's fixed per-device scratch (ExLlamaV2.set_device_map): the largest module's
-            scratch_space_fixed at max_input_len 2048
-  tables    the rotary sin/cos tables for the context
-  cache     K and V of every layer for the context: fp16 2 bytes per element, q8 1, q6 1 (K) and 0.5 (V), q4 0.5;
-            quantized caches add fp16 scales per 32 elements and one layer of fp16 K/V to work in
-  forward   the peak of a prefill chunk's attention without flash-attn (exllamav2's matmul path): two fp16 score
-            tensors alive at once (heads x at most max_attention_size each: exllamav2 shrinks the chunk so that
-            chunk x context stays under it), the mask, K expanded to every head over the context (grouped-query
-            models), the chunk's hidden states and torch's cuBLAS workspace
-  reserve   the caching allocator's blocks beyond the peak: SLACK of it, and once a prefill takes more than one
-            chunk, one more score tensor (the chunks' growing K/V split the freed score blocks, so the next scores
-            need a new one); at least RESERVE_MIN
-The allocated peak this predicts is within 20 MiB of torch's in every load measured; the reserve is the rough part
-(28 to 430 MiB measured), so a total can be a few percent below what a load takes: `plan` keeps HEADROOM free.
-Measured without flash-attn; flash-attn allocates no score tensors, so with it the estimate is high.
-
-AWQ w4 with vLLM is an estimate (not measured here): fp16 embedding and head, 4-bit linears with fp16 scales and
-4-bit zeros per group, the KV cache for the context in fp16 or fp8, the context, CUDA graphs and activations, and
-vLLM's own rule that it uses at most gpu_memory_utilization (0.9) of the card.
+"""What every memory model shares: sizes as people write them, a model's shape and parameter counts from config.json
+and safetensors headers only (no weights read, no GPU), and the headroom left free on a card. Each engine's model
+of its runtime's memory lives in its package (factory/engines/exl2/memory.py, factory/engines/awq/memory.py), and
+`qf plan`, `--fit` and the cards' "fits on" tables ask the engines.
 """
 
 from __future__ import annotations
@@ -34,27 +10,15 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, get_args
 
 from factory.errors import SpecError
 
 GiB, MiB = 2**30, 2**20
-MAX_INPUT_LEN = 2048  # exllamav2's defaults: tokens per forward chunk, attention scores per head, dequant elements
-MAX_ATTENTION = 2048**2
-MAX_DQ = 512 * 2**20
-Cache = Literal["fp16", "q8", "q6", "q4"]  # exllamav2's KV-cache types, the one list of them
-CACHES: tuple[str, ...] = get_args(Cache)
-_CACHE_BYTES = {"fp16": (2.0, 2.0), "q8": (1.0, 1.0), "q6": (1.0, 0.5), "q4": (0.5, 0.5)}  # per K, V element
-HEAD_STORED_BITS = {6: 6.48, 8: 8.04}  # what a head at 6 and 8 bits takes per weight with its scales (real quants)
-BPWS = tuple(x / 2 for x in range(4, 17))  # 2.0 .. 8.0
-FIT_BUDGETS = (8 * GiB, 12 * GiB, 16 * GiB, 24 * GiB, 48 * GiB)
-
-# Measured on H200s (torch 2.11, CUDA 13; benchmarks/results/vram_fit.json). Another GPU or driver has another
-# context size: a few hundred MiB either way.
+# The CUDA context, cuBLAS and the kernels a runtime loads: what a process holds outside PyTorch's allocator,
+# measured on H200s (torch 2.11, CUDA 13; benchmarks/results/vram_fit.json): 757 MiB in all 62 loads, 527 MiB of
+# it the bare context. Another GPU or driver has another size: a few hundred MiB either way.
 CONTEXT_BYTES = 757 * MiB
-CUBLAS_WORKSPACE = 32 * MiB  # torch's cuBLAS workspace on Hopper, inside its allocator
-SLACK = 0.02  # the allocator's reserve over its peak, beyond the split score blocks (benchmarks/results/vram_fit.json)
-RESERVE_MIN = 64 * MiB  # and at least this much: 28 to 109 MiB were measured for one-chunk prefills
+HEADROOM = 512 * MiB  # left free on the card: the desktop, other processes, fragmentation
 
 
 def parse_size(text: str) -> int:
@@ -114,12 +78,6 @@ class Params:
         return cls(**groups)
 
 
-def exl2_weights(params: Params, bpw: float, head_bits: int = 6) -> int:
-    """Bytes on the GPU of an EXL2 quant that does not exist yet (the embedding stays in system memory)."""
-    head = HEAD_STORED_BITS.get(head_bits, head_bits + 0.5)
-    return int(params.linear * bpw / 8 + params.head * head / 8 + params.other * 2)
-
-
 def tensor_bytes(folder: Path) -> dict[str, int]:
     """A finished quant's tensor bytes by group (embed, head, layers, other), from its safetensors headers."""
     from factory.inspect import read_header
@@ -134,85 +92,6 @@ def tensor_bytes(folder: Path) -> dict[str, int]:
     return groups
 
 
-def on_gpu(groups: dict[str, int]) -> int:
-    """Of a quant's tensor bytes by group, those exllamav2 puts on the GPU: all but the embedding."""
-    return sum(n for group, n in groups.items() if group != "embed")
-
-
-def quant_weights(folder: Path) -> int:
-    """Bytes on the GPU of a finished EXL2 quant in `folder`."""
-    return on_gpu(tensor_bytes(folder))
-
-
-def cache_bytes(shape: Shape, ctx: int, cache: str) -> int:
-    elements = ctx * shape.kv_heads * shape.head_dim  # of K (or V) in one layer
-    k, v = _CACHE_BYTES[cache]
-    total = shape.layers * elements * (k + v)
-    if cache != "fp16":
-        total += shape.layers * 2 * (elements // 32) * 2 + 2 * elements * 2  # scales; one fp16 layer to work in
-    return int(total)
-
-
-def scratch_bytes(shape: Shape) -> int:
-    """exllamav2's fixed scratch: the largest module's scratch_space_fixed (attention, MLP, head)."""
-    n, h, i = MAX_INPUT_LEN, shape.hidden, shape.intermediate
-    q = shape.heads * shape.head_dim
-    attn = n * max(q, h) * 2 + 2 * min(max(h * q, q * h, h * shape.kv_heads * shape.head_dim), MAX_DQ)
-    mlp = n * h * 2 + 2 * n * max(h, i) * 2 + 2 * min(h * i, MAX_DQ)
-    head = 2 * min(h * shape.vocab, MAX_DQ)
-    return max(attn, mlp, head)
-
-
-def score_bytes(shape: Shape, ctx: int) -> int:
-    """One fp16 attention-score tensor of the largest prefill chunk: heads x chunk x context, at most
-    max_attention_size per head."""
-    return shape.heads * min(MAX_ATTENTION, min(MAX_INPUT_LEN, ctx) * ctx) * 2
-
-
-def forward_bytes(shape: Shape, ctx: int) -> int:
-    """The attention's peak in a prefill chunk (exllamav2's matmul attention, beyond the scratch): scores and their
-    softmax (or scores plus mask) alive together with K expanded to every head; or, later, one score tensor with
-    K and V expanded. Plus the mask, the chunk's hidden states and the cuBLAS workspace."""
-    chunk = min(MAX_INPUT_LEN, ctx)
-    scores = score_bytes(shape, ctx)
-    expanded = ctx * shape.heads * shape.head_dim * 2 if shape.kv_heads != shape.heads else 0  # K or V
-    attention = max(2 * scores + expanded, scores + 2 * expanded)
-    mask = scores // shape.heads
-    states = 3 * chunk * max(shape.hidden, shape.heads * shape.head_dim) * 2
-    return attention + mask + states + CUBLAS_WORKSPACE
-
-
-def tables_bytes(shape: Shape, ctx: int) -> int:
-    return 2 * shape.head_dim * ctx * 2
-
-
-def exllamav2(shape: Shape, weights: int, ctx: int, cache: str, gpus: int = 1) -> dict[str, int]:
-    """The predicted drop of free GPU memory, in parts and in total; with several GPUs, on each of them (each its
-    own context, scratch and forward buffers, a share of the weights and cache: an estimate, exllamav2's autosplit
-    fills them in order)."""
-    parts = {"context": CONTEXT_BYTES, "weights": weights // gpus, "scratch": scratch_bytes(shape),
-             "tables": tables_bytes(shape, ctx), "cache": cache_bytes(shape, ctx, cache) // gpus,
-             "forward": forward_bytes(shape, ctx)}
-    allocated = sum(v for k, v in parts.items() if k != "context")
-    split_scores = score_bytes(shape, ctx) if ctx > MAX_INPUT_LEN else 0
-    parts["reserve"] = max(int(allocated * SLACK) + split_scores, RESERVE_MIN)
-    parts["total"] = sum(parts.values())
-    return parts
-
-
-def vllm_awq(shape: Shape, params: Params, ctx: int, kv: str = "fp16", group: int = 128) -> dict[str, int]:
-    """An estimate for vLLM serving AWQ w4 (not measured): weights, KV cache, context, CUDA graphs, activations;
-    vLLM takes at most 0.9 of the card, so the budget it needs is total / 0.9."""
-    weights = int(params.linear * (4 + (16 + 4) / group) / 8 + (params.embed + params.head + params.other) * 2)
-    kv_bytes = 2 * shape.layers * ctx * shape.kv_heads * shape.head_dim * (1 if kv == "fp8" else 2)
-    activations = 2048 * max(shape.intermediate, shape.vocab) * 4 * 2
-    parts = {"context": CONTEXT_BYTES, "weights": weights, "cache": kv_bytes, "cuda_graphs": 512 * MiB,
-             "activations": activations}
-    parts["total"] = sum(parts.values())
-    parts["budget_needed"] = int(parts["total"] / 0.9)
-    return parts
-
-
 def source_shape(source: str) -> tuple[Shape, Params]:
     """Shape and parameter counts of an FP16 checkpoint, a local folder or a Hub repo (config and headers only)."""
     from factory import sources
@@ -220,61 +99,3 @@ def source_shape(source: str) -> tuple[Shape, Params]:
     config, tensors = sources.layout(source)
     shape = Shape.of(config)
     return shape, Params.of(tensors, shape)
-
-
-HEADROOM = 512 * MiB  # left free on the card: the desktop, other processes, fragmentation
-
-
-def plan(shape: Shape, params: Params, budget: int, ctx: int | None = None, cache: str = "fp16", gpus: int = 1,
-         headroom: int = HEADROOM, head_bits: int = 6) -> dict:
-    """Predicted peak for every bpw in [2.0, 8.0] and the highest that fits `budget` (per GPU) with `headroom`
-    left; several GPUs split the layers evenly (an estimate: exllamav2's autosplit fills them in order)."""
-    ctx = ctx or shape.max_positions
-    if ctx > shape.max_positions:
-        raise SpecError(f"a context of {ctx} tokens is more than the model's {shape.max_positions} positions")
-    if cache not in CACHES:
-        raise SpecError(f"KV cache {cache!r} is not one of {', '.join(CACHES)}")
-    if gpus < 1:
-        raise SpecError("--gpus must be at least 1")
-    room = budget - headroom
-    if room <= 0:
-        raise SpecError(f"a budget of {human(budget)} leaves nothing after {human(headroom)} of headroom")
-
-    def per_gpu(bpw: float) -> dict[str, int]:
-        return exllamav2(shape, exl2_weights(params, bpw, head_bits), ctx, cache, gpus)
-
-    rows = [{"bpw": b, **parts, "fits": parts["total"] <= room} for b in BPWS for parts in [per_gpu(b)]]
-    steps = [round(8.0 - i * 0.05, 2) for i in range(121)]  # 8.00, 7.95, ... 2.00
-    best = next((b for b in steps if per_gpu(b)["total"] <= room), None)
-    result = {"budget": budget, "gpus": gpus, "headroom": headroom, "ctx": ctx, "cache": cache, "rows": rows,
-              "best_bpw": best, "estimate": gpus > 1,
-              "awq": {kv: vllm_awq(shape, params, ctx, kv) for kv in ("fp16", "fp8")}}
-    if best is None:
-        need = per_gpu(2.0)["total"]
-        raise SpecError(f"even 2.0 bpw needs {human(need)} with a {ctx}-token {cache} cache, "
-                        f"{human(need - room)} more than {human(budget)} minus {human(headroom)} of headroom")
-    return result
-
-
-def fits_table(shape: Shape, weights: int, budgets=FIT_BUDGETS, caches=("fp16", "q4")) -> list[dict]:
-    """For a finished quant: the longest context (of 2k, 4k, 8k, ... up to the model's maximum) that fits each
-    budget with each cache type, with HEADROOM left."""
-    contexts = [c for c in (2048, 4096, 8192, 16384, 32768, 65536, 131072) if c <= shape.max_positions]
-    if shape.max_positions not in contexts:
-        contexts.append(shape.max_positions)
-    rows = []
-    for budget in budgets:
-        row = {"budget": budget}
-        for cache in caches:
-            fitting = [c for c in contexts if exllamav2(shape, weights, c, cache)["total"] <= budget - HEADROOM]
-            row[cache] = max(fitting, default=None)
-        rows.append(row)
-    return rows
-
-
-def quant_fits(folder: Path) -> list[dict]:
-    """The "fits on" table of a finished EXL2 quant in `folder` (its config.json and safetensors headers)."""
-    from factory.inspect import read_config
-
-    shape = Shape.of(read_config(folder / "config.json"))
-    return fits_table(shape, quant_weights(folder))

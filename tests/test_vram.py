@@ -1,5 +1,6 @@
-"""factory/vram.py's arithmetic against what was measured on H200s (SmolLM2-135M's quants at 2k and 8k tokens,
-the random 1.1B Llama's at 2k to 32k), and `qf plan`'s answers and refusals."""
+"""The EXL2 memory model's arithmetic (factory/engines/exl2/memory.py) against what was measured on H200s
+(SmolLM2-135M's quants at 2k and 8k tokens, the random 1.1B Llama's at 2k to 32k), and `qf plan`'s answers and
+refusals."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from factory import vram
 from factory.engines.exl2 import card as exl2_card
 from factory.engines.exl2 import evaluate as exl2_evaluate
+from factory.engines.exl2 import memory as vram
 from factory.engines.exl2.spec import Fit
 from factory.errors import SpecError
 
@@ -88,13 +89,18 @@ def test_bad_sizes(text):
 
 
 def test_plan_on_the_cli(qf, tiny):
-    result = qf.json("plan", tiny, "--vram", "2GB", "--ctx", 2048, "--kv-cache", "q4")
+    plans = qf.json("plan", tiny, "--vram", "2GB", "--ctx", 2048, "--kv-cache", "q4")
+    assert set(plans) == {"exl2", "awq"}  # the engines with a memory model
+    result = plans["exl2"]
     assert [r["bpw"] for r in result["rows"]] == [x / 2 for x in range(4, 17)]
     assert result["best_bpw"] == 8.0 and all(r["fits"] for r in result["rows"])
     assert result["rows"][0]["total"] < result["rows"][-1]["total"]
-    assert set(result["awq"]) == {"fp16", "fp8"}
+    assert set(plans["awq"]) == {"fp16", "fp8"}
     table = qf("plan", tiny, "--vram", "2GB")
     assert table.exit_code == 0 and "highest bpw that fits: 8.00" in table.stdout
+    lines = table.stdout.splitlines()
+    assert lines.index(next(x for x in lines if "highest bpw" in x)) < lines.index(
+        next(x for x in lines if x.startswith("AWQ w4 with vLLM, fp16")))
 
 
 @pytest.mark.parametrize(("args", "sentence"), [
@@ -132,7 +138,7 @@ def test_fit_chooses_the_sizes_and_records_the_budget(qf, tiny, monkeypatch):
     result = qf("submit", tiny, "--fit", "2GB,1500MB", "--ctx", 2048, "--kv-cache", "q4")
     assert result.exit_code == 0, result.output
     job = qf.json("status", result.stdout.strip())
-    plans = {b: qf.json("plan", tiny, "--vram", b, "--ctx", 2048, "--kv-cache", "q4")["best_bpw"]
+    plans = {b: qf.json("plan", tiny, "--vram", b, "--ctx", 2048, "--kv-cache", "q4")["exl2"]["best_bpw"]
              for b in ("2GB", "1500MB")}
     assert plans == {"2GB": 8.0, "1500MB": 8.0}  # the tiny model's weights are nothing: both budgets take 8.0
     assert [(s["bpw"], s["fit"]) for s in job["specs"]] == [(8.0, {"vram": 1500 * 2**20, "ctx": 2048, "cache": "q4"})]

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     import torch
 
     from factory.inspect import ModelInfo
+    from factory.vram import Params, Shape
 
 Emit = Callable[[dict], None]
 Logits = Callable[["torch.Tensor"], "torch.Tensor"]  # token ids [1, L] on the CPU -> logits [1, L, V]
@@ -76,6 +77,18 @@ class Evaluation:
     @property
     def suffix(self) -> str:
         return f"{self.group.split('_')[0]}-{self.key}"
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What an engine's memory model says about a card (`qf plan`): its numbers (for --json), and a table and
+    lines for people."""
+
+    data: dict
+    title: str = ""
+    columns: tuple[str, ...] = ()
+    rows: list[tuple[str, ...]] = field(default_factory=list)
+    lines: list[str] = field(default_factory=list)
 
 
 class Engine:
@@ -156,6 +169,12 @@ class Engine:
     def evaluations(self, spec: QuantSpec) -> list[Evaluation]:
         """Scores beyond perplexity (EXL2: through quantized KV caches)."""
         return []
+
+    def memory_plan(self, shape: Shape, params: Params, budget: int, ctx: int | None, cache: str,
+                    gpus: int) -> MemoryPlan | None:
+        """What its runtime needs on a card of `budget` bytes (x `gpus`) for `ctx` tokens with a `cache` KV cache,
+        if the engine has a memory model."""
+        return None
 
     def fits(self, folder: Path) -> list[dict] | None:
         """The longest context each GPU size holds with this quant (the card's "fits on" table), if it knows."""

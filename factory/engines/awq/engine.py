@@ -9,9 +9,9 @@ import shutil
 from pathlib import Path
 
 from factory.engines import child
-from factory.engines.awq import evaluate
+from factory.engines.awq import evaluate, memory
 from factory.engines.awq.spec import AwqSpec, resolve
-from factory.engines.base import Engine, Flag, QuantizeRequest, check_quant_folder
+from factory.engines.base import Engine, Flag, MemoryPlan, QuantizeRequest, check_quant_folder
 from factory.files import COMPANIONS
 
 # AutoAWQ 0.2.9 quantizes more model types (awq/models/auto.py); these are the ones tested here, with the
@@ -53,6 +53,15 @@ class AwqEngine(Engine):
 
     def load(self, folder: Path, device: str):
         return evaluate.load(folder, device)
+
+    def memory_plan(self, shape, params, budget: int, ctx: int | None, cache: str, gpus: int) -> MemoryPlan:
+        from factory.vram import human
+
+        estimates = {kv: memory.vllm_awq(shape, params, ctx or shape.max_positions, kv) for kv in ("fp16", "fp8")}
+        lines = [f"AWQ w4 with vLLM, {kv} KV cache (estimate): needs about {human(e['budget_needed'])} at "
+                 f"gpu_memory_utilization 0.9, {'fits' if e['budget_needed'] <= budget * gpus else 'does not fit'}"
+                 for kv, e in estimates.items()]
+        return MemoryPlan(estimates, lines=lines)
 
     def main_files(self, newest: Path) -> list[str]:
         # vLLM and transformers read a repo's main branch: the newest variant's files go there too

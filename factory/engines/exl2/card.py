@@ -73,5 +73,5 @@ def fits_on(rows: list[dict]) -> str:
     if not tables:
         return ""
     return ("## Fits on\n\nThe longest context (powers of two up to the model's maximum) that exllamav2 holds "
-            f"with {human(HEADROOM)} of the card left free, as factory/vram.py predicts it (checked against real "
-            "memory on an H200: benchmarks/results/vram_fit.json).\n\n" + tables)
+            f"with {human(HEADROOM)} of the card left free, as quantfactory's memory model of exllamav2 predicts it "
+            "(checked against real memory on an H200: benchmarks/results/vram_fit.json).\n\n" + tables)

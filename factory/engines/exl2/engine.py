@@ -31,8 +31,8 @@ import sys
 from pathlib import Path
 
 from factory.engines import child
-from factory.engines.base import Engine, Evaluation, Flag, QuantizeRequest, check_quant_folder
-from factory.engines.exl2 import card, evaluate
+from factory.engines.base import Engine, Evaluation, Flag, MemoryPlan, QuantizeRequest, check_quant_folder
+from factory.engines.exl2 import card, evaluate, memory
 from factory.engines.exl2.spec import Exl2Spec, Exl2Targets, targets_from_flag
 from factory.errors import JobFailed, SpecError
 
@@ -99,8 +99,6 @@ class Exl2Engine(Engine):
 
     def fit_budgets(self, source: str, budgets: str, ctx: int | None, cache: str, written: dict, note) -> dict:
         """--fit 24GB,16GB -> the highest bpw whose predicted peak fits each budget, with the budget it was for."""
-        from factory import vram as memory
-
         shape, params = memory.source_shape(source)
         sizes, fits = [], []
         for text in budgets.split(","):
@@ -139,10 +137,17 @@ class Exl2Engine(Engine):
         return [f"perplexity through exllamav2's KV cache ({evaluate.KV_CHUNK}-token forwards): {card.kv_scores(kv)}"
                 ] if kv else []
 
-    def fits(self, folder: Path) -> list[dict] | None:
-        from factory import vram
+    def memory_plan(self, shape, params, budget: int, ctx: int | None, cache: str, gpus: int) -> MemoryPlan:
+        result, h = memory.plan(shape, params, budget, ctx, cache, gpus), memory.human
+        title = (f"EXL2 with exllamav2: {h(budget)}{f' x {gpus} GPUs (estimate)' if gpus > 1 else ''}, "
+                 f"{result['ctx']} tokens, {cache} cache, {h(result['headroom'])} left free")
+        rows = [(f"{r['bpw']:.1f}", h(r["weights"]), h(r["cache"]), h(r["total"] - r["weights"] - r["cache"]),
+                 h(r["total"]), "yes" if r["fits"] else "no") for r in result["rows"]]
+        columns = ("BPW", "WEIGHTS", "CACHE", "OTHER", "PEAK" + (" PER GPU" if gpus > 1 else ""), "FITS")
+        return MemoryPlan(result, title, columns, rows, [f"highest bpw that fits: {result['best_bpw']:.2f}"])
 
-        return vram.quant_fits(folder)
+    def fits(self, folder: Path) -> list[dict] | None:
+        return memory.quant_fits(folder)
 
     def main_files(self, newest: Path) -> list[str]:
         return ["measurement.json"] if (newest / "measurement.json").is_file() else []

@@ -7,9 +7,9 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from factory.engines.base import QuantSpec, Targets
+from factory.engines.exl2.memory import Cache
 from factory.errors import SpecError
 from factory.specs import Closed, bpw_tag, check_bpw, check_head_bits, parse_bpw_list
-from factory.vram import Cache
 
 HEAD_BITS = (2, 3, 4, 5, 6, 8)
 
