@@ -79,6 +79,11 @@ class Evaluation:
         return f"{self.group.split('_')[0]}-{self.key}"
 
 
+def format_scores(scores: dict[str, float | None]) -> str:
+    """{"fp16": 16.6, "q4": None} -> "fp16 16.6000, q4 not finite"."""
+    return ", ".join(f"{k} {p:.4f}" if p is not None else f"{k} not finite" for k, p in scores.items())
+
+
 @dataclass(frozen=True)
 class MemoryPlan:
     """What an engine's memory model says about a card (`qf plan`): its numbers (for --json), and a table and
@@ -112,6 +117,7 @@ class Engine:
     hub_repo: ClassVar[str]  # the default Hub repo template (FACTORY_HUB_<NAME>_REPO replaces it)
     plot_marker: ClassVar[str] = "o"
     sizes_to_budget: ClassVar[bool] = False  # `--fit 24GB`: then it has fit_budgets(...)
+    scores_about: ClassVar[dict[str, str]] = {}  # evaluations' group -> what it measures, for people
 
     # what it makes -------------------------------------------------------------------------------------------
     def version(self) -> str:
@@ -198,7 +204,8 @@ class Engine:
 
     def describe_scores(self, row: dict) -> list[str]:
         """Lines `qf show` prints about a quant's scores beyond perplexity."""
-        return []
+        return [f"perplexity through {text}: {format_scores(row['eval'][group])}"
+                for group, text in self.scores_about.items() if row["eval"].get(group)]
 
     def card_sections(self, rows: list[dict]) -> tuple[str, str]:
         """Markdown sections the card adds about this engine's quants (`rows`): one before the prompt format and

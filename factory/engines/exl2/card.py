@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from factory.engines.base import format_scores
 from factory.engines.exl2.evaluate import KV_CHUNK_NOTE
 
 
@@ -21,11 +22,6 @@ tokenizer = ExLlamaV2Tokenizer(config)
 """
 
 
-def kv_scores(kv: dict[str, float | None]) -> str:
-    """{"fp16": 16.6, "q4": None} -> "fp16 16.6000, q4 not finite"."""
-    return ", ".join(f"{c} {p:.4f}" if p is not None else f"{c} not finite" for c, p in kv.items())
-
-
 def fits(row: dict) -> str:
     """How long a context each card size holds with this quant in exllamav2 (rows with a "fits" table)."""
     if not row.get("fits"):
@@ -33,7 +29,7 @@ def fits(row: dict) -> str:
     caches = [k for k in row["fits"][0] if k != "budget"]
     lines = [f"### {row['name']}", ""]
     if kv := row.get("eval", {}).get("kv_cache"):
-        lines += [f"Perplexity through exllamav2's KV cache ({KV_CHUNK_NOTE}): {kv_scores(kv)}.", ""]
+        lines += [f"Perplexity through exllamav2's KV cache ({KV_CHUNK_NOTE}): {format_scores(kv)}.", ""]
     if row.get("fit"):
         f = row["fit"]
         lines += [f"Made to fit {f['vram'] / 2**30:.0f} GiB with {f['ctx']} tokens of {f['cache']} cache (--fit).",

@@ -94,6 +94,7 @@ class Exl2Engine(Engine):
     evaluator = "exllamav2"
     library_name = "exllamav2"
     hub_repo = "{owner}/{model}-exl2"
+    scores_about = {"kv_cache": f"exllamav2's KV cache ({evaluate.KV_CHUNK}-token forwards)"}
     plot_marker = "o"
     sizes_to_budget = True
 
@@ -131,11 +132,6 @@ class Exl2Engine(Engine):
     def evaluations(self, spec: Exl2Spec) -> list[Evaluation]:
         return [Evaluation("kv_cache", cache, evaluate.cached_loader(cache), f"{cache} cache window")
                 for cache in evaluate.KV_EVAL_CACHES]
-
-    def describe_scores(self, row: dict) -> list[str]:
-        kv = row["eval"].get("kv_cache")
-        return [f"perplexity through exllamav2's KV cache ({evaluate.KV_CHUNK}-token forwards): {card.kv_scores(kv)}"
-                ] if kv else []
 
     def memory_plan(self, shape, params, budget: int, ctx: int | None, cache: str, gpus: int) -> MemoryPlan:
         result, h = memory.plan(shape, params, budget, ctx, cache, gpus), memory.human

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from factory.engines.base import format_scores
 from factory.engines.exl3.evaluate import KV_CHUNK_NOTE
 
 
@@ -22,13 +23,8 @@ generator = Generator(model=model, cache=cache, tokenizer=tokenizer)
 """
 
 
-def kv_scores(kv: dict[str, float | None]) -> str:
-    """{"q8": 16.6, "q4": None} -> "q8 16.6000, q4 not finite"."""
-    return ", ".join(f"{c} {p:.4f}" if p is not None else f"{c} not finite" for c, p in kv.items())
-
-
 def kv_section(rows: list[dict]) -> str:
-    lines = [f"- `{r['name']}`: {kv_scores(r['eval']['kv_cache'])}" for r in rows if r["eval"].get("kv_cache")]
+    lines = [f"- `{r['name']}`: {format_scores(r['eval']['kv_cache'])}" for r in rows if r["eval"].get("kv_cache")]
     if not lines:
         return ""
     return ("## EXL3 through a quantized KV cache\n\n"

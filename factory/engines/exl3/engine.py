@@ -115,6 +115,7 @@ class Exl3Engine(Engine):
     evaluator = "exllamav3"
     library_name = "exllamav3"
     hub_repo = "{owner}/{model}-exl3"
+    scores_about = {"kv_cache": f"exllamav3's KV cache ({evaluate.KV_CHUNK}-token forwards)"}
     plot_marker = "^"
 
     def version(self) -> str:
@@ -173,11 +174,6 @@ class Exl3Engine(Engine):
     def evaluations(self, spec: Exl3Spec) -> list[Evaluation]:
         return [Evaluation("kv_cache", cache, evaluate.cached_loader(cache), f"{cache} cache window")
                 for cache in evaluate.KV_EVAL_CACHES]
-
-    def describe_scores(self, row: dict) -> list[str]:
-        kv = row["eval"].get("kv_cache")
-        return [f"perplexity through exllamav3's KV cache ({evaluate.KV_CHUNK}-token forwards): {card.kv_scores(kv)}"
-                ] if kv else []
 
     def how_to_load(self, folder: str) -> str:
         return card.how_to_load(folder)
