@@ -98,7 +98,7 @@ class MemoryPlan:
 
 class Engine:
     """The interface, with the defaults most engines keep. A subclass sets the class attributes and implements
-    `version`, `quantize` and `load`; the rest it overrides where its method differs."""
+    `version`, `quantize`, `load` and `how_to_load`; the rest it overrides where its method differs."""
 
     name: ClassVar[str]  # the method: in tags, the catalog, recipes and `--<name>`
     label: ClassVar[str]  # as people write it: EXL2
