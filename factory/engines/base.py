@@ -11,8 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
+from pydantic import Field, field_validator
+
 from factory.errors import JobFailed
-from factory.specs import Closed
+from factory.specs import Closed, bpw_tag, check_bpw, check_head_bits
 
 if TYPE_CHECKING:
     import torch
@@ -43,6 +45,54 @@ class Targets(Closed):
 
     def specs(self) -> list[QuantSpec]:
         raise NotImplementedError
+
+
+class BpwSpec(QuantSpec):
+    """A spec of bits per weight and head bits (EXL2, EXL3), in the ranges its subclass allows."""
+
+    BPW_RANGE: ClassVar[tuple[float, float]]
+    HEAD_BITS: ClassVar[tuple[int, ...]]
+    bpw: float
+    head_bits: int = 6
+
+    @field_validator("bpw", mode="before")
+    @classmethod
+    def _bpw(cls, v: object) -> float:
+        return check_bpw(v, *cls.BPW_RANGE)
+
+    @field_validator("head_bits", mode="before")
+    @classmethod
+    def _head(cls, v: object) -> int:
+        return check_head_bits(v, cls.HEAD_BITS)
+
+    @property
+    def tag(self) -> str:
+        return bpw_tag(self.method, self.bpw, self.head_bits)
+
+    @property
+    def bits(self) -> float:
+        return self.bpw
+
+
+class BpwTargets(Targets):
+    """A recipe key of sizes (`bpw: [3.0, 4.0]`) and the head bits they share, for a BpwSpec (`spec_class`)."""
+
+    spec_class: ClassVar[type[BpwSpec]]
+    bpw: list[float] = Field(min_length=1)
+    head_bits: int = 6
+
+    @field_validator("bpw", mode="before")
+    @classmethod
+    def _bpw(cls, v: object) -> list[float]:
+        return [check_bpw(b, *cls.spec_class.BPW_RANGE) for b in (v if isinstance(v, list) else [v])]
+
+    @field_validator("head_bits", mode="before")
+    @classmethod
+    def _head(cls, v: object) -> int:
+        return check_head_bits(v, cls.spec_class.HEAD_BITS)
+
+    def specs(self) -> list[BpwSpec]:
+        return [self.spec_class(bpw=b, head_bits=self.head_bits) for b in sorted(set(self.bpw))]
 
 
 @dataclass

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
-from factory.engines.base import QuantSpec, Targets
+from factory.engines.base import BpwSpec, BpwTargets
 from factory.engines.exl2.memory import Cache
 from factory.errors import SpecError
-from factory.specs import Closed, bpw_tag, check_bpw, check_head_bits, parse_bpw_list
-
-HEAD_BITS = (2, 3, 4, 5, 6, 8)
+from factory.specs import BPW_MAX, BPW_MIN, Closed, parse_bpw_list
 
 
 class Fit(Closed):
@@ -22,49 +20,20 @@ class Fit(Closed):
     cache: Cache = "fp16"
 
 
-class Exl2Spec(QuantSpec):
+class Exl2Spec(BpwSpec):
+    BPW_RANGE = (BPW_MIN, BPW_MAX)
+    HEAD_BITS = (2, 3, 4, 5, 6, 8)
     method: Literal["exl2"] = "exl2"
-    bpw: float
-    head_bits: int = 6
     fit: Fit | None = None
     measurement_rows: int = Field(16, ge=1)
     measurement_length: int = Field(2048, ge=16)
     rows: int = Field(100, ge=1)
     length: int = Field(2048, ge=16)
 
-    @field_validator("bpw", mode="before")
-    @classmethod
-    def _bpw(cls, v: object) -> float:
-        return check_bpw(v)
 
-    @field_validator("head_bits", mode="before")
-    @classmethod
-    def _head(cls, v: object) -> int:
-        return check_head_bits(v, HEAD_BITS)
-
-    @property
-    def tag(self) -> str:
-        return bpw_tag("exl2", self.bpw, self.head_bits)
-
-    @property
-    def bits(self) -> float:
-        return self.bpw
-
-
-class Exl2Targets(Targets):
-    bpw: list[float] = Field(min_length=1)
-    head_bits: int = 6
+class Exl2Targets(BpwTargets):
+    spec_class = Exl2Spec
     fit: list[Fit] | None = None  # --fit: the budget each bpw (same order) was chosen for
-
-    @field_validator("bpw", mode="before")
-    @classmethod
-    def _bpw(cls, v: object) -> list[float]:
-        return [check_bpw(b) for b in (v if isinstance(v, list) else [v])]
-
-    @field_validator("head_bits", mode="before")
-    @classmethod
-    def _head(cls, v: object) -> int:
-        return check_head_bits(v, HEAD_BITS)
 
     @model_validator(mode="after")
     def _one_fit_per_size(self) -> Exl2Targets:
