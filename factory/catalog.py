@@ -181,7 +181,7 @@ class Quant(Base):
 
 
 class Measurement(Base):
-    """An EXL2 measurement, reusable by every bpw with the same key."""
+    """An engine's measurement of a model, reusable by every size made with the same key."""
 
     __tablename__ = "measurements"
     id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
@@ -218,7 +218,7 @@ class Watch(Base):
 
     __tablename__ = "watches"
     target: Mapped[str] = mapped_column(String(200), primary_key=True)
-    recipe: Mapped[dict] = mapped_column()  # as written: exl2/awq keys of a recipe
+    recipe: Mapped[dict] = mapped_column()  # as written: the engine keys of a recipe
     filter: Mapped[dict] = mapped_column()  # architectures, max_params
     created_at: Mapped[datetime] = mapped_column(default=now)
 

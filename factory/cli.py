@@ -37,7 +37,8 @@ app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
-    help="quantfactory: EXL2, EXL3 and AWQ quants of FP16 checkpoints, evaluated and published by name.",
+    help=f"quantfactory: {', '.join(e.label for e in engines.all_engines())} quants of FP16 checkpoints, evaluated "
+    "and published by name.",
 )
 out = Console()
 if not out.is_terminal:
@@ -190,14 +191,15 @@ WindowsOpt = Annotated[int | None, typer.Option("--eval-windows", min=1, help="2
 NameOpt = Annotated[str | None, typer.Option("--name", help="The quant name (default: the folder's name).")]
 BaseOpt = Annotated[str | None, typer.Option("--base-model", help="The Hub repo the card names as base_model.")]
 JsonOpt = Annotated[bool, typer.Option("--json", metavar="", help="JSON instead of tables and progress bars.")]
-FitOpt = Annotated[str | None, typer.Option("--fit", help="VRAM budgets, e.g. 24GB,16GB: EXL2 at the highest bpw "
-                                            "that fits each with --ctx and --kv-cache (see qf plan).")]
+_SIZER = next(e for e in engines.all_engines() if e.sizes_to_budget)  # the engine --fit sizes
+FitOpt = Annotated[str | None, typer.Option("--fit", help=f"VRAM budgets, e.g. 24GB,16GB: {_SIZER.label} at the "
+                                            "highest bpw that fits each with --ctx and --kv-cache (see qf plan).")]
 CtxOpt = Annotated[int | None, typer.Option("--ctx", min=1, help="Context in tokens (default: the model's max).")]
 KvOpt = Annotated[str, typer.Option("--kv-cache", help="fp16, q8, q6 or q4.")]
 
 
 def _with_engine_flags(fn):
-    """Adds an option for every engine that has a flag (`--exl2 3.0,4.0`, `--awq`) after the command's first
+    """Adds an option for every engine that has a flag (`--<engine> 3.0,4.0`, or a switch) after the command's first
     parameter; the command gets their values as `flags` (engine name -> value)."""
     params = [p for name, p in inspect.signature(fn, eval_str=True).parameters.items() if name != "flags"]
     added = []
@@ -229,7 +231,7 @@ def _request(source, flags, recipe, calibration, eval_set, eval_windows, name, b
 
     flags = dict(flags)
     if fit:
-        sizer = next(e for e in engines.all_engines() if e.sizes_to_budget)
+        sizer = _SIZER
         if flags.get(sizer.name):
             raise SpecError(f"give --{sizer.name} sizes or --fit budgets, not both")
         written = build_recipe(recipe).to_dict().get(sizer.name, {})
@@ -608,8 +610,8 @@ def plan(
     gpus: Annotated[int, typer.Option("--gpus", min=1, help="Split the layers over N such GPUs (estimate).")] = 1,
     as_json: JsonOpt = False,
 ) -> None:
-    """What fits a GPU with its context and KV cache, as each engine's memory model says (EXL2: every bpw and the
-    highest that fits; AWQ: an estimate for vLLM); reads only the config and safetensors headers. --json: the
+    """What fits a GPU with its context and KV cache, as each engine's memory model says (every size and the
+    highest that fits, or an estimate for its server); reads only the config and safetensors headers. --json: the
     numbers by engine."""
     from factory import vram as memory
 

@@ -4,7 +4,7 @@
 |------|--------------------|-----------------------------------------------------------------|
 | 0    |                    | ok (also: the same job again returns the existing job)          |
 | 1    | JobFailed          | a step failed, or the quality gate refused a quant              |
-| 2    | SpecError          | bad usage or spec: numbers, names, recipe keys, no CUDA for EXL2 |
+| 2    | SpecError          | bad usage or spec: numbers, names, recipe keys, no CUDA for an engine that needs it |
 | 3    | ModelRefused       | inspection refused the checkpoint                               |
 | 4    | NotFound           | a path, name or tag that does not exist                         |
 | 5    | ServiceUnavailable | database, broker or Hub unreachable                             |

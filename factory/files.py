@@ -97,7 +97,7 @@ def upstream_card(folder: Path) -> str | None:
 
 def stage(folder: Path, dest: Path) -> Path:
     """A folder of links to the checked source files only: what every engine and evaluator reads, so a tool that
-    copies "everything beside the weights" (convert_exl2 -cf) finds nothing else to copy."""
+    copies "everything beside the weights" finds nothing else to copy."""
     files = source_files(folder)
     dest.mkdir(parents=True, exist_ok=True)
     for old in dest.iterdir():

@@ -42,7 +42,7 @@ INTERRUPTED = "interrupted (Ctrl-C or SIGTERM); run the same command again to co
 class Request:
     source: str
     recipe: Recipe
-    asked: set[str] = field(default_factory=set)  # engines a flag asked for (--exl2): no CUDA is an error, not a skip
+    asked: set[str] = field(default_factory=set)  # engines a flag asked for: no CUDA is an error, not a skip
     name: str | None = None
     base_model: str | None = None  # what the model card names as base_model (default: the source's name)
     device: str | None = None  # where the job will run: None = this machine (qf run); qf submit: the workers'
@@ -348,7 +348,7 @@ class Factory:
         return self._measure(job, prepared, spec.tag, out, engine.load, engine.evaluator)
 
     def _evaluate_extra(self, job: Job, prepared: _Prepared, spec: QuantSpec, out: Path) -> dict[str, dict]:
-        """The engine's scores beyond perplexity (EXL2: through exllamav2's fp16, q8 and q4 KV caches), as
+        """The engine's scores beyond perplexity (e.g. through its runtime's quantized KV caches), as
         {group: {key: ppl}}; one step per group."""
         engine = engines.get(spec.method)
         done = {e.subject: e.ppl for e in self.catalog.evaluations(job.id)}
@@ -463,7 +463,7 @@ class Factory:
 
     def _push(self, job: Job, prepared: _Prepared, spec: QuantSpec) -> None:
         """The quant's branch on the Hub, then main of its repo: the card of every variant there with its plot, and
-        the files the engine puts on main (EXL2: measurement.json; AWQ: the newest variant's, where vLLM looks)."""
+        the files the engine puts on main (Engine.main_files)."""
         s, engine = self.settings, engines.get(spec.method)
         templates = hub.templates(s.hub_repos)
 

@@ -1,6 +1,6 @@
 """Recipes: what to make of one model, as YAML (configs/standard.yaml) or command-line flags.
 
-A recipe has a key per engine (`exl2: {bpw: [...], head_bits: 6}`, `awq: {}`; each engine's `targets` class
+A recipe has a key per engine (its name, e.g. `<engine>: {bpw: [...], head_bits: 6}`; each engine's `targets` class
 validates its key) and the settings every engine shares: calibration, eval, eval_windows, max_ppl_ratio.
 Unknown keys are refused with one sentence that lists the known ones (exit 2).
 """
@@ -112,7 +112,7 @@ def standard_recipe() -> Recipe:
 def build_recipe(path: Path | None = None, flags: dict[str, str | bool | None] | None = None,
                  **overrides: object) -> Recipe:
     """The recipe a command line asks for: --recipe FILE, else the standard recipe. Engine flags (`flags`, or
-    keyword arguments named after an engine: `exl2="4.0,5.0"`, `awq=True`) replace its targets, keeping its
+    keyword arguments named after an engine: `<engine>="4.0,5.0"`, `<engine>=True`) replace its targets, keeping its
     settings for those engines; other options that are not None replace its keys."""
     flags = {**(flags or {}), **{k: overrides.pop(k) for k in list(overrides) if k in engines.available()}}
     asked = {name: value for name, value in flags.items() if value not in (None, False)}

@@ -5,7 +5,7 @@
 submission path as `qf submit`, so a release planned twice is still one job.
 
 A watch is a Hub repo (`org/name`) or an author's repos by name pattern (`Qwen/*-Instruct`; fnmatch, any case),
-with a recipe (its `exl2` and `awq` targets, as in configs/standard.yaml) and an optional filter: `architectures`
+with a recipe (a key per engine, as in configs/standard.yaml) and an optional filter: `architectures`
 (a list) and `max_params` (a number, e.g. 8e9). A watchlist file (configs/watchlist.yaml) lists them under
 `watch:`, each with `target`, `recipe` and `filter`.
 """
@@ -19,6 +19,7 @@ from pathlib import Path
 
 import yaml
 
+from factory import engines
 from factory import hubclient as hub
 from factory.errors import FactoryError, NotFound, SpecError
 from factory.recipes import recipe_from_dict
@@ -71,7 +72,9 @@ def entry(target: str, recipe: dict, filter: dict | None = None) -> WatchEntry:
         raise SpecError(f"watch target {target!r} is neither org/name nor org/pattern (a pattern only in the name)")
     parsed = recipe_from_dict(recipe, f"the recipe of watch {target}")
     if not parsed.specs():
-        raise SpecError(f"the recipe of watch {target} makes nothing: give it exl2 or awq targets")
+        known = engines.available()
+        raise SpecError(f"the recipe of watch {target} makes nothing: give it {', '.join(known[:-1])} or {known[-1]} "
+                        "targets")
     filter = dict(filter or {})
     if unknown := set(filter) - FILTER_KEYS:
         raise SpecError(f"watch {target}: unknown filter keys {sorted(unknown)}; allowed: {sorted(FILTER_KEYS)}")

@@ -14,9 +14,8 @@ FACTORY_WATCH_SECONDS  how often beat asks the Hub about the watchlist (default 
 FACTORY_MAX_ATTEMPTS  how often a job may be taken by a worker before it fails as lost (default 3)
 FACTORY_HUB_OWNER  publish every quant to the Hugging Face Hub under this user or organization as well (default:
                   the registry folder only); the token is HF_TOKEN or huggingface_hub's stored login
-FACTORY_HUB_<ENGINE>_REPO  an engine's repo name template on the Hub (FACTORY_HUB_EXL2_REPO, FACTORY_HUB_AWQ_REPO,
-                  ...; defaults from the engines: `{owner}/{model}-exl2`, `{owner}/{model}-AWQ`, `{owner}/{model}-exl3`;
-                  {model} is the factory's name of the model); `qf pull` uses them too
+FACTORY_HUB_<ENGINE>_REPO  an engine's repo name template on the Hub (default: the engine's `hub_repo`, e.g.
+                  `{owner}/{model}-<engine>`; {model} is the factory's name of the model); `qf pull` uses them too
 """
 
 from __future__ import annotations
@@ -56,7 +55,7 @@ class Settings:  # a plain dataclass: `qf status` must start fast, and pydantic'
 
     @property
     def measurements(self) -> Path:
-        """EXL2 measurements, one file per measurement key (see identity.measurement_key)."""
+        """Engines' measurements, one file per measurement key (see identity.measurement_key)."""
         return self.home / "measurements"
 
     @property

@@ -36,7 +36,7 @@ def check_head_bits(value: object, allowed: tuple[int, ...]) -> int:
 
 
 def parse_bpw_list(text: str, flag: str, low: float = BPW_MIN, high: float = BPW_MAX) -> list[float]:
-    """`--exl2 3.0,4.0,5.0` -> [3.0, 4.0, 5.0]."""
+    """`3.0,4.0,5.0` (an engine's flag) -> [3.0, 4.0, 5.0]."""
     parts = [p.strip() for p in text.split(",")]
     if not any(parts):
         raise SpecError(f"{flag} needs numbers in [{low}, {high}] separated by commas, got {text!r}")
@@ -44,7 +44,7 @@ def parse_bpw_list(text: str, flag: str, low: float = BPW_MIN, high: float = BPW
 
 
 def bpw_tag(method: str, bpw: float, head_bits: int, default_head: int = 6) -> str:
-    """`exl2-4.0bpw`, `exl2-4.25bpw`, `exl3-3.0bpw-h8`: one decimal at least, head bits when not the default."""
+    """`<method>-4.0bpw`, `-4.25bpw`, `-3.0bpw-h8`: one decimal at least, head bits when not the default."""
     tag = f"{method}-{bpw:.2f}".rstrip("0")
     tag = (tag + "0" if tag.endswith(".") else tag) + "bpw"
     return tag if head_bits == default_head else f"{tag}-h{head_bits}"

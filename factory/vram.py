@@ -1,6 +1,6 @@
 """What every memory model shares: sizes as people write them, a model's shape and parameter counts from config.json
 and safetensors headers only (no weights read, no GPU), and the headroom left free on a card. Each engine's model
-of its runtime's memory lives in its package (factory/engines/exl2/memory.py, factory/engines/awq/memory.py), and
+of its runtime's memory lives in its package (factory/engines/<method>/memory.py, behind Engine.memory_plan), and
 `qf plan`, `--fit` and the cards' "fits on" tables ask the engines.
 """
 
@@ -63,7 +63,7 @@ class Params:
 
     embed: int
     head: int  # the output head; a tied head counts here too (exllamav2 and vLLM both hold one)
-    linear: int  # the decoder's linear weights (what EXL2 quantizes at bpw)
+    linear: int  # the decoder's linear weights (what a bits-per-weight engine quantizes at bpw)
     other: int  # norms, biases
 
     @classmethod

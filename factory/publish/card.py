@@ -3,8 +3,8 @@
 YAML metadata (`base_model`, `base_model_relation: quantized`, `license` and `language` as the base model's card
 says, `pipeline_tag`, `library_name`, `tags`, `quantized_by`), where the base model and its license are, the table of
 this model's quants as known when this one was published (bits, size, perplexity, change vs FP16, the calibration
-used, eval protocol, tool versions, source identity), what each engine adds (EXL2: which size to pick for common
-GPUs, where each fits), the prompt format, and how to load each one (the engine's snippet).
+used, eval protocol, tool versions, source identity), what each engine adds (which size to pick for common GPUs,
+where each fits), the prompt format, and how to load each one (the engine's snippet).
 """
 
 from __future__ import annotations

@@ -1,13 +1,12 @@
 """Publishing quants to the Hugging Face Hub and pulling them by name (the client pieces it shares with fetching:
 factory/hubclient.py).
 
-Publishing (FACTORY_HUB_OWNER set): one engine's quants of a model share one repo (its template: EXL2
-`{owner}/{model}-exl2`, AWQ `{owner}/{model}-AWQ`), one branch per variant (the engine's `branch`: `4.0bpw`,
-`w4g128`), with the model card and its plot on main beside the files the engine puts there (EXL2 its
-measurement.json; AWQ the latest variant's files, where vLLM looks). Each branch changes in one commit made
-against the head it read (parent_commit), so publishing the same quant again changes nothing, a concurrent publish
-is read again and retried, and a failed upload leaves the branch where it was; 429 and 5xx answers are retried
-with backoff.
+Publishing (FACTORY_HUB_OWNER set): one engine's quants of a model share one repo (the engine's `hub_repo`
+template, e.g. `{owner}/{model}-<engine>`), one branch per variant (the engine's `branch`, e.g. `4.0bpw`), with the
+model card and its plot on main beside the files the engine puts there (`main_files`). Each branch changes in one
+commit made against the head it read (parent_commit), so publishing the same quant again changes nothing, a
+concurrent publish is read again and retried, and a failed upload leaves the branch where it was; 429 and 5xx
+answers are retried with backoff.
 
 Tokens come from HF_TOKEN or huggingface_hub's stored login and go nowhere else: not into task arguments, the
 catalog, logs or messages. HF_ENDPOINT points all of it at another Hub (the tests' local server).
@@ -41,7 +40,7 @@ def templates(repos: dict[str, str]) -> dict[str, str]:
 
 
 def place(owner: str, name: str, tag: str, templates: dict[str, str]) -> Place:
-    """`smollm2-135m-instruct:exl2-4.0bpw` -> alice/smollm2-135m-instruct-exl2, branch 4.0bpw."""
+    """`smollm2-135m-instruct:<engine>-4.0bpw` -> alice/smollm2-135m-instruct-<engine>, branch 4.0bpw."""
     engine = engines.of_tag(tag)
     return Place(templates[engine.name].format(owner=owner, model=name), engine.branch(tag))
 
@@ -155,7 +154,7 @@ def pull(where: Place, revision: str | None, dest: Path, progress: Callable[...,
 
 
 def tags(owner: str, name: str, templates: dict[str, str]) -> dict[str, Place]:
-    """The tags of model `name` published under `owner`: `exl2-4.0bpw` -> its Place (templates: method -> repo)."""
+    """The tags of model `name` published under `owner`: tag -> its Place (templates: method -> repo)."""
     found = {}
     for method, template in templates.items():
         repo = template.format(owner=owner, model=name)
