@@ -1,15 +1,17 @@
-"""What an EXL2 quant really occupies on a GPU with exllamav2, at a context length and KV-cache type (CUDA only).
+"""What an EXL2 or EXL3 quant really occupies on a GPU (exllamav2, exllamav3), at a context length and KV-cache type
+(CUDA only).
 
     python benchmarks/vram_fit.py measure ROOT OUT.json [SECONDS]     (on a CUDA machine)
     python benchmarks/vram_fit.py compare MEASURED.json... [--out benchmarks/results/vram_fit.json]
 
-finds every EXL2 quant under ROOT (registry folders of the factory), and for each context (2k, 8k, 16k, 32k up to
-the model's max positions) and cache (fp16, q4, then q8) loads it in a fresh process, fills the cache with one
-forward pass over the whole context (prefill of ctx-1 tokens, then one token with logits, as a generator does) and
-records: torch's peak allocated and reserved bytes, the drop of free memory (cuda mem_get_info) from just after the
-CUDA context exists, and the GPU's used memory (nvidia-smi) before the process touched CUDA and at the end, which
-counts what a user sees: context, weights, cache, scratch and the allocator's reserve. Also recorded: the quant's
-config and tensor bytes by group, so predictions can be checked against these numbers on any machine. Stops
+finds every EXL2 and EXL3 quant under ROOT (registry folders of the factory), and for each context (2k, 8k, 16k,
+32k up to the model's max positions) and cache (fp16, q4, then q8) loads it in a fresh process, fills the cache
+with one forward pass over the whole context (prefill of ctx-1 tokens, then one token with logits, as a generator
+does; exllamav3 prefills in 2048-token chunks, as its generator does) and records: torch's peak allocated and
+reserved bytes, the drop of free memory (cuda mem_get_info) from just after the CUDA context exists, and the GPU's
+used memory (nvidia-smi) before the process touched CUDA and at the end, which counts what a user sees: context,
+weights, cache, scratch and the allocator's reserve. Also recorded: the quant's config and tensor bytes by group, so
+predictions can be checked against these numbers on any machine. Stops
 starting new loads after SECONDS (default 420), so the run fits one device call.
 
 `compare` puts the EXL2 memory model's prediction (factory/engines/exl2/memory.py) beside every measurement: the
@@ -31,12 +33,18 @@ from factory.engines.exl2 import memory as vram  # noqa: E402
 from factory.engines.exl2.evaluate import KV_CACHES  # noqa: E402  - cache type -> exllamav2 class, as the factory scores them
 
 CONTEXTS = (2048, 8192, 16384, 32768)
+EXL3_CHUNK = 2048  # exllamav3's generator prefills at most this many tokens per forward (max_chunk_size)
+METHODS = ("exl2", "exl3")
 
 
 def _gpu_used_bytes() -> int:
     gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]  # the card torch sees as cuda:0
-    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", gpu],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", gpu],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return int(out.split()[0]) * 2**20
 
 
@@ -62,26 +70,80 @@ def one(folder: str, ctx: int, cache_type: str) -> dict:
         model.forward(ids[:, -1:], cache)
     torch.cuda.synchronize()
     free_end, _ = torch.cuda.mem_get_info()
-    return {"ctx": ctx, "cache": cache_type, "max_input_len": config.max_input_len,
-            "max_attention_size": config.max_attention_size,
-            "allocated_peak": torch.cuda.max_memory_allocated(), "reserved_peak": torch.cuda.max_memory_reserved(),
-            "free_drop_load": free_start - free_loaded, "free_drop": free_start - free_end,
-            "gpu_used_before": used_before, "gpu_used_end": _gpu_used_bytes(), "gpu_total": total}
+    return {
+        "ctx": ctx,
+        "cache": cache_type,
+        "max_input_len": config.max_input_len,
+        "max_attention_size": config.max_attention_size,
+        "allocated_peak": torch.cuda.max_memory_allocated(),
+        "reserved_peak": torch.cuda.max_memory_reserved(),
+        "free_drop_load": free_start - free_loaded,
+        "free_drop": free_start - free_end,
+        "gpu_used_before": used_before,
+        "gpu_used_end": _gpu_used_bytes(),
+        "gpu_total": total,
+    }
+
+
+def one_exl3(folder: str, ctx: int, cache_type: str) -> dict:
+    """As `one`, through exllamav3: its cache is made before the model loads (as its generator's users do), fp16 or
+    quantized at the cache type's bits for K and V."""
+    used_before = _gpu_used_bytes()
+    import torch
+    from exllamav3 import Cache, CacheLayer_fp16, CacheLayer_quant, Config, Model
+
+    free_start, total = torch.cuda.mem_get_info()
+    config = Config.from_directory(folder)
+    model = Model.from_config(config)
+    if cache_type == "fp16":
+        cache = Cache(model, max_num_tokens=ctx, layer_type=CacheLayer_fp16)
+    else:
+        bits = int(cache_type.removeprefix("q"))
+        cache = Cache(model, max_num_tokens=ctx, layer_type=CacheLayer_quant, k_bits=bits, v_bits=bits)
+    model.load("cuda:0")
+    free_loaded, _ = torch.cuda.mem_get_info()
+    ids = torch.randint(0, config.vocab_size, (1, ctx))
+    with torch.inference_mode():
+        for start in range(0, ctx - 1, EXL3_CHUNK):
+            params = {"attn_mode": "flash_attn", "cache": cache, "past_len": start, "batch_shape": (1, ctx)}
+            model.prefill(ids[:, start : min(start + EXL3_CHUNK, ctx - 1)], params)
+        model.forward(
+            ids[:, -1:], {"attn_mode": "flash_attn", "cache": cache, "past_len": ctx - 1, "batch_shape": (1, ctx)}
+        )
+    torch.cuda.synchronize()
+    free_end, _ = torch.cuda.mem_get_info()
+    return {
+        "ctx": ctx,
+        "cache": cache_type,
+        "chunk": EXL3_CHUNK,
+        "allocated_peak": torch.cuda.max_memory_allocated(),
+        "reserved_peak": torch.cuda.max_memory_reserved(),
+        "free_drop_load": free_start - free_loaded,
+        "free_drop": free_start - free_end,
+        "gpu_used_before": used_before,
+        "gpu_used_end": _gpu_used_bytes(),
+        "gpu_total": total,
+    }
 
 
 def describe(folder: Path) -> dict:
     """The quant's shape and its tensor bytes by group (embedding, head, decoder layers, other)."""
     config = json.loads((folder / "config.json").read_text())
-    return {"folder": folder.name, "config": config, "tensor_bytes": vram.tensor_bytes(folder),
-            "file_bytes": sum(p.stat().st_size for p in folder.glob("*.safetensors"))}
+    return {
+        "folder": folder.name,
+        "config": config,
+        "tensor_bytes": vram.tensor_bytes(folder),
+        "file_bytes": sum(p.stat().st_size for p in folder.glob("*.safetensors")),
+    }
 
 
 def quants(root: Path) -> list[Path]:
     found, seen = [], set()
     for cfg in sorted(root.rglob("registry/**/config.json")):
         qc = json.loads(cfg.read_text()).get("quantization_config", {})
-        key = (cfg.parent.parent.name, qc.get("bits"), qc.get("head_bits"))  # registry/<name>/<tag>@<rev>/
-        if qc.get("quant_method") == "exl2" and key not in seen:
+        # registry/<name>/<tag>@<rev>/
+        key = (cfg.parent.parent.name, qc.get("quant_method"), qc.get("bits"), qc.get("head_bits"))
+        if qc.get("quant_method") in METHODS and key not in seen:
             seen.add(key)
             found.append(cfg.parent)
     return found
@@ -103,8 +165,9 @@ def measure(root: Path, out: Path, budget: float) -> None:
         if time.monotonic() - start > budget:
             print(f"time budget spent; {cache} at {ctx} for {folder.name} not measured")
             continue
-        proc = subprocess.run([sys.executable, __file__, "one", str(folder), str(ctx), cache],
-                              capture_output=True, text=True)
+        proc = subprocess.run(
+            [sys.executable, __file__, "one", str(folder), str(ctx), cache], capture_output=True, text=True
+        )
         if proc.returncode != 0:
             run = {"ctx": ctx, "cache": cache, "error": proc.stderr.strip().splitlines()[-1:]}
         else:
@@ -123,6 +186,8 @@ def compare(measured: list[Path]) -> dict:
     for path in measured:
         data = json.loads(path.read_text())
         for quant in data["rows"]:
+            if quant["config"]["quantization_config"]["quant_method"] != "exl2":
+                continue  # EXL3 loads are measured here; their model is checked in tests/test_exl3_memory.py
             shape = vram.Shape.of(quant["config"])
             weights = vram.on_gpu(quant["tensor_bytes"])
             for run in quant["runs"]:
@@ -131,19 +196,34 @@ def compare(measured: list[Path]) -> dict:
                 predicted = vram.exllamav2(shape, weights, run["ctx"], run["cache"])
                 seen = run["gpu_used_end"] - run["gpu_used_before"]
                 error = predicted["total"] - seen
-                rows.append({"model": quant["config"].get("_name_or_path") or path.stem, "quant": quant["folder"],
-                             "ctx": run["ctx"], "cache": run["cache"], "measured_drop": seen,
-                             "measured_torch_reserved": run["reserved_peak"], "predicted": predicted["total"],
-                             "predicted_parts": predicted, "error_bytes": error, "error": round(error / seen, 4),
-                             "ok": abs(error) <= max(0.05 * seen, 64 * 2**20)})
-    return {"target": "|predicted - measured| <= max(5%, 64 MiB), measured = nvidia-smi used after - before",
-            "all_ok": all(r["ok"] for r in rows), "worst": max((abs(r["error"]) for r in rows), default=None),
-            "rows": rows}
+                rows.append(
+                    {
+                        "model": quant["config"].get("_name_or_path") or path.stem,
+                        "quant": quant["folder"],
+                        "ctx": run["ctx"],
+                        "cache": run["cache"],
+                        "measured_drop": seen,
+                        "measured_torch_reserved": run["reserved_peak"],
+                        "predicted": predicted["total"],
+                        "predicted_parts": predicted,
+                        "error_bytes": error,
+                        "error": round(error / seen, 4),
+                        "ok": abs(error) <= max(0.05 * seen, 64 * 2**20),
+                    }
+                )
+    return {
+        "target": "|predicted - measured| <= max(5%, 64 MiB), measured = nvidia-smi used after - before",
+        "all_ok": all(r["ok"] for r in rows),
+        "worst": max((abs(r["error"]) for r in rows), default=None),
+        "rows": rows,
+    }
 
 
 def main() -> None:
     if len(sys.argv) >= 5 and sys.argv[1] == "one":
-        print(json.dumps(one(sys.argv[2], int(sys.argv[3]), sys.argv[4])))
+        folder = sys.argv[2]
+        method = json.loads((Path(folder) / "config.json").read_text())["quantization_config"]["quant_method"]
+        print(json.dumps((one_exl3 if method == "exl3" else one)(folder, int(sys.argv[3]), sys.argv[4])))
     elif len(sys.argv) >= 3 and sys.argv[1] == "compare":
         args = sys.argv[2:]
         out = Path(args[args.index("--out") + 1]) if "--out" in args else Path("benchmarks/results/vram_fit.json")
@@ -151,8 +231,10 @@ def main() -> None:
         result = compare(files)
         out.write_text(json.dumps(result, indent=1) + "\n")
         for r in result["rows"]:
-            print(f"{r['quant']:24} {r['ctx']:6} {r['cache']:4} measured {r['measured_drop'] / 2**20:7.0f} MiB "
-                  f"predicted {r['predicted'] / 2**20:7.0f} MiB  {r['error'] * 100:+.1f}%")
+            print(
+                f"{r['quant']:24} {r['ctx']:6} {r['cache']:4} measured {r['measured_drop'] / 2**20:7.0f} MiB "
+                f"predicted {r['predicted'] / 2**20:7.0f} MiB  {r['error'] * 100:+.1f}%"
+            )
         print(f"all within target: {result['all_ok']}, worst {result['worst'] * 100:.1f}%")
     elif len(sys.argv) >= 4 and sys.argv[1] == "measure":
         measure(Path(sys.argv[2]), Path(sys.argv[3]), float(sys.argv[4]) if len(sys.argv) > 4 else 420)
