@@ -12,6 +12,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from factory import engines, naming, settings
+from factory.engines.exl3 import compat
 from factory.engines.exl3 import engine as exl3
 from factory.engines.exl3.spec import Exl3Spec
 from factory.errors import JobFailed, ModelRefused, SpecError
@@ -156,3 +157,20 @@ def test_no_cuda_is_one_sentence(qf, tiny):
     assert result.exit_code == 2
     assert result.stderr.strip().splitlines()[-1] == ("error: EXL3 (--exl3) needs a CUDA GPU and this machine has "
                                                       "none; AWQ runs without one (--awq)")
+
+
+def test_text_only_gemma3_sources_are_read_with_exllamav3s_dotted_names(tmp_path, tiny):
+    """exllamav3 1.6.5 asks a text-only Gemma 3 checkpoint for `.model.…` (factory/engines/exl3/compat.py): its
+    FP16 source is read renamed, other sources and every EXL3 quant as they are."""
+    gemma3 = tmp_path / "gemma3"
+    shutil.copytree(tiny, gemma3)
+    config = json.loads((gemma3 / "config.json").read_text())
+    (gemma3 / "config.json").write_text(json.dumps({**config, "architectures": ["Gemma3ForCausalLM"]}))
+    assert compat.needs_dots(gemma3) and not compat.needs_dots(tiny)
+    (gemma3 / "config.json").write_text(json.dumps({**config, "architectures": ["Gemma3ForCausalLM"],
+                                                    "quantization_config": {"quant_method": "exl3"}}))
+    assert not compat.needs_dots(gemma3)
+    header = {"model.embed_tokens.weight": {"dtype": "F16"}, "lm_head.weight": {}, ".model.norm.weight": {},
+              "_header_offset": 8}
+    assert compat.dotted(header) == {".model.embed_tokens.weight": {"dtype": "F16"}, "lm_head.weight": {},
+                                     ".model.norm.weight": {}, "_header_offset": 8}

@@ -53,7 +53,8 @@ def _save() -> None:
         "commit": os.environ.get("QF_COMMIT") or commit or "unknown",
         "gpu": torch.cuda.get_device_name(0),
         "versions": {"torch": torch.__version__, "transformers": _version("transformers"),
-                     "exllamav2": _version("exllamav2"), "autoawq": _version("autoawq")},
+                     "exllamav2": _version("exllamav2"), "exllamav3": _version("exllamav3"),
+                     "autoawq": _version("autoawq")},
         "command": "scripts/gpu_suite (pytest -m gpu)",
         **RESULTS,
     }, indent=2) + "\n")

@@ -2,7 +2,7 @@
 convert_model) as __main__ with those arguments, then the peak GPU memory it allocated as a `[PEAK_GPU_BYTES]N`
 line, which the engines' parsers turn into an event (for VRAM planning and the step's record).
 
-Nothing imports this module: run with -m, it is imported once, as __main__.
+Run with -m, it is imported once, as __main__ (or by a wrapper that prepares the tool first: exl3/compat.py).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """EXL3 through exllamav3's own conversion script, in a child process.
 
-    python -m factory.engines.script exllamav3.conversion.convert_model -i SRC -o OUT -w WORK -b BPW -hb HEAD
-        -cd CAL.safetensors -cr ROWS -cc LENGTH [-r]
+    python -m factory.engines.exl3.compat exllamav3.conversion.convert_model -i SRC -o OUT -w WORK -b BPW
+        -hb HEAD -cd CAL.safetensors -cr ROWS -cc LENGTH [-r]
 factory/engines/script.py runs the script as __main__ with those arguments (runpy) and then reports the peak GPU
-memory the conversion allocated.
+memory the conversion allocated; compat.py first lets exllamav3 read text-only Gemma 3 checkpoints.
 
 What we add, and why (facts of exllamav3 1.6.5):
 - calibration is the job's text set, never exllamav3's built-in mix (it holds wiki.utf8, the default eval text):
@@ -161,7 +161,7 @@ class Exl3Engine(Engine):
                 "-hb", spec["head_bits"], "-cd", cal, "-cr", len(request.calibration),
                 "-cc", len(request.calibration[0]), *resume]
         parse = _parser(modules)
-        cmd = [sys.executable, "-u", "-m", "factory.engines.script", SCRIPT, *map(str, args)]
+        cmd = [sys.executable, "-u", "-m", "factory.engines.exl3.compat", SCRIPT, *map(str, args)]
         child.run_command(cmd, log, emit, f"EXL3 conversion at {spec['bpw']} bpw", parse=parse)
         if parse.errors:
             raise JobFailed(f"exllamav3 refused the conversion: {parse.errors[-1]}; see {log}")

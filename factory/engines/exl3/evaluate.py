@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from factory.engines.exl3 import compat
+
 WINDOW = 2048
 KV_EVAL_CACHES = ("q8", "q4")  # exllamav3's quantized cache at 8 and 4 bits for K and V
 KV_CHUNK = 128  # tokens per forward when scoring through a cache
@@ -15,14 +17,15 @@ KV_CHUNK_NOTE = f"each window fed {KV_CHUNK} tokens at a time, so every token re
 def _model(folder: Path, cache_bits: int | None = None):
     from exllamav3 import Cache, CacheLayer_quant, Config, Model
 
-    config = Config.from_directory(str(folder))
-    config.override_dynamic_seq_len(WINDOW)
-    model = Model.from_config(config)
-    cache = None
-    if cache_bits is not None:  # made before the model loads, so its memory is planned with the weights
-        cache = Cache(model, max_num_tokens=WINDOW, layer_type=CacheLayer_quant, k_bits=cache_bits,
-                      v_bits=cache_bits)
-    model.load("cuda:0")
+    with compat.reading(folder):
+        config = Config.from_directory(str(folder))
+        config.override_dynamic_seq_len(WINDOW)
+        model = Model.from_config(config)
+        cache = None
+        if cache_bits is not None:  # made before the model loads, so its memory is planned with the weights
+            cache = Cache(model, max_num_tokens=WINDOW, layer_type=CacheLayer_quant, k_bits=cache_bits,
+                          v_bits=cache_bits)
+        model.load("cuda:0")
     return model, cache, config.vocab_size
 
 
