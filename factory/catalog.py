@@ -397,13 +397,15 @@ class Catalog:
         return True
 
     # leases: who runs the job now, fenced by a token
-    def take_lease(self, job_id: str, worker: str, seconds: float) -> Lease | None:
+    def take_lease(self, job_id: str, worker: str, seconds: float, gone: str | None = None) -> Lease | None:
         """Hold the job for `worker` with a new fencing token, or None while another holder's lease is valid (a
-        duplicate message, a second `qf run`). Taking a lease that expired counts an attempt; taking one that was
-        released (the hand-off to the publishing step) does not."""
+        duplicate message, a second `qf run`) unless that holder is `gone` (known dead: its lease is not waited
+        out). Taking a lease that expired counts an attempt; one that was released (the hand-off to the publishing
+        step) does not."""
         with self.session() as s:
             job = s.get(Job, job_id, with_for_update=True)
-            if job.lease_until is not None and job.lease_until > now() and job.worker != worker:
+            valid = job.lease_until is not None and job.lease_until > now()
+            if valid and job.worker not in (worker, gone):
                 return None
             if job.attempts == 0 or job.lease_until is not None:
                 job.attempts += 1

@@ -31,7 +31,7 @@ from rich.progress import (
 from rich.table import Column, Table
 
 from factory import engines, naming, settings, tables
-from factory.errors import FactoryError, NotFound, ServiceUnavailable, SpecError
+from factory.errors import FactoryError, JobFailed, NotFound, ServiceUnavailable, SpecError
 
 app = typer.Typer(
     add_completion=False,
@@ -260,10 +260,45 @@ def run(source: SourceArg, flags: dict, recipe: RecipeOpt = None,
     with Renderer(as_json) as render:
         factory = _factory(render)
         job, created = factory.submit(request)
-        job = factory.execute(job.id)
+        job = _run_held(factory, job)
     if not as_json:
         rows = [q.as_row() for q in factory.catalog.quants(job_id=job.id)]
         out.print(tables.quants(rows, out.width, title=f"job {job.id} {job.state}"))
+
+
+def _run_held(factory, job):
+    """`qf run` holds the job as a worker does (a fenced lease, renewed while it makes progress): a job that another
+    `qf run` or a worker holds is not run twice; one whose holder is gone is taken over where it stopped."""
+    from factory import leases
+    from factory.catalog import JobState
+
+    if job.state in (JobState.succeeded, JobState.cancelled):
+        return factory.execute(job.id)  # nothing to run: its result
+    config = factory.settings
+    holder = factory.catalog.holder(job.id)
+    lease = factory.catalog.take_lease(job.id, leases.holder_name(), config.lease_seconds,
+                                       gone=holder if leases.gone(holder) else None)
+    if lease is None:
+        who = leases.describe_holder(factory.catalog.holder(job.id))
+        raise JobFailed(f"job {job.id} is running on {who}; `qf status {job.id} --follow` follows it")
+    last = [time.monotonic()]
+    render = factory.emit
+
+    def emit(event: dict) -> None:
+        last[0] = time.monotonic()
+        render(event)
+
+    def alive() -> str | None:
+        if time.monotonic() - last[0] > config.stall_seconds:
+            return f"no progress for {config.stall_seconds:g} s (FACTORY_STALL_SECONDS); giving up its lease"
+        return None
+
+    factory.emit = emit
+    try:
+        with leases.held(factory.catalog, lease, config.lease_seconds, alive):
+            return factory.execute(job.id, lease=lease)
+    finally:
+        factory.catalog.release_lease(lease)  # fenced: a no-op once another holder has the job
 
 
 @app.command()
@@ -492,13 +527,19 @@ def beat() -> None:
 
 
 @app.command()
+@_handled
 def worker(
     gpu: Annotated[int | None, typer.Option("--gpu", min=0, help="The GPU it owns (CUDA_VISIBLE_DEVICES).")] = None,
     queues: Annotated[str, typer.Option("--queues", help="Queues to take jobs from.")] = "gpu,cpu",
 ) -> None:
-    """Start a Celery worker with the factory's settings: one job at a time, acknowledged when done."""
+    """Start a Celery worker with the factory's settings: one job at a time, acknowledged when done. A catalog or
+    broker that cannot be reached is exit 5 before it takes any message."""
     import os
 
+    from workers.tasks import check_broker
+
+    _catalog()
+    check_broker()
     env = dict(os.environ)
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(gpu)

@@ -8,6 +8,7 @@ quant through its engine's loader (`Engine.load`: its own runtime, or a dequanti
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Callable
@@ -95,11 +96,22 @@ def transformers_logits(model, dev: str) -> Logits:
     return lambda ids: model(ids.to(dev)).logits
 
 
+def source_dtype(folder: Path, dev: str):
+    """The unquantized model's precision: float16 on CUDA unless its config says bfloat16 (Gemma 3 overflows in
+    float16: H200, 2026-12-01, perplexity inf), float32 on the CPU."""
+    import torch
+
+    config = json.loads((Path(folder) / "config.json").read_text())
+    if dev == "cuda" and (config.get("torch_dtype") or config.get("dtype")) == "bfloat16":
+        return torch.bfloat16
+    return torch_dtype(dev)
+
+
 def load_fp16(folder: Path, dev: str) -> Logits:
     from transformers import AutoModelForCausalLM
 
     quiet_transformers()
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype(dev), trust_remote_code=False)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=source_dtype(folder, dev), trust_remote_code=False)
     return transformers_logits(model, dev)
 
 

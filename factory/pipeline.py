@@ -1,4 +1,4 @@
-"""The steps of a job, and the one place that moves a job's state.
+"""The steps of a job (its state moves only through the catalog's compare-and-set, fenced by the lease's token).
 
     submit:  check the request (exit 2/4/5 before any job exists), then create the job or find the same one
     execute: inspect -> [measure] -> quantize:<tag>... -> evaluate:fp16 -> evaluate:<tag>... -> gate

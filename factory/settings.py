@@ -9,9 +9,13 @@ FACTORY_VISIBILITY_TIMEOUT  seconds Redis waits before handing an unacknowledged
                   than the longest job (default 43200)
 FACTORY_WORKER_DEVICE  the device `qf submit` plans jobs for: cuda (default) or cpu
 FACTORY_LEASE_SECONDS  how long a running job's lease lasts without a heartbeat (default 120; renewed every third)
+FACTORY_STALL_SECONDS  how long a job may go without progress (an event: a step, a layer, a window) before its
+                  holder stops renewing the lease and kills it, so that it continues elsewhere (default 1800: the
+                  longest silence seen is a model load or an AWQ calibration pass of a few minutes)
 FACTORY_RECONCILE_SECONDS  how often beat looks for lost workers and lost messages (default 60)
 FACTORY_WATCH_SECONDS  how often beat asks the Hub about the watchlist (default 3600)
-FACTORY_MAX_ATTEMPTS  how often a job may be taken by a worker before it fails as lost (default 3)
+FACTORY_MAX_ATTEMPTS  how often a job may be taken again after its holder was lost (an expired lease) before it
+                  fails as lost, the first take included (default 3); the hand-off to the publishing step is not one
 FACTORY_HUB_OWNER  publish every quant to the Hugging Face Hub under this user or organization as well (default:
                   the registry folder only); the token is HF_TOKEN or huggingface_hub's stored login
 FACTORY_HUB_<ENGINE>_REPO  an engine's repo name template on the Hub (default: the engine's `hub_repo`, e.g.
@@ -40,6 +44,7 @@ class Settings:  # a plain dataclass: `qf status` must start fast, and pydantic'
     worker_device: str = "cuda"
     lease_seconds: float = 120.0
     max_attempts: int = 3
+    stall_seconds: float = 1800.0
     reconcile_seconds: float = 60.0
     watch_seconds: float = 3600.0
     hub_owner: str | None = None
@@ -74,6 +79,7 @@ _FROM_ENV = {  # field -> (variable, type); an unset or empty variable leaves th
     "worker_device": ("FACTORY_WORKER_DEVICE", str),
     "lease_seconds": ("FACTORY_LEASE_SECONDS", float),
     "max_attempts": ("FACTORY_MAX_ATTEMPTS", int),
+    "stall_seconds": ("FACTORY_STALL_SECONDS", float),
     "reconcile_seconds": ("FACTORY_RECONCILE_SECONDS", float),
     "watch_seconds": ("FACTORY_WATCH_SECONDS", float),
     "hub_owner": ("FACTORY_HUB_OWNER", str),

@@ -148,7 +148,7 @@ def _config(model) -> dict:
     config.update(
         architectures=["Gemma3ForCausalLM"],
         tie_word_embeddings=True,
-        torch_dtype="float16",
+        torch_dtype="bfloat16",  # the release's: Gemma 3 overflows in float16 (the weights are stored as float16)
         rms_norm_eps=float(f"{config['rms_norm_eps']:.6g}"),  # the GGUF's float32 of 1e-6
         rope_theta=full.get("rope_theta", 1000000.0),
         rope_local_base_freq=sliding.get("rope_theta", 10000.0),

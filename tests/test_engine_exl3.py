@@ -160,16 +160,13 @@ def test_no_cuda_is_one_sentence(qf, tiny):
 
 
 def test_text_only_gemma3_sources_are_read_with_exllamav3s_dotted_names(tmp_path, tiny):
-    """exllamav3 1.6.5 asks a text-only Gemma 3 checkpoint for `.model.…` (factory/engines/exl3/compat.py): its
-    FP16 source is read renamed, other sources and every EXL3 quant as they are."""
+    """exllamav3 1.6.5 asks a text-only Gemma 3 folder for `.model.…` (factory/engines/exl3/compat.py): its FP16
+    source and its EXL3 quants are read renamed, other models as they are."""
     gemma3 = tmp_path / "gemma3"
     shutil.copytree(tiny, gemma3)
     config = json.loads((gemma3 / "config.json").read_text())
     (gemma3 / "config.json").write_text(json.dumps({**config, "architectures": ["Gemma3ForCausalLM"]}))
     assert compat.needs_dots(gemma3) and not compat.needs_dots(tiny)
-    (gemma3 / "config.json").write_text(json.dumps({**config, "architectures": ["Gemma3ForCausalLM"],
-                                                    "quantization_config": {"quant_method": "exl3"}}))
-    assert not compat.needs_dots(gemma3)
     header = {"model.embed_tokens.weight": {"dtype": "F16"}, "lm_head.weight": {}, ".model.norm.weight": {},
               "_header_offset": 8}
     assert compat.dotted(header) == {".model.embed_tokens.weight": {"dtype": "F16"}, "lm_head.weight": {},

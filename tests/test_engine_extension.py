@@ -63,7 +63,7 @@ LAYERS = [
     ["factory.sources", "factory.vram"],
     ["factory.engines"],
     ["factory.recipes", "factory.schedule", "factory.publish"],
-    ["factory.pipeline", "factory.housekeeping"],
+    ["factory.pipeline", "factory.housekeeping", "factory.leases"],
     ["factory.cli", "workers"],
 ]
 LEAVES = {"factory.errors", "factory.settings", "factory.specs", "factory.naming"}

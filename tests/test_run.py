@@ -350,6 +350,8 @@ def test_names_of_different_sources(qf, tiny, tmp_path):
 def test_catalog_of_another_schema_is_refused(tmp_path):
     import sqlite3
 
+    from factory.catalog import SCHEMA_VERSION
+
     home = tmp_path / "home"
     home.mkdir()
     with sqlite3.connect(home / "catalog.db") as db:  # a catalog from before schema versions
@@ -357,5 +359,5 @@ def test_catalog_of_another_schema_is_refused(tmp_path):
     result = Qf(home=home)("ls")
     assert result.exit_code == 5
     assert last_line(result) == (f"error: the catalog at sqlite:///{home / 'catalog.db'} has schema version 0, this "
-                                 "quantfactory needs 1; point FACTORY_DB_URL at a new database (there are no "
-                                 "migrations yet)")
+                                 f"quantfactory needs {SCHEMA_VERSION}; point FACTORY_DB_URL at a new database "
+                                 "(there are no migrations yet)")

@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -430,6 +431,23 @@ def test_interrupted_runs_continue(qf, tiny):
     assert job["state"] == "succeeded"
     assert [(s["name"], s["state"]) for s in job["steps"]][:4] == [*steps, ("inspect", "succeeded"),
                                                                    ("quantize:awq-w4g128", "interrupted")]
+
+
+def test_two_runs_of_one_job_run_it_once(qf, tiny):
+    """`qf run` holds its job as a worker does: a second `qf run` of it while the first is alive names the holder
+    and exits 1; the first finishes."""
+    args = ("run", tiny, "--awq", "--eval-windows", 1, "--json")
+    first = qf_process(qf, *args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    _quantizing(qf, first)
+    [job] = qf.json("jobs")
+    second = qf(*args)
+    assert second.exit_code == 1
+    assert last_line(second) == (f"error: job {job['id']} is running on {socket.gethostname()} pid {first.pid}; "
+                                 f"`qf status {job['id']} --follow` follows it")
+    _, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err
+    [job] = qf.json("jobs")
+    assert job["state"] == "succeeded" and [s["name"] for s in job["steps"]].count("quantize:awq-w4g128") == 1
 
 
 def test_publish_sweeps_its_own_stale_staging(tmp_path):

@@ -2,11 +2,15 @@
 
 A job runs on the gpu queue up to its quality gate (`run_job`), then a task on the cpu queue publishes it
 (`publish_job`); both go through `Factory.execute`, which reuses every finished step. Crash recovery does not wait
-for the broker: a running job holds a lease in the catalog that a heartbeat thread renews; `reconcile` (beat,
-every FACTORY_RECONCILE_SECONDS) puts jobs whose lease expired back on the queue, and queued jobs the broker lost.
-A job taken more than FACTORY_MAX_ATTEMPTS times fails as lost, so a job that kills its workers does not loop
-forever. Redis' visibility timeout stays a backstop: a redelivered message of a job that finished or is held by
-another worker does nothing. `enqueue` is the one place that hands a job to the broker.
+for the broker: a running job holds a lease in the catalog that a heartbeat thread renews while the job's process
+is alive and makes progress (factory/leases.py); `reconcile` (beat, every FACTORY_RECONCILE_SECONDS) puts jobs
+whose lease expired back on the queue, and queued jobs the broker lost. The lease's fencing token goes to the job
+process, which writes nothing once another holder has the job: a worker that was stopped (SIGSTOP, a paused VM)
+and comes back finds its lease lost, kills its job process and writes nothing. A job whose process stalls is
+killed by its own worker and continues elsewhere. A job that lost its holder FACTORY_MAX_ATTEMPTS times fails as
+lost, so a job that kills its workers does not loop forever; the hand-off from the gpu queue to the publishing step
+is not a loss. Redis' visibility timeout stays a backstop: a redelivered message of a job that finished or is held
+by another worker does nothing. `enqueue` is the one place that hands a job to the broker.
 
 `check_watchlist` (beat, every FACTORY_WATCH_SECONDS) asks the Hub about the watchlist, plans with
 factory/schedule.py and submits like `qf submit`; one check at a time (a Redis lock), so two beats still make
@@ -24,16 +28,18 @@ import signal
 import socket
 import sys
 import threading
+import time
 from contextlib import contextmanager
 
 import redis
+from celery.exceptions import Reject
 from celery.signals import worker_ready
 from kombu.exceptions import OperationalError
 
-from factory import engines, schedule, settings
-from factory.catalog import TERMINAL, Catalog, Job, JobState
+from factory import engines, leases, schedule, settings
+from factory.catalog import RETRYABLE, TERMINAL, Job, JobState, Lease
 from factory.engines import child
-from factory.errors import FactoryError, ServiceUnavailable, mask_url
+from factory.errors import FactoryError, LeaseLost, ServiceUnavailable, mask_url
 from factory.pipeline import Factory, Request
 from factory.recipes import recipe_from_dict
 from workers.app import app
@@ -49,14 +55,27 @@ EVENTS = "quantfactory:events:"  # + job id: the pipeline's events, published fo
 @app.task(name="quantfactory.run_job", ignore_result=True)  # outcomes live in the catalog
 def run_job(job_id: str) -> None:
     """gpu queue: everything up to the quality gate, then the publishing step goes to the cpu queue."""
-    if _run(job_id, publish=False):
-        publish_job.apply_async(args=[job_id], queue="cpu")
+    with _not_done_without_catalog(job_id):
+        if _run(job_id, publish=False):
+            publish_job.apply_async(args=[job_id], queue="cpu")
 
 
 @app.task(name="quantfactory.publish_job", ignore_result=True)
 def publish_job(job_id: str) -> None:
     """cpu queue: publish what passed the gate (the job's finished steps are reused, not run again)."""
-    _run(job_id, publish=True)
+    with _not_done_without_catalog(job_id):
+        _run(job_id, publish=True)
+
+
+@contextmanager
+def _not_done_without_catalog(job_id: str):
+    """A task that cannot reach the catalog or the broker is not acknowledged as done: its message is rejected and
+    the reconciler queues the job again (its lease runs out, or it is queued with no message)."""
+    try:
+        yield
+    except ServiceUnavailable as e:
+        log.warning("job %s: %s; leaving it to the reconciler", job_id, e.message)
+        raise Reject(e.message, requeue=False) from None
 
 
 def _run(job_id: str, publish: bool) -> bool:
@@ -66,56 +85,84 @@ def _run(job_id: str, publish: bool) -> bool:
     job = factory.catalog.job(job_id)
     if job is None or job.state in TERMINAL:
         return False
-    me = f"{socket.gethostname()}:{os.getpid()}"
-    attempts = factory.catalog.take_lease(job_id, me, config.lease_seconds)
-    if attempts is None:
+    lease = factory.catalog.take_lease(job_id, leases.holder_name(), config.lease_seconds)
+    if lease is None:
         return False  # another worker holds it
-    if attempts > config.max_attempts:
-        message = f"job lost its worker {attempts - 1} times; giving up (FACTORY_MAX_ATTEMPTS={config.max_attempts})"
-        factory.catalog.set_job_state(job_id, JobState.failed, message, 1)
+    if lease.attempts > config.max_attempts:
+        message = (f"job lost its worker {lease.attempts - 1} times; giving up "
+                   f"(FACTORY_MAX_ATTEMPTS={config.max_attempts})")
+        factory.catalog.transition(job_id, JobState.failed, lease.token, message, 1)
         return False
-    with _heartbeat(factory.catalog, job_id, me, config.lease_seconds):
-        outcome = _execute(factory, job_id, publish)
-        state = factory.catalog.job(job_id).state
-        if state == JobState.running:  # its process ended without recording how (the catalog was away?)
-            factory.catalog.fail_job(job_id, "the job's process ended without recording an outcome")
-        factory.catalog.release_lease(job_id, me)  # not reached when the catalog is away: the lease runs out
+    outcome = _execute(factory, lease, publish, config.lease_seconds, config.stall_seconds)
+    if outcome is LOST:
+        return False  # the job is another holder's now, or will be once the lease runs out
+    state = factory.catalog.job(job_id).state
+    if state == JobState.running:  # its process ended without recording how (the catalog was away?)
+        factory.catalog.fail_job(job_id, "the job's process ended without recording an outcome", lease.token)
+    factory.catalog.release_lease(lease)  # not reached when the catalog is away: the lease runs out
     return outcome == state and state in (JobState.queued, JobState.succeeded)
 
 
-def _execute(factory: Factory, job_id: str, publish: bool) -> str | None:
+LOST = "lost"  # what _execute returns when the lease was lost or given up
+
+
+def _execute(factory: Factory, lease: Lease, publish: bool, seconds: float, stall: float) -> str | None:
     """Factory.execute in a fresh spawned process: what a job does to its process (CUDA memory and context, an
     out-of-memory kill, a crash in native code) ends with that process, and the worker takes the next job clean.
-    The process for the next job is started (and has done its imports) while this one runs. Returns the state the
-    job process reported (None when it died)."""
+    The process for the next job is started (and has done its imports) while this one runs. The lease is renewed
+    while that process lives and reports progress (a timestamp it shares); a stall or a lost lease kills it.
+    Returns the state the job process reported (None when it died, LOST when the lease went)."""
     global _spare
-    proc, conn = _spare if _spare and _spare[0].is_alive() else _spawn()
-    conn.send((job_id, publish))
+    proc, conn, progress = _spare if _spare and _spare[0].is_alive() else _spawn()
+    progress.value = time.time()
+    conn.send((lease, publish))
     _spare = _spawn()
-    proc.join()
+
+    def alive() -> str | None:
+        if not proc.is_alive():
+            return None  # it is ending: its outcome comes through the pipe
+        if time.time() - progress.value > stall:
+            return f"no progress for {stall:g} s (FACTORY_STALL_SECONDS); killing its process"
+        return None
+
+    with leases.held(factory.catalog, lease, seconds, alive, on_lost=lambda reason: _kill(proc)) as holding:
+        proc.join()
+    if holding.lost:
+        return LOST
     try:
         outcome = conn.recv() if conn.poll() else None
     except EOFError:  # it died before saying anything
         outcome = None
+    if outcome == LOST:
+        return LOST
     if proc.exitcode != 0:
         how = f"killed by {signal.Signals(-proc.exitcode).name}" if proc.exitcode < 0 else f"exit {proc.exitcode}"
-        factory.catalog.fail_job(job_id, f"the job's process died ({how})")
+        factory.catalog.fail_job(lease.job_id, f"the job's process died ({how})", lease.token)
         return None
     return outcome
 
 
-_spare = None  # (process, connection): a spawned job process that waits for its job (daemonic: it ends with us)
+def _kill(proc) -> None:
+    """SIGKILL the job process (stopped or hung: nothing else reaches it); its engines die with it."""
+    try:
+        os.kill(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+_spare = None  # (process, connection, progress): a spawned job process that waits for its job (daemonic)
 
 
 def _spawn():
     ours, theirs = _SPAWN.Pipe()
-    proc = _SPAWN.Process(target=_job_process, args=(theirs, os.getpid()), name="qf-job", daemon=True)
+    progress = _SPAWN.Value("d", time.time(), lock=False)  # when the job last reported progress
+    proc = _SPAWN.Process(target=_job_process, args=(theirs, os.getpid(), progress), name="qf-job", daemon=True)
     proc.start()
     theirs.close()
-    return proc, ours
+    return proc, ours, progress
 
 
-def _job_process(conn, parent: int) -> None:
+def _job_process(conn, parent: int, progress) -> None:
     child.die_with_parent()  # a killed worker takes its job process (and that one its engines) along
     if os.getppid() != parent:
         return
@@ -124,12 +171,20 @@ def _job_process(conn, parent: int) -> None:
 
     print(f"job process {os.getpid()} ready for the next job", file=sys.stderr, flush=True)  # the worker's log
     try:
-        job_id, publish = conn.recv()
+        lease, publish = conn.recv()
     except EOFError:  # the worker stopped
         return
     config = settings.load()
+    publish_event = _publisher(config.broker_url, lease.job_id)
+
+    def emit(event: dict) -> None:
+        progress.value = time.time()
+        publish_event(event)
+
     try:
-        conn.send(Factory(config, _publisher(config.broker_url, job_id)).execute(job_id, publish=publish).state)
+        conn.send(Factory(config, emit).execute(lease.job_id, publish=publish, lease=lease).state)
+    except LeaseLost:
+        conn.send(LOST)
     except FactoryError:
         conn.send(JobState.failed)  # marked failed in the catalog, unless the catalog was what failed
 
@@ -151,26 +206,6 @@ def _publisher(broker_url: str, job_id: str):
             pass
 
     return emit
-
-
-@contextmanager
-def _heartbeat(catalog: Catalog, job_id: str, worker: str, seconds: float):
-    stop = threading.Event()
-
-    def beat() -> None:
-        while not stop.wait(seconds / 3):
-            try:
-                catalog.renew_lease(job_id, worker, seconds)
-            except FactoryError:
-                pass  # the database is away for a moment; the next beat tries again
-
-    thread = threading.Thread(target=beat, name=f"lease-{job_id}", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
 
 
 @app.task(name="quantfactory.reconcile", ignore_result=True)
@@ -201,20 +236,28 @@ def _jobs_in_broker() -> set[str]:
         raise _broker_unreachable() from None
     ids = set()
     for message in raw:
-        headers = (json.loads(message) if isinstance(message, bytes | str) else message).get("headers", {})
-        if headers.get("task") in (run_job.name, publish_job.name):
-            ids.update(ast.literal_eval(headers.get("argsrepr", "()")))
+        try:
+            headers = (json.loads(message) if isinstance(message, bytes | str) else message).get("headers", {})
+            if headers.get("task") in (run_job.name, publish_job.name):
+                ids.update(ast.literal_eval(headers.get("argsrepr", "()")))
+        except (ValueError, SyntaxError, TypeError, AttributeError):
+            log.warning("reconcile: skipped a malformed message in the broker: %.200r", message)
     return ids
 
 
-def submit(factory: Factory, request: Request) -> Job:
-    """Create the job (or find the same one) and queue it unless it is queued, running or done already: what
-    `qf submit` and the watchlist check do. A broker that cannot be reached is found before any job exists."""
+def check_broker() -> None:
+    """Raises ServiceUnavailable (exit 5) when the broker cannot be reached."""
     try:
         with app.connection_for_write() as conn:
             conn.ensure_connection(max_retries=1)
     except OperationalError:
         raise _broker_unreachable() from None
+
+
+def submit(factory: Factory, request: Request) -> Job:
+    """Create the job (or find the same one) and queue it unless it is queued, running or done already: what
+    `qf submit` and the watchlist check do. A broker that cannot be reached is found before any job exists."""
+    check_broker()
     job, created = factory.submit(request)
     if created or job.state in (JobState.failed, JobState.cancelled):
         enqueue(factory, job.id)
@@ -222,13 +265,16 @@ def submit(factory: Factory, request: Request) -> Job:
 
 
 def enqueue(factory: Factory, job_id: str) -> None:
-    """Queue `job_id` on the gpu queue; a broker that cannot be reached fails the job and raises (exit 5)."""
-    factory.catalog.set_job_state(job_id, JobState.queued)
+    """Queue `job_id` (queued, failed or cancelled) on the gpu queue; a broker that cannot be reached fails the job
+    and raises (exit 5). A job that moved on meanwhile (a worker started it) is left alone."""
+    if not factory.catalog.transition(job_id, JobState.queued, only_from=frozenset({JobState.queued, *RETRYABLE})):
+        return
     try:
         run_job.apply_async(args=[job_id], queue=QUEUE, retry=False)
     except OperationalError:
         unreachable = _broker_unreachable()
-        factory.catalog.set_job_state(job_id, JobState.failed, unreachable.message, unreachable.exit_code)
+        factory.catalog.transition(job_id, JobState.failed, error=unreachable.message,
+                                   exit_code=unreachable.exit_code, only_from=frozenset({JobState.queued}))
         raise unreachable from None
 
 

@@ -1,11 +1,12 @@
 """exllamav3 1.6.5 cannot read a text-only Gemma 3 checkpoint: its Gemma3TextModel passes key_prefix "" to a parent
 that names every module f"{key_prefix}.model.…", so it asks for `.model.embed_tokens.weight` where the checkpoint
-(google/gemma-3-270m's layout) has `model.embed_tokens.weight`, and it neither converts nor loads one (H200,
-2026-12-01: `ValueError: Required tensor .model.embed_tokens.weight not found`).
+(google/gemma-3-270m's layout) has `model.embed_tokens.weight` (H200, 2026-12-01: `ValueError: Required tensor
+.model.embed_tokens.weight not found`). Its conversion writes the quant under the checkpoint's names again
+(`model.…`), so a stock exllamav3 1.6.5 loads neither the FP16 model nor an EXL3 quant of it, its own included.
 
-Until exllamav3 fixes it, the conversion (and exllamav3 loading such an FP16 folder) reads the checkpoint's headers
-with the dot added, the way exllamav3 renames tensors itself (its tensor_name_fixes, applied in the same function).
-The quant it writes is named by its own modules, dot included, so a stock exllamav3 1.6.5 loads it as it is.
+Until exllamav3 fixes it, the conversion and the evaluations read such folders' headers with the dot added, the way
+exllamav3 renames tensors itself (its tensor_name_fixes, applied in the same function). The quant on disk keeps the
+checkpoint's names, the ones a fixed exllamav3 will ask for.
 
     python -m factory.engines.exl3.compat MODULE ARG... -i SOURCE ...   # factory/engines/script.py, so
 """
@@ -21,9 +22,9 @@ DOTTED = frozenset({"Gemma3ForCausalLM"})  # exllamav3 1.6.5's architectures who
 
 
 def needs_dots(folder: Path) -> bool:
-    """A checkpoint of such an architecture whose tensors are named `model.…` (an FP16 source, not a quant)."""
+    """A model folder (FP16 or EXL3) of such an architecture."""
     config = json.loads((Path(folder) / "config.json").read_text())
-    return bool(DOTTED & set(config.get("architectures") or [])) and "quantization_config" not in config
+    return bool(DOTTED & set(config.get("architectures") or []))
 
 
 def dotted(header: dict) -> dict:

@@ -1,0 +1,84 @@
+"""Holding a job while it runs: the heartbeat that renews its lease, for workers (workers/tasks.py) and `qf run`.
+
+The heartbeat means "this job makes progress": it renews only while `alive()` says so (the job's process is alive and
+reported progress within FACTORY_STALL_SECONDS). When the job stalls, or a renewal finds that another holder has
+taken the job (this process was stopped past its lease), it stops renewing and calls `on_lost(reason)` once; the
+lease then runs out and the reconciler hands the job to the next holder, whose token fences this one's writes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from factory.catalog import Catalog, Lease
+from factory.errors import FactoryError
+
+log = logging.getLogger("quantfactory")
+
+
+def holder_name() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def gone(worker: str | None) -> bool:
+    """A holder on this machine whose process has ended (a `qf run` killed with SIGKILL): no need to wait out its
+    lease."""
+    host, _, pid = (worker or "").rpartition(":")
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def describe_holder(worker: str | None) -> str:
+    """`host:pid` as a sentence's words: "HOST pid P"."""
+    host, _, pid = (worker or "an unknown holder").rpartition(":")
+    return f"{host} pid {pid}" if host and pid.isdigit() else worker or "an unknown holder"
+
+
+@dataclass
+class Holding:
+    lease: Lease
+    lost: str | None = None  # why the lease was given up, once it was
+
+
+@contextmanager
+def held(catalog: Catalog, lease: Lease, seconds: float, alive: Callable[[], str | None] = lambda: None,
+         on_lost: Callable[[str], None] = lambda reason: None) -> Iterator[Holding]:
+    """Renew `lease` every third of `seconds` while the block runs. `alive()` returns None while the job makes
+    progress, else why not (one sentence)."""
+    holding, stop = Holding(lease), threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(seconds / 3):
+            try:
+                stalled = alive()
+                if stalled is None and catalog.renew_lease(lease, seconds):
+                    continue
+                job = catalog.job(lease.job_id)
+                reason = stalled if job.lease_token == lease.token else f"lease lost to {job.worker}; stopping"
+            except FactoryError:
+                continue  # the database is away for a moment; the next beat tries again
+            holding.lost = reason
+            log.warning("job %s: %s", lease.job_id, reason)
+            on_lost(reason)
+            return
+
+    thread = threading.Thread(target=beat, name=f"lease-{lease.job_id}", daemon=True)
+    thread.start()
+    try:
+        yield holding
+    finally:
+        stop.set()
+        thread.join()
