@@ -443,7 +443,7 @@ class Catalog:
             query = query.where(Job.lease_token == token)
         if running:
             query = query.where(Job.state == JobState.running)
-        if s.execute(query.values(lease_token=Job.lease_token)).rowcount == 1:
+        if s.execute(query.values(lease_token=Job.lease_token, updated_at=Job.updated_at)).rowcount == 1:
             return
         job = s.get(Job, job_id)
         if token is not None and job.lease_token != token:

@@ -138,3 +138,26 @@ def _quant(catalog: Catalog, job_id: str) -> Quant:
     return Quant(job_id=job_id, name=name, tag="awq-w4g128", rev="abc", method="awq", bits=4.0, spec={}, bytes=1,
                  path=str(Path("m") / "awq-w4g128@abc"), source="/models/m", source_identity="s",
                  calibration="builtin:mix", calibration_sha="c", versions={}, ppl=1.0, fp16_ppl=1.0, eval={})
+
+
+def test_a_cancel_during_the_publish_waits_for_it(catalog):
+    """The registry publish runs inside the fenced transaction of its quant row: a cancel that arrives meanwhile
+    (another connection) waits until the quant is recorded, then wins; nothing is half-published."""
+    import threading
+
+    job_id = _job(catalog, JobState.running)
+    lease = catalog.take_lease(job_id, "a:1", 60)
+    other = Catalog(catalog.url)
+    cancel = threading.Thread(target=other.cancel_job, args=(job_id,))
+    seen = []
+
+    def publish() -> None:
+        cancel.start()
+        time.sleep(0.5)
+        seen.append(cancel.is_alive())  # blocked on the job's row
+
+    catalog.put_quant(_quant(catalog, job_id), lease.token, publish=publish)
+    cancel.join(30)
+    other.engine.dispose()
+    assert seen == [True] and not cancel.is_alive()
+    assert catalog.job(job_id).state == JobState.cancelled and len(catalog.quants(job_id=job_id)) == 1

@@ -91,7 +91,7 @@ def _run(job_id: str, publish: bool) -> bool:
     if lease.attempts > config.max_attempts:
         message = (f"job lost its worker {lease.attempts - 1} times; giving up "
                    f"(FACTORY_MAX_ATTEMPTS={config.max_attempts})")
-        factory.catalog.transition(job_id, JobState.failed, lease.token, message, 1)
+        factory.catalog.fail_job(job_id, message, lease.token)  # and the lost attempt's step that was left running
         return False
     outcome = _execute(factory, lease, publish, config.lease_seconds, config.stall_seconds)
     if outcome is LOST:
