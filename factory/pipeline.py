@@ -475,6 +475,8 @@ class Factory:
             this = quant.as_row()
             if fits := engine.fits(out):
                 this["fits"] = fits
+            if note := engine.load_note(out):
+                this["load_note"] = note
             others = [q.as_row() for q in self.catalog.quants(name=job.name) if (q.tag, q.rev) != (spec.tag, rev)]
             (out / card.FILENAME).write_text(card.render(job.name, prepared.upstream, this, [this, *others]))
             manifest = {  # identities, never local paths
@@ -511,6 +513,8 @@ class Factory:
             for r in rows:
                 if fits := engine.fits(s.registry / r["path"]):
                     r["fits"] = fits
+                if note := engine.load_note(s.registry / r["path"]):
+                    r["load_note"] = note
             newest = max(rows, key=lambda r: r["created_at"])
             newest_dir = s.registry / newest["path"]
             main_quant = {name: newest_dir / name for name in engine.main_files(newest_dir)}

@@ -171,3 +171,17 @@ def test_text_only_gemma3_sources_are_read_with_exllamav3s_dotted_names(tmp_path
               "_header_offset": 8}
     assert compat.dotted(header) == {".model.embed_tokens.weight": {"dtype": "F16"}, "lm_head.weight": {},
                                      ".model.norm.weight": {}, "_header_offset": 8}
+
+
+def test_the_card_says_what_stock_exllamav3_cannot_load(tmp_path, tiny):
+    from factory.publish import card
+
+    gemma3 = tmp_path / "gemma3"
+    shutil.copytree(tiny, gemma3)
+    config = json.loads((gemma3 / "config.json").read_text())
+    (gemma3 / "config.json").write_text(json.dumps({**config, "architectures": ["Gemma3ForCausalLM"]}))
+    engine = engines.get("exl3")
+    assert engine.load_note(gemma3).startswith("exllamav3 1.6.5 cannot load this quant as it is")
+    assert engine.load_note(tiny) is None
+    row = {"name": "gemma3:exl3-4.0bpw", "method": "exl3", "load_note": engine.load_note(gemma3)}
+    assert card._how_to_load(row).endswith(f"```\n\n{engine.load_note(gemma3)}\n")

@@ -236,6 +236,10 @@ class Engine:
         """The longest context each GPU size holds with this quant (the card's "fits on" table), if it knows."""
         return None
 
+    def load_note(self, folder: Path) -> str | None:
+        """What a user must know to load this quant beyond the snippet (the card prints it under it), if anything."""
+        return None
+
     # how it is published -------------------------------------------------------------------------------------
     def branch(self, tag: str) -> str:
         """The quant's branch in the engine's Hub repo: `exl2-4.0bpw` -> `4.0bpw`."""

@@ -36,7 +36,8 @@ def _how_to_load(row: dict, place=None) -> str:
     get = f"qf pull {ref} -o {folder}"
     if place is not None:
         get = f"hf download {place.repo} --revision {place.branch} --local-dir {folder}\n# or: {get}"
-    return f"### {ref}\n\n```bash\n{get}\n```\n\n{engines.get(row['method']).how_to_load(folder)}"
+    note = f"\n{row['load_note']}\n" if row.get("load_note") else ""
+    return f"### {ref}\n\n```bash\n{get}\n```\n\n{engines.get(row['method']).how_to_load(folder)}{note}"
 
 
 def _calibration(r: dict) -> str:

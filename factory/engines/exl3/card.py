@@ -5,6 +5,11 @@ from __future__ import annotations
 from factory.engines.base import format_scores
 from factory.engines.exl3.evaluate import KV_CHUNK_NOTE
 
+DOTTED_NOTE = ("exllamav3 1.6.5 cannot load this quant as it is: for a text-only Gemma 3 it asks for tensors named "
+               "`.model.…` where the files (like the original checkpoint) have `model.…`. quantfactory renames them "
+               "while it loads (`factory/engines/exl3/compat.py`); a stock exllamav3 needs a release that fixes "
+               "`Gemma3TextModel`.")
+
 
 def how_to_load(folder: str) -> str:
     return f"""```bash

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from factory.engines import child
 from factory.engines.base import Engine, Evaluation, Flag, QuantizeRequest, check_quant_folder
-from factory.engines.exl3 import card, evaluate
+from factory.engines.exl3 import card, compat, evaluate
 from factory.engines.exl3.spec import MIN_ROWS, ROWS, Exl3Spec, Exl3Targets, targets_from_flag
 from factory.errors import JobFailed, SpecError
 
@@ -177,6 +177,11 @@ class Exl3Engine(Engine):
 
     def how_to_load(self, folder: str) -> str:
         return card.how_to_load(folder)
+
+    def load_note(self, folder: Path) -> str | None:
+        if compat.needs_dots(folder):
+            return card.DOTTED_NOTE
+        return None
 
     def card_sections(self, rows: list[dict]) -> tuple[str, str]:
         return "", card.kv_section(rows)
