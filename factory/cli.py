@@ -443,6 +443,11 @@ def status(
         out.print(tables.jobs(rows, out.width))
     else:
         out.print(tables.steps(rows[0], out.width))
+        if rows[0]["holder"]:
+            from factory.leases import describe_holder
+
+            out.print(f"held by {describe_holder(rows[0]['holder'])} (attempt {rows[0]['attempts']})",
+                      markup=False, highlight=False)
         if rows[0]["error"]:
             out.print(f"error: {rows[0]['error']}", markup=False, highlight=False)
 

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from datetime import datetime
+from datetime import UTC, datetime
 
 from factory.errors import ServiceUnavailable, database_error, mask_url
 from factory.settings import POSTGRES_URL, database_kind
 
-_JOBS = "SELECT id, name, state, error, exit_code, source, source_identity, specs, created_at FROM jobs"
+_JOBS = ("SELECT id, name, state, error, exit_code, source, source_identity, specs, created_at, worker, lease_until, "
+         "attempts FROM jobs")
 _STEPS = "SELECT job_id, name, state, started_at, ended_at, error, peak_gpu_bytes FROM steps"
 
 
@@ -39,11 +40,13 @@ def job_rows(url: str, job_id: str | None = None, name: str | None = None, limit
     for job, step, state, started, ended, error, peak in steps:
         seconds = (_time(ended) - _time(started)).total_seconds() if ended else None
         by_job[job].append({"name": step, "state": state, "seconds": seconds, "error": error, "peak_gpu_bytes": peak})
+    now = datetime.now(UTC).replace(tzinfo=None)  # the catalog's clock: naive UTC
     return [
         {"id": i, "name": n, "state": s, "error": e, "exit_code": code, "source": src, "source_identity": ident,
          "specs": json.loads(specs) if isinstance(specs, str) else specs,
-         "created_at": _time(created).isoformat(timespec="seconds"), "steps": by_job[i]}
-        for i, n, s, e, code, src, ident, specs, created in jobs
+         "created_at": _time(created).isoformat(timespec="seconds"), "steps": by_job[i],
+         "holder": worker if until is not None and _time(until) > now else None, "attempts": attempts}
+        for i, n, s, e, code, src, ident, specs, created, worker, until, attempts in jobs
     ]
 
 

@@ -440,6 +440,8 @@ def test_two_runs_of_one_job_run_it_once(qf, tiny):
     first = qf_process(qf, *args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     _quantizing(qf, first)
     [job] = qf.json("jobs")
+    held = qf.json("status", job["id"])
+    assert (held["holder"], held["attempts"]) == (f"{socket.gethostname()}:{first.pid}", 1)
     second = qf(*args)
     assert second.exit_code == 1
     assert last_line(second) == (f"error: job {job['id']} is running on {socket.gethostname()} pid {first.pid}; "

@@ -18,6 +18,7 @@ def test_plain_sql_reads_what_the_catalog_wrote(finished):
         "created_at": job.created_at.isoformat(timespec="seconds"),
         "steps": [{"name": s.name, "state": s.state, "seconds": s.seconds, "error": s.error,
                    "peak_gpu_bytes": s.peak_gpu_bytes} for s in job.steps],
+        "holder": None, "attempts": 1,  # `qf run` held it once and released it
     }
     assert [s["name"] for s in row["steps"]][:2] == ["inspect", "quantize:awq-w4g128"]
     assert status.job_rows(url, name=job.name) == [row] == status.job_rows(url)
