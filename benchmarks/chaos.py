@@ -34,6 +34,10 @@ from factory.catalog import Catalog  # noqa: E402
 from factory.publish import folder as registry  # noqa: E402
 from tests.conftest import fresh_database  # noqa: E402
 from tests.hub_server import HubServer  # noqa: E402
+from tests.test_workers import _signal as send  # noqa: E402
+from tests.test_workers import _start_worker as start_worker  # noqa: E402
+from tests.test_workers import _tree as descendants  # noqa: E402
+from tests.test_workers import qf  # noqa: E402
 from tests.tiny_model import make_tiny_llama  # noqa: E402
 
 BROKER = "redis://127.0.0.1:6379/8"
@@ -43,42 +47,9 @@ LEASE = 3
 RESULTS = ROOT / "benchmarks" / "results" / "chaos.json"
 
 
-def qf(env: dict, *args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "factory.cli", *map(str, args)], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
-
-
-def start(env: dict, log: Path, *args) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "factory.cli", *args], env=env, cwd=ROOT,
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
-    if args[0] == "worker":
-        deadline = time.monotonic() + 60
-        while "ready." not in log.read_text():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"worker did not start: {log.read_text()[-2000:]}")
-            time.sleep(0.2)
-    return proc
-
-
-def descendants(pid: int) -> list[int]:
-    import psutil
-
-    try:
-        return [pid, *(p.pid for p in psutil.Process(pid).children(recursive=True))]
-    except psutil.NoSuchProcess:
-        return []
-
-
-def send(pids: list[int], sig: signal.Signals) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
-
-
-def status(env: dict, job_id: str) -> dict:
-    return json.loads(qf(env, "status", job_id, "--json").stdout)
+def start_beat(env: dict, log: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "factory.cli", "beat"], env=env, cwd=ROOT, stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def one_round(n: int, rng: random.Random, model: Path, base: Path) -> dict:
@@ -96,8 +67,8 @@ def one_round(n: int, rng: random.Random, model: Path, base: Path) -> dict:
                "HF_HUB_DISABLE_XET": "1", "HF_HOME": str(home / "hf"), "HF_HUB_OFFLINE": "0"}
         catalog = None
         try:
-            procs += [start(env, home / f"worker-{i}.log", "worker", "--queues", "gpu,cpu") for i in range(2)]
-            procs.append(start(env, home / "beat.log", "beat"))
+            procs += [start_worker(env, home / f"worker-{i}.log") for i in range(2)]
+            procs.append(start_beat(env, home / "beat.log"))
             started = time.monotonic()
             job_id = qf(env, "submit", model, "--awq", "--eval-windows", 1).stdout.strip()
             catalog = Catalog(url)
@@ -114,7 +85,7 @@ def one_round(n: int, rng: random.Random, model: Path, base: Path) -> dict:
             victim = next((p for p in procs if p.pid == holder), None)
             if victim is not None and action == "kill":
                 send(descendants(victim.pid), signal.SIGKILL)
-                procs.append(start(env, home / "worker-replacement.log", "worker", "--queues", "gpu,cpu"))
+                procs.append(start_worker(env, home / "worker-replacement.log"))
             elif victim is not None:
                 stopped = descendants(victim.pid)
                 send(stopped, signal.SIGSTOP)

@@ -358,6 +358,16 @@ def _published(env, job_id: str) -> tuple:
             [(f.name, (f / "manifest.json").read_text()) for f in folders])
 
 
+def _tree(pid: int) -> list[int]:
+    """The process and all its descendants ([] once it is gone)."""
+    import psutil
+
+    try:
+        return [pid, *(p.pid for p in psutil.Process(pid).children(recursive=True))]
+    except psutil.NoSuchProcess:
+        return []
+
+
 def _signal(pids: list[int], sig: signal.Signals) -> None:
     for pid in pids:
         try:
@@ -377,15 +387,13 @@ def test_a_stopped_worker_that_comes_back_changes_nothing(env, tiny, tmp_path):
     """SIGSTOP a worker and everything under it past its lease while it quantizes; a second worker takes the job
     over and publishes it; SIGCONT: the first finds its lease lost, kills its job process, writes nothing. One
     publish, the job succeeded with attempts 2."""
-    import psutil
-
     env = {**env, "FACTORY_LEASE_SECONDS": "3"}
     first = _start_worker(env, tmp_path / "first.log")
     second = None
     try:
         job_id = qf(env, "submit", tiny, "--awq", "--eval-windows", 1, check=True).stdout.strip()
         wait_until(env, job_id, quantizing, 120, "quantizing")
-        stopped = [first.pid, *(p.pid for p in psutil.Process(first.pid).children(recursive=True))]
+        stopped = _tree(first.pid)
         _signal(stopped, signal.SIGSTOP)
         time.sleep(4)  # the lease runs out
         assert qf(env, "reconcile", check=True).stdout.split() == [job_id]
