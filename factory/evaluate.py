@@ -8,7 +8,6 @@ quant through its engine's loader (`Engine.load`: its own runtime, or a dequanti
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Callable
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from factory.errors import SpecError
+from factory.inspect import read_config
 
 if TYPE_CHECKING:
     import torch
@@ -101,7 +101,7 @@ def source_dtype(folder: Path, dev: str):
     float16: H200, 2026-12-01, perplexity inf), float32 on the CPU."""
     import torch
 
-    config = json.loads((Path(folder) / "config.json").read_text())
+    config = read_config(Path(folder) / "config.json", check_numbers=False)
     if dev == "cuda" and (config.get("torch_dtype") or config.get("dtype")) == "bfloat16":
         return torch.bfloat16
     return torch_dtype(dev)

@@ -14,16 +14,17 @@ checkpoint's names, the ones a fixed exllamav3 will ask for.
 from __future__ import annotations
 
 import contextlib
-import json
 import sys
 from pathlib import Path
+
+from factory.inspect import read_config
 
 DOTTED = frozenset({"Gemma3ForCausalLM"})  # exllamav3 1.6.5's architectures whose model class asks for ".model.…"
 
 
 def needs_dots(folder: Path) -> bool:
     """A model folder (FP16 or EXL3) of such an architecture."""
-    config = json.loads((Path(folder) / "config.json").read_text())
+    config = read_config(Path(folder) / "config.json", check_numbers=False)
     return bool(DOTTED & set(config.get("architectures") or []))
 
 
