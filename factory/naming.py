@@ -1,16 +1,14 @@
-"""Quant names: `name:tag[@rev]`, e.g. `smollm2-135m-instruct:exl2-4.0bpw`, `tiny:awq-w4g64@1a2b3c4`.
+"""Quant names: `name:tag[@rev]`, e.g. `smollm2-135m-instruct:<tag>` or `tiny:<tag>@1a2b3c4`.
 
 Rules:
     name  the source repo's name part or folder name, lowercased; characters [a-z0-9._-]; starts with a letter
           or digit; at most 96 characters; never `..`. Whatever a user types is lowercased first (ASCII letters
           only: `K` (the Kelvin sign) stays what it is, and is refused, instead of becoming `k`).
-    tag   the grammar of a registered engine (factory.engines registers each engine's): `exl2-<bpw with one
-          decimal or more>bpw`, with `-h<N>` appended when head bits N are not 6 (`exl2-4.0bpw`, `exl2-4.31bpw-h8`),
-          `awq-w<bits>g<group size>` (`awq-w4g128`), `exl3-4.0bpw`.
+    tag   the grammar of a registered engine (factory.engines registers each engine's `tag_pattern`, with its
+          `tag_example`), matched case-insensitively; the engines' grammars are listed in factory/engines/.
     rev   the first 7 (or more) hex digits of the source commit or content hash; without it, the newest.
-Valid:     tiny:awq-w4g64, SmolLM2-135M-Instruct:EXL2-4.0BPW, qwen2.5-7b:exl2-6.5bpw-h8@a1b2c3d
-Not valid: ../etc:awq-w4g64 (`..`), tiny:awq (no group), tiny:exl2-4bpw (no decimal), -x:awq-w4g64 (leading -),
-           \u212aiwi:awq-w4g64 (not ASCII)
+Not valid whatever the tag: `../etc:<tag>` (`..`), `-x:<tag>` (leading -), `\u212aiwi:<tag>` (not ASCII).
+Examples of valid and refused names, engine by engine: tests/test_naming.py.
 A valid name never reaches outside the registry folder: it has no `/` and no `..`.
 """
 

@@ -11,7 +11,7 @@ FACTORY_WORKER_DEVICE  the device `qf submit` plans jobs for: cuda (default) or 
 FACTORY_LEASE_SECONDS  how long a running job's lease lasts without a heartbeat (default 120; renewed every third)
 FACTORY_STALL_SECONDS  how long a job may go without progress (an event: a step, a layer, a window) before its
                   holder stops renewing the lease and kills it, so that it continues elsewhere (default 1800: the
-                  longest silence seen is a model load or an AWQ calibration pass of a few minutes)
+                  longest silence seen is a model load or a calibration pass of a few minutes)
 FACTORY_RECONCILE_SECONDS  how often beat looks for lost workers and lost messages (default 60)
 FACTORY_WATCH_SECONDS  how often beat asks the Hub about the watchlist (default 3600)
 FACTORY_MAX_ATTEMPTS  how often a job may be taken again after its holder was lost (an expired lease) before it
