@@ -28,8 +28,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results" / "exl2_speed.json"
-BIG = dict(hidden=2048, layers=16, heads=32, kv_heads=8, intermediate=8192, vocab=32000, max_positions=32768,
-           rope_theta=500000.0)
 
 
 def _merge(part: str, data: dict) -> None:
@@ -80,9 +78,9 @@ def main() -> None:
     model, cal, measurement = folder / "llama-1.1b", folder / "cal.parquet", folder / "measurement.json"
     if part == "model":
         import calibration
-        from tests.tiny_model import make_tiny_llama
+        from tests.tiny_model import LLAMA_1B, make_tiny_llama
 
-        make_tiny_llama(model, device="cuda", **BIG)
+        make_tiny_llama(model, device="cuda", **LLAMA_1B)
         calibration.write_parquet(calibration.resolve("builtin:mix"), cal)
         return
     from factory.engines.exl2.engine import _flags

@@ -1,13 +1,13 @@
 """What an EXL2 or EXL3 quant really occupies on a GPU (exllamav2, exllamav3), at a context length and KV-cache type
 (CUDA only).
 
-    python benchmarks/vram_fit.py measure ROOT OUT.json [SECONDS]     (on a CUDA machine)
+    python benchmarks/vram_fit.py measure ROOT OUT.json [SECONDS] [METHOD]   (on a CUDA machine)
     python benchmarks/vram_fit.py compare MEASURED.json... [--out benchmarks/results/vram_fit.json]
 
-finds every EXL2 and EXL3 quant under ROOT (registry folders of the factory), and for each context (2k, 8k, 16k,
-32k up to the model's max positions) and cache (fp16, q4, then q8) loads it in a fresh process, fills the cache
-with one forward pass over the whole context (prefill of ctx-1 tokens, then one token with logits, as a generator
-does; exllamav3 prefills in 2048-token chunks, as its generator does) and records: torch's peak allocated and
+finds every EXL2 and EXL3 quant (or those of METHOD) under ROOT (registry folders of the factory), and for each
+context (2k, 8k, 16k, 32k up to the model's max positions) and cache (fp16, q4, then q8) loads it in a fresh
+process, fills the cache with one forward pass over the whole context (prefill of ctx-1 tokens, then one token with
+logits, as a generator does; exllamav3 prefills in 2048-token chunks, as its generator does) and records: torch's peak allocated and
 reserved bytes, the drop of free memory (cuda mem_get_info) from just after the CUDA context exists, and the GPU's
 used memory (nvidia-smi) before the process touched CUDA and at the end, which counts what a user sees: context,
 weights, cache, scratch and the allocator's reserve. Also recorded: the quant's config and tensor bytes by group, so
@@ -75,15 +75,18 @@ def one_exl3(folder: str, ctx: int, cache_type: str) -> dict:
     import torch
     from exllamav3 import Cache, CacheLayer_fp16, CacheLayer_quant, Config, Model
 
+    from factory.engines.exl3 import compat
+
     free_start, total = torch.cuda.mem_get_info()
-    config = Config.from_directory(folder)
-    model = Model.from_config(config)
-    if cache_type == "fp16":
-        cache = Cache(model, max_num_tokens=ctx, layer_type=CacheLayer_fp16)
-    else:
-        bits = int(cache_type.removeprefix("q"))
-        cache = Cache(model, max_num_tokens=ctx, layer_type=CacheLayer_quant, k_bits=bits, v_bits=bits)
-    model.load("cuda:0")
+    with compat.reading(Path(folder)):  # Gemma 3's tensor names, as the factory's evaluation reads them
+        config = Config.from_directory(folder)
+        model = Model.from_config(config)
+        if cache_type == "fp16":
+            cache = Cache(model, max_num_tokens=ctx, layer_type=CacheLayer_fp16)
+        else:
+            bits = int(cache_type.removeprefix("q"))
+            cache = Cache(model, max_num_tokens=ctx, layer_type=CacheLayer_quant, k_bits=bits, v_bits=bits)
+        model.load("cuda:0")
     free_loaded, _ = torch.cuda.mem_get_info()
     ids = torch.randint(0, config.vocab_size, (1, ctx))
     with torch.inference_mode():
@@ -115,22 +118,22 @@ def describe(folder: Path) -> dict:
             "file_bytes": sum(p.stat().st_size for p in folder.glob("*.safetensors"))}
 
 
-def quants(root: Path) -> list[Path]:
+def quants(root: Path, methods: tuple[str, ...] = METHODS) -> list[Path]:
     found, seen = [], set()
     for cfg in sorted(root.rglob("registry/**/config.json")):
         qc = json.loads(cfg.read_text()).get("quantization_config", {})
         key = (cfg.parent.parent.name, qc.get("quant_method"), qc.get("bits"), qc.get("head_bits"))  # <name>/<tag>@
-        if qc.get("quant_method") in METHODS and key not in seen:
+        if qc.get("quant_method") in methods and key not in seen:
             seen.add(key)
             found.append(cfg.parent)
     return found
 
 
-def measure(root: Path, out: Path, budget: float) -> None:
+def measure(root: Path, out: Path, budget: float, methods: tuple[str, ...] = METHODS) -> None:
     start = time.monotonic()
     results = {"gpu": None, "rows": []}
     plan = []
-    for folder in quants(root):
+    for folder in quants(root, methods):
         info = describe(folder)
         max_pos = info["config"].get("max_position_embeddings", 2048)
         contexts = [c for c in CONTEXTS if c <= max_pos]
@@ -198,7 +201,8 @@ def main() -> None:
                   f"predicted {r['predicted'] / 2**20:7.0f} MiB  {r['error'] * 100:+.1f}%")
         print(f"all within target: {result['all_ok']}, worst {result['worst'] * 100:.1f}%")
     elif len(sys.argv) >= 4 and sys.argv[1] == "measure":
-        measure(Path(sys.argv[2]), Path(sys.argv[3]), float(sys.argv[4]) if len(sys.argv) > 4 else 420)
+        methods = (sys.argv[5],) if len(sys.argv) > 5 else METHODS
+        measure(Path(sys.argv[2]), Path(sys.argv[3]), float(sys.argv[4]) if len(sys.argv) > 4 else 420, methods)
     else:
         raise SystemExit(__doc__)
 

@@ -24,7 +24,7 @@ from factory import engines, evaluate
 from tests.conftest import Qf
 from tests.gemma import convert
 from tests.test_gpu import RESULTS, _events, _rows, _save
-from tests.tiny_model import make_tiny_llama
+from tests.tiny_model import LLAMA_1B, make_tiny_llama
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
               pytest.mark.skipif(importlib.util.find_spec("exllamav3") is None, reason="needs exllamav3")]
@@ -117,3 +117,20 @@ def test_gemma_fp16_through_exllamav3_agrees_with_transformers(gemma):
     RESULTS["checks"]["gemma_fp16_exllamav3_vs_transformers"] = ours.ppl / theirs.ppl - 1
     _save()
     assert abs(ours.ppl / theirs.ppl - 1) < 0.001, (ours.ppl, theirs.ppl)
+
+
+def test_exl3_against_exl2_at_equal_bits_on_the_random_1b_llama(tmp_path):
+    """GPU.md's random 1.1B Llama, which both engines convert, at 4.0 bpw each in one job: sizes and seconds (its
+    perplexity says nothing, the weights being random; the distance from FP16 will)."""
+    model = make_tiny_llama(tmp_path / "llama-1.1b", device="cuda", **LLAMA_1B)
+    qf = Qf(home=tmp_path / "home")
+    bpw = os.environ.get("QF_LLAMA_BPWS", "4.0")
+    events = _events(qf("run", model, "--exl2", bpw, "--exl3", bpw, "--calibration", "builtin:mix",
+                        "--eval-windows", "8", "--json"))
+    _rows("llama-1.1b-random", events)
+    quants = {(q["method"], q["bits"]): q for q in events[-1]["quants"]}
+    for bits in map(float, bpw.split(",")):
+        exl2, exl3 = quants[("exl2", bits)], quants[("exl3", bits)]
+        RESULTS["checks"][f"llama_1b_exl3_over_exl2_bytes_{bits}"] = exl3["bytes"] / exl2["bytes"]
+        assert 0.9 < exl3["bytes"] / exl2["bytes"] < 1.1  # the same bits per weight make the same size
+    _save()

@@ -14,12 +14,15 @@ from pathlib import Path
 
 from calibration import builtin_text
 
+# GPU.md's random 1.1B Llama for speed work (make_tiny_llama(out, device="cuda", **LLAMA_1B): seconds on a GPU).
+LLAMA_1B = dict(hidden=2048, layers=16, heads=32, kv_heads=8, intermediate=8192, vocab=32000, max_positions=32768,
+                rope_theta=500000.0)
+
 
 def make_tiny_llama(out: Path, *, hidden: int = 128, layers: int = 2, seed: int = 0, heads: int = 4, kv_heads: int = 2,
                     intermediate: int | None = None, vocab: int = 1024, max_positions: int = 4096,
                     rope_theta: float = 10000.0, device: str = "cpu") -> Path:
-    """Defaults: the tests' tiny model. GPU.md's random 1.1B Llama for speed work: hidden=2048, layers=16,
-    heads=32, kv_heads=8, intermediate=8192, vocab=32000, max_positions=32768, rope_theta=500000, device="cuda"."""
+    """Defaults: the tests' tiny model; LLAMA_1B the 1.1B one."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
