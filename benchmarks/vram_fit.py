@@ -5,14 +5,14 @@
     python benchmarks/vram_fit.py compare MEASURED.json... [--out benchmarks/results/vram_fit.json]
 
 finds every EXL2 and EXL3 quant (or those of METHOD) under ROOT (registry folders of the factory), and for each
-context (2k, 8k, 16k, 32k up to the model's max positions) and cache (fp16, q4, then q8) loads it in a fresh
-process, fills the cache with one forward pass over the whole context (prefill of ctx-1 tokens, then one token with
-logits, as a generator does; exllamav3 prefills in 2048-token chunks, as its generator does) and records: torch's peak allocated and
-reserved bytes, the drop of free memory (cuda mem_get_info) from just after the CUDA context exists, and the GPU's
+context (2k, 8k, 16k, 32k up to the model's max positions) and cache (fp16, q4, then q8) loads it in a fresh process,
+fills the cache with one forward pass over the whole context (prefill of ctx-1 tokens, then one token with logits, as
+a generator does; exllamav3 prefills in 2048-token chunks, as its generator does) and records: torch's peak allocated
+and reserved bytes, the drop of free memory (cuda mem_get_info) from just after the CUDA context exists, and the GPU's
 used memory (nvidia-smi) before the process touched CUDA and at the end, which counts what a user sees: context,
 weights, cache, scratch and the allocator's reserve. Also recorded: the quant's config and tensor bytes by group, so
-predictions can be checked against these numbers on any machine. Stops starting new loads after SECONDS (default
-420), so the run fits one device call.
+predictions can be checked against these numbers on any machine. Stops starting new loads after SECONDS (default 420),
+so the run fits one device call.
 
 `compare` puts the EXL2 memory model's prediction (factory/engines/exl2/memory.py) beside every measurement: the
 target is every prediction within 5% (or 64 MiB) of the drop a user sees (nvidia-smi, context included), and never
