@@ -56,7 +56,7 @@ def test_resume_only_a_job_that_parses(tmp_path):
 
 def _quant(tmp_path: Path, qc: dict | None, finished: bool = True) -> Path:
     out = tmp_path / "out"
-    out.mkdir()
+    out.mkdir(parents=True)
     (out / "model.safetensors").write_bytes(b"x")
     (out / "config.json").write_text(json.dumps({"quantization_config": qc} if qc else {}))
     if finished:
@@ -171,9 +171,15 @@ def test_text_only_gemma3_sources_are_read_with_exllamav3s_dotted_names(tmp_path
               "_header_offset": 8}
     assert compat.dotted(header) == {".model.embed_tokens.weight": {"dtype": "F16"}, "lm_head.weight": {},
                                      ".model.norm.weight": {}, "_header_offset": 8}
+    qtensors = tmp_path / "qtensors"  # what its conversion saves per module, hidden files for Gemma 3
+    qtensors.mkdir()
+    for name in (".model.layers.0.safetensors", "lm_head.safetensors"):
+        (qtensors / name).write_bytes(b"")
+    found = compat.WITH_HIDDEN.glob(str(qtensors / "*.safetensors"))
+    assert sorted(Path(f).name for f in found) == [".model.layers.0.safetensors", "lm_head.safetensors"]
 
 
-def test_the_card_says_what_stock_exllamav3_cannot_load(tmp_path, tiny):
+def test_the_card_says_how_exllamav3_names_a_gemma3_quant(tmp_path, tiny):
     from factory.publish import card
 
     gemma3 = tmp_path / "gemma3"
@@ -181,7 +187,31 @@ def test_the_card_says_what_stock_exllamav3_cannot_load(tmp_path, tiny):
     config = json.loads((gemma3 / "config.json").read_text())
     (gemma3 / "config.json").write_text(json.dumps({**config, "architectures": ["Gemma3ForCausalLM"]}))
     engine = engines.get("exl3")
-    assert engine.load_note(gemma3).startswith("exllamav3 1.6.5 cannot load this quant as it is")
+    assert "exllamav3 1.6.5 loads it as it is" in engine.load_note(gemma3)
     assert engine.load_note(tiny) is None
     row = {"name": "gemma3:exl3-4.0bpw", "method": "exl3", "load_note": engine.load_note(gemma3)}
     assert card._how_to_load(row).endswith(f"```\n\n{engine.load_note(gemma3)}\n")
+
+
+def test_a_quant_without_its_layers_is_refused(tmp_path, tiny):
+    """exllamav3 1.6.5 wrote Gemma 3 quants without a single layer and exited 0 (compat.py): the output check weighs
+    the decoder layers against the source's linear weights at the bits asked."""
+    import torch
+    from safetensors.torch import save_file
+
+    from factory import sources
+    from factory.vram import Params, Shape
+
+    config, tensors = sources.layout(str(tiny))
+    linear = Params.of(tensors, Shape.of(config)).linear
+    spec = {"bpw": 4.0, "head_bits": 6}
+    qc = {"quant_method": "exl3", "bits": 4.0, "head_bits": 6}
+    out = _quant(tmp_path / "whole", qc, True)
+    save_file({".model.embed_tokens.weight": torch.zeros(8, 8, dtype=torch.float16),
+               ".model.layers.0.mlp.down_proj.trellis": torch.zeros(int(linear * 4.0 / 8) // 2, dtype=torch.int16)},
+              str(out / "model.safetensors"))
+    exl3.check_output(out, spec, tmp_path / "engine.log", tiny)
+    empty = _quant(tmp_path / "empty", qc, True)
+    save_file({".model.embed_tokens.weight": torch.zeros(8, 8, dtype=torch.float16)}, str(empty / "model.safetensors"))
+    with pytest.raises(JobFailed, match="of decoder layers where 4.0 bpw takes about .*: the quant is incomplete"):
+        exl3.check_output(empty, spec, tmp_path / "engine.log", tiny)

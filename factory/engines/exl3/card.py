@@ -5,10 +5,9 @@ from __future__ import annotations
 from factory.engines.base import format_scores
 from factory.engines.exl3.evaluate import KV_CHUNK_NOTE
 
-DOTTED_NOTE = ("exllamav3 1.6.5 cannot load this quant as it is: for a text-only Gemma 3 it asks for tensors named "
-               "`.model.…` where the files (like the original checkpoint) have `model.…`. quantfactory renames them "
-               "while it loads (`factory/engines/exl3/compat.py`); a stock exllamav3 needs a release that fixes "
-               "`Gemma3TextModel`.")
+DOTTED_NOTE = ("Its tensors are named `.model.…` (a leading dot), as exllamav3 1.6.5 names a text-only Gemma 3's "
+               "modules, so exllamav3 1.6.5 loads it as it is; a release that fixes `Gemma3TextModel`'s key "
+               "prefix may look for `model.…` instead (`factory/engines/exl3/compat.py` says why).")
 
 
 def how_to_load(folder: str) -> str:

@@ -1,12 +1,15 @@
-"""exllamav3 1.6.5 cannot read a text-only Gemma 3 checkpoint: its Gemma3TextModel passes key_prefix "" to a parent
-that names every module f"{key_prefix}.model.…", so it asks for `.model.embed_tokens.weight` where the checkpoint
-(google/gemma-3-270m's layout) has `model.embed_tokens.weight` (H200, 2026-12-01: `ValueError: Required tensor
-.model.embed_tokens.weight not found`). Its conversion writes the quant under the checkpoint's names again
-(`model.…`), so a stock exllamav3 1.6.5 loads neither the FP16 model nor an EXL3 quant of it, its own included.
+"""exllamav3 1.6.5 cannot read or convert a text-only Gemma 3 checkpoint as it is. Its Gemma3TextModel passes
+key_prefix "" to a parent that names every module f"{key_prefix}.model.…", so (H200, 2026-12-01):
+- it asks the checkpoint (google/gemma-3-270m's layout: `model.embed_tokens.weight`) for
+  `.model.embed_tokens.weight` (`ValueError: Required tensor .model.embed_tokens.weight not found`);
+- its conversion saves each module's tensors as `qtensors/.model.layers.N.safetensors`, a hidden file that its
+  loader's glob("*.safetensors") never sees, so the compile step finds no tensors, skips every module and writes a
+  quant without weights, and exits 0 (the factory's output check refuses such a quant: engine.check_output).
 
-Until exllamav3 fixes it, the conversion and the evaluations read such folders' headers with the dot added, the way
-exllamav3 renames tensors itself (its tensor_name_fixes, applied in the same function). The quant on disk keeps the
-checkpoint's names, the ones a fixed exllamav3 will ask for.
+Until exllamav3 fixes it, the conversion and the evaluations read such folders with the dot added to the
+checkpoint's names, the way exllamav3 renames tensors itself (its tensor_name_fixes, in the same function), and
+with hidden safetensors files listed. The quant then holds exllamav3 1.6.5's own names (`.model.…`, `.lm_head.…`),
+which a stock exllamav3 1.6.5 loads as they are.
 
     python -m factory.engines.exl3.compat MODULE ARG... -i SOURCE ...   # factory/engines/script.py, so
 """
@@ -14,7 +17,9 @@ checkpoint's names, the ones a fixed exllamav3 will ask for.
 from __future__ import annotations
 
 import contextlib
+import glob
 import sys
+import types
 from pathlib import Path
 
 from factory.inspect import read_config
@@ -32,24 +37,29 @@ def dotted(header: dict) -> dict:
     return {f".{key}" if key.startswith("model.") else key: value for key, value in header.items()}
 
 
+# exllamav3's loader module looks files up through this in place of the glob module: hidden files included
+WITH_HIDDEN = types.SimpleNamespace(glob=lambda pattern: glob.glob(pattern, include_hidden=True))
+
+
 @contextlib.contextmanager
 def reading(folder: Path):
-    """While exllamav3 reads `folder`'s headers (Config.from_directory), names its `model.…` tensors `.model.…`."""
+    """While exllamav3 reads `folder` (Config.from_directory, a conversion), names its `model.…` tensors `.model.…`
+    and lists hidden safetensors files (the conversion's own `.model.…` module files)."""
     if not needs_dots(folder):
         yield
         return
     from exllamav3.loader import safetensors
 
-    original = safetensors.read_header
+    original, original_glob = safetensors.read_header, safetensors.glob
 
     def read_header(filename: str, tensor_name_fixes: dict | None) -> dict:
         return dotted(original(filename, tensor_name_fixes))
 
-    safetensors.read_header = read_header
+    safetensors.read_header, safetensors.glob = read_header, WITH_HIDDEN
     try:
         yield
     finally:
-        safetensors.read_header = original
+        safetensors.read_header, safetensors.glob = original, original_glob
 
 
 def main() -> None:

@@ -30,11 +30,13 @@ import shutil
 import sys
 from pathlib import Path
 
+from factory import sources
 from factory.engines import child
 from factory.engines.base import Engine, Evaluation, Flag, QuantizeRequest, check_quant_folder
 from factory.engines.exl3 import card, compat, evaluate
 from factory.engines.exl3.spec import MIN_ROWS, ROWS, Exl3Spec, Exl3Targets, targets_from_flag
 from factory.errors import JobFailed, SpecError
+from factory.vram import Params, Shape, human, tensor_bytes
 
 SCRIPT = "exllamav3.conversion.convert_model"
 PAD = 128  # exllamav3 pads linear layers to multiples of this (modules/linear.py)
@@ -165,7 +167,7 @@ class Exl3Engine(Engine):
         child.run_command(cmd, log, emit, f"EXL3 conversion at {spec['bpw']} bpw", parse=parse)
         if parse.errors:
             raise JobFailed(f"exllamav3 refused the conversion: {parse.errors[-1]}; see {log}")
-        check_output(request.out_dir, spec, log)
+        check_output(request.out_dir, spec, log, request.source_dir)
         shutil.rmtree(work, ignore_errors=True)
 
     def load(self, folder: Path, device: str):
@@ -187,12 +189,15 @@ class Exl3Engine(Engine):
         return "", card.kv_section(rows)
 
 
+MIN_LAYER_SHARE = 0.9  # of the layers' linear weights at the bits asked; what exllamav3 adds (scales, norms) is more
 BITS_OVER = 0.25  # what exllamav3 may add to the bits asked for: its layers' sign vectors and scales
 
 
-def check_output(out_dir: Path, spec: dict, log: Path) -> None:
+def check_output(out_dir: Path, spec: dict, log: Path, source_dir: Path | None = None) -> None:
     """exllamav3 writes the bits it reached beside the head bits asked for: a little over the bits asked, for the
-    layers' sign vectors and scales (4.12 at -b 4.0 on a 256-wide test model, tests/fixtures/convert_exl3_tiny.log)."""
+    layers' sign vectors and scales (4.12 at -b 4.0 on a 256-wide test model, tests/fixtures/convert_exl3_tiny.log).
+    With the source, the weights are weighed too: exllamav3 1.6.5 can write a quant without its layers and exit 0
+    (compat.py), so the decoder layers must hold at least MIN_LAYER_SHARE of their linear weights at the bits asked."""
     check_quant_folder(out_dir, "model*.safetensors", {"quant_method": "exl3", "head_bits": spec["head_bits"]},
                        "exllamav3", log)
     bits = json.loads((out_dir / "config.json").read_text())["quantization_config"].get("bits")
@@ -200,6 +205,13 @@ def check_output(out_dir: Path, spec: dict, log: Path) -> None:
         raise JobFailed(f"exllamav3 reached {bits} bits per weight, not the {spec['bpw']} asked for; see {log}")
     if not (out_dir / "quantization_config.json").is_file():
         raise JobFailed(f"exllamav3 did not finish writing {out_dir} (no quantization_config.json); see {log}")
+    if source_dir is not None:
+        config, tensors = sources.layout(str(source_dir))
+        wanted = Params.of(tensors, Shape.of(config)).linear * spec["bpw"] / 8
+        got = tensor_bytes(out_dir).get("layers", 0)
+        if got < MIN_LAYER_SHARE * wanted:
+            raise JobFailed(f"exllamav3 wrote {human(got)} of decoder layers where {spec['bpw']} bpw takes about "
+                            f"{human(wanted)}: the quant is incomplete; see {log}")
 
 
 ENGINE = Exl3Engine()
