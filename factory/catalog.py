@@ -33,6 +33,7 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
     create_engine,
+    func,
     inspect,
     select,
     text,
@@ -496,6 +497,16 @@ class Catalog:
         with self.session() as s:
             self._fence(s, job_id, token)
             s.add(Step(job_id=job_id, name=name, state=StepState.skipped, error=reason, ended_at=now()))
+
+    def recorded_peaks(self, source_identity: str) -> dict[str, int]:
+        """The highest GPU memory each step name allocated in the finished steps of any job of this source: what
+        the next units of the same source are predicted to take."""
+        with self.session() as s:
+            rows = s.execute(select(Step.name, func.max(Step.peak_gpu_bytes)).join(Job)
+                             .where(Job.source_identity == source_identity, Step.state == StepState.succeeded,
+                                    Step.peak_gpu_bytes.is_not(None))
+                             .group_by(Step.name))
+            return {name: int(peak) for name, peak in rows}
 
     def done_steps(self, job_id: str) -> set[str]:
         with self.session() as s:

@@ -110,6 +110,7 @@ class Renderer:
         )
         self.tasks: dict[str, int] = {}
         self.last_line = time.monotonic()
+        self.lock = threading.Lock()  # units running at once emit from their threads
 
     def __enter__(self):
         if self.live:
@@ -121,6 +122,10 @@ class Renderer:
             self.progress.stop()
 
     def __call__(self, event: dict) -> None:
+        with self.lock:
+            self._render(event)
+
+    def _render(self, event: dict) -> None:
         if self.as_json:
             print(json.dumps(event, default=str), flush=True)
             return
@@ -196,6 +201,9 @@ FitOpt = Annotated[str | None, typer.Option("--fit", help=f"VRAM budgets, e.g. 2
                                             "highest bpw that fits each with --ctx and --kv-cache (see qf plan).")]
 CtxOpt = Annotated[int | None, typer.Option("--ctx", min=1, help="Context in tokens (default: the model's max).")]
 KvOpt = Annotated[str, typer.Option("--kv-cache", help="fp16, q8, q6 or q4.")]
+UnitsOpt = Annotated[int | None, typer.Option(
+    "--max-units", min=1, help="Units of a job (conversions, evaluations) run at once (default: as many as fit the "
+    "GPU's memory and the CPU's cores; 1: one after another).")]
 
 
 def _with_engine_flags(fn):
@@ -248,8 +256,9 @@ def _request(source, flags, recipe, calibration, eval_set, eval_windows, name, b
 def run(source: SourceArg, flags: dict, recipe: RecipeOpt = None,
         calibration: CalibrationOpt = None, eval_set: EvalOpt = None, eval_windows: WindowsOpt = None,
         name: NameOpt = None, base_model: BaseOpt = None, fit: FitOpt = None, ctx: CtxOpt = None,
-        kv_cache: KvOpt = "fp16", as_json: JsonOpt = False) -> None:
-    """Quantize, evaluate and publish SOURCE in this process: inspect, quantize, evaluate, gate, publish."""
+        kv_cache: KvOpt = "fp16", max_units: UnitsOpt = None, as_json: JsonOpt = False) -> None:
+    """Quantize, evaluate and publish SOURCE in this process: inspect, quantize, evaluate, gate, publish (units
+    that do not wait for each other at once, where they fit)."""
     request = _request(source, flags, recipe, calibration, eval_set, eval_windows, name, base_model,
                        fit=fit, ctx=ctx, kv_cache=kv_cache)
     if owner := settings.load().hub_owner:
@@ -259,6 +268,7 @@ def run(source: SourceArg, flags: dict, recipe: RecipeOpt = None,
     _quiet_libraries()
     with Renderer(as_json) as render:
         factory = _factory(render)
+        factory.max_units = max_units or factory.max_units
         job, created = factory.submit(request)
         job = _run_held(factory, job)
     if not as_json:
@@ -536,6 +546,7 @@ def beat() -> None:
 def worker(
     gpu: Annotated[int | None, typer.Option("--gpu", min=0, help="The GPU it owns (CUDA_VISIBLE_DEVICES).")] = None,
     queues: Annotated[str, typer.Option("--queues", help="Queues to take jobs from.")] = "gpu,cpu",
+    max_units: UnitsOpt = None,
 ) -> None:
     """Start a Celery worker with the factory's settings: one job at a time, acknowledged when done. A catalog or
     broker that cannot be reached is exit 5 before it takes any message."""
@@ -548,6 +559,8 @@ def worker(
     env = dict(os.environ)
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    if max_units is not None:
+        env["FACTORY_MAX_UNITS"] = str(max_units)  # read by the job processes it spawns (factory/settings.py)
     node = f"qf-{'gpu' + str(gpu) if gpu is not None else 'worker'}@%h"
     argv = [sys.executable, "-m", "celery", "-A", "workers.app", "worker", "-Q", queues, "--pool", "solo",
             "--concurrency", "1", "--prefetch-multiplier", "1", "-n", node, "--loglevel", "INFO"]

@@ -1,8 +1,9 @@
 """The steps of a job (its state moves only through the catalog's compare-and-set, fenced by the lease's token).
 
     submit:  check the request (exit 2/4/5 before any job exists), then create the job or find the same one
-    execute: inspect -> [measure] -> quantize:<tag>... -> evaluate:fp16 -> evaluate:<tag>... -> gate
-             -> publish:<tag>...
+    execute: inspect, then the job's units (factory/jobs/graph.py: measure, quantize:<tag>, evaluate:fp16,
+             evaluate:<tag>, gate, publish:<tag>, push:<tag>), several at once where they fit
+             (factory/jobs/packing.py)
 
 `qf run` calls both in-process; a worker calls `execute` with a job id. A failed job runs again from where it
 stopped: finished quantize and evaluate steps are reused; steps an earlier attempt left running (it was killed)
@@ -15,7 +16,9 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -38,13 +41,19 @@ from factory.errors import (
 )
 from factory.identity import job_key, measurement_key
 from factory.inspect import ModelInfo, inspect
+from factory.jobs import graph, packing
+from factory.jobs.graph import Unit
+from factory.jobs.packing import Need, Packer
 from factory.publish import card, hub, upstream
 from factory.publish import folder as registry
 from factory.recipes import Recipe
 from factory.settings import Settings
+from factory.vram import CONTEXT_BYTES, HEADROOM, Params, Shape
 
 Emit = Callable[[dict], None]
 CANCEL_CHECK_SECONDS = 1.0  # how often a running step looks whether its job was cancelled or taken over
+AUTOMATIC_MAX_UNITS = 8  # on a GPU without --max-units: beyond 8 EXL2 passes an H200's SMs are busy (GPU.md)
+HISTORY_MARGIN = 1.1  # over the highest peak the catalog recorded for a unit of the same source
 log = logging.getLogger("quantfactory")
 INTERRUPTED = "interrupted (Ctrl-C or SIGTERM); run the same command again to continue from the finished steps"
 
@@ -69,6 +78,24 @@ class _Prepared:
     calibration_file: Path  # the calibration text as parquet, for engines that tokenize it themselves
     stream: evaluate.Stream
     upstream: upstream.Upstream  # what the card says about the base model
+    shape: Shape
+    params: Params
+
+
+@dataclass
+class _Made:
+    """What the units of this attempt made, for the units after them (units in threads write distinct keys)."""
+
+    measurements: dict[str, Path] = field(default_factory=dict)  # measure unit -> measurement file
+    outputs: dict[str, Path] = field(default_factory=dict)  # tag -> quant folder
+    fp16: float = math.nan
+    ppls: dict[str, float] = field(default_factory=dict)
+    extra: dict[str, dict[str, dict]] = field(default_factory=dict)  # tag -> group -> {key: ppl}
+    refused: dict[str, QualityGateRefused] = field(default_factory=dict)
+
+
+def _groups(spec: QuantSpec) -> list[str]:
+    return list(dict.fromkeys(e.group for e in engines.get(spec.method).evaluations(spec)))
 
 
 class Factory:
@@ -78,6 +105,8 @@ class Factory:
         self.emit = emit
         self._hub_writer = None  # an HfApi checked once for writing under FACTORY_HUB_OWNER
         self.token: int | None = None  # the fencing token of the lease `execute` runs under, if any
+        self.max_units = settings.max_units  # None: as many units at once as fit
+        self._stop = threading.Event()  # set: the running units stop at their next progress event
 
     # submit ---------------------------------------------------------------------------------------------
     def submit(self, request: Request) -> tuple[Job, bool]:
@@ -179,24 +208,22 @@ class Factory:
             self.catalog.check_lease(job_id, self.token)
             self.catalog.interrupt_steps(job_id, self.token)  # an earlier attempt that was killed left them running
             prepared = self._inspect(job)
-            outputs = {spec.tag: self._quantize(job, prepared, spec) for spec in prepared.specs}
-            fp16 = self._evaluate_fp16(job, prepared)
-            ppls = {spec.tag: self._evaluate(job, prepared, spec, outputs[spec.tag]) for spec in prepared.specs}
-            extra = {s.tag: self._evaluate_extra(job, prepared, s, outputs[s.tag]) for s in prepared.specs}
-            refused = self._gate(job, ppls, fp16)
+            keys = {s.tag: self._measurement_key(job, s) for s in prepared.specs
+                    if engines.get(s.method).needs_measurement}
+            units = graph.units(prepared.specs, keys, publish, bool(self.settings.hub_owner))
+            made = _Made()
+            self._stop.clear()
+            packing.run(units, lambda unit: self._unit(job, prepared, unit, made),
+                        lambda unit: self._need(job, prepared, unit), self._packer(job), self._stop,
+                        lambda message: self.emit({"event": "note", "message": message}))
             if not publish:
                 handed = self.catalog.transition(job_id, JobState.queued, self.token,
                                                  only_from=frozenset({JobState.running}))
                 if not handed:
                     self.catalog.check_lease(job_id, self.token)  # says why: cancelled, or taken over
                 return self.catalog.job(job_id)
-            for spec in prepared.specs:
-                if spec.tag not in refused:
-                    self._publish(job, prepared, spec, outputs[spec.tag], ppls[spec.tag], fp16, extra[spec.tag])
-                    if self.settings.hub_owner:
-                        self._push(job, prepared, spec)
-            if refused:
-                raise refused[next(iter(refused))]
+            if made.refused:
+                raise made.refused[next(iter(made.refused))]
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM: failed, so that running it again continues where it stopped
             self.catalog.transition(job_id, JobState.failed, self.token, INTERRUPTED, 130)
             raise
@@ -223,6 +250,61 @@ class Factory:
         self._result(job)
         return job
 
+    def _unit(self, job: Job, prepared: _Prepared, unit: Unit, made: _Made) -> None:
+        """One unit's work; what it makes goes into `made` for the units after it."""
+        spec = unit.spec
+        if unit.kind == "measure":  # unless every quant that needs it is made already (a job run again)
+            if any(self._quantized(job, s) is None for s in prepared.specs
+                   if engines.get(s.method).needs_measurement and self._measurement_key(job, s) == unit.measurement):
+                made.measurements[unit.name] = self._measurement(job, prepared, spec, unit.measurement)
+        elif unit.kind == "quantize":
+            measurement = made.measurements.get(unit.measurement) if unit.measurement else None
+            made.outputs[spec.tag] = self._quantize(job, prepared, spec, measurement)
+        elif unit.kind == "evaluate" and spec is None:
+            made.fp16 = self._evaluate_fp16(job, prepared)
+        elif unit.kind == "evaluate" and unit.group is None:
+            made.ppls[spec.tag] = self._evaluate(job, prepared, spec, made.outputs[spec.tag])
+        elif unit.kind == "evaluate":
+            scores = self._evaluate_group(job, prepared, spec, unit.group, made.outputs[spec.tag])
+            made.extra.setdefault(spec.tag, {})[unit.group] = scores
+        elif unit.kind == "gate":
+            made.refused = self._gate(job, made.ppls, made.fp16)
+        elif unit.kind == "publish" and spec.tag not in made.refused:
+            self._publish(job, prepared, spec, made.outputs[spec.tag], made.ppls[spec.tag], made.fp16,
+                          {g: made.extra.get(spec.tag, {}).get(g, {}) for g in _groups(spec)})
+        elif unit.kind == "push" and spec.tag not in made.refused:
+            self._push(job, prepared, spec)
+
+    def _need(self, job: Job, prepared: _Prepared, unit: Unit) -> Need:
+        """What a unit is predicted to take: from the catalog's peaks of earlier units of the same source (the
+        same unit, else one of the same kind and engine), else its engine's estimate from the model's shape."""
+        if unit.kind in ("gate", "publish", "push"):
+            return Need(in_process=True)  # quick, and one at a time: each card lists the quants published before
+        cuda = job.device == "cuda"
+        if unit.kind == "evaluate":  # the model in torch in this process, and a window's logits
+            gpu = 2 * (prepared.params.embed + prepared.params.head + prepared.params.linear + prepared.params.other)
+            gpu += 2 * prepared.stream.window_length * prepared.shape.vocab * 4
+            return Need(gpu if cuda else 0, 1 if cuda else os.cpu_count() or 1, in_process=True)
+        engine = engines.get(unit.spec.method)
+        peaks = self.catalog.recorded_peaks(job.source_identity)
+        family = "measure:" if unit.kind == "measure" else f"quantize:{unit.spec.tag.split('-')[0]}-"
+        seen = peaks.get(unit.name) or max((p for n, p in peaks.items() if n.startswith(family)), default=None)
+        peak = int(seen * HISTORY_MARGIN) if seen else engine.unit_gpu_bytes(unit.kind, unit.spec, prepared.shape,
+                                                                               prepared.params)
+        cores = engine.unit_cores(unit.kind, job.device)
+        if self.max_units:  # asked for: the cores are shared among them
+            cores = min(cores, max(1, (os.cpu_count() or 1) // self.max_units))
+        return Need(peak + CONTEXT_BYTES if cuda else 0, cores)
+
+    def _packer(self, job: Job) -> Packer:
+        cores = os.cpu_count() or 1
+        if job.device != "cuda":
+            return Packer(self.max_units or cores, None, cores)
+        import torch
+
+        free, _ = torch.cuda.mem_get_info()
+        return Packer(self.max_units or AUTOMATIC_MAX_UNITS, max(0, free - HEADROOM), cores)
+
     @contextmanager
     def _step(self, job_id: str, name: str):
         """Record one attempt at a step; yields `progress(**fields)`, which forwards progress events and keeps
@@ -238,6 +320,8 @@ class Factory:
             if event.get("peak_gpu_bytes") is not None:
                 peak.append(event["peak_gpu_bytes"])
             self.emit({"event": "progress", "step": name, **event})
+            if self._stop.is_set():
+                raise packing.Stopped(f"{name} stopped: the job stops")
             if time.monotonic() - checked[0] > CANCEL_CHECK_SECONDS:
                 checked[0] = time.monotonic()
                 self._check_ours(job_id)  # raising here stops the engine: its child gets SIGTERM
@@ -302,18 +386,25 @@ class Factory:
                 self.emit({"event": "note", "message": f"{s.tag}: calibration {used}; eval {job.eval} "
                            f"{job.eval_windows} x {stream.window_length} tokens on {job.device}"})
         up = upstream.read(job.base_model, files.upstream_card(source_folder), folder)
+        config, tensors = sources.layout(str(source_folder))  # the staging folder is links: read the source
+        shape = Shape.of(config)
         return _Prepared(folder=folder, specs=specs, calibration=windows, calibration_file=cal_file, stream=stream,
-                         upstream=up)
+                         upstream=up, shape=shape, params=Params.of(tensors, shape))
 
-    def _quantize(self, job: Job, prepared: _Prepared, spec: QuantSpec) -> Path:
+    def _quantized(self, job: Job, spec: QuantSpec) -> Path | None:
+        """The quant an earlier attempt of this job made, if its step finished and its folder is there."""
+        out = self.settings.work / job.id / spec.tag / "out"
+        if f"quantize:{spec.tag}" in self.catalog.done_steps(job.id) and out.is_dir() and any(out.iterdir()):
+            return out
+        return None
+
+    def _quantize(self, job: Job, prepared: _Prepared, spec: QuantSpec, measurement: Path | None) -> Path:
+        if (out := self._quantized(job, spec)) is not None:
+            return out
         work = self.settings.work / job.id / spec.tag
         out = work / "out"
-        name = f"quantize:{spec.tag}"
-        if name in self.catalog.done_steps(job.id) and out.is_dir() and any(out.iterdir()):
-            return out
         engine = engines.get(spec.method)
-        measurement = self._measurement(job, prepared, spec) if engine.needs_measurement else None
-        with self._step(job.id, name) as progress:
+        with self._step(job.id, f"quantize:{spec.tag}") as progress:
             request = engines.QuantizeRequest(
                 source_dir=prepared.folder,
                 out_dir=out,
@@ -326,11 +417,15 @@ class Factory:
             engine.quantize(request, lambda event: progress(**_progress(event)))
         return out
 
-    def _measurement(self, job: Job, prepared: _Prepared, spec: QuantSpec) -> Path:
+    def _measurement_key(self, job: Job, spec: QuantSpec) -> str:
+        engine = engines.get(spec.method)
+        rows, length = engine.measurement_settings(spec)
+        return measurement_key(job.source_identity, job.calibration_sha, rows, length, engine.version())
+
+    def _measurement(self, job: Job, prepared: _Prepared, spec: QuantSpec, key: str) -> Path:
         """The measurement for this source, calibration and settings: made once, reused by every later target."""
         engine = engines.get(spec.method)
         rows, length = engine.measurement_settings(spec)
-        key = measurement_key(job.source_identity, job.calibration_sha, rows, length, engine.version())
         known = self.catalog.measurement(key)
         if known is not None and Path(known.path).is_file():
             self.emit({"event": "note", "message": f"reusing {engine.label} measurement {key[:12]} ({rows} x {length} "
@@ -375,27 +470,24 @@ class Factory:
         engine = engines.get(spec.method)
         return self._measure(job, prepared, spec.tag, out, engine.load, engine.evaluator)
 
-    def _evaluate_extra(self, job: Job, prepared: _Prepared, spec: QuantSpec, out: Path) -> dict[str, dict]:
-        """The engine's scores beyond perplexity (e.g. through its runtime's quantized KV caches), as
-        {group: {key: ppl}}; one step per group."""
+    def _evaluate_group(self, job: Job, prepared: _Prepared, spec: QuantSpec, group: str, out: Path) -> dict:
+        """One group of the engine's scores beyond perplexity (e.g. through its runtime's quantized KV caches), as
+        {key: ppl}, in one step."""
         engine = engines.get(spec.method)
         done = {e.subject: e.ppl for e in self.catalog.evaluations(job.id)}
-        scores: dict[str, dict] = {}
-        for group in dict.fromkeys(e.group for e in engine.evaluations(spec)):
-            mine = [e for e in engine.evaluations(spec) if e.group == group]
-            subjects = {e.key: f"{spec.tag}:{e.suffix}" for e in mine}
-            if all(s in done for s in subjects.values()):
-                scores[group] = {key: done[s] for key, s in subjects.items()}
-                continue
-            scores[group] = {}
-            with self._step(job.id, f"evaluate:{spec.tag}:{group.split('_')[0]}") as progress:
-                for e in mine:
-                    def on_window(d: int, t: int, unit: str = e.unit) -> None:
-                        progress(done=d, total=t, unit=unit)
+        mine = [e for e in engine.evaluations(spec) if e.group == group]
+        subjects = {e.key: f"{spec.tag}:{e.suffix}" for e in mine}
+        if all(s in done for s in subjects.values()):
+            return {key: done[s] for key, s in subjects.items()}
+        scores = {}
+        with self._step(job.id, f"evaluate:{spec.tag}:{group.split('_')[0]}") as progress:
+            for e in mine:
+                def on_window(d: int, t: int, unit: str = e.unit) -> None:
+                    progress(done=d, total=t, unit=unit)
 
-                    result = evaluate.evaluate(out, e.load, engine.evaluator, prepared.stream, on_window)
-                    scores[group][e.key] = self._record(job, prepared, subjects[e.key], result, progress)
-                    self.emit({"event": "evaluation", "subject": subjects[e.key], "ppl": result.ppl})
+                result = evaluate.evaluate(out, e.load, engine.evaluator, prepared.stream, on_window)
+                scores[e.key] = self._record(job, prepared, subjects[e.key], result, progress)
+                self.emit({"event": "evaluation", "subject": subjects[e.key], "ppl": result.ppl})
         return scores
 
     def _measure(self, job: Job, prepared: _Prepared, subject: str, folder: Path, load, evaluator: str) -> float:

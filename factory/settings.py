@@ -16,6 +16,9 @@ FACTORY_RECONCILE_SECONDS  how often beat looks for lost workers and lost messag
 FACTORY_WATCH_SECONDS  how often beat asks the Hub about the watchlist (default 3600)
 FACTORY_MAX_ATTEMPTS  how often a job may be taken again after its holder was lost (an expired lease) before it
                   fails as lost, the first take included (default 3); the hand-off to the publishing step is not one
+FACTORY_MAX_UNITS  how many units of a job (a conversion, an evaluation, ...) one machine runs at once, while
+                  their predicted GPU memory and CPU cores fit (default: as many as fit; 1: one after another);
+                  `qf run --max-units` and `qf worker --max-units` set it
 FACTORY_HUB_OWNER  publish every quant to the Hugging Face Hub under this user or organization as well (default:
                   the registry folder only); the token is HF_TOKEN or huggingface_hub's stored login
 FACTORY_HUB_<ENGINE>_REPO  an engine's repo name template on the Hub (default: the engine's `hub_repo`, e.g.
@@ -48,6 +51,7 @@ class Settings:  # a plain dataclass: `qf status` must start fast, and pydantic'
     reconcile_seconds: float = 60.0
     watch_seconds: float = 3600.0
     hub_owner: str | None = None
+    max_units: int | None = None  # units of a job run at once on this machine; None: as many as fit
     hub_repos: dict[str, str] = field(default_factory=dict)  # engine name -> repo template, where one is set
 
     @property
@@ -83,6 +87,7 @@ _FROM_ENV = {  # field -> (variable, type); an unset or empty variable leaves th
     "reconcile_seconds": ("FACTORY_RECONCILE_SECONDS", float),
     "watch_seconds": ("FACTORY_WATCH_SECONDS", float),
     "hub_owner": ("FACTORY_HUB_OWNER", str),
+    "max_units": ("FACTORY_MAX_UNITS", int),
 }
 
 

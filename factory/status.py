@@ -39,7 +39,8 @@ def job_rows(url: str, job_id: str | None = None, name: str | None = None, limit
     by_job: dict[str, list[dict]] = {i: [] for i in ids}
     for job, step, state, started, ended, error, peak in steps:
         seconds = (_time(ended) - _time(started)).total_seconds() if ended else None
-        by_job[job].append({"name": step, "state": state, "seconds": seconds, "error": error, "peak_gpu_bytes": peak})
+        by_job[job].append({"name": step, "state": state, "started_at": _time(started).isoformat(), "seconds": seconds,
+                            "error": error, "peak_gpu_bytes": peak})
     now = datetime.now(UTC).replace(tzinfo=None)  # the catalog's clock: naive UTC
     return [
         {"id": i, "name": n, "state": s, "error": e, "exit_code": code, "source": src, "source_identity": ident,

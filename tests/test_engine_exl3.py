@@ -199,10 +199,11 @@ def test_a_quant_without_its_layers_is_refused(tmp_path, tiny):
     import torch
     from safetensors.torch import save_file
 
-    from factory import sources
+    from factory import files, sources
     from factory.vram import Params, Shape
 
     config, tensors = sources.layout(str(tiny))
+    staged = files.stage(tiny, tmp_path / "staged")  # what the engine is given: links to the source's files
     linear = Params.of(tensors, Shape.of(config)).linear
     spec = {"bpw": 4.0, "head_bits": 6}
     qc = {"quant_method": "exl3", "bits": 4.0, "head_bits": 6}
@@ -210,8 +211,8 @@ def test_a_quant_without_its_layers_is_refused(tmp_path, tiny):
     save_file({".model.embed_tokens.weight": torch.zeros(8, 8, dtype=torch.float16),
                ".model.layers.0.mlp.down_proj.trellis": torch.zeros(int(linear * 4.0 / 8) // 2, dtype=torch.int16)},
               str(out / "model.safetensors"))
-    exl3.check_output(out, spec, tmp_path / "engine.log", tiny)
+    exl3.check_output(out, spec, tmp_path / "engine.log", staged)
     empty = _quant(tmp_path / "empty", qc, True)
     save_file({".model.embed_tokens.weight": torch.zeros(8, 8, dtype=torch.float16)}, str(empty / "model.safetensors"))
     with pytest.raises(JobFailed, match="of decoder layers where 4.0 bpw takes about .*: the quant is incomplete"):
-        exl3.check_output(empty, spec, tmp_path / "engine.log", tiny)
+        exl3.check_output(empty, spec, tmp_path / "engine.log", staged)

@@ -62,7 +62,7 @@ LAYERS = [
      "factory.evaluate", "factory.publish.upstream"],
     ["factory.sources", "factory.vram"],
     ["factory.engines"],
-    ["factory.recipes", "factory.schedule", "factory.publish"],
+    ["factory.recipes", "factory.schedule", "factory.publish", "factory.jobs"],
     ["factory.pipeline", "factory.housekeeping", "factory.leases"],
     ["factory.cli", "workers"],
 ]

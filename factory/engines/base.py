@@ -6,6 +6,7 @@ factory/engines/ names a method.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -231,6 +232,23 @@ class Engine:
         """What its runtime needs on a card of `budget` bytes (x `gpus`) for `ctx` tokens with a `cache` KV cache,
         if the engine has a memory model."""
         return None
+
+    # how its units pack onto a machine (factory/jobs/packing.py) ---------------------------------------------
+    def unit_gpu_bytes(self, kind: str, spec: QuantSpec, shape: Shape, params: Params) -> int:
+        """Peak GPU memory torch allocates in a `measure` or `quantize` unit, before the catalog has recorded one of
+        the same source. A layer-by-layer conversion holds the calibration rows' hidden states going in and out of
+        a layer (fp16) and about three fp16 copies of the largest of one decoder layer and the head (weights,
+        quantized weights, working space). Measured on an H200 (GPU.md's 1.1B Llama): EXL2 pass 2.0 GiB against
+        2.0 predicted, EXL3 4.2 GiB against 4.3."""
+        rows, length = max(self.calibration_lengths(spec), key=lambda rl: rl[0] * rl[1], default=(128, 2048))
+        states = 2 * rows * length * shape.hidden * 2
+        largest = max(params.linear // max(shape.layers, 1), params.head)
+        return int(states + 3 * largest * 2)
+
+    def unit_cores(self, kind: str, device: str) -> int:
+        """CPU cores a unit of this engine keeps busy: on a GPU its child feeds the card from about one; on the CPU
+        torch takes them all."""
+        return 1 if device == "cuda" else (os.cpu_count() or 1)
 
     def fits(self, folder: Path) -> list[dict] | None:
         """The longest context each GPU size holds with this quant (the card's "fits on" table), if it knows."""

@@ -30,12 +30,12 @@ import shutil
 import sys
 from pathlib import Path
 
-from factory import sources
 from factory.engines import child
 from factory.engines.base import Engine, Evaluation, Flag, QuantizeRequest, check_quant_folder
 from factory.engines.exl3 import card, compat, evaluate
 from factory.engines.exl3.spec import MIN_ROWS, ROWS, Exl3Spec, Exl3Targets, targets_from_flag
 from factory.errors import JobFailed, SpecError
+from factory.inspect import read_config, read_header
 from factory.vram import Params, Shape, human, tensor_bytes
 
 SCRIPT = "exllamav3.conversion.convert_model"
@@ -170,6 +170,10 @@ class Exl3Engine(Engine):
         check_output(request.out_dir, spec, log, request.source_dir)
         shutil.rmtree(work, ignore_errors=True)
 
+    def unit_cores(self, kind: str, device: str) -> int:
+        """exllamav3's conversion keeps about 8 cores busy (GPU.md: two at once on 16 cores, 1.42 x one)."""
+        return 8 if device == "cuda" else super().unit_cores(kind, device)
+
     def load(self, folder: Path, device: str):
         return evaluate.load(folder)
 
@@ -206,7 +210,8 @@ def check_output(out_dir: Path, spec: dict, log: Path, source_dir: Path | None =
     if not (out_dir / "quantization_config.json").is_file():
         raise JobFailed(f"exllamav3 did not finish writing {out_dir} (no quantization_config.json); see {log}")
     if source_dir is not None:
-        config, tensors = sources.layout(str(source_dir))
+        config = read_config(source_dir / "config.json", check_numbers=False)  # staged: links to the source's files
+        tensors = {n: i["shape"] for f in sorted(source_dir.glob("*.safetensors")) for n, i in read_header(f).items()}
         wanted = Params.of(tensors, Shape.of(config)).linear * spec["bpw"] / 8
         got = tensor_bytes(out_dir).get("layers", 0)
         if got < MIN_LAYER_SHARE * wanted:

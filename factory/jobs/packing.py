@@ -1,0 +1,117 @@
+"""Running a job's units several at a time on one machine: a unit starts once the units it needs are done and its
+predicted needs fit beside the running ones (GPU memory, CPU cores, at most `max_units`). One unit always runs,
+whatever its prediction. A unit that runs out of GPU memory beside others runs again alone (an estimate was low;
+that is not a lost attempt).
+
+Units run in threads; the work they start (engine conversions) runs in child processes of those threads, and a
+unit's thread ends only after its child has (child.py's PDEATHSIG belongs to the thread that started it).
+Evaluations run torch in this process: one at a time (`in_process`), so that each one's peak memory is its own.
+With max_units 1 the units run in this thread, in their order: the job runs as it did before packing.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from factory.jobs.graph import Unit
+
+OOM_MARKS = ("CUDA out of memory", "OutOfMemoryError", "out of memory")
+
+
+@dataclass(frozen=True)
+class Need:
+    gpu_bytes: int = 0  # what the unit's process adds on the card at its peak (its CUDA context included)
+    cores: int = 0
+    in_process: bool = False  # torch in the factory's own process (evaluations)
+    alone: bool = False  # runs with nothing beside it (after it ran out of memory beside others)
+
+
+@dataclass(frozen=True)
+class Packer:
+    max_units: int
+    gpu_budget: int | None = None  # bytes units may take on the card; None: no GPU, not a limit
+    cores: int = os.cpu_count() or 1
+
+    def admits(self, need: Need, running: list[Need]) -> bool:
+        if not running:
+            return True
+        if need.alone or any(n.alone for n in running) or len(running) >= self.max_units:
+            return False
+        if need.in_process and any(n.in_process for n in running):
+            return False
+        if self.gpu_budget is not None and sum(n.gpu_bytes for n in running) + need.gpu_bytes > self.gpu_budget:
+            return False
+        return sum(n.cores for n in running) + need.cores <= self.cores
+
+
+def out_of_memory(error: BaseException) -> bool:
+    text = f"{type(error).__name__}: {getattr(error, 'message', None) or error}"
+    return any(mark in text for mark in OOM_MARKS)
+
+
+class Stopped(KeyboardInterrupt):
+    """Raised in a running unit (through its progress) when the job stops: another unit failed, or Ctrl-C."""
+
+
+def run(units: list[Unit], work: Callable[[Unit], None], need: Callable[[Unit], Need], packer: Packer,
+        stop: threading.Event, note: Callable[[str], None] = lambda message: None) -> None:
+    """Run every unit once its `needs` are done. The first failure stops the rest (`stop` is set: their progress
+    raises Stopped) and is raised once they have ended; so is a KeyboardInterrupt of this thread."""
+    if packer.max_units <= 1:
+        for unit in units:  # in dependency order already
+            work(unit)
+        return
+    pending, done = list(units), set()
+    running: dict[str, tuple[Unit, Need, threading.Thread, int]] = {}  # name -> unit, need, thread, others beside
+    ended: queue.Queue[tuple[str, BaseException | None]] = queue.Queue()
+    alone: set[str] = set()
+    failure: BaseException | None = None
+
+    def body(unit: Unit) -> None:
+        try:
+            work(unit)
+        except BaseException as e:  # reported to the loop, which decides
+            ended.put((unit.name, e))
+        else:
+            ended.put((unit.name, None))
+
+    try:
+        while pending or running:
+            if failure is None:
+                for unit in [u for u in pending if u.needs <= done]:
+                    wanted = replace(need(unit), alone=unit.name in alone)
+                    if packer.admits(wanted, [n for _, n, _, _ in running.values()]):
+                        thread = threading.Thread(target=body, args=(unit,), name=unit.name, daemon=True)
+                        running[unit.name] = (unit, wanted, thread, len(running))
+                        pending.remove(unit)
+                        thread.start()
+            if not running:
+                if failure is None and pending:
+                    raise RuntimeError(f"units wait for units that never run: {[u.name for u in pending]}")
+                break
+            try:
+                name, error = ended.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            unit, _, thread, beside = running.pop(name)
+            thread.join()
+            if error is None:
+                done.add(name)
+            elif out_of_memory(error) and beside + len(running) > 0 and name not in alone and failure is None:
+                alone.add(name)
+                pending.insert(0, unit)
+                note(f"{name} ran out of GPU memory beside other units; running it again alone")
+            elif failure is None:
+                failure = error
+                stop.set()
+    except BaseException:
+        stop.set()
+        for _, _, thread, _ in running.values():
+            thread.join()
+        raise
+    if failure is not None:
+        raise failure
