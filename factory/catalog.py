@@ -84,7 +84,7 @@ class Base(DeclarativeBase):
     type_annotation_map = {dict: JSON, list: JSON}
 
 
-SCHEMA_VERSION = 2  # 2: jobs.lease_token
+SCHEMA_VERSION = 3  # 2: jobs.lease_token; 3: steps.lease_token and expected_seconds, jobs.parameters, expected_end
 _SCHEMA_LOCK_KEY = 0x71F4C7  # pg_advisory_lock key for creating the tables
 
 
@@ -127,6 +127,8 @@ class Job(Base):
     lease_until: Mapped[datetime | None] = mapped_column()  # renewed while the job makes progress; None: released
     lease_token: Mapped[int] = mapped_column(Integer, default=0)  # fencing token: +1 every time the job is taken
     attempts: Mapped[int] = mapped_column(Integer, default=0)  # 1 + leases lost (expired): bounds redelivery
+    parameters: Mapped[int | None] = mapped_column(BigInteger)  # the source's, once inspected (for ETAs)
+    expected_end: Mapped[datetime | None] = mapped_column()  # when its running attempt is expected to end
     created_at: Mapped[datetime] = mapped_column(default=now)
     updated_at: Mapped[datetime] = mapped_column(default=now, onupdate=now)
     steps: Mapped[list[Step]] = relationship(order_by="Step.id", back_populates="job")
@@ -144,6 +146,8 @@ class Step(Base):
     ended_at: Mapped[datetime | None] = mapped_column()
     error: Mapped[str | None] = mapped_column(Text)
     peak_gpu_bytes: Mapped[int | None] = mapped_column(BigInteger)  # what the step's tool allocated at most
+    lease_token: Mapped[int | None] = mapped_column(Integer)  # the fencing token of the holder that ran it
+    expected_seconds: Mapped[float | None] = mapped_column(Float)  # what it was expected to take (jobs/eta.py)
     job: Mapped[Job] = relationship(back_populates="steps")
 
     @property
@@ -465,16 +469,25 @@ class Catalog:
             cutoff = now() - timedelta(seconds=older_than)
             return list(s.scalars(select(Job.id).where(Job.state == JobState.queued, Job.updated_at < cutoff)))
 
-    def set_job_specs(self, job_id: str, specs: list[dict], token: int | None = None) -> None:
+    def set_job_specs(self, job_id: str, specs: list[dict], token: int | None = None,
+                      parameters: int | None = None) -> None:
         with self.session() as s:
             self._fence(s, job_id, token)
-            s.get(Job, job_id).specs = specs
+            job = s.get(Job, job_id)
+            job.specs, job.parameters = specs, parameters
+
+    def set_expected_end(self, job_id: str, seconds: float, token: int | None = None) -> None:
+        with self.session() as s:
+            self._fence(s, job_id, token)
+            s.get(Job, job_id).expected_end = now() + timedelta(seconds=seconds)
 
     # steps
-    def start_step(self, job_id: str, name: str, token: int | None = None) -> int:
+    def start_step(self, job_id: str, name: str, token: int | None = None,
+                   expected_seconds: float | None = None) -> int:
         with self.session() as s:
             self._fence(s, job_id, token)
-            step = Step(job_id=job_id, name=name, state=StepState.running)
+            step = Step(job_id=job_id, name=name, state=StepState.running, lease_token=token,
+                        expected_seconds=expected_seconds)
             s.add(step)
             s.flush()
             return step.id
@@ -497,6 +510,16 @@ class Catalog:
         with self.session() as s:
             self._fence(s, job_id, token)
             s.add(Step(job_id=job_id, name=name, state=StepState.skipped, error=reason, ended_at=now()))
+
+    def unit_history(self, family: str, device: str, limit: int = 200) -> list[tuple[str, float, int]]:
+        """(step name, seconds, the job's parameters) of the newest finished steps whose name starts with
+        `family` (jobs/eta.py: `quantize:exl2`), on jobs of this device."""
+        with self.session() as s:
+            rows = s.execute(select(Step.name, Step.started_at, Step.ended_at, Job.parameters).join(Job)
+                             .where(Step.name.startswith(family), Step.state == StepState.succeeded,
+                                    Step.ended_at.is_not(None), Job.parameters.is_not(None), Job.device == device)
+                             .order_by(Step.id.desc()).limit(limit))
+            return [(name, (end - start).total_seconds(), parameters) for name, start, end, parameters in rows]
 
     def recorded_peaks(self, source_identity: str) -> dict[str, int]:
         """The highest GPU memory each step name allocated in the finished steps of any job of this source: what

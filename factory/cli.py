@@ -325,6 +325,10 @@ def submit(source: SourceArg, flags: dict, recipe: RecipeOpt = None,
     job = queue(factory, _request(source, flags, recipe, calibration, eval_set, eval_windows, name, base_model,
                                   device=factory.settings.worker_device, fit=fit, ctx=ctx, kv_cache=kv_cache))
     print(job.id)
+    if (guess := factory.estimate(job)) is not None:
+        packed, alone = guess
+        err.print(f"expected to take about {tables.duration(packed)} on a worker (units packed; "
+                  f"{tables.duration(alone)} one after another)", markup=False, highlight=False)
 
 
 @app.command("ls")
@@ -453,6 +457,12 @@ def status(
         out.print(tables.jobs(rows, out.width))
     else:
         out.print(tables.steps(rows[0], out.width))
+        if rows[0].get("eta_seconds") is not None:
+            left = rows[0]["eta_seconds"]
+            when = (f"about {tables.duration(left)} from now" if left >= 0
+                    else f"{tables.duration(-left)} later than expected")
+            out.print(f"expected to end at {rows[0]['expected_end'].replace('T', ' ')} UTC ({when})",
+                      markup=False, highlight=False)
         if rows[0]["holder"]:
             from factory.leases import describe_holder
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import calibration
-from factory import engines, evaluate, files, identity, naming, sources
+from factory import engines, evaluate, files, identity, naming, sources, tables
 from factory.catalog import Catalog, Job, JobState, Lease, Quant, StepState
 from factory.engines import Engine, QuantSpec
 from factory.errors import (
@@ -41,7 +41,7 @@ from factory.errors import (
 )
 from factory.identity import job_key, measurement_key
 from factory.inspect import ModelInfo, inspect
-from factory.jobs import graph, packing
+from factory.jobs import eta, graph, packing
 from factory.jobs.graph import Unit
 from factory.jobs.packing import Need, Packer
 from factory.publish import card, hub, upstream
@@ -78,8 +78,20 @@ class _Prepared:
     calibration_file: Path  # the calibration text as parquet, for engines that tokenize it themselves
     stream: evaluate.Stream
     upstream: upstream.Upstream  # what the card says about the base model
+    model: Sized
+
+
+@dataclass(frozen=True)
+class Sized:
+    """What the source's shape says about the cost of its units (memory, seconds)."""
+
     shape: Shape
     params: Params
+    window_length: int  # of the eval windows
+
+    @property
+    def parameters(self) -> int:
+        return self.params.embed + self.params.head + self.params.linear + self.params.other
 
 
 @dataclass
@@ -94,10 +106,6 @@ class _Made:
     refused: dict[str, QualityGateRefused] = field(default_factory=dict)
 
 
-def _groups(spec: QuantSpec) -> list[str]:
-    return list(dict.fromkeys(e.group for e in engines.get(spec.method).evaluations(spec)))
-
-
 class Factory:
     def __init__(self, settings: Settings, emit: Emit = lambda event: None):
         self.settings = settings
@@ -107,6 +115,7 @@ class Factory:
         self.token: int | None = None  # the fencing token of the lease `execute` runs under, if any
         self.max_units = settings.max_units  # None: as many units at once as fit
         self._stop = threading.Event()  # set: the running units stop at their next progress event
+        self._expected_seconds: dict[str, float] = {}  # unit -> seconds, for its step
 
     # submit ---------------------------------------------------------------------------------------------
     def submit(self, request: Request) -> tuple[Job, bool]:
@@ -213,8 +222,10 @@ class Factory:
             units = graph.units(prepared.specs, keys, publish, bool(self.settings.hub_owner))
             made = _Made()
             self._stop.clear()
+            packer = self._packer(job)
+            self._expect(job, prepared.model, units, packer)
             packing.run(units, lambda unit: self._unit(job, prepared, unit, made),
-                        lambda unit: self._need(job, prepared, unit), self._packer(job), self._stop,
+                        lambda unit: self._need(job, prepared.model, unit), packer, self._stop,
                         lambda message: self.emit({"event": "note", "message": message}))
             if not publish:
                 handed = self.catalog.transition(job_id, JobState.queued, self.token,
@@ -271,26 +282,67 @@ class Factory:
             made.refused = self._gate(job, made.ppls, made.fp16)
         elif unit.kind == "publish" and spec.tag not in made.refused:
             self._publish(job, prepared, spec, made.outputs[spec.tag], made.ppls[spec.tag], made.fp16,
-                          {g: made.extra.get(spec.tag, {}).get(g, {}) for g in _groups(spec)})
+                          made.extra.get(spec.tag, {}))
         elif unit.kind == "push" and spec.tag not in made.refused:
             self._push(job, prepared, spec)
 
-    def _need(self, job: Job, prepared: _Prepared, unit: Unit) -> Need:
+    def _expected(self, job: Job, model: Sized, unit: Unit) -> float:
+        """A unit's expected seconds (jobs/eta.py): history of its family near this size, else an estimate."""
+        if unit.kind in ("measure", "quantize"):
+            engine = engines.get(unit.spec.method)
+            guess = engine.unit_seconds(unit.kind, model.parameters, job.device,
+                                        engine.unit_cores(unit.kind, job.device))
+        else:
+            guess = eta.other_seconds(unit.kind, model.parameters, job.eval_windows * model.window_length,
+                                      job.device, os.cpu_count() or 1)
+        family = eta.family(unit.name)
+        past = [eta.Past(seconds, parameters) for name, seconds, parameters
+                in self.catalog.unit_history(family, job.device) if eta.family(name) == family]
+        return eta.expected(past, model.parameters, guess)[0]
+
+    def _expect(self, job: Job, model: Sized, units: list[Unit], packer: Packer) -> None:
+        """Each unit's expected seconds (its step records them) and when the job should end (the catalog keeps
+        it for `qf status`)."""
+        done = self.catalog.done_steps(job.id)
+        self._expected_seconds = {u.name: self._expected(job, model, u) for u in units}
+        left = {name: 0.0 if name in done else s for name, s in self._expected_seconds.items()}
+        wall = eta.wall_seconds(units, left, lambda unit: self._need(job, model, unit), packer)
+        self.catalog.set_expected_end(job.id, wall, self.token)
+        self.emit({"event": "note", "message": f"{len(units)} units, expected to take {tables.duration(wall)} "
+                   f"(up to {packer.max_units} at once)"})
+
+    def estimate(self, job: Job) -> tuple[float, float] | None:
+        """(packed, one after another) expected seconds of a job that was just submitted, from its source's shape
+        (config and headers only); None where the shape cannot be read here (a Hub repo without the network)."""
+        try:
+            config, tensors = sources.layout(job.source)
+        except FactoryError:
+            return None
+        shape = Shape.of(config)
+        model = Sized(shape, Params.of(tensors, shape), min(evaluate.WINDOW, shape.max_positions))
+        specs = _specs(job.specs)
+        keys = {s.tag: self._measurement_key(job, s) for s in specs if engines.get(s.method).needs_measurement}
+        units = graph.units(specs, keys, True, bool(self.settings.hub_owner))
+        seconds = {u.name: self._expected(job, model, u) for u in units}
+        packed = Packer(self.max_units or AUTOMATIC_MAX_UNITS, None, AUTOMATIC_MAX_UNITS * 2)
+        need = lambda unit: self._need(job, model, unit)  # noqa: E731
+        return eta.wall_seconds(units, seconds, need, packed), eta.wall_seconds(units, seconds, need, Packer(1))
+
+    def _need(self, job: Job, model: Sized, unit: Unit) -> Need:
         """What a unit is predicted to take: from the catalog's peaks of earlier units of the same source (the
         same unit, else one of the same kind and engine), else its engine's estimate from the model's shape."""
         if unit.kind in ("gate", "publish", "push"):
             return Need(in_process=True)  # quick, and one at a time: each card lists the quants published before
         cuda = job.device == "cuda"
         if unit.kind == "evaluate":  # the model in torch in this process, and a window's logits
-            gpu = 2 * (prepared.params.embed + prepared.params.head + prepared.params.linear + prepared.params.other)
-            gpu += 2 * prepared.stream.window_length * prepared.shape.vocab * 4
+            gpu = 2 * model.parameters + 2 * model.window_length * model.shape.vocab * 4
             return Need(gpu if cuda else 0, 1 if cuda else os.cpu_count() or 1, in_process=True)
         engine = engines.get(unit.spec.method)
         peaks = self.catalog.recorded_peaks(job.source_identity)
         family = "measure:" if unit.kind == "measure" else f"quantize:{unit.spec.tag.split('-')[0]}-"
         seen = peaks.get(unit.name) or max((p for n, p in peaks.items() if n.startswith(family)), default=None)
-        peak = int(seen * HISTORY_MARGIN) if seen else engine.unit_gpu_bytes(unit.kind, unit.spec, prepared.shape,
-                                                                               prepared.params)
+        peak = int(seen * HISTORY_MARGIN) if seen else engine.unit_gpu_bytes(unit.kind, unit.spec, model.shape,
+                                                                               model.params)
         cores = engine.unit_cores(unit.kind, job.device)
         if self.max_units:  # asked for: the cores are shared among them
             cores = min(cores, max(1, (os.cpu_count() or 1) // self.max_units))
@@ -310,8 +362,10 @@ class Factory:
         """Record one attempt at a step; yields `progress(**fields)`, which forwards progress events and keeps
         the highest `peak_gpu_bytes` any of them reports."""
         self._check_ours(job_id)
-        self.emit({"event": "step", "step": name, "state": StepState.running})
-        step_id = self.catalog.start_step(job_id, name, self.token)
+        expected = self._expected_seconds.get(name)
+        self.emit({"event": "step", "step": name, "state": StepState.running,
+                   **({"expected_seconds": round(expected, 1)} if expected is not None else {})})
+        step_id = self.catalog.start_step(job_id, name, self.token, expected)
         start = time.monotonic()
         peak: list[int] = []
         checked = [start]
@@ -369,7 +423,11 @@ class Factory:
             cal = _text(job.calibration, job.calibration_sha)
             cal_ids = evaluate.tokenize(folder, cal.text)
             specs = [engines.get(s.method).fit_calibration(s, len(cal_ids)) for s in specs]
-            self.catalog.set_job_specs(job.id, [s.model_dump() for s in specs], self.token)
+            config, tensors = sources.layout(str(source_folder))  # the staging folder is links: read the source
+            shape = Shape.of(config)
+            params = Params.of(tensors, shape)
+            self.catalog.set_job_specs(job.id, [s.model_dump() for s in specs], self.token,
+                                       parameters=Sized(shape, params, 0).parameters)
             windows = {}
             for s in specs:
                 engine = engines.get(s.method)
@@ -386,10 +444,8 @@ class Factory:
                 self.emit({"event": "note", "message": f"{s.tag}: calibration {used}; eval {job.eval} "
                            f"{job.eval_windows} x {stream.window_length} tokens on {job.device}"})
         up = upstream.read(job.base_model, files.upstream_card(source_folder), folder)
-        config, tensors = sources.layout(str(source_folder))  # the staging folder is links: read the source
-        shape = Shape.of(config)
         return _Prepared(folder=folder, specs=specs, calibration=windows, calibration_file=cal_file, stream=stream,
-                         upstream=up, shape=shape, params=Params.of(tensors, shape))
+                         upstream=up, model=Sized(shape, params, stream.window_length))
 
     def _quantized(self, job: Job, spec: QuantSpec) -> Path | None:
         """The quant an earlier attempt of this job made, if its step finished and its folder is there."""

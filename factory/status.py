@@ -15,8 +15,8 @@ from factory.errors import ServiceUnavailable, database_error, mask_url
 from factory.settings import POSTGRES_URL, database_kind
 
 _JOBS = ("SELECT id, name, state, error, exit_code, source, source_identity, specs, created_at, worker, lease_until, "
-         "attempts FROM jobs")
-_STEPS = "SELECT job_id, name, state, started_at, ended_at, error, peak_gpu_bytes FROM steps"
+         "attempts, expected_end FROM jobs")
+_STEPS = "SELECT job_id, name, state, started_at, ended_at, error, peak_gpu_bytes, expected_seconds FROM steps"
 
 
 def job_rows(url: str, job_id: str | None = None, name: str | None = None, limit: int = 20) -> list[dict]:
@@ -37,18 +37,27 @@ def job_rows(url: str, job_id: str | None = None, name: str | None = None, limit
     finally:
         conn.close()
     by_job: dict[str, list[dict]] = {i: [] for i in ids}
-    for job, step, state, started, ended, error, peak in steps:
+    for job, step, state, started, ended, error, peak, expected in steps:
         seconds = (_time(ended) - _time(started)).total_seconds() if ended else None
         by_job[job].append({"name": step, "state": state, "started_at": _time(started).isoformat(), "seconds": seconds,
-                            "error": error, "peak_gpu_bytes": peak})
+                            "expected_seconds": expected, "error": error, "peak_gpu_bytes": peak})
     now = datetime.now(UTC).replace(tzinfo=None)  # the catalog's clock: naive UTC
     return [
         {"id": i, "name": n, "state": s, "error": e, "exit_code": code, "source": src, "source_identity": ident,
          "specs": json.loads(specs) if isinstance(specs, str) else specs,
          "created_at": _time(created).isoformat(timespec="seconds"), "steps": by_job[i],
-         "holder": worker if until is not None and _time(until) > now else None, "attempts": attempts}
-        for i, n, s, e, code, src, ident, specs, created, worker, until, attempts in jobs
+         "holder": worker if until is not None and _time(until) > now else None, "attempts": attempts,
+         **_eta(s, end, now)}
+        for i, n, s, e, code, src, ident, specs, created, worker, until, attempts, end in jobs
     ]
+
+
+def _eta(state: str, end, now: datetime) -> dict:
+    """A running job's expected end (naive UTC, ISO) and the seconds left until then (negative: overdue)."""
+    if state != "running" or end is None:
+        return {"expected_end": None, "eta_seconds": None}
+    end = _time(end)
+    return {"expected_end": end.isoformat(timespec="seconds"), "eta_seconds": round((end - now).total_seconds())}
 
 
 def _connect(url: str):

@@ -58,6 +58,15 @@ def size(n: float) -> str:
     return f"{n:.2f} GiB"
 
 
+def duration(seconds: float) -> str:
+    """12 s, 4 min, 1.5 h."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
 def quants(rows: list[dict], width: int, title: str | None = None) -> Table:
     return layout([
         Col("NAME:TAG", [f"{r['name']}@{r['rev']}" for r in rows]),
@@ -98,6 +107,8 @@ def steps(row: dict, width: int) -> Table:
         Col("STEP", [x["name"] for x in s]),
         Col("STATE", [x["state"] for x in s]),
         Col("SECONDS", ["" if x["seconds"] is None else f"{x['seconds']:.1f}" for x in s], right=True),
+        Col("EXPECTED", ["" if x.get("expected_seconds") is None else f"{x['expected_seconds']:.0f}" for x in s],
+            priority=2, right=True),
         Col("PEAK GPU", [size(x["peak_gpu_bytes"]) if x.get("peak_gpu_bytes") else "" for x in s], priority=2,
             right=True),
         Col("ERROR", [x["error"] or "" for x in s], priority=1, flex=True),

@@ -4,6 +4,7 @@ whose conversions run at the same time."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from datetime import datetime
@@ -168,3 +169,28 @@ def test_qf_run_packs_conversions_of_a_real_engine(qf, tiny, tmp_path, round_eng
     spans = _spans(qf, rows[0]["job"])
     (a0, a1), (b0, b1) = spans["quantize:round-m3"], spans["quantize:round-m5"]
     assert (a0 < b1 and b0 < a1) is together
+
+
+def test_units_record_what_was_expected_and_a_later_job_learns_from_an_earlier_one(qf, tiny, tmp_path, round_engine,
+                                                                                    monkeypatch):
+    from factory import settings
+    from factory.pipeline import Factory
+
+    for mantissa in (3, 5):
+        recipe = tmp_path / f"m{mantissa}.yaml"
+        recipe.write_text(f"round: {{mantissa: [{mantissa}]}}\n")
+        result = qf("run", tiny, "--recipe", recipe, "--eval-windows", 2, "--json")
+        assert result.exit_code == 0, result.output
+        notes = [e["message"] for e in map(json.loads, result.stdout.splitlines()) if e["event"] == "note"]
+        assert any("units, expected to take" in n for n in notes), notes
+    first, second = sorted(qf.json("ls"), key=lambda r: r["bits"])
+    done = {s["name"]: s for s in qf.json("status", first["job"])["steps"]}
+    later = {s["name"]: s for s in qf.json("status", second["job"])["steps"]}
+    assert all(s["expected_seconds"] is not None for name, s in later.items() if name != "inspect")
+    # the same engine on the same model: the second job expects what the first one's conversion took
+    assert abs(later["quantize:round-m5"]["expected_seconds"] - done["quantize:round-m3"]["seconds"]) < 0.01
+    monkeypatch.setenv("FACTORY_HOME", str(qf.home))
+    monkeypatch.setenv("FACTORY_DB_URL", qf.db_url)
+    factory = Factory(settings.load())
+    packed, alone = factory.estimate(factory.catalog.job(second["job"]))  # what `qf submit` prints
+    assert 0 < packed <= alone

@@ -245,6 +245,19 @@ class Engine:
         largest = max(params.linear // max(shape.layers, 1), params.head)
         return int(states + 3 * largest * 2)
 
+    # (fixed seconds, seconds per billion parameters) of one measure or quantize unit on an H200 (GPU.md);
+    # on a CPU, core-seconds per billion parameters
+    UNIT_SECONDS: ClassVar[dict[str, tuple[float, float]]] = {"quantize": (60.0, 100.0)}
+    CPU_CORE_SECONDS_PER_B: ClassVar[float] = 4400.0  # AWQ on 2 cores: SmolLM2-135M in 296 s
+
+    def unit_seconds(self, kind: str, parameters: int, device: str, cores: int) -> float:
+        """First-principles seconds of a measure or quantize unit, before the catalog has seen one near this size."""
+        billions = parameters / 1e9
+        if device != "cuda":
+            return 10.0 + self.CPU_CORE_SECONDS_PER_B * billions / max(cores, 1)
+        fixed, per_b = self.UNIT_SECONDS.get(kind, self.UNIT_SECONDS["quantize"])
+        return fixed + per_b * billions
+
     def unit_cores(self, kind: str, device: str) -> int:
         """CPU cores a unit of this engine keeps busy: on a GPU its child feeds the card from about one; on the CPU
         torch takes them all."""

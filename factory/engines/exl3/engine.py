@@ -112,6 +112,7 @@ class Exl3Engine(Engine):
     tag_example = "exl3-4.0bpw"
     architectures = ARCHITECTURES
     requires_cuda = True
+    UNIT_SECONDS = {"quantize": (70.0, 80.0)}  # H200: 156 s at 1.1B, 90-93 s at Gemma-3-270M (its 262k-word head)
     default_calibration = "builtin:mix"  # no wiki: that is the default eval text
     outputs = ("model*.safetensors", "model.safetensors.index.json", "quantization_config.json")
     evaluator = "exllamav3"

@@ -1,0 +1,83 @@
+"""How long a unit is expected to take, and so a job: the catalog's history of units of the same family (kind and
+engine: `quantize:exl2`, `measure`, `evaluate:fp16`, ...) on the same kind of device for models in the same size
+bucket (within a factor of BUCKET in parameters), scaled by parameters; without such history, the engine's estimate
+from first principles (Engine.unit_seconds). Every step records what was expected of it, so `qf status` shows how
+good the guess was."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from factory.jobs.graph import Unit
+from factory.jobs.packing import Need, Packer
+
+BUCKET = 2.0
+
+
+@dataclass(frozen=True)
+class Past:
+    """One finished step of the same family: its seconds and its job's parameters."""
+
+    seconds: float
+    parameters: int
+
+
+def family(name: str) -> str:
+    """A step's family from its name: quantize:exl2-4.0bpw -> quantize:exl2, evaluate:exl2-4.0bpw:kv ->
+    evaluate:exl2:kv, measure:1a2b3c4d5e6f -> measure, publish:awq-w4g128 -> publish."""
+    kind, _, rest = name.partition(":")
+    if kind in ("quantize", "evaluate") and rest and rest != "fp16":
+        tag, _, group = rest.partition(":")
+        return ":".join([kind, tag.split("-")[0], *([group] if group else [])])
+    return name if name == "evaluate:fp16" else kind
+
+
+def from_history(past: list[Past], parameters: int) -> float | None:
+    """The median of the same family's seconds in the size bucket, each scaled to `parameters`."""
+    near = [p for p in past if p.parameters and 1 / BUCKET <= parameters / p.parameters <= BUCKET]
+    if not near:
+        return None
+    return statistics.median(p.seconds * parameters / p.parameters for p in near)
+
+
+def expected(past: list[Past], parameters: int, first_principles: float) -> tuple[float, str]:
+    """(seconds, basis): basis `history (N units)` or `estimate`."""
+    seconds = from_history(past, parameters)
+    if seconds is None:
+        return first_principles, "estimate"
+    near = sum(1 for p in past if p.parameters and 1 / BUCKET <= parameters / p.parameters <= BUCKET)
+    return seconds, f"history ({near} unit{'s' if near != 1 else ''})"
+
+
+def wall_seconds(units: list[Unit], seconds: dict[str, float], need: Callable[[Unit], Need], packer: Packer) -> float:
+    """How long the units take when packed by `packer` with those durations: packing.run's rule, simulated."""
+    clock, pending, done = 0.0, list(units), set()
+    running: list[tuple[float, str, Need]] = []  # (ends at, unit, its need)
+    while pending or running:
+        for unit in [u for u in pending if u.needs <= done]:
+            wanted = need(unit)
+            if packer.admits(wanted, [n for _, _, n in running]):
+                running.append((clock + seconds.get(unit.name, 0.0), unit.name, wanted))
+                pending.remove(unit)
+        if not running:
+            break  # units that wait for units that never run: packing.run says so
+        running.sort(key=lambda r: r[0])
+        clock, name, _ = running.pop(0)
+        done.add(name)
+    return clock
+
+
+# the units no engine runs: gate, publish and push are quick; an evaluation is a forward pass over the windows
+OTHER_SECONDS = {"gate": 1.0, "publish": 2.0, "push": 30.0}
+GPU_FLOPS, CPU_FLOPS_PER_CORE = 2e13, 2.5e10  # what a small model's forward pass reaches, fp16 on an H200 / fp32
+
+
+def other_seconds(kind: str, parameters: int, tokens: int, device: str, cores: int) -> float:
+    """First-principles seconds of a unit no engine runs (an evaluation: 2 x parameters FLOPs a token, a load)."""
+    if kind != "evaluate":
+        return OTHER_SECONDS.get(kind, 5.0)
+    flops = 2.0 * parameters * tokens
+    return 10.0 + flops / GPU_FLOPS if device == "cuda" else 5.0 + flops / (CPU_FLOPS_PER_CORE * max(cores, 1))
+

@@ -1,0 +1,43 @@
+"""Expected seconds of units and jobs (factory/jobs/eta.py): families of step names, history in a size bucket
+scaled by parameters, the first-principles fallback, and a job's wall time under packing."""
+
+from __future__ import annotations
+
+from factory.jobs import eta
+from factory.jobs.eta import Past
+from factory.jobs.graph import Unit
+from factory.jobs.packing import Need, Packer
+
+
+def test_families_of_step_names():
+    assert eta.family("quantize:exl2-4.0bpw") == "quantize:exl2"
+    assert eta.family("quantize:awq-w4g128") == "quantize:awq"
+    assert eta.family("evaluate:exl2-4.0bpw:kv") == "evaluate:exl2:kv"
+    assert eta.family("evaluate:exl3-4.0bpw") == "evaluate:exl3"
+    assert eta.family("evaluate:fp16") == "evaluate:fp16"
+    assert eta.family("measure:1a2b3c4d5e6f") == "measure"
+    assert eta.family("publish:awq-w4g128") == "publish"
+    assert eta.family("gate") == "gate"
+
+
+def test_history_in_the_size_bucket_scaled_by_parameters_else_the_estimate():
+    past = [Past(100.0, 1_000_000_000), Past(120.0, 1_200_000_000), Past(30.0, 135_000_000)]
+    seconds, basis = eta.expected(past, 1_100_000_000, first_principles=999.0)
+    assert basis == "history (2 units)" and abs(seconds - 110.0) < 1e-9  # both scale to 110 s at 1.1B
+    assert eta.expected(past, 8_000_000_000, first_principles=999.0) == (999.0, "estimate")  # nothing near 8B
+    assert eta.expected([], 1_000, first_principles=5.0) == (5.0, "estimate")
+
+
+def test_a_jobs_wall_time_follows_the_packing_rule():
+    units = [Unit("quantize:a", "quantize"), Unit("quantize:b", "quantize"),
+             Unit("evaluate:a", "evaluate", frozenset({"quantize:a"})),
+             Unit("evaluate:b", "evaluate", frozenset({"quantize:b"})),
+             Unit("gate", "gate", frozenset({"evaluate:a", "evaluate:b"}))]
+    seconds = {"quantize:a": 100.0, "quantize:b": 100.0, "evaluate:a": 10.0, "evaluate:b": 10.0, "gate": 1.0}
+
+    def need(unit: Unit) -> Need:
+        return Need(gpu_bytes=4, cores=1) if unit.kind == "quantize" else Need(in_process=True)
+
+    assert eta.wall_seconds(units, seconds, need, Packer(1, None, 8)) == 221.0  # one after another
+    assert eta.wall_seconds(units, seconds, need, Packer(4, None, 8)) == 121.0  # both passes at once
+    assert eta.wall_seconds(units, seconds, need, Packer(4, 6, 8)) == 211.0  # memory for one pass at a time
