@@ -33,6 +33,7 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
     create_engine,
+    delete,
     func,
     inspect,
     select,
@@ -92,6 +93,17 @@ class Meta(Base):
     __tablename__ = "meta"
     key: Mapped[str] = mapped_column(String(32), primary_key=True)
     value: Mapped[str] = mapped_column(Text)
+
+
+class Claim(Base):
+    """A unit of work that serves many jobs (a measurement: `measure:<key>`), held by the job making it while its
+    claim is renewed; another job that needs it waits, and takes it over once the claim runs out."""
+
+    __tablename__ = "claims"
+    key: Mapped[str] = mapped_column(String(96), primary_key=True)
+    job_id: Mapped[str] = mapped_column(String(32))
+    until: Mapped[datetime] = mapped_column()
+    token: Mapped[int] = mapped_column(Integer, default=1)  # +1 every time it changes hands
 
 
 class Model(Base):
@@ -623,6 +635,41 @@ class Catalog:
                 s.add(Measurement(**fields))
         except IntegrityError:
             pass
+
+    # claims of units that serve many jobs
+    def claim(self, key: str, job_id: str, seconds: float) -> int | None:
+        """Hold `key` for `job_id` (its token), or None while another job's claim is valid."""
+        for _ in range(2):  # a concurrent first claim wins the insert; look again once
+            try:
+                with self.session() as s:
+                    held = s.get(Claim, key, with_for_update=True)
+                    until = now() + timedelta(seconds=seconds)
+                    if held is None:
+                        s.add(Claim(key=key, job_id=job_id, until=until, token=1))
+                        return 1
+                    if held.until > now() and held.job_id != job_id:
+                        return None
+                    held.job_id, held.until, held.token = job_id, until, held.token + 1
+                    return held.token
+            except IntegrityError:
+                continue
+        return None
+
+    def renew_claim(self, key: str, token: int, seconds: float) -> bool:
+        with self.session() as s:
+            renewed = s.execute(update(Claim).where(Claim.key == key, Claim.token == token)
+                                .values(until=now() + timedelta(seconds=seconds)))
+            return renewed.rowcount == 1
+
+    def release_claim(self, key: str, token: int) -> None:
+        with self.session() as s:
+            s.execute(delete(Claim).where(Claim.key == key, Claim.token == token))
+
+    def claimant(self, key: str) -> str | None:
+        """The job whose valid claim holds `key`, if any."""
+        with self.session() as s:
+            held = s.get(Claim, key)
+            return held.job_id if held is not None and held.until > now() else None
 
     # evaluations
     def add_evaluation(self, token: int | None = None, **fields: object) -> None:

@@ -688,8 +688,9 @@ def plan(
     shape, params = memory.source_shape(source)
     plans = {e.name: p for e in engines.all_engines()
              if (p := e.memory_plan(shape, params, budget, ctx, kv_cache, gpus)) is not None}
+    times = _conversion_times(list(plans), params.embed + params.head + params.linear + params.other)
     if as_json:
-        print(json.dumps({name: p.data for name, p in plans.items()}, indent=2))
+        print(json.dumps({name: {**p.data, "expected_seconds": times[name]} for name, p in plans.items()}, indent=2))
         return
     for plan_ in sorted(plans.values(), key=lambda p: not p.rows):  # tables first
         if plan_.rows:
@@ -701,6 +702,33 @@ def plan(
             out.print(table)
         for line in plan_.lines:
             out.print(line)
+    for name, kinds in times.items():
+        parts = [f"{'the measurement' if kind == 'measure' else 'each size'} about "
+                 f"{tables.duration(t['seconds'])} ({t['basis']})" for kind, t in kinds.items()]
+        out.print(f"converting with {engines.get(name).label} on a GPU: {', then '.join(parts)}",
+                  markup=False, highlight=False)
+
+
+def _conversion_times(names: list[str], parameters: int) -> dict[str, dict]:
+    """Expected seconds of each engine's conversion units for `qf plan`: the catalog's history where it can be
+    read, else the engines' estimates."""
+    from factory.jobs import eta
+
+    url = settings.load().db_url
+    catalog = None
+    if settings.database_kind(url) != "sqlite" or Path(url.removeprefix("sqlite:///")).is_file():  # none: none made
+        try:
+            catalog = _catalog()
+        except FactoryError:
+            pass  # the engines' estimates
+
+    def history(family: str) -> list:
+        if catalog is None:
+            return []
+        return [eta.Past(seconds, params) for name, seconds, params in catalog.unit_history(family, "cuda")
+                if eta.family(name) == family]
+
+    return {name: eta.conversion(engines.get(name), parameters, history) for name in names}
 
 
 watch_app = typer.Typer(help="The watchlist: upstream repos re-quantized when they get a new commit.",

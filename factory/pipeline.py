@@ -54,6 +54,7 @@ Emit = Callable[[dict], None]
 CANCEL_CHECK_SECONDS = 1.0  # how often a running step looks whether its job was cancelled or taken over
 AUTOMATIC_MAX_UNITS = 8  # on a GPU without --max-units: beyond 8 EXL2 passes an H200's SMs are busy (GPU.md)
 HISTORY_MARGIN = 1.1  # over the highest peak the catalog recorded for a unit of the same source
+MEASUREMENT_WAIT_SECONDS = 2.0  # how often a job that waits for another job's measurement looks again
 log = logging.getLogger("quantfactory")
 INTERRUPTED = "interrupted (Ctrl-C or SIGTERM); run the same command again to continue from the finished steps"
 
@@ -316,11 +317,15 @@ class Factory:
         (config and headers only); None where the shape cannot be read here (a Hub repo without the network)."""
         try:
             config, tensors = sources.layout(job.source)
-        except FactoryError:
+            specs = _specs(job.specs)
+            if Path(job.source).is_dir():  # the specs' defaults that depend on the model (AWQ's group size)
+                info = inspect(Path(job.source), _architectures(specs))
+                specs = [_resolve(s, info, job.device) for s in specs]
+            [s.tag for s in specs]  # noqa: B018  - a Hub repo's AWQ spec has no tag before it is fetched
+        except (FactoryError, ValueError):
             return None
         shape = Shape.of(config)
         model = Sized(shape, Params.of(tensors, shape), min(evaluate.WINDOW, shape.max_positions))
-        specs = _specs(job.specs)
         keys = {s.tag: self._measurement_key(job, s) for s in specs if engines.get(s.method).needs_measurement}
         units = graph.units(specs, keys, True, bool(self.settings.hub_owner))
         seconds = {u.name: self._expected(job, model, u) for u in units}
@@ -479,38 +484,82 @@ class Factory:
         return measurement_key(job.source_identity, job.calibration_sha, rows, length, engine.version())
 
     def _measurement(self, job: Job, prepared: _Prepared, spec: QuantSpec, key: str) -> Path:
-        """The measurement for this source, calibration and settings: made once, reused by every later target."""
+        """The measurement for this source, calibration and settings: made once across every job and worker, and
+        reused by every later target. The job that makes it holds the claim `measure:<key>` while it does (renewed
+        in the background); another job that needs it meanwhile waits for it (a `wait:measure:...` step), and
+        makes it itself if the claim runs out first (its maker is gone)."""
         engine = engines.get(spec.method)
         rows, length = engine.measurement_settings(spec)
-        known = self.catalog.measurement(key)
-        if known is not None and Path(known.path).is_file():
-            self.emit({"event": "note", "message": f"reusing {engine.label} measurement {key[:12]} ({rows} x {length} "
-                       "tokens)"})
-            return Path(known.path)
+        name, claim = f"measure:{key[:12]}", f"measure:{key}"
+        while True:
+            if (known := self._known_measurement(key)) is not None:
+                self.emit({"event": "note", "message": f"reusing {engine.label} measurement {key[:12]} ({rows} x "
+                           f"{length} tokens)"})
+                return known
+            if (token := self.catalog.claim(claim, job.id, self.settings.lease_seconds)) is not None:
+                if self._known_measurement(key) is None:  # not finished while we took the claim
+                    break
+                self.catalog.release_claim(claim, token)
+                continue
+            self._wait_for_measurement(job, claim, name, key)
         path = self.settings.measurements / f"{key}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        with self._step(job.id, f"measure:{key[:12]}") as progress:
-            engine.measure(
-                prepared.folder,
-                prepared.calibration_file,
-                rows,
-                length,
-                self.settings.work / job.id / f"measure-{key[:12]}",
-                path,
-                lambda event: progress(**_progress(event)),
-            )
-            self.catalog.add_measurement(
-                job.id,
-                self.token,
-                key=key,
-                path=str(path),
-                source_identity=job.source_identity,
-                calibration_sha=job.calibration_sha,
-                rows=rows,
-                length=length,
-                tool_version=engine.version(),
-            )
+        try:
+            with self._renewed(claim, token), self._step(job.id, name) as progress:
+                engine.measure(
+                    prepared.folder,
+                    prepared.calibration_file,
+                    rows,
+                    length,
+                    self.settings.work / job.id / f"measure-{key[:12]}",
+                    path,
+                    lambda event: progress(**_progress(event)),
+                )
+                self.catalog.add_measurement(
+                    job.id,
+                    self.token,
+                    key=key,
+                    path=str(path),
+                    source_identity=job.source_identity,
+                    calibration_sha=job.calibration_sha,
+                    rows=rows,
+                    length=length,
+                    tool_version=engine.version(),
+                )
+        finally:
+            self.catalog.release_claim(claim, token)
         return path
+
+    def _known_measurement(self, key: str) -> Path | None:
+        known = self.catalog.measurement(key)
+        return Path(known.path) if known is not None and Path(known.path).is_file() else None
+
+    def _wait_for_measurement(self, job: Job, claim: str, name: str, key: str) -> None:
+        """Until the measurement exists or nobody holds its claim any more."""
+        maker = self.catalog.claimant(claim)
+        self.emit({"event": "note", "message": f"{name}: job {maker} is making this measurement; waiting for it"})
+        with self._step(job.id, f"wait:{name}") as progress:
+            while self._known_measurement(key) is None and (maker := self.catalog.claimant(claim)) is not None:
+                progress(waiting_for=maker)  # an event: this job is alive while it waits
+                time.sleep(MEASUREMENT_WAIT_SECONDS)
+
+    @contextmanager
+    def _renewed(self, claim: str, token: int):
+        """Renew the claim every third of its life while the block runs (a thread: an engine can be silent)."""
+        done = threading.Event()
+
+        def renew() -> None:
+            while not done.wait(self.settings.lease_seconds / 3):
+                if not self.catalog.renew_claim(claim, token, self.settings.lease_seconds):
+                    return  # taken over after we were stopped past it: a second measurement is harmless
+
+        thread = threading.Thread(target=renew, name=f"renew {claim[:20]}", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
 
     def _evaluate_fp16(self, job: Job, prepared: _Prepared) -> float:
         key = (job.source_identity, job.eval_sha, job.eval_windows, prepared.stream.window_length, job.device)

@@ -9,7 +9,9 @@ quantization_config is set aside. Tags: `round-m<N>`; recipe key `round: {mantis
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import time
 from pathlib import Path
 from typing import Literal
 
@@ -81,9 +83,63 @@ class RoundEngine(Engine):
 ENGINE = RoundEngine()
 
 
+class MeasuredSpec(RoundSpec):
+    method: Literal["mround"] = "mround"  # type: ignore[assignment]
+
+    @property
+    def tag(self) -> str:
+        return f"mround-m{self.mantissa}"
+
+
+class MeasuredTargets(RoundTargets):
+    def specs(self) -> list[MeasuredSpec]:
+        return [MeasuredSpec(mantissa=m) for m in sorted(set(self.mantissa))]
+
+
+class MeasuredRoundEngine(RoundEngine):
+    """The round engine with a measurement, as EXL2 has, that every size of a model shares: it takes
+    $QF_TEST_MEASURE_SECONDS (4; a child that reports progress), and the conversion needs its file."""
+
+    name = "mround"
+    label = "MROUND"
+    spec = MeasuredSpec
+    targets = MeasuredTargets
+    tag_pattern = r"mround-m\d+"
+    tag_example = "mround-m3"
+    hub_repo = "{owner}/{model}-mround"
+    needs_measurement = True
+
+    @property
+    def measure_seconds(self) -> float:
+        return float(os.environ.get("QF_TEST_MEASURE_SECONDS", "4"))
+
+    def measurement_settings(self, spec) -> tuple[int, int]:
+        return 2, 16
+
+    def measure(self, source_dir: Path, calibration_file: Path, rows: int, length: int, work_dir: Path,
+                measurement: Path, emit) -> None:
+        payload = {"measure": str(measurement), "seconds": self.measure_seconds}
+        child.run(__name__, payload, work_dir, emit, what="measuring")
+
+    def quantize(self, request: QuantizeRequest, emit) -> None:
+        if request.measurement is None or "measurement" not in json.loads(request.measurement.read_text()):
+            raise AssertionError(f"no measurement for {request.spec}")
+        super().quantize(request, emit)  # its quants are the round engine's
+
+
+MEASURED = MeasuredRoundEngine()
+
+
 def main() -> None:
     emit = child.events()
     request = child.read_request()
+    if "measure" in request:  # MeasuredRoundEngine's measurement: it takes its time, and says so
+        steps = 20
+        for i in range(steps):
+            time.sleep(request["seconds"] / steps)
+            emit(event="progress", done=i + 1, total=steps, unit="step")
+        Path(request["measure"]).write_text(json.dumps({"measurement": {"made_by": os.getpid()}}))
+        return
     import torch
     from safetensors.torch import load_file, save_file
 

@@ -5,9 +5,14 @@ whose conversions run at the same time."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from datetime import datetime
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +26,7 @@ from factory.jobs.packing import Need, Packer
 from tests.round_engine import ENGINE as ROUND
 
 GiB = 2**30
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_the_graph_of_a_job_with_exl2_and_awq_targets():
@@ -194,3 +200,58 @@ def test_units_record_what_was_expected_and_a_later_job_learns_from_an_earlier_o
     factory = Factory(settings.load())
     packed, alone = factory.estimate(factory.catalog.job(second["job"]))  # what `qf submit` prints
     assert 0 < packed <= alone
+
+
+# -- one measurement for every job that needs it --------------------------------------------------------------------
+def _qf_process(qf, tiny, tmp_path, mantissa: int, **env: str):
+    recipe = tmp_path / f"mround-{mantissa}.yaml"
+    recipe.write_text(f"mround: {{mantissa: [{mantissa}]}}\n")
+    cmd = [sys.executable, "-m", "tests.qf_with_test_engines", "run", str(tiny), "--recipe", str(recipe),
+           "--eval-windows", "2", "--json"]
+    env = {**os.environ, **qf.env, "QF_TEST_MEASURE_SECONDS": "20", **env}  # long enough to be waited for
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _steps_of_all_jobs(qf) -> list[dict]:
+    result = qf("status", "--json")
+    return [s for job in json.loads(result.stdout or "[]") for s in job["steps"]] if result.exit_code == 0 else []
+
+
+def _when(qf, what, seconds: float = 60):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if any(what(s) for s in _steps_of_all_jobs(qf)):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"no step came to {what} within {seconds} s: {_steps_of_all_jobs(qf)}")
+
+
+def test_a_second_job_waits_for_the_measurement_another_job_is_making(qf, tiny, tmp_path):
+    first = _qf_process(qf, tiny, tmp_path, 3)
+    _when(qf, lambda s: s["name"].startswith("measure:") and s["state"] == "running")
+    second = _qf_process(qf, tiny, tmp_path, 5)
+    for proc in (first, second):
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-2000:]
+    steps = _steps_of_all_jobs(qf)
+    assert [s["state"] for s in steps if s["name"].startswith("measure:")] == ["succeeded"]  # made once
+    assert [s["state"] for s in steps if s["name"].startswith("wait:measure:")] == ["succeeded"]
+    assert "is making this measurement; waiting for it" in out
+    assert sorted(r["name"] for r in qf.json("ls")) == ["tiny:mround-m3", "tiny:mround-m5"]
+
+
+def test_a_waiting_job_makes_the_measurement_when_its_maker_is_killed(qf, tiny, tmp_path):
+    short = {"FACTORY_LEASE_SECONDS": "3"}
+    first = _qf_process(qf, tiny, tmp_path, 3, **short)
+    _when(qf, lambda s: s["name"].startswith("measure:") and s["state"] == "running")
+    second = _qf_process(qf, tiny, tmp_path, 5, **short)
+    _when(qf, lambda s: s["name"].startswith("wait:measure:") and s["state"] == "running")
+    os.killpg(first.pid, signal.SIGKILL)  # the maker and its measuring child, for real
+    first.communicate()
+    out, err = second.communicate(timeout=300)
+    assert second.returncode == 0, err[-2000:]
+    made = [s["state"] for s in _steps_of_all_jobs(qf) if s["name"].startswith("measure:")]
+    assert sorted(made) == ["running", "succeeded"]  # the killed one never ended; the waiter made it once its
+    # maker's claim ran out
+    assert [r["name"] for r in qf.json("ls")] == ["tiny:mround-m5"]

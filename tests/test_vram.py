@@ -95,9 +95,15 @@ def test_plan_on_the_cli(qf, tiny):
     assert [r["bpw"] for r in result["rows"]] == [x / 2 for x in range(4, 17)]
     assert result["best_bpw"] == 8.0 and all(r["fits"] for r in result["rows"])
     assert result["rows"][0]["total"] < result["rows"][-1]["total"]
-    assert set(plans["awq"]) == {"fp16", "fp8"}
+    assert set(plans["awq"]) == {"fp16", "fp8", "expected_seconds"}
+    # how long converting takes: no history in a new home, so the engines' estimates (H200 timings, GPU.md)
+    assert set(result["expected_seconds"]) == {"measure", "quantize"}
+    assert result["expected_seconds"]["quantize"]["basis"] == "estimate"
+    assert 60 <= result["expected_seconds"]["measure"]["seconds"] <= 90  # a tiny model: the fixed costs
+    assert not (qf.home / "catalog.db").exists()  # planning makes no catalog
     table = qf("plan", tiny, "--vram", "2GB")
     assert table.exit_code == 0 and "highest bpw that fits: 8.00" in table.stdout
+    assert "converting with EXL2 on a GPU: the measurement about 60 s (estimate), then each size about" in table.stdout
     lines = table.stdout.splitlines()
     assert lines.index(next(x for x in lines if "highest bpw" in x)) < lines.index(
         next(x for x in lines if x.startswith("AWQ w4 with vLLM, fp16")))

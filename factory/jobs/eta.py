@@ -81,3 +81,16 @@ def other_seconds(kind: str, parameters: int, tokens: int, device: str, cores: i
     flops = 2.0 * parameters * tokens
     return 10.0 + flops / GPU_FLOPS if device == "cuda" else 5.0 + flops / (CPU_FLOPS_PER_CORE * max(cores, 1))
 
+
+
+def conversion(engine, parameters: int, history: Callable[[str], list[Past]], device: str = "cuda",
+               cores: int = 16) -> dict:
+    """What `qf plan` says a conversion with `engine` costs: its measurement (if it has one) and each size, in
+    seconds, with the basis of each guess. `history(family)` gives the finished units of a family on `device`."""
+    out = {}
+    for kind in (("measure", "quantize") if engine.needs_measurement else ("quantize",)):
+        family_name = "measure" if kind == "measure" else f"quantize:{engine.name}"
+        guess = engine.unit_seconds(kind, parameters, device, min(cores, engine.unit_cores(kind, device)))
+        seconds, basis = expected(history(family_name), parameters, guess)
+        out[kind] = {"seconds": round(seconds), "basis": basis}
+    return out

@@ -1,0 +1,104 @@
+"""What packing a job's units onto one GPU buys (CUDA only): the same job, `qf run` of GPU.md's random 1.1B Llama at
+EXL2 sizes, once with `--max-units 1` (one unit after another, as before packing) and once with the default (as
+many units at once as fit), in fresh homes on the same card, one after the other.
+
+    python benchmarks/packing.py DIR [--bpw 2.5,3.0,4.0,5.0] [--windows 8] [--out OUT.json]
+
+Records for each side: wall seconds, each step's seconds and peak GPU memory, the card's SM use and memory
+(nvidia-smi dmon every 2 s: mean and max), and the quants' sizes and perplexities (random weights: only their
+agreement between the sides means something). speed.packing_ratio = one-at-a-time wall / packed wall (target >=
+2.5 at 4 sizes; raw passes reached 3.3x, GPU.md). Results in GPU.md's shape (default
+benchmarks/results/packing.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def _dmon(log: Path) -> subprocess.Popen:
+    return subprocess.Popen(["nvidia-smi", "dmon", "-s", "um", "-d", "2"], stdout=open(log, "w"),
+                            stderr=subprocess.DEVNULL)
+
+
+def _gpu_use(log: Path) -> dict:
+    """Mean and max SM % and memory used (MiB) from a dmon log (columns: gpu sm mem enc dec ... fb ...)."""
+    header, rows = None, []
+    for line in log.read_text().splitlines():
+        if line.startswith("#") and header is None:
+            header = line.lstrip("#").split()
+        elif not line.startswith("#") and header:
+            values = line.split()
+            if len(values) == len(header):
+                rows.append(dict(zip(header, values, strict=True)))
+    sm = [float(r["sm"]) for r in rows if r.get("sm", "-") != "-"]
+    fb = [float(r["fb"]) for r in rows if r.get("fb", "-") != "-"]
+    return {"samples": len(rows), "sm_mean": round(sum(sm) / len(sm), 1) if sm else None,
+            "sm_max": max(sm, default=None), "fb_max_mib": max(fb, default=None)}
+
+
+def side(model: Path, home: Path, bpw: str, windows: int, max_units: int | None) -> dict:
+    env = {**os.environ, "FACTORY_HOME": str(home), "FACTORY_DB_URL": ""}
+    cmd = [sys.executable, "-m", "factory.cli", "run", str(model), "--exl2", bpw, "--calibration", "builtin:mix",
+           "--eval-windows", str(windows), "--json", *(["--max-units", str(max_units)] if max_units else [])]
+    home.mkdir(parents=True, exist_ok=True)
+    monitor = _dmon(home / "dmon.log")
+    start = time.monotonic()
+    try:
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    finally:
+        monitor.terminate()
+        monitor.wait()
+    wall = time.monotonic() - start
+    events = [json.loads(line) for line in done.stdout.splitlines()]
+    steps = {e["step"]: {"seconds": e["seconds"], "peak_gpu_bytes": e["peak_gpu_bytes"]}
+             for e in events if e["event"] == "step" and e["state"] == "succeeded"}
+    quants = [{"tag": q["name"].split(":", 1)[1], "bits": q["bits"], "bytes": q["bytes"], "ppl": q["ppl"],
+               "fp16_ppl": q["fp16_ppl"]} for q in events[-1]["quants"]]
+    notes = [e["message"] for e in events if e["event"] == "note"]
+    return {"max_units": max_units or "default", "wall_seconds": round(wall, 1), "steps": steps, "quants": quants,
+            "gpu": _gpu_use(home / "dmon.log"), "notes": notes}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("dir", type=Path)
+    parser.add_argument("--bpw", default="2.5,3.0,4.0,5.0")
+    parser.add_argument("--windows", type=int, default=8)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "packing.json")
+    args = parser.parse_args()
+    import torch
+
+    from tests.tiny_model import LLAMA_1B, make_tiny_llama
+
+    model = args.dir / "llama-1.1b"
+    if not (model / "config.json").is_file():
+        make_tiny_llama(model, device="cuda", **LLAMA_1B)
+    results = {"gpu": torch.cuda.get_device_name(0), "versions": {"torch": torch.__version__},
+               "command": f"python benchmarks/packing.py DIR --bpw {args.bpw} --windows {args.windows}",
+               "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                                        text=True).stdout.strip() or os.environ.get("QF_COMMIT", "unknown"),
+               "sides": {}}
+    for name, max_units in (("one_at_a_time", 1), ("packed", None)):
+        results["sides"][name] = side(model, args.dir / name, args.bpw, args.windows, max_units)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2) + "\n")  # what is measured survives a later failure
+        print(name, results["sides"][name]["wall_seconds"], "s", flush=True)
+    one, packed = results["sides"]["one_at_a_time"], results["sides"]["packed"]
+    results["speed"] = {"packing_ratio": round(one["wall_seconds"] / packed["wall_seconds"], 3),
+                        "sizes": len(args.bpw.split(","))}
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    print(json.dumps(results["speed"]))
+
+
+if __name__ == "__main__":
+    main()
