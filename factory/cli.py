@@ -688,7 +688,7 @@ def plan(
     shape, params = memory.source_shape(source)
     plans = {e.name: p for e in engines.all_engines()
              if (p := e.memory_plan(shape, params, budget, ctx, kv_cache, gpus)) is not None}
-    times = _conversion_times(list(plans), params.embed + params.head + params.linear + params.other)
+    times = _conversion_times(list(plans), params.total)
     if as_json:
         print(json.dumps({name: {**p.data, "expected_seconds": times[name]} for name, p in plans.items()}, indent=2))
         return

@@ -92,7 +92,7 @@ class Sized:
 
     @property
     def parameters(self) -> int:
-        return self.params.embed + self.params.head + self.params.linear + self.params.other
+        return self.params.total
 
 
 @dataclass
@@ -223,10 +223,10 @@ class Factory:
             units = graph.units(prepared.specs, keys, publish, bool(self.settings.hub_owner))
             made = _Made()
             self._stop.clear()
-            packer = self._packer(job)
-            self._expect(job, prepared.model, units, packer)
-            packing.run(units, lambda unit: self._unit(job, prepared, unit, made),
-                        lambda unit: self._need(job, prepared.model, unit), packer, self._stop,
+            packer, needs = self._packer(job), self._needs(job, prepared.model, units)
+            self._expect(job, prepared.model, units, needs, packer)
+            packing.run(units, lambda unit: self._unit(job, prepared, unit, made), lambda unit: needs[unit.name],
+                        packer, self._stop,
                         lambda message: self.emit({"event": "note", "message": message}))
             if not publish:
                 handed = self.catalog.transition(job_id, JobState.queued, self.token,
@@ -301,13 +301,13 @@ class Factory:
                 in self.catalog.unit_history(family, job.device) if eta.family(name) == family]
         return eta.expected(past, model.parameters, guess)[0]
 
-    def _expect(self, job: Job, model: Sized, units: list[Unit], packer: Packer) -> None:
+    def _expect(self, job: Job, model: Sized, units: list[Unit], needs: dict[str, Need], packer: Packer) -> None:
         """Each unit's expected seconds (its step records them) and when the job should end (the catalog keeps
         it for `qf status`)."""
         done = self.catalog.done_steps(job.id)
         self._expected_seconds = {u.name: self._expected(job, model, u) for u in units}
         left = {name: 0.0 if name in done else s for name, s in self._expected_seconds.items()}
-        wall = eta.wall_seconds(units, left, lambda unit: self._need(job, model, unit), packer)
+        wall = eta.wall_seconds(units, left, lambda unit: needs[unit.name], packer)
         self.catalog.set_expected_end(job.id, wall, self.token)
         self.emit({"event": "note", "message": f"{len(units)} units, expected to take {tables.duration(wall)} "
                    f"(up to {packer.max_units} at once)"})
@@ -330,11 +330,17 @@ class Factory:
         units = graph.units(specs, keys, True, bool(self.settings.hub_owner))
         seconds = {u.name: self._expected(job, model, u) for u in units}
         packed = Packer(self.max_units or AUTOMATIC_MAX_UNITS, None, AUTOMATIC_MAX_UNITS * 2)
-        need = lambda unit: self._need(job, model, unit)  # noqa: E731
+        needs = self._needs(job, model, units)
+        need = lambda unit: needs[unit.name]  # noqa: E731
         return eta.wall_seconds(units, seconds, need, packed), eta.wall_seconds(units, seconds, need, Packer(1))
 
-    def _need(self, job: Job, model: Sized, unit: Unit) -> Need:
-        """What a unit is predicted to take: from the catalog's peaks of earlier units of the same source (the
+    def _needs(self, job: Job, model: Sized, units: list[Unit]) -> dict[str, Need]:
+        """Each unit's predicted needs, from one read of the catalog's recorded peaks for this source."""
+        peaks = self.catalog.recorded_peaks(job.source_identity)
+        return {unit.name: self._need(job, model, unit, peaks) for unit in units}
+
+    def _need(self, job: Job, model: Sized, unit: Unit, peaks: dict[str, int]) -> Need:
+        """What a unit is predicted to take: from the recorded peaks of earlier units of the same source (the
         same unit, else one of the same kind and engine), else its engine's estimate from the model's shape."""
         if unit.kind in ("gate", "publish", "push"):
             return Need(in_process=True)  # quick, and one at a time: each card lists the quants published before
@@ -343,7 +349,6 @@ class Factory:
             gpu = 2 * model.parameters + 2 * model.window_length * model.shape.vocab * 4
             return Need(gpu if cuda else 0, 1 if cuda else os.cpu_count() or 1, in_process=True)
         engine = engines.get(unit.spec.method)
-        peaks = self.catalog.recorded_peaks(job.source_identity)
         family = "measure:" if unit.kind == "measure" else f"quantize:{unit.spec.tag.split('-')[0]}-"
         seen = peaks.get(unit.name) or max((p for n, p in peaks.items() if n.startswith(family)), default=None)
         peak = int(seen * HISTORY_MARGIN) if seen else engine.unit_gpu_bytes(unit.kind, unit.spec, model.shape,
@@ -432,7 +437,7 @@ class Factory:
             shape = Shape.of(config)
             params = Params.of(tensors, shape)
             self.catalog.set_job_specs(job.id, [s.model_dump() for s in specs], self.token,
-                                       parameters=Sized(shape, params, 0).parameters)
+                                       parameters=params.total)
             windows = {}
             for s in specs:
                 engine = engines.get(s.method)

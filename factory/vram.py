@@ -66,6 +66,10 @@ class Params:
     linear: int  # the decoder's linear weights (what a bits-per-weight engine quantizes at bpw)
     other: int  # norms, biases
 
+    @property
+    def total(self) -> int:
+        return self.embed + self.head + self.linear + self.other
+
     @classmethod
     def of(cls, tensors: dict[str, list[int]], shape: Shape) -> Params:
         groups = {"embed": 0, "head": 0, "linear": 0, "other": 0}

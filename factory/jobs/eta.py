@@ -34,21 +34,14 @@ def family(name: str) -> str:
     return name if name == "evaluate:fp16" else kind
 
 
-def from_history(past: list[Past], parameters: int) -> float | None:
-    """The median of the same family's seconds in the size bucket, each scaled to `parameters`."""
+def expected(past: list[Past], parameters: int, first_principles: float) -> tuple[float, str]:
+    """(seconds, basis): the median of the family's seconds in the size bucket, each scaled to `parameters`
+    (basis `history (N units)`), else `first_principles` (basis `estimate`)."""
     near = [p for p in past if p.parameters and 1 / BUCKET <= parameters / p.parameters <= BUCKET]
     if not near:
-        return None
-    return statistics.median(p.seconds * parameters / p.parameters for p in near)
-
-
-def expected(past: list[Past], parameters: int, first_principles: float) -> tuple[float, str]:
-    """(seconds, basis): basis `history (N units)` or `estimate`."""
-    seconds = from_history(past, parameters)
-    if seconds is None:
         return first_principles, "estimate"
-    near = sum(1 for p in past if p.parameters and 1 / BUCKET <= parameters / p.parameters <= BUCKET)
-    return seconds, f"history ({near} unit{'s' if near != 1 else ''})"
+    seconds = statistics.median(p.seconds * parameters / p.parameters for p in near)
+    return seconds, f"history ({len(near)} unit{'s' if len(near) != 1 else ''})"
 
 
 def wall_seconds(units: list[Unit], seconds: dict[str, float], need: Callable[[Unit], Need], packer: Packer) -> float:

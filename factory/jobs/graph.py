@@ -20,8 +20,6 @@ from dataclasses import dataclass
 from factory import engines
 from factory.engines import QuantSpec
 
-KINDS = ("measure", "quantize", "evaluate", "gate", "publish", "push")
-
 
 @dataclass(frozen=True)
 class Unit:
