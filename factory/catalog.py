@@ -525,7 +525,7 @@ class Catalog:
 
     def unit_history(self, family: str, device: str, limit: int = 200) -> list[tuple[str, float, int]]:
         """(step name, seconds, the job's parameters) of the newest finished steps whose name starts with
-        `family` (jobs/eta.py: `quantize:exl2`), on jobs of this device."""
+        `family` (jobs/eta.py: `quantize:<engine>`), on jobs of this device."""
         with self.session() as s:
             rows = s.execute(select(Step.name, Step.started_at, Step.ended_at, Job.parameters).join(Job)
                              .where(Step.name.startswith(family), Step.state == StepState.succeeded,

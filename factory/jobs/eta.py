@@ -1,5 +1,5 @@
 """How long a unit is expected to take, and so a job: the catalog's history of units of the same family (kind and
-engine: `quantize:exl2`, `measure`, `evaluate:fp16`, ...) on the same kind of device for models in the same size
+engine: `quantize:<engine>`, `measure`, `evaluate:fp16`, ...) on the same kind of device for models in the same size
 bucket (within a factor of BUCKET in parameters), scaled by parameters; without such history, the engine's estimate
 from first principles (Engine.unit_seconds). Every step records what was expected of it, so `qf status` shows how
 good the guess was."""
@@ -25,8 +25,8 @@ class Past:
 
 
 def family(name: str) -> str:
-    """A step's family from its name: quantize:exl2-4.0bpw -> quantize:exl2, evaluate:exl2-4.0bpw:kv ->
-    evaluate:exl2:kv, measure:1a2b3c4d5e6f -> measure, publish:awq-w4g128 -> publish."""
+    """A step's family from its name: quantize:<engine>-<size> -> quantize:<engine>, evaluate:<engine>-<size>:kv
+    -> evaluate:<engine>:kv, measure:<key> -> measure, publish:<tag> -> publish (tests/test_eta.py: examples)."""
     kind, _, rest = name.partition(":")
     if kind in ("quantize", "evaluate") and rest and rest != "fp16":
         tag, _, group = rest.partition(":")
