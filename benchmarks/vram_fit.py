@@ -14,7 +14,8 @@ weights, cache, scratch and the allocator's reserve. Also recorded: the quant's 
 predictions can be checked against these numbers on any machine. Stops starting new loads after SECONDS (default 420),
 so the run fits one device call.
 
-`compare` puts the EXL2 memory model's prediction (factory/engines/exl2/memory.py) beside every measurement: the
+`compare` puts the memory model's prediction (factory/engines/exl2/memory.py, exl3/memory.py) beside every
+measurement: the
 target is every prediction within 5% (or 64 MiB) of the drop a user sees (nvidia-smi, context included), and never
 below it by more than that.
 """
@@ -30,6 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from factory.engines.exl2 import memory as vram  # noqa: E402
+from factory.engines.exl3 import memory as exl3_memory  # noqa: E402
 from factory.engines.exl2.evaluate import KV_CACHES  # noqa: E402  - cache type -> exllamav2 class, as the factory scores them
 
 CONTEXTS = (2048, 8192, 16384, 32768)
@@ -165,17 +167,22 @@ def compare(measured: list[Path]) -> dict:
     for path in measured:
         data = json.loads(path.read_text())
         for quant in data["rows"]:
-            if quant["config"]["quantization_config"]["quant_method"] != "exl2":
-                continue  # EXL3 loads are measured here; no EXL3 memory model to compare them with yet
+            qc = quant["config"]["quantization_config"]
             shape = vram.Shape.of(quant["config"])
-            weights = vram.on_gpu(quant["tensor_bytes"])
+            if qc["quant_method"] == "exl3":  # predicted from the shape alone, as for a quant not yet made
+                weights = exl3_memory.exl3_weights(shape, exl3_memory.dense_params(shape), qc["bits"],
+                                                   qc["head_bits"])
+            else:
+                weights = vram.on_gpu(quant["tensor_bytes"])
+            predict = exl3_memory.exllamav3 if qc["quant_method"] == "exl3" else vram.exllamav2
             for run in quant["runs"]:
                 if "error" in run:
                     continue
-                predicted = vram.exllamav2(shape, weights, run["ctx"], run["cache"])
+                predicted = predict(shape, weights, run["ctx"], run["cache"])
                 seen = run["gpu_used_end"] - run["gpu_used_before"]
                 error = predicted["total"] - seen
                 rows.append({"model": quant["config"].get("_name_or_path") or path.stem, "quant": quant["folder"],
+                             "method": qc["quant_method"],
                              "ctx": run["ctx"], "cache": run["cache"], "measured_drop": seen,
                              "measured_torch_reserved": run["reserved_peak"], "predicted": predicted["total"],
                              "predicted_parts": predicted, "error_bytes": error, "error": round(error / seen, 4),

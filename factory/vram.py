@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,6 +81,34 @@ class Params:
             groups[group] += n
         groups["head"] = groups["head"] or shape.vocab * shape.hidden
         return cls(**groups)
+
+
+def plan_room(shape: Shape, budget: int, ctx: int | None, cache: str, caches: tuple[str, ...], gpus: int,
+              headroom: int) -> tuple[int, int]:
+    """A memory plan's context (the model's maximum by default) and the room it fills, or one sentence on why
+    the question cannot be answered."""
+    ctx = ctx or shape.max_positions
+    if ctx > shape.max_positions:
+        raise SpecError(f"a context of {ctx} tokens is more than the model's {shape.max_positions} positions")
+    if cache not in caches:
+        raise SpecError(f"KV cache {cache!r} is not one of {', '.join(caches)}")
+    if gpus < 1:
+        raise SpecError("--gpus must be at least 1")
+    room = budget - headroom
+    if room <= 0:
+        raise SpecError(f"a budget of {human(budget)} leaves nothing after {human(headroom)} of headroom")
+    return ctx, room
+
+
+def best_bpw(total: Callable[[float], int], room: int, lowest: float, highest: float = 8.0) -> float | None:
+    """The highest bits per weight, in steps of 0.05, whose predicted peak `total(bpw)` fits `room`."""
+    steps = round((highest - lowest) / 0.05)
+    return next((b for i in range(steps + 1) if total(b := round(highest - i * 0.05, 2)) <= room), None)
+
+
+def too_small(need: int, room: int, budget: int, headroom: int, ctx: int, cache: str, lowest: float) -> SpecError:
+    return SpecError(f"even {lowest:.1f} bpw needs {human(need)} with a {ctx}-token {cache} cache, "
+                     f"{human(need - room)} more than {human(budget)} minus {human(headroom)} of headroom")
 
 
 def tensor_bytes(folder: Path) -> dict[str, int]:

@@ -14,11 +14,13 @@ from factory.engines.exl2 import card as exl2_card
 from factory.engines.exl2 import evaluate as exl2_evaluate
 from factory.engines.exl2 import memory as vram
 from factory.engines.exl2.spec import Fit
+from factory.engines.exl3 import memory as exl3_memory
 from factory.errors import SpecError
 
 ROOT = Path(__file__).resolve().parent.parent
 MEASURED = ROOT / "benchmarks" / "results" / "h200-2026-11-30" / "vram_smollm2.json"
 MEASURED_1B = ROOT / "benchmarks" / "results" / "h200x2-2026-11-30" / "vram_llama1b.json"
+MEASURED_EXL3 = ROOT / "benchmarks" / "results" / "h200-2026-12-02" / "vram_fit_gemma_exl3.json"
 
 
 def _bench():
@@ -29,8 +31,9 @@ def _bench():
 
 
 def test_every_prediction_is_within_target_of_the_measured_drop():
-    result = _bench().compare([MEASURED, MEASURED_1B])
-    assert len(result["rows"]) == 26 + 36
+    result = _bench().compare([MEASURED, MEASURED_1B, MEASURED_EXL3])
+    assert len(result["rows"]) == 26 + 36 + 21
+    assert {r["method"] for r in result["rows"]} == {"exl2", "exl3"}
     assert {r["ctx"] for r in result["rows"]} == {2048, 8192, 16384, 32768}
     for r in result["rows"]:
         margin = max(0.05 * r["measured_drop"], 64 * 2**20)
@@ -38,6 +41,33 @@ def test_every_prediction_is_within_target_of_the_measured_drop():
     assert result["all_ok"]
     committed = json.loads((ROOT / "benchmarks" / "results" / "vram_fit.json").read_text())
     assert [r["predicted"] for r in committed["rows"]] == [r["predicted"] for r in result["rows"]]
+
+
+def test_exl3_weights_before_a_quant_exists_match_the_real_quants():
+    """Gemma-3-270M's quants: the head predicted within 1% of the real one, and on the GPU the head as it is plus
+    one 128 MiB slab block for every tensor of up to 16 MiB (all its decoder layers' and norms')."""
+    for quant in json.loads(MEASURED_EXL3.read_text())["rows"]:
+        qc, real = quant["config"]["quantization_config"], quant["tensor_bytes"]
+        shape = exl3_memory.Shape.of(quant["config"])
+        params = exl3_memory.dense_params(shape)
+        assert params.head * qc["head_bits"] / 8 == pytest.approx(real["head"], rel=0.01)
+        assert (params.linear * qc["bits"] / 8 + params.other * 2) == pytest.approx(real["layers"], rel=0.03)
+        on_gpu = exl3_memory.exl3_weights(shape, params, qc["bits"], qc["head_bits"])
+        assert on_gpu == pytest.approx(real["head"] + exl3_memory.SLAB, rel=0.01)
+
+
+def test_exl3_plan_and_its_refusals():
+    shape = exl3_memory.Shape(hidden=2048, layers=16, heads=32, kv_heads=8, head_dim=64, intermediate=8192,
+                              vocab=32000, max_positions=32768)
+    params = exl3_memory.dense_params(shape)
+    small = exl3_memory.plan(shape, params, int(2.25 * 2**30), 32768, "q4")["best_bpw"]
+    assert 1.0 <= small < exl3_memory.plan(shape, params, int(2.5 * 2**30), 32768, "q4")["best_bpw"] < 8.0
+    assert exl3_memory.cache_bytes(shape, 2048, "fp16") == 16 * 2 * 2048 * 512 * 2
+    assert exl3_memory.cache_bytes(shape, 2048, "q4") == 16 * 2 * (2048 * 512 // 2 + 2048 * 512 // 32 * 2) + 2 * 2048 * 512 * 2
+    with pytest.raises(SpecError, match=r"even 1.0 bpw needs .* more than 1.00 GiB minus 512 MiB of headroom"):
+        exl3_memory.plan(shape, params, 2**30, 32768, "fp16")
+    with pytest.raises(SpecError, match="KV cache 'q3' is not one of"):
+        exl3_memory.plan(shape, params, 8 * 2**30, 2048, "q3")
 
 
 def test_the_allocated_peak_matches_torchs():
@@ -90,7 +120,9 @@ def test_bad_sizes(text):
 
 def test_plan_on_the_cli(qf, tiny):
     plans = qf.json("plan", tiny, "--vram", "2GB", "--ctx", 2048, "--kv-cache", "q4")
-    assert set(plans) == {"exl2", "awq"}  # the engines with a memory model
+    assert set(plans) == {"exl2", "exl3", "awq"}  # the engines with a memory model
+    assert [r["bpw"] for r in plans["exl3"]["rows"]] == [x / 2 for x in range(2, 17)]
+    assert plans["exl3"]["best_bpw"] == 8.0 and set(plans["exl3"]["expected_seconds"]) == {"quantize"}
     result = plans["exl2"]
     assert [r["bpw"] for r in result["rows"]] == [x / 2 for x in range(4, 17)]
     assert result["best_bpw"] == 8.0 and all(r["fits"] for r in result["rows"])
@@ -102,10 +134,11 @@ def test_plan_on_the_cli(qf, tiny):
     assert 60 <= result["expected_seconds"]["measure"]["seconds"] <= 90  # a tiny model: the fixed costs
     assert not (qf.home / "catalog.db").exists()  # planning makes no catalog
     table = qf("plan", tiny, "--vram", "2GB")
-    assert table.exit_code == 0 and "highest bpw that fits: 8.00" in table.stdout
+    assert table.exit_code == 0 and "highest EXL2 bpw that fits: 8.00" in table.stdout
+    assert "highest EXL3 bpw that fits: 8.00" in table.stdout
     assert "converting with EXL2 on a GPU: the measurement about 60 s (estimate), then each size about" in table.stdout
     lines = table.stdout.splitlines()
-    assert lines.index(next(x for x in lines if "highest bpw" in x)) < lines.index(
+    assert lines.index(next(x for x in lines if "highest EXL3 bpw" in x)) < lines.index(
         next(x for x in lines if x.startswith("AWQ w4 with vLLM, fp16")))
 
 

@@ -16,6 +16,7 @@ from pydantic import Field, field_validator
 
 from factory.errors import JobFailed
 from factory.specs import Closed, bpw_tag, check_bpw, check_head_bits
+from factory.vram import human
 
 if TYPE_CHECKING:
     import torch
@@ -145,6 +146,15 @@ class MemoryPlan:
     columns: tuple[str, ...] = ()
     rows: list[tuple[str, ...]] = field(default_factory=list)
     lines: list[str] = field(default_factory=list)
+
+    @classmethod
+    def by_bpw(cls, result: dict, title: str, label: str, per_gpu: bool = False) -> MemoryPlan:
+        """A bits-per-weight engine's plan: a row per size (weights, cache, the rest, the peak) and the best size."""
+        h = human
+        rows = [(f"{r['bpw']:.1f}", h(r["weights"]), h(r["cache"]), h(r["total"] - r["weights"] - r["cache"]),
+                 h(r["total"]), "yes" if r["fits"] else "no") for r in result["rows"]]
+        columns = ("BPW", "WEIGHTS", "CACHE", "OTHER", "PEAK" + (" PER GPU" if per_gpu else ""), "FITS")
+        return cls(result, title, columns, rows, [f"highest {label} bpw that fits: {result['best_bpw']:.2f}"])
 
 
 class Engine:

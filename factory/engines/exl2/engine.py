@@ -145,10 +145,7 @@ class Exl2Engine(Engine):
         result, h = memory.plan(shape, params, budget, ctx, cache, gpus), memory.human
         title = (f"EXL2 with exllamav2: {h(budget)}{f' x {gpus} GPUs (estimate)' if gpus > 1 else ''}, "
                  f"{result['ctx']} tokens, {cache} cache, {h(result['headroom'])} left free")
-        rows = [(f"{r['bpw']:.1f}", h(r["weights"]), h(r["cache"]), h(r["total"] - r["weights"] - r["cache"]),
-                 h(r["total"]), "yes" if r["fits"] else "no") for r in result["rows"]]
-        columns = ("BPW", "WEIGHTS", "CACHE", "OTHER", "PEAK" + (" PER GPU" if gpus > 1 else ""), "FITS")
-        return MemoryPlan(result, title, columns, rows, [f"highest bpw that fits: {result['best_bpw']:.2f}"])
+        return MemoryPlan.by_bpw(result, title, "EXL2", per_gpu=gpus > 1)
 
     def fits(self, folder: Path) -> list[dict] | None:
         return memory.quant_fits(folder)

@@ -36,6 +36,9 @@ from factory.vram import (  # noqa: F401  (the shared pieces, here too for the a
     GiB,
     MiB,
     Params,
+    best_bpw,
+    plan_room,
+    too_small,
     Shape,
     human,
     parse_size,
@@ -135,30 +138,17 @@ def plan(shape: Shape, params: Params, budget: int, ctx: int | None = None, cach
          headroom: int = HEADROOM, head_bits: int = 6) -> dict:
     """Predicted peak for every bpw in [2.0, 8.0] and the highest that fits `budget` (per GPU) with `headroom`
     left; several GPUs split the layers evenly (an estimate: exllamav2's autosplit fills them in order)."""
-    ctx = ctx or shape.max_positions
-    if ctx > shape.max_positions:
-        raise SpecError(f"a context of {ctx} tokens is more than the model's {shape.max_positions} positions")
-    if cache not in CACHES:
-        raise SpecError(f"KV cache {cache!r} is not one of {', '.join(CACHES)}")
-    if gpus < 1:
-        raise SpecError("--gpus must be at least 1")
-    room = budget - headroom
-    if room <= 0:
-        raise SpecError(f"a budget of {human(budget)} leaves nothing after {human(headroom)} of headroom")
+    ctx, room = plan_room(shape, budget, ctx, cache, CACHES, gpus, headroom)
 
     def per_gpu(bpw: float) -> dict[str, int]:
         return exllamav2(shape, exl2_weights(params, bpw, head_bits), ctx, cache, gpus)
 
     rows = [{"bpw": b, **parts, "fits": parts["total"] <= room} for b in BPWS for parts in [per_gpu(b)]]
-    steps = [round(8.0 - i * 0.05, 2) for i in range(121)]  # 8.00, 7.95, ... 2.00
-    best = next((b for b in steps if per_gpu(b)["total"] <= room), None)
+    best = best_bpw(lambda b: per_gpu(b)["total"], room, lowest=2.0)
     result = {"budget": budget, "gpus": gpus, "headroom": headroom, "ctx": ctx, "cache": cache, "rows": rows,
-              "best_bpw": best, "estimate": gpus > 1,
-              }
+              "best_bpw": best, "estimate": gpus > 1}
     if best is None:
-        need = per_gpu(2.0)["total"]
-        raise SpecError(f"even 2.0 bpw needs {human(need)} with a {ctx}-token {cache} cache, "
-                        f"{human(need - room)} more than {human(budget)} minus {human(headroom)} of headroom")
+        raise too_small(per_gpu(2.0)["total"], room, budget, headroom, ctx, cache, 2.0)
     return result
 
 

@@ -31,8 +31,8 @@ import sys
 from pathlib import Path
 
 from factory.engines import child
-from factory.engines.base import Engine, Evaluation, Flag, QuantizeRequest, check_quant_folder
-from factory.engines.exl3 import card, compat, evaluate
+from factory.engines.base import Engine, Evaluation, Flag, MemoryPlan, QuantizeRequest, check_quant_folder
+from factory.engines.exl3 import card, compat, evaluate, memory
 from factory.engines.exl3.spec import MIN_ROWS, ROWS, Exl3Spec, Exl3Targets, targets_from_flag
 from factory.errors import JobFailed, SpecError
 from factory.inspect import read_config, read_header
@@ -181,6 +181,15 @@ class Exl3Engine(Engine):
     def evaluations(self, spec: Exl3Spec) -> list[Evaluation]:
         return [Evaluation("kv_cache", cache, evaluate.cached_loader(cache), f"{cache} cache window")
                 for cache in evaluate.KV_EVAL_CACHES]
+
+    def memory_plan(self, shape, params, budget: int, ctx: int | None, cache: str, gpus: int) -> MemoryPlan:
+        if gpus > 1:
+            return MemoryPlan({"gpus": gpus, "best_bpw": None},
+                              lines=["EXL3: no estimate for several GPUs yet (its memory model is one card's)"])
+        result, h = memory.plan(shape, params, budget, ctx, cache), human
+        title = (f"EXL3 with exllamav3: {h(budget)}, {result['ctx']} tokens, {cache} cache, "
+                 f"{h(result['headroom'])} left free")
+        return MemoryPlan.by_bpw(result, title, "EXL3", per_gpu=False)
 
     def how_to_load(self, folder: str) -> str:
         return card.how_to_load(folder)
