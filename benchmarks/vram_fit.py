@@ -31,8 +31,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from factory.engines.exl2 import memory as vram  # noqa: E402
-from factory.engines.exl3 import memory as exl3_memory  # noqa: E402
 from factory.engines.exl2.evaluate import KV_CACHES  # noqa: E402  - cache type -> exllamav2 class, as the factory scores them
+from factory.engines.exl3 import memory as exl3_memory  # noqa: E402
 
 CONTEXTS = (2048, 8192, 16384, 32768)
 EXL3_CHUNK = 2048  # exllamav3's generator prefills at most this many tokens per forward (max_chunk_size)

@@ -17,7 +17,7 @@ import enum
 import fcntl
 import re
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -44,6 +44,7 @@ from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship, sessionmaker
 
 from factory.errors import Cancelled, LeaseLost, ServiceUnavailable, SpecError, database_error, mask_url
+from factory.identity import gone
 from factory.settings import database_kind
 
 
@@ -85,7 +86,8 @@ class Base(DeclarativeBase):
     type_annotation_map = {dict: JSON, list: JSON}
 
 
-SCHEMA_VERSION = 3  # 2: jobs.lease_token; 3: steps.lease_token and expected_seconds, jobs.parameters, expected_end
+SCHEMA_VERSION = 4  # 2: jobs.lease_token; 3: steps.lease_token and expected_seconds, jobs.parameters, expected_end;
+#                    4: claims.holder (was job_id), steps.holder
 _SCHEMA_LOCK_KEY = 0x71F4C7  # pg_advisory_lock key for creating the tables
 
 
@@ -96,12 +98,14 @@ class Meta(Base):
 
 
 class Claim(Base):
-    """A unit of work that serves many jobs (a measurement: `measure:<key>`), held by the job making it while its
-    claim is renewed; another job that needs it waits, and takes it over once the claim runs out."""
+    """A unit of work held by the process making it while its claim is renewed: a measurement that serves many
+    jobs (`measure:<key>`), a job's conversion that a helping worker makes (`unit:<job>:quantize:<tag>`). Another
+    process that needs it waits, or does other work, and takes it over once the claim runs out (or its holder, on
+    this machine, is gone)."""
 
     __tablename__ = "claims"
-    key: Mapped[str] = mapped_column(String(96), primary_key=True)
-    job_id: Mapped[str] = mapped_column(String(32))
+    key: Mapped[str] = mapped_column(String(160), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(160))  # <job>@<host>:<pid> (factory.leases.unit_holder)
     until: Mapped[datetime] = mapped_column()
     token: Mapped[int] = mapped_column(Integer, default=1)  # +1 every time it changes hands
 
@@ -159,6 +163,7 @@ class Step(Base):
     error: Mapped[str | None] = mapped_column(Text)
     peak_gpu_bytes: Mapped[int | None] = mapped_column(BigInteger)  # what the step's tool allocated at most
     lease_token: Mapped[int | None] = mapped_column(Integer)  # the fencing token of the holder that ran it
+    holder: Mapped[str | None] = mapped_column(String(160))  # the process that ran it (host:pid)
     expected_seconds: Mapped[float | None] = mapped_column(Float)  # what it was expected to take (jobs/eta.py)
     job: Mapped[Job] = relationship(back_populates="steps")
 
@@ -495,27 +500,38 @@ class Catalog:
 
     # steps
     def start_step(self, job_id: str, name: str, token: int | None = None,
-                   expected_seconds: float | None = None) -> int:
+                   expected_seconds: float | None = None, holder: str | None = None,
+                   claim: tuple[str, int] | None = None) -> int:
+        """`claim`: the unit's (key, token), which fences the write as the job's lease token does."""
         with self.session() as s:
             self._fence(s, job_id, token)
-            step = Step(job_id=job_id, name=name, state=StepState.running, lease_token=token,
+            self._fence_claim(s, claim)
+            step = Step(job_id=job_id, name=name, state=StepState.running, lease_token=token, holder=holder,
                         expected_seconds=expected_seconds)
             s.add(step)
             s.flush()
             return step.id
 
     def end_step(self, step_id: int, state: StepState, error: str | None = None, peak_gpu_bytes: int | None = None,
-                 token: int | None = None) -> None:
+                 token: int | None = None, claim: tuple[str, int] | None = None,
+                 before_commit: Callable[[], None] | None = None) -> None:
+        """`before_commit`: what must happen only while the fences hold (a helper's quant handed to the job),
+        with the job's and the claim's rows locked; if it raises, the step is not ended."""
         with self.session() as s:
             step = s.get(Step, step_id)
             self._fence(s, step.job_id, token)
+            self._fence_claim(s, claim)
+            if before_commit is not None:
+                before_commit()
             step.state, step.error, step.ended_at, step.peak_gpu_bytes = state, error, now(), peak_gpu_bytes
 
-    def interrupt_steps(self, job_id: str, token: int | None = None) -> None:
-        """Mark the steps of `job_id` that are still running as interrupted (their attempt is gone)."""
+    def interrupt_steps(self, job_id: str, token: int | None = None, name: str | None = None) -> None:
+        """Mark the steps of `job_id` (named `name`, or all) that are still running as interrupted (their attempt
+        is gone)."""
         with self.session() as s:
             self._fence(s, job_id, token)
-            for step in s.scalars(select(Step).where(Step.job_id == job_id, Step.state == StepState.running)):
+            query = select(Step).where(Step.job_id == job_id, Step.state == StepState.running)
+            for step in s.scalars(query.where(Step.name == name) if name else query):
                 step.state, step.error, step.ended_at = StepState.interrupted, "interrupted", now()
 
     def skip_step(self, job_id: str, name: str, reason: str, token: int | None = None) -> None:
@@ -637,19 +653,19 @@ class Catalog:
             pass
 
     # claims of units that serve many jobs
-    def claim(self, key: str, job_id: str, seconds: float) -> int | None:
-        """Hold `key` for `job_id` (its token), or None while another job's claim is valid."""
+    def claim(self, key: str, holder: str, seconds: float) -> int | None:
+        """Hold `key` for `holder` (its token), or None while another holder's claim is valid."""
         for _ in range(2):  # a concurrent first claim wins the insert; look again once
             try:
                 with self.session() as s:
                     held = s.get(Claim, key, with_for_update=True)
                     until = now() + timedelta(seconds=seconds)
                     if held is None:
-                        s.add(Claim(key=key, job_id=job_id, until=until, token=1))
+                        s.add(Claim(key=key, holder=holder, until=until, token=1))
                         return 1
-                    if held.until > now() and held.job_id != job_id:
+                    if held.until > now() and held.holder != holder and not gone(held.holder.rpartition("@")[2]):
                         return None
-                    held.job_id, held.until, held.token = job_id, until, held.token + 1
+                    held.holder, held.until, held.token = holder, until, held.token + 1
                     return held.token
             except IntegrityError:
                 continue
@@ -666,10 +682,19 @@ class Catalog:
             s.execute(delete(Claim).where(Claim.key == key, Claim.token == token))
 
     def claimant(self, key: str) -> str | None:
-        """The job whose valid claim holds `key`, if any."""
+        """The holder whose valid claim holds `key`, if any."""
         with self.session() as s:
             held = s.get(Claim, key)
-            return held.job_id if held is not None and held.until > now() else None
+            return held.holder if held is not None and held.until > now() else None
+
+    def _fence_claim(self, s: Session, claim: tuple[str, int] | None) -> None:
+        """Inside a write's own transaction: go on only while `claim` (key, token) is still held."""
+        if claim is None:
+            return
+        key, token = claim
+        held = s.get(Claim, key, with_for_update=True)
+        if held is None or held.token != token:
+            raise LeaseLost(f"{key} was taken over by {held.holder if held else 'another holder'}; stopping")
 
     # evaluations
     def add_evaluation(self, token: int | None = None, **fields: object) -> None:

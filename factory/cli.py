@@ -279,15 +279,15 @@ def run(source: SourceArg, flags: dict, recipe: RecipeOpt = None,
 def _run_held(factory, job):
     """`qf run` holds the job as a worker does (a fenced lease, renewed while it makes progress): a job that another
     `qf run` or a worker holds is not run twice; one whose holder is gone is taken over where it stopped."""
-    from factory import leases
+    from factory import identity, leases
     from factory.catalog import JobState
 
     if job.state in (JobState.succeeded, JobState.cancelled):
         return factory.execute(job.id)  # nothing to run: its result
     config = factory.settings
     holder = factory.catalog.holder(job.id)
-    lease = factory.catalog.take_lease(job.id, leases.holder_name(), config.lease_seconds,
-                                       gone=holder if leases.gone(holder) else None)
+    lease = factory.catalog.take_lease(job.id, identity.holder_name(), config.lease_seconds,
+                                       gone=holder if identity.gone(holder) else None)
     if lease is None:
         who = leases.describe_holder(factory.catalog.holder(job.id))
         raise JobFailed(f"job {job.id} is running on {who}; `qf status {job.id} --follow` follows it")

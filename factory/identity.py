@@ -6,6 +6,7 @@ sha256 of a file, and the keys that decide when a job or a measurement is the sa
     job key           hash(source identity, specs as written, calibration and eval sha256, windows, engine
                       versions, device)
     measurement key   hash(source identity, calibration sha256, rows, length, tool version)
+    holder            `host:pid` of a process that holds a lease or a claim
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 from pathlib import Path
 
 from factory.files import source_files
@@ -75,3 +77,22 @@ def job_key(
 
 def measurement_key(source_identity: str, calibration_sha: str, rows: int, length: int, tool_version: str) -> str:
     return digest([source_identity, calibration_sha, rows, length, tool_version])
+
+
+def holder_name() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def gone(worker: str | None) -> bool:
+    """A holder on this machine whose process has ended (a `qf run` killed with SIGKILL): no need to wait out its
+    lease."""
+    host, _, pid = (worker or "").rpartition(":")
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False

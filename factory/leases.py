@@ -9,8 +9,6 @@ lease then runs out and the reconciler hands the job to the next holder, whose t
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -20,25 +18,6 @@ from factory.catalog import Catalog, Lease
 from factory.errors import FactoryError
 
 log = logging.getLogger("quantfactory")
-
-
-def holder_name() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}"
-
-
-def gone(worker: str | None) -> bool:
-    """A holder on this machine whose process has ended (a `qf run` killed with SIGKILL): no need to wait out its
-    lease."""
-    host, _, pid = (worker or "").rpartition(":")
-    if host != socket.gethostname() or not pid.isdigit():
-        return False
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
 
 
 def describe_holder(worker: str | None) -> str:

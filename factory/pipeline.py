@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import calibration
@@ -117,6 +117,7 @@ class Factory:
         self.max_units = settings.max_units  # None: as many units at once as fit
         self._stop = threading.Event()  # set: the running units stop at their next progress event
         self._expected_seconds: dict[str, float] = {}  # unit -> seconds, for its step
+        self.holder = identity.holder_name()  # this process, in the steps it runs and the claims it holds
 
     # submit ---------------------------------------------------------------------------------------------
     def submit(self, request: Request) -> tuple[Job, bool]:
@@ -226,8 +227,7 @@ class Factory:
             packer, needs = self._packer(job), self._needs(job, prepared.model, units)
             self._expect(job, prepared.model, units, needs, packer)
             packing.run(units, lambda unit: self._unit(job, prepared, unit, made), lambda unit: needs[unit.name],
-                        packer, self._stop,
-                        lambda message: self.emit({"event": "note", "message": message}))
+                        packer, self._stop, self._note, lambda unit: self.held_elsewhere(job, unit))
             if not publish:
                 handed = self.catalog.transition(job_id, JobState.queued, self.token,
                                                  only_from=frozenset({JobState.running}))
@@ -261,6 +261,58 @@ class Factory:
         job = self.catalog.job(job_id)
         self._result(job)
         return job
+
+    def help(self, job_id: str) -> None:
+        """Convert some of a running job's sizes here while its holder runs the rest (a GPU worker with nothing
+        else to do): the quantize units nobody holds, each claimed (`unit:<job>:quantize:<tag>`) once its
+        measurement exists, packed as `execute` packs them. What it makes is the job's (its steps, its work
+        folder); the evaluations, the gate and publishing stay with the job's holder, which waits for the units
+        held here and makes any whose claim runs out itself. Ends when nothing is left to take or the job stops."""
+        job = self.catalog.job(job_id)
+        if job is None or job.device != self.settings.worker_device:
+            return
+        start = time.monotonic()
+        while "inspect" not in self.catalog.done_steps(job_id):  # the job's holder resolves the specs first
+            state = self.catalog.job(job_id).state
+            if state != JobState.running and not (state == JobState.queued and time.monotonic() - start < 60):
+                return  # over, or not started by its holder within a minute
+            self.emit({"event": "waiting", "for": ["inspect"], "by": self.holder})
+            time.sleep(MEASUREMENT_WAIT_SECONDS)
+        job = self.catalog.job(job_id)
+        if job.state != JobState.running:
+            return
+        fetched = (sources.fetch_hub(job.source_identity, self.settings.cache, lambda **_: None)
+                   if identity.is_hub(job.source_identity) else None)
+        prepared = self._read(job, fetched, self._helper_work(job))
+        keys = {s.tag: self._measurement_key(job, s) for s in prepared.specs
+                if engines.get(s.method).needs_measurement}
+        units = [replace(u, needs=frozenset()) for u in graph.units(prepared.specs, keys, False, False)
+                 if u.kind == "quantize"]
+        self._stop.clear()
+        packer, needs = self._packer(job), self._needs(job, prepared.model, units)
+
+        def work(unit: Unit) -> None:
+            measurement = self._known_measurement(keys[unit.spec.tag]) if unit.measurement else None
+            self._quantize(job, prepared, unit.spec, measurement, helping=True)
+
+        try:
+            while self.catalog.job(job_id).state == JobState.running:
+                left = [u for u in units if self._quantized(job, u.spec) is None and not self.held_elsewhere(job, u)]
+                ready = [u for u in left if u.measurement is None or self._known_measurement(keys[u.spec.tag])]
+                if not left:
+                    return
+                if ready:
+                    packing.run(ready, work, lambda unit: needs[unit.name], packer, self._stop, self._note)
+                else:  # the job's holder is making the measurement; an event: this helper is alive
+                    self.emit({"event": "waiting", "for": sorted({u.measurement for u in left}), "by": self.holder})
+                    time.sleep(MEASUREMENT_WAIT_SECONDS)
+        except (Cancelled, LeaseLost) as e:  # the job ended, or a claim went to another holder: nothing more here
+            log.warning("job %s: a helper stops: %s", job_id, e.message)
+        except packing.Stopped:  # a unit's claim went to another holder while this process was stopped
+            log.warning("job %s: a helper stops: a unit it held was taken over", job_id)
+
+    def _note(self, message: str) -> None:
+        self.emit({"event": "note", "message": message})
 
     def _unit(self, job: Job, prepared: _Prepared, unit: Unit, made: _Made) -> None:
         """One unit's work; what it makes goes into `made` for the units after it."""
@@ -368,14 +420,16 @@ class Factory:
         return Packer(self.max_units or AUTOMATIC_MAX_UNITS, max(0, free - HEADROOM), cores)
 
     @contextmanager
-    def _step(self, job_id: str, name: str):
+    def _step(self, job_id: str, name: str, claim: tuple[str, int] | None = None,
+              on_success: Callable[[], None] | None = None):
         """Record one attempt at a step; yields `progress(**fields)`, which forwards progress events and keeps
-        the highest `peak_gpu_bytes` any of them reports."""
+        the highest `peak_gpu_bytes` any of them reports. `claim` (key, token): the unit's claim, which fences the
+        step's records besides the job's lease; `on_success` runs under those fences as the step succeeds."""
         self._check_ours(job_id)
         expected = self._expected_seconds.get(name)
         self.emit({"event": "step", "step": name, "state": StepState.running,
                    **({"expected_seconds": round(expected, 1)} if expected is not None else {})})
-        step_id = self.catalog.start_step(job_id, name, self.token, expected)
+        step_id = self.catalog.start_step(job_id, name, self.token, expected, self.holder, claim)
         start = time.monotonic()
         peak: list[int] = []
         checked = [start]
@@ -395,14 +449,16 @@ class Factory:
         except LeaseLost:  # the step is the new holder's now
             raise
         except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (qf run turns it into one)
-            self.catalog.end_step(step_id, StepState.interrupted, "interrupted", max(peak, default=None), self.token)
+            self.catalog.end_step(step_id, StepState.interrupted, "interrupted", max(peak, default=None), self.token,
+                                  claim)
             raise
         except BaseException as e:
             error = mask_url(e.message if isinstance(e, FactoryError) else f"{type(e).__name__}: {e}")
-            self.catalog.end_step(step_id, StepState.failed, error, max(peak, default=None), self.token)
+            self.catalog.end_step(step_id, StepState.failed, error, max(peak, default=None), self.token, claim)
             self.emit({"event": "step", "step": name, "state": StepState.failed, "error": error})
             raise
-        self.catalog.end_step(step_id, StepState.succeeded, None, max(peak, default=None), self.token)
+        self.catalog.end_step(step_id, StepState.succeeded, None, max(peak, default=None), self.token, claim,
+                              on_success)
         seconds = round(time.monotonic() - start, 3)
         self.emit({"event": "step", "step": name, "state": StepState.succeeded, "seconds": seconds,
                    "peak_gpu_bytes": max(peak, default=None)})
@@ -425,34 +481,41 @@ class Factory:
             with self._step(job.id, "fetch") as progress:
                 fetched = sources.fetch_hub(job.source_identity, self.settings.cache, progress)
         with self._step(job.id, "inspect"):
-            source_folder = fetched or self._local_folder(job)
-            specs = _specs(job.specs)
-            info = inspect(source_folder, _architectures(specs))
-            folder = files.stage(source_folder, self.settings.work / job.id / "source")
-            specs = [_resolve(spec, info, job.device) for spec in specs]
-            cal = _text(job.calibration, job.calibration_sha)
-            cal_ids = evaluate.tokenize(folder, cal.text)
-            specs = [engines.get(s.method).fit_calibration(s, len(cal_ids)) for s in specs]
-            config, tensors = sources.layout(str(source_folder))  # the staging folder is links: read the source
-            shape = Shape.of(config)
-            params = Params.of(tensors, shape)
-            self.catalog.set_job_specs(job.id, [s.model_dump() for s in specs], self.token,
-                                       parameters=params.total)
-            windows = {}
-            for s in specs:
-                engine = engines.get(s.method)
-                for rows, length in engine.calibration_lengths(s):
-                    calibration.check_length(cal_ids, rows, length, job.calibration)
-                if asked := engine.calibration_windows(s):
-                    windows[s.tag] = calibration.token_windows(cal_ids, *asked, job.calibration)
-            cal_file = calibration.write_parquet(cal, self.settings.work / job.id / "calibration.parquet")
-            eval_ids = evaluate.tokenize(folder, _text(job.eval, job.eval_sha).text)
-            stream = evaluate.stream(eval_ids, job.eval_windows, info.max_positions, job.eval)
-        for s in specs:
-            if s.tag in windows:  # what the engine takes of the text, said before it runs for minutes
+            prepared = self._read(job, fetched, self.settings.work / job.id)
+            self.catalog.set_job_specs(job.id, [s.model_dump() for s in prepared.specs], self.token,
+                                       parameters=prepared.model.parameters)
+        for s in prepared.specs:
+            if s.tag in prepared.calibration:  # what the engine takes of the text, said before it runs for minutes
                 used = engines.get(s.method).describe_calibration(s.model_dump(), job.calibration)
                 self.emit({"event": "note", "message": f"{s.tag}: calibration {used}; eval {job.eval} "
-                           f"{job.eval_windows} x {stream.window_length} tokens on {job.device}"})
+                           f"{job.eval_windows} x {prepared.stream.window_length} tokens on {job.device}"})
+        return prepared
+
+    def _read(self, job: Job, fetched: Path | None, where: Path) -> _Prepared:
+        """Check the source, stage it under `where`, resolve the specs against it and tokenize the calibration and
+        eval texts: what every unit works from. Writes nothing to the catalog (a helping worker reads a job this
+        way, into a folder of its own: staging replaces the links the job's own units read)."""
+        source_folder = fetched or self._local_folder(job)
+        specs = _specs(job.specs)
+        info = inspect(source_folder, _architectures(specs))
+        folder = files.stage(source_folder, where / "source")
+        specs = [_resolve(spec, info, job.device) for spec in specs]
+        cal = _text(job.calibration, job.calibration_sha)
+        cal_ids = evaluate.tokenize(folder, cal.text)
+        specs = [engines.get(s.method).fit_calibration(s, len(cal_ids)) for s in specs]
+        config, tensors = sources.layout(str(source_folder))  # the staging folder is links: read the source
+        shape = Shape.of(config)
+        params = Params.of(tensors, shape)
+        windows = {}
+        for s in specs:
+            engine = engines.get(s.method)
+            for rows, length in engine.calibration_lengths(s):
+                calibration.check_length(cal_ids, rows, length, job.calibration)
+            if asked := engine.calibration_windows(s):
+                windows[s.tag] = calibration.token_windows(cal_ids, *asked, job.calibration)
+        cal_file = calibration.write_parquet(cal, where / "calibration.parquet")
+        eval_ids = evaluate.tokenize(folder, _text(job.eval, job.eval_sha).text)
+        stream = evaluate.stream(eval_ids, job.eval_windows, info.max_positions, job.eval)
         up = upstream.read(job.base_model, files.upstream_card(source_folder), folder)
         return _Prepared(folder=folder, specs=specs, calibration=windows, calibration_file=cal_file, stream=stream,
                          upstream=up, model=Sized(shape, params, stream.window_length))
@@ -464,16 +527,47 @@ class Factory:
             return out
         return None
 
-    def _quantize(self, job: Job, prepared: _Prepared, spec: QuantSpec, measurement: Path | None) -> Path:
-        if (out := self._quantized(job, spec)) is not None:
-            return out
-        work = self.settings.work / job.id / spec.tag
-        out = work / "out"
+    def _quantize(self, job: Job, prepared: _Prepared, spec: QuantSpec, measurement: Path | None,
+                  helping: bool = False) -> Path | None:
+        """The quant of `spec`, made here under the claim `unit:<job>:quantize:<tag>` unless it is made already.
+        While another process holds the claim (a worker helping with the job), the job waits for its quant and
+        makes it itself once the claim runs out; a helper (`helping`) leaves it and returns None."""
+        claim = unit_claim(job.id, f"quantize:{spec.tag}")
+        while (out := self._quantized(job, spec)) is None:
+            if (token := self.catalog.claim(claim, self._claimer(job), self.settings.lease_seconds)) is None:
+                if helping:
+                    return None
+                self._check_ours(job.id)
+                time.sleep(MEASUREMENT_WAIT_SECONDS)
+                continue
+            try:
+                if self._quantized(job, spec) is None:  # not finished while we took the claim
+                    if token > 1:  # taken over: the step its last holder left running is not running
+                        self.catalog.interrupt_steps(job.id, self.token, f"quantize:{spec.tag}")
+                    with self._renewed(claim, token, stop_when_lost=True):
+                        self._make_quant(job, prepared, spec, measurement, (claim, token), helping)
+            finally:
+                self.catalog.release_claim(claim, token)
+        return out
+
+    def _make_quant(self, job: Job, prepared: _Prepared, spec: QuantSpec, measurement: Path | None,
+                    claim: tuple[str, int], helping: bool) -> None:
+        """The job's holder converts in the job's work folder (a conversion taken over resumes there); a helper in
+        a folder of its own, whose quant becomes the job's only under the claim's lock as its step succeeds, so
+        a helper that lost its claim (stopped past it) never mixes its files with the new holder's."""
+        job_work = self.settings.work / job.id / spec.tag
+        work = self._helper_work(job) / spec.tag if helping else job_work
         engine = engines.get(spec.method)
-        with self._step(job.id, f"quantize:{spec.tag}") as progress:
+
+        def hand_over() -> None:
+            shutil.rmtree(job_work / "out", ignore_errors=True)  # what a holder before left unfinished
+            job_work.mkdir(parents=True, exist_ok=True)
+            os.rename(work / "out", job_work / "out")
+
+        with self._step(job.id, f"quantize:{spec.tag}", claim, hand_over if helping else None) as progress:
             request = engines.QuantizeRequest(
                 source_dir=prepared.folder,
-                out_dir=out,
+                out_dir=work / "out",
                 work_dir=work,
                 spec=spec.model_dump(),
                 calibration=prepared.calibration.get(spec.tag, []),
@@ -481,7 +575,19 @@ class Factory:
                 measurement=measurement,
             )
             engine.quantize(request, lambda event: progress(**_progress(event)))
-        return out
+
+    def _helper_work(self, job: Job) -> Path:
+        return self.settings.work / job.id / "helpers" / self.holder.replace(":", "-")
+
+    def _claimer(self, job: Job) -> str:
+        return f"{job.id}@{self.holder}"
+
+    def held_elsewhere(self, job: Job, unit: Unit) -> bool:
+        """A quantize unit another process holds the claim of (a helping worker makes it)."""
+        if unit.kind != "quantize":
+            return False
+        holder = self.catalog.claimant(unit_claim(job.id, unit.name))
+        return holder is not None and holder != self._claimer(job)
 
     def _measurement_key(self, job: Job, spec: QuantSpec) -> str:
         engine = engines.get(spec.method)
@@ -501,7 +607,7 @@ class Factory:
                 self.emit({"event": "note", "message": f"reusing {engine.label} measurement {key[:12]} ({rows} x "
                            f"{length} tokens)"})
                 return known
-            if (token := self.catalog.claim(claim, job.id, self.settings.lease_seconds)) is not None:
+            if (token := self.catalog.claim(claim, self._claimer(job), self.settings.lease_seconds)) is not None:
                 if self._known_measurement(key) is None:  # not finished while we took the claim
                     break
                 self.catalog.release_claim(claim, token)
@@ -542,21 +648,26 @@ class Factory:
     def _wait_for_measurement(self, job: Job, claim: str, name: str, key: str) -> None:
         """Until the measurement exists or nobody holds its claim any more."""
         maker = self.catalog.claimant(claim)
-        self.emit({"event": "note", "message": f"{name}: job {maker} is making this measurement; waiting for it"})
+        self.emit({"event": "note", "message": f"{name}: {_claim_holder(maker)} is making this measurement; "
+                   "waiting for it"})
         with self._step(job.id, f"wait:{name}") as progress:
             while self._known_measurement(key) is None and (maker := self.catalog.claimant(claim)) is not None:
-                progress(waiting_for=maker)  # an event: this job is alive while it waits
+                progress(waiting_for=_claim_holder(maker))  # an event: this job is alive while it waits
                 time.sleep(MEASUREMENT_WAIT_SECONDS)
 
     @contextmanager
-    def _renewed(self, claim: str, token: int):
-        """Renew the claim every third of its life while the block runs (a thread: an engine can be silent)."""
+    def _renewed(self, claim: str, token: int, stop_when_lost: bool = False):
+        """Renew the claim every third of its life while the block runs (a thread: an engine can be silent). A
+        claim taken over meanwhile (this process was stopped past it) is left: a second measurement is harmless;
+        a unit of a job (`stop_when_lost`) stops, and its records are refused (the claim fences them)."""
         done = threading.Event()
 
         def renew() -> None:
             while not done.wait(self.settings.lease_seconds / 3):
                 if not self.catalog.renew_claim(claim, token, self.settings.lease_seconds):
-                    return  # taken over after we were stopped past it: a second measurement is harmless
+                    if stop_when_lost:
+                        self._stop.set()
+                    return
 
         thread = threading.Thread(target=renew, name=f"renew {claim[:20]}", daemon=True)
         thread.start()
@@ -749,6 +860,17 @@ class Factory:
                 "quants": [q.as_row() for q in self.catalog.quants(job_id=job.id)],
             }
         )
+
+
+def unit_claim(job_id: str, unit: str) -> str:
+    """The claim a unit of a job is made under, by the job's holder or a helping worker."""
+    return f"unit:{job_id}:{unit}"
+
+
+def _claim_holder(holder: str | None) -> str:
+    """`job@host:pid` in a sentence."""
+    job, _, process = (holder or "").rpartition("@")
+    return f"job {job} ({process})" if job else "another process"
 
 
 def _calibration(name: str | None, used: list) -> calibration.TextSet:

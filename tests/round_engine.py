@@ -3,7 +3,9 @@ the test (factory.engines.register), it runs `qf run` end to end with no edit an
 
 It rounds every FP16 weight's mantissa to N bits (round-to-nearest, `torch.frexp`), in a child process of its own
 (`python -m tests.round_engine request.json`), and writes a checkpoint transformers loads once its
-quantization_config is set aside. Tags: `round-m<N>`; recipe key `round: {mantissa: [3, 5]}`.
+quantization_config is set aside; a conversion takes at least $QF_TEST_ROUND_SECONDS (0), for tests that need one
+to be running. Tags: `round-m<N>`; recipe key `round: {mantissa: [3, 5]}`. Workers take it with
+FACTORY_ENGINES=tests.round_engine:ENGINE.
 """
 
 from __future__ import annotations
@@ -61,7 +63,8 @@ class RoundEngine(Engine):
 
     def quantize(self, request: QuantizeRequest, emit) -> None:
         shutil.rmtree(request.out_dir, ignore_errors=True)
-        payload = {"source_dir": str(request.source_dir), "out_dir": str(request.out_dir), "spec": request.spec}
+        payload = {"source_dir": str(request.source_dir), "out_dir": str(request.out_dir), "spec": request.spec,
+                   "seconds": float(os.environ.get("QF_TEST_ROUND_SECONDS", "0"))}
         child.run(__name__, payload, request.work_dir, emit, what=f"rounding to {request.spec['mantissa']} bits")
         check_quant_folder(request.out_dir, "model.safetensors",
                            {"quant_method": "round", "mantissa": request.spec["mantissa"]}, "the round engine")
@@ -150,6 +153,7 @@ def main() -> None:
         mantissa, exponent = torch.frexp(t.float())
         rounded[name] = torch.ldexp(torch.round(mantissa * 2**bits) / 2**bits, exponent).to(t.dtype).contiguous()
         emit(event="progress", done=i + 1, total=len(tensors), unit="tensor")
+        time.sleep(request.get("seconds", 0) / len(tensors))
     out.mkdir(parents=True)
     save_file(rounded, out / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((source / "config.json").read_text())

@@ -17,8 +17,8 @@ def test_plain_sql_reads_what_the_catalog_wrote(finished):
         "source": job.source, "source_identity": job.source_identity, "specs": job.specs,
         "created_at": job.created_at.isoformat(timespec="seconds"),
         "steps": [{"name": s.name, "state": s.state, "started_at": s.started_at.isoformat(), "seconds": s.seconds,
-                   "expected_seconds": s.expected_seconds, "error": s.error, "peak_gpu_bytes": s.peak_gpu_bytes}
-                  for s in job.steps],
+                   "expected_seconds": s.expected_seconds, "error": s.error, "peak_gpu_bytes": s.peak_gpu_bytes,
+                   "holder": s.holder} for s in job.steps],
         "holder": None, "attempts": 1,  # `qf run` held it once and released it
         "expected_end": None, "eta_seconds": None,  # only while it runs
     }

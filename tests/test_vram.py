@@ -63,7 +63,9 @@ def test_exl3_plan_and_its_refusals():
     small = exl3_memory.plan(shape, params, int(2.25 * 2**30), 32768, "q4")["best_bpw"]
     assert 1.0 <= small < exl3_memory.plan(shape, params, int(2.5 * 2**30), 32768, "q4")["best_bpw"] < 8.0
     assert exl3_memory.cache_bytes(shape, 2048, "fp16") == 16 * 2 * 2048 * 512 * 2
-    assert exl3_memory.cache_bytes(shape, 2048, "q4") == 16 * 2 * (2048 * 512 // 2 + 2048 * 512 // 32 * 2) + 2 * 2048 * 512 * 2
+    elements = 2048 * 512  # of K or V in a layer
+    q4 = 16 * 2 * (elements // 2 + elements // 32 * 2) + 2 * elements * 2  # bits, scales, one fp16 layer
+    assert exl3_memory.cache_bytes(shape, 2048, "q4") == q4
     with pytest.raises(SpecError, match=r"even 1.0 bpw needs .* more than 1.00 GiB minus 512 MiB of headroom"):
         exl3_memory.plan(shape, params, 2**30, 32768, "fp16")
     with pytest.raises(SpecError, match="KV cache 'q3' is not one of"):

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -460,3 +461,121 @@ def test_reconcile_skips_a_malformed_message(env, tiny):
     result = qf(env, "reconcile", check=True)
     assert result.stdout.split() == [] and "skipped a malformed message" in result.stderr
     assert client.llen("gpu") == 3 and job_id
+
+
+# One job's conversions on two workers (the round engine of tests/round_engine.py, in every process through
+# FACTORY_ENGINES; one unit at a time per worker, so that the job's holder leaves sizes for a helper).
+ROUND = {"FACTORY_ENGINES": "tests.round_engine:ENGINE", "FACTORY_MAX_UNITS": "1", "QF_TEST_ROUND_SECONDS": "6"}
+
+
+def _round_job(env, tiny, tmp_path) -> str:
+    recipe = tmp_path / "round.yaml"
+    recipe.write_text("round: {mantissa: [3, 5, 7]}\nmax_ppl_ratio: 100.0\n")
+    return qf(env, "submit", tiny, "--recipe", recipe, "--eval-windows", 1, check=True).stdout.strip()
+
+
+def _conversions(status: dict) -> list[dict]:
+    return [s for s in status["steps"] if s["name"].startswith("quantize:")]
+
+
+def _helped(status: dict, holder: str) -> list[dict]:
+    """The conversions running in another process than `holder`'s."""
+    return [s for s in _conversions(status) if s["state"] == "running" and s["holder"] != holder]
+
+
+def _holder_of(status: dict) -> str:
+    return next(s["holder"] for s in status["steps"] if s["name"] == "inspect")
+
+
+def _worker_of(workers: list[subprocess.Popen], pid: int) -> subprocess.Popen:
+    return next(w for w in workers if pid in _tree(w.pid))
+
+
+def test_two_workers_share_the_conversions_of_one_job(env, tiny, tmp_path):
+    """A job of three sizes on two workers: the worker holding the job calls for help, the other converts some of
+    its sizes at the same time (each claimed, made in a folder of its own, handed to the job as its step
+    succeeds); the holder evaluates and publishes all three, each once."""
+    env = {**env, **ROUND}
+    workers = [_start_worker(env, tmp_path / f"worker{i}.log") for i in (1, 2)]
+    try:
+        job_id = _round_job(env, tiny, tmp_path)
+        status = wait_for(env, job_id)
+    finally:
+        for worker in workers:
+            worker.terminate()
+            worker.wait(timeout=30)
+    assert status["state"] == "succeeded", status
+    steps = _conversions(status)
+    assert [s["state"] for s in steps] == ["succeeded"] * 3
+    assert len({s["holder"] for s in steps}) == 2  # both workers' job processes converted
+    spans = {s["holder"]: [] for s in steps}
+    for s in steps:
+        start = datetime.fromisoformat(s["started_at"])
+        spans[s["holder"]].append((start, start + timedelta(seconds=s["seconds"])))
+    mine, theirs = spans.values()
+    assert any(a < d and c < b for a, b in mine for c, d in theirs)  # at the same time
+    ids, folders = _published(env, job_id)
+    assert len(ids) == len(folders) == 3
+    assert not (Path(env["FACTORY_HOME"]) / "work" / job_id).exists()
+
+
+def test_a_killed_helper_leaves_its_conversion_to_the_jobs_holder(env, tiny, tmp_path):
+    """SIGKILL of the helping worker in the middle of a conversion: its claim runs out, the job's holder marks
+    that step interrupted, makes the size itself; the job succeeds with each quant published once."""
+    env = {**env, **ROUND, "FACTORY_LEASE_SECONDS": "3"}
+    first = _start_worker(env, tmp_path / "first.log")
+    second = None
+    try:
+        job_id = _round_job(env, tiny, tmp_path)
+        holder = _holder_of(wait_until(env, job_id, quantizing, 120, "quantizing"))
+        second = _start_worker(env, tmp_path / "second.log")  # takes a help_job message the holder queued
+        helped = wait_until(env, job_id, lambda st: _helped(st, holder), 120, "helped")
+        [step] = _helped(helped, holder)
+        assert _worker_of([first, second], int(step["holder"].rpartition(":")[2])) is second
+        _signal(_tree(second.pid), signal.SIGKILL)
+        second.wait()
+        status = wait_for(env, job_id)
+    finally:
+        first.terminate()
+        first.wait(timeout=30)
+    assert status["state"] == "succeeded", status
+    again = [(s["state"], s["holder"] == holder) for s in _conversions(status) if s["name"] == step["name"]]
+    assert again == [("interrupted", False), ("succeeded", True)]
+    assert [s["state"] for s in _conversions(status)].count("succeeded") == 3
+    ids, folders = _published(env, job_id)
+    assert len(ids) == len(folders) == 3
+
+
+def test_a_stopped_helper_that_comes_back_writes_nothing(env, tiny, tmp_path):
+    """SIGSTOP of the helping worker and everything under it past its claim: the job's holder takes the size over
+    and finishes the job; SIGCONT: the helper finds its claim gone and stops without a write (its step stays as
+    the holder marked it, nothing more is published, nothing is left running)."""
+    env = {**env, **ROUND, "FACTORY_LEASE_SECONDS": "3"}
+    first = _start_worker(env, tmp_path / "first.log")
+    second = stopped = None
+    try:
+        job_id = _round_job(env, tiny, tmp_path)
+        holder = _holder_of(wait_until(env, job_id, quantizing, 120, "quantizing"))
+        second = _start_worker(env, tmp_path / "second.log")
+        [step] = _helped(wait_until(env, job_id, lambda st: _helped(st, holder), 120, "helped"), holder)
+        stopped = _tree(second.pid)
+        _signal(stopped, signal.SIGSTOP)
+        status = wait_for(env, job_id)
+        assert status["state"] == "succeeded", status
+        before = _published(env, job_id)
+        _signal(stopped, signal.SIGCONT)
+        stopped = None
+        _wait_in_log(tmp_path / "second.log", f"job {job_id}: a helper stops: ")
+        time.sleep(3)  # time for anything it still would do
+        after = wait_for(env, job_id)
+    finally:
+        if stopped:
+            _signal(stopped, signal.SIGCONT)
+        for worker in (first, second):
+            if worker is not None:
+                worker.terminate()
+                worker.wait(timeout=30)
+    assert _published(env, job_id) == before and len(before[0]) == len(before[1]) == 3
+    assert [(s["name"], s["state"]) for s in after["steps"]] == [(s["name"], s["state"]) for s in status["steps"]]
+    assert [s["state"] for s in _conversions(after) if s["name"] == step["name"]] == ["interrupted", "succeeded"]
+    assert not any(s["state"] == "running" for s in after["steps"])

@@ -36,7 +36,7 @@ from celery.exceptions import Reject
 from celery.signals import worker_ready
 from kombu.exceptions import OperationalError
 
-from factory import engines, leases, schedule, settings
+from factory import engines, identity, leases, schedule, settings
 from factory.catalog import RETRYABLE, TERMINAL, Job, JobState, Lease
 from factory.engines import child
 from factory.errors import FactoryError, LeaseLost, ServiceUnavailable, mask_url
@@ -58,6 +58,17 @@ def run_job(job_id: str) -> None:
     with _not_done_without_catalog(job_id):
         if _run(job_id, publish=False):
             publish_job.apply_async(args=[job_id], queue="cpu")
+
+
+@app.task(name="quantfactory.help_job", ignore_result=True)
+def help_job(job_id: str) -> None:
+    """gpu queue: convert some of a running job's sizes beside its holder (Factory.help), in a job process of its
+    own; a job that is not running, or has nothing left to take, is nothing to do."""
+    with _not_done_without_catalog(job_id):
+        config = settings.load()
+        job = Factory(config).catalog.job(job_id)
+        if job is not None and job.state in (JobState.queued, JobState.running):  # queued: its holder starts it
+            _execute_help(job_id, config.stall_seconds)
 
 
 @app.task(name="quantfactory.publish_job", ignore_result=True)
@@ -85,7 +96,7 @@ def _run(job_id: str, publish: bool) -> bool:
     job = factory.catalog.job(job_id)
     if job is None or job.state in TERMINAL:
         return False
-    lease = factory.catalog.take_lease(job_id, leases.holder_name(), config.lease_seconds)
+    lease = factory.catalog.take_lease(job_id, identity.holder_name(), config.lease_seconds)
     if lease is None:
         return False  # another worker holds it
     if lease.attempts > config.max_attempts:
@@ -93,6 +104,8 @@ def _run(job_id: str, publish: bool) -> bool:
                    f"(FACTORY_MAX_ATTEMPTS={config.max_attempts})")
         factory.catalog.fail_job(job_id, message, lease.token)  # and the lost attempt's step that was left running
         return False
+    if not publish:
+        _call_helpers(job)
     outcome = _execute(factory, lease, publish, config.lease_seconds, config.stall_seconds)
     if outcome is LOST:
         return False  # the job is another holder's now, or will be once the lease runs out
@@ -106,6 +119,32 @@ def _run(job_id: str, publish: bool) -> bool:
 LOST = "lost"  # what _execute returns when the lease was lost or given up
 
 
+def _call_helpers(job: Job) -> None:
+    """One help_job per target beyond the first: GPU workers with nothing else to do take some of the job's
+    conversions (those that find the job done, or nothing left, do nothing). Helping is optional: a broker that
+    cannot take them leaves the job to its holder."""
+    for _ in range(len(job.specs) - 1):
+        try:
+            help_job.apply_async(args=[job.id], queue=QUEUE, retry=False)
+        except OperationalError:
+            return
+
+
+def _execute_help(job_id: str, stall: float) -> None:
+    """Factory.help in a spawned job process, as _execute runs a job; killed when it stops reporting progress
+    (its claims then run out and the job's holder makes those units)."""
+    global _spare
+    proc, conn, progress = _spare if _spare and _spare[0].is_alive() else _spawn()
+    progress.value = time.time()
+    conn.send(("help", job_id))
+    _spare = _spawn()
+    while proc.is_alive():
+        proc.join(timeout=1.0)
+        if proc.is_alive() and time.time() - progress.value > stall:
+            log.warning("job %s: a helper made no progress for %g s; killing its process", job_id, stall)
+            _kill(proc)
+
+
 def _execute(factory: Factory, lease: Lease, publish: bool, seconds: float, stall: float) -> str | None:
     """Factory.execute in a fresh spawned process: what a job does to its process (CUDA memory and context, an
     out-of-memory kill, a crash in native code) ends with that process, and the worker takes the next job clean.
@@ -115,7 +154,7 @@ def _execute(factory: Factory, lease: Lease, publish: bool, seconds: float, stal
     global _spare
     proc, conn, progress = _spare if _spare and _spare[0].is_alive() else _spawn()
     progress.value = time.time()
-    conn.send((lease, publish))
+    conn.send(("run", lease, publish))
     _spare = _spawn()
 
     def alive() -> str | None:
@@ -171,16 +210,24 @@ def _job_process(conn, parent: int, progress) -> None:
 
     print(f"job process {os.getpid()} ready for the next job", file=sys.stderr, flush=True)  # the worker's log
     try:
-        lease, publish = conn.recv()
+        kind, *args = conn.recv()
     except EOFError:  # the worker stopped
         return
     config = settings.load()
-    publish_event = _publisher(config.broker_url, lease.job_id)
+    job_id = args[0] if kind == "help" else args[0].job_id
+    publish_event = _publisher(config.broker_url, job_id)
 
     def emit(event: dict) -> None:
         progress.value = time.time()
         publish_event(event)
 
+    if kind == "help":
+        try:
+            Factory(config, emit).help(job_id)
+        except FactoryError as e:  # the job's holder meets the same problem and records it
+            log.warning("job %s: a helper stops: %s", job_id, e.message)
+        return
+    lease, publish = args
     try:
         conn.send(Factory(config, emit).execute(lease.job_id, publish=publish, lease=lease).state)
     except LeaseLost:
@@ -238,7 +285,7 @@ def _jobs_in_broker() -> set[str]:
     for message in raw:
         try:
             headers = (json.loads(message) if isinstance(message, bytes | str) else message).get("headers", {})
-            if headers.get("task") in (run_job.name, publish_job.name):
+            if headers.get("task") in (run_job.name, publish_job.name):  # help_job messages are optional
                 ids.update(ast.literal_eval(headers.get("argsrepr", "()")))
         except (ValueError, SyntaxError, TypeError, AttributeError):
             log.warning("reconcile: skipped a malformed message in the broker: %.200r", message)

@@ -3,10 +3,15 @@ their method (see base.py for the interface, README.md to add one).
 
 Each engine runs its tool in a child process (a crash or OOM fails the step, not `qf`), reports progress
 events, and keeps no books: no catalog, no publishing. They are registered here by name; `register` adds one
-(a test's engine, say). Registering an engine also registers its tag grammar with `factory.naming`.
+(a test's engine, say), and FACTORY_ENGINES=module:attr[,module:attr...] names engines to register in every
+process (workers and their job processes too). Registering an engine also registers its tag grammar with
+`factory.naming`.
 """
 
 from __future__ import annotations
+
+import importlib
+import os
 
 from factory import naming
 from factory.engines.base import Emit, Engine, Evaluation, Flag, Logits, QuantizeRequest, QuantSpec, check_quant_folder
@@ -62,7 +67,21 @@ def _builtin() -> None:
         register(engine)
 
 
+def _plugins(names: str) -> None:
+    """FACTORY_ENGINES: engines outside this package, each an Engine instance named `module:attribute`."""
+    for entry in filter(None, (n.strip() for n in names.split(","))):
+        module, _, attribute = entry.partition(":")
+        try:
+            engine = getattr(importlib.import_module(module), attribute)
+        except (ImportError, AttributeError) as e:
+            raise SpecError(f"FACTORY_ENGINES names {entry!r}, which cannot be loaded: {e}") from None
+        if not isinstance(engine, Engine):
+            raise SpecError(f"FACTORY_ENGINES names {entry!r}, which is not an engine")
+        register(engine)
+
+
 _builtin()
+_plugins(os.environ.get("FACTORY_ENGINES", ""))
 
 __all__ = ["Emit", "Engine", "Evaluation", "Flag", "Logits", "QuantSpec", "QuantizeRequest", "all_engines",
            "available", "check_quant_folder", "get", "of_tag", "register", "spec_from_dict", "unregister"]

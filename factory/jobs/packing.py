@@ -14,12 +14,14 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from factory.jobs.graph import Unit
 
 OOM_MARKS = ("CUDA out of memory", "OutOfMemoryError", "out of memory")
+DEFERRED_POLL_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -58,9 +60,12 @@ class Stopped(KeyboardInterrupt):
 
 
 def run(units: list[Unit], work: Callable[[Unit], None], need: Callable[[Unit], Need], packer: Packer,
-        stop: threading.Event, note: Callable[[str], None] = lambda message: None) -> None:
+        stop: threading.Event, note: Callable[[str], None] = lambda message: None,
+        deferred: Callable[[Unit], bool] = lambda unit: False) -> None:
     """Run every unit once its `needs` are done. The first failure stops the rest (`stop` is set: their progress
-    raises Stopped) and is raised once they have ended; so is a KeyboardInterrupt of this thread."""
+    raises Stopped) and is raised once they have ended; so is a KeyboardInterrupt of this thread. A unit that is
+    `deferred` (another machine makes it) waits, taking nothing from the packer, while others run; its work runs
+    once it is not, and finds what the other machine made. One at a time, `work` itself waits."""
     if packer.max_units <= 1:
         for unit in units:  # in dependency order already
             work(unit)
@@ -82,7 +87,7 @@ def run(units: list[Unit], work: Callable[[Unit], None], need: Callable[[Unit], 
     try:
         while pending or running:
             if failure is None:
-                for unit in [u for u in pending if u.needs <= done]:
+                for unit in [u for u in pending if u.needs <= done and not deferred(u)]:
                     wanted = replace(need(unit), alone=unit.name in alone)
                     if packer.admits(wanted, [n for _, n, _, _ in running.values()]):
                         thread = threading.Thread(target=body, args=(unit,), name=unit.name, daemon=True)
@@ -90,6 +95,9 @@ def run(units: list[Unit], work: Callable[[Unit], None], need: Callable[[Unit], 
                         pending.remove(unit)
                         thread.start()
             if not running:
+                if failure is None and any(u.needs <= done for u in pending):  # deferred ones: look again
+                    time.sleep(DEFERRED_POLL_SECONDS)
+                    continue
                 if failure is None and pending:
                     raise RuntimeError(f"units wait for units that never run: {[u.name for u in pending]}")
                 break

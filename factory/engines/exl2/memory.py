@@ -29,21 +29,20 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal, get_args
 
-from factory.errors import SpecError
 from factory.vram import (  # noqa: F401  (the shared pieces, here too for the arithmetic's tests and benchmark)
     CONTEXT_BYTES,
     HEADROOM,
     GiB,
     MiB,
     Params,
-    best_bpw,
-    plan_room,
-    too_small,
     Shape,
+    best_bpw,
     human,
     parse_size,
+    plan_room,
     source_shape,
     tensor_bytes,
+    too_small,
 )
 
 MAX_INPUT_LEN = 2048  # exllamav2's defaults: tokens per forward chunk, attention scores per head, dequant elements

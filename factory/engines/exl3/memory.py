@@ -28,7 +28,7 @@ from factory.vram import HEADROOM, MiB, Params, Shape, best_bpw, plan_room, too_
 CONTEXT = 729 * MiB
 SLAB, SLAB_MAX_TENSOR = 128 * MiB, 16 * MiB  # exllamav3's loader: ARENA_BLOCK, ARENA_MAX_TENSOR
 CHUNK = 2048  # tokens per prefill forward (its generator's max_chunk_size)
-SCRATCH_FIXED = 60 * MiB  # fitted: Gemma's loads at 8k+ and with q4 need ~52, its fp16 loads at 2k ~140 (not understood)
+SCRATCH_FIXED = 60 * MiB  # fitted: Gemma at 8k+ and with q4 needs ~52, with fp16 at 2k ~140 (not understood)
 SLACK, RESERVE_MIN = 0.02, 24 * MiB  # 9 to 23 MiB measured
 CACHES = ("fp16", "q8", "q6", "q4")  # qN: N bits for K and for V (exllamav3 takes 2 to 8)
 BPWS = tuple(x / 2 for x in range(2, 17))  # 1.0 .. 8.0
