@@ -51,6 +51,7 @@ def _handled(fn):
     def wrapper(*args, **kwargs):
         try:
             with _sigterm_interrupts():
+                engines.check_plugins()  # FACTORY_ENGINES named one that cannot be loaded
                 return fn(*args, **kwargs)
         except FactoryError as e:
             err.print(f"error: {e.message}", markup=False, highlight=False)

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import ast
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -97,6 +100,25 @@ def _layer(module: str) -> int:
                 best, layer = name, i
     assert layer is not None, f"{module} is in no layer: add it to LAYERS"
     return layer
+
+
+@pytest.mark.parametrize(("entry", "sentence"), [
+    ("tests.round_engine:ENGINE", None),
+    ("tests.nowhere:ENGINE", "FACTORY_ENGINES names 'tests.nowhere:ENGINE', which cannot be loaded: No module named"),
+    ("tests.round_engine:RoundSpec", "FACTORY_ENGINES names 'tests.round_engine:RoundSpec', which is not an engine"),
+])
+def test_engines_named_in_the_environment(tmp_path, entry, sentence):
+    """FACTORY_ENGINES registers engines in every process (workers and their job processes); one that cannot be
+    loaded is one sentence and exit 2 at the first command, not a traceback at import."""
+    env = {**os.environ, "FACTORY_ENGINES": entry, "FACTORY_HOME": str(tmp_path), "FACTORY_DB_URL": ""}
+    recipe = tmp_path / "round.yaml"
+    recipe.write_text("round: {mantissa: [3]}\n")
+    result = subprocess.run([sys.executable, "-m", "factory.cli", "run", str(tmp_path), "--recipe", str(recipe)],
+                            env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    if sentence is None:  # registered: its recipe key is known (the folder is no model: refused by inspection)
+        assert result.returncode == 3 and "config.json" in result.stderr, result.stderr
+    else:
+        assert result.returncode == 2 and sentence in result.stderr.strip().splitlines()[-1], result.stderr
 
 
 def test_lower_layers_never_import_higher_ones():

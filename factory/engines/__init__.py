@@ -18,6 +18,7 @@ from factory.engines.base import Emit, Engine, Evaluation, Flag, Logits, Quantiz
 from factory.errors import SpecError
 
 _ENGINES: dict[str, Engine] = {}
+_PLUGIN_ERROR: list[SpecError] = []  # a FACTORY_ENGINES entry that cannot be loaded (check_plugins says so)
 
 
 def register(engine: Engine) -> Engine:
@@ -68,20 +69,30 @@ def _builtin() -> None:
 
 
 def _plugins(names: str) -> None:
-    """FACTORY_ENGINES: engines outside this package, each an Engine instance named `module:attribute`."""
+    """FACTORY_ENGINES: engines outside this package, each an Engine instance named `module:attribute`. One that
+    cannot be loaded is kept for check_plugins (every command calls it: one sentence, exit 2), not raised at
+    import."""
     for entry in filter(None, (n.strip() for n in names.split(","))):
         module, _, attribute = entry.partition(":")
         try:
             engine = getattr(importlib.import_module(module), attribute)
         except (ImportError, AttributeError) as e:
-            raise SpecError(f"FACTORY_ENGINES names {entry!r}, which cannot be loaded: {e}") from None
+            _PLUGIN_ERROR.append(SpecError(f"FACTORY_ENGINES names {entry!r}, which cannot be loaded: {e}"))
+            return
         if not isinstance(engine, Engine):
-            raise SpecError(f"FACTORY_ENGINES names {entry!r}, which is not an engine")
+            _PLUGIN_ERROR.append(SpecError(f"FACTORY_ENGINES names {entry!r}, which is not an engine"))
+            return
         register(engine)
+
+
+def check_plugins() -> None:
+    if _PLUGIN_ERROR:
+        raise _PLUGIN_ERROR[0]
 
 
 _builtin()
 _plugins(os.environ.get("FACTORY_ENGINES", ""))
 
 __all__ = ["Emit", "Engine", "Evaluation", "Flag", "Logits", "QuantSpec", "QuantizeRequest", "all_engines",
-           "available", "check_quant_folder", "get", "of_tag", "register", "spec_from_dict", "unregister"]
+           "available", "check_plugins", "check_quant_folder", "get", "of_tag", "register", "spec_from_dict",
+           "unregister"]
