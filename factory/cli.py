@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
@@ -273,7 +274,7 @@ def run(source: SourceArg, flags: dict, recipe: RecipeOpt = None,
         job, created = factory.submit(request)
         job = _run_held(factory, job)
     if not as_json:
-        rows = [q.as_row() for q in factory.catalog.quants(job_id=job.id)]
+        rows = [q.row() for q in factory.catalog.quants(job_id=job.id)]
         out.print(tables.quants(rows, out.width, title=f"job {job.id} {job.state}"))
 
 
@@ -354,9 +355,9 @@ def ls(
             table.add_row(r["name"], r["repo"], r["branch"], r["commit"][:7])
         out.print(table)
         return
-    rows = [q.as_row() for q in _catalog().quants()]
+    rows = [q.row() for q in _catalog().quants()]
     if as_json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps([r.to_json() for r in rows], indent=2))
     elif not rows:
         err.print("no quants yet: qf run SOURCE makes some")
     else:
@@ -408,25 +409,25 @@ def show(
     """One model's quants and job history."""
     catalog = _catalog()
     parsed = naming.parse(ref)
-    rows = [q.as_row() for q in _find(catalog, parsed)]
     from factory import vram
 
     registry = settings.load().registry
-    for r in rows:
-        if (registry / r["path"]).is_dir() and (fits := engines.get(r["method"]).fits(registry / r["path"])):
-            r["fits"] = fits
+    rows = []
+    for q in _find(catalog, parsed):
+        folder = registry / q.path
+        rows.append(replace(q.row(), fits=engines.get(q.method).fits(folder) if folder.is_dir() else None))
     job_rows = _job_rows(limit=50, name=parsed.name)
     if as_json:
-        print(json.dumps({"quants": rows, "jobs": job_rows}, indent=2))
+        print(json.dumps({"quants": [r.to_json() for r in rows], "jobs": job_rows}, indent=2))
         return
     out.print(tables.quants(rows, out.width, title=f"quants of {parsed.name}"))
     for r in rows:
-        engine = engines.get(r["method"])
-        if r.get("fits"):
-            out.print(f"{r['name']}@{r['rev']}: the longest context that fits each GPU with {engine.evaluator}, "
+        engine = engines.get(r.method)
+        if r.fits:
+            out.print(f"{r.ref}@{r.rev}: the longest context that fits each GPU with {engine.evaluator}, "
                       f"{vram.human(vram.HEADROOM)} left free")
             table = Table(*(Column(c, justify="right") for c in ("GPU", "FP16 CACHE", "Q4 CACHE")))
-            for f in r["fits"]:
+            for f in r.fits:
                 table.add_row(f"{f['budget'] / 2**30:.0f} GB", *(f"{f[c]:,}" if f[c] else "-" for c in ("fp16", "q4")))
             out.print(table)
         for line in engine.describe_scores(r):

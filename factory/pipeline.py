@@ -27,7 +27,7 @@ from pathlib import Path
 
 import calibration
 from factory import engines, evaluate, files, identity, naming, sources, tables
-from factory.catalog import Catalog, Job, JobState, Lease, Quant, StepState
+from factory.catalog import Catalog, Job, JobState, Lease, StepState
 from factory.engines import Engine, QuantSpec
 from factory.errors import (
     Cancelled,
@@ -44,8 +44,7 @@ from factory.inspect import ModelInfo, inspect
 from factory.jobs import eta, graph, packing
 from factory.jobs.graph import Unit
 from factory.jobs.packing import Need, Packer
-from factory.publish import card, hub, upstream
-from factory.publish import folder as registry
+from factory.publish import publishing, upstream
 from factory.recipes import Recipe
 from factory.settings import Settings
 from factory.vram import CONTEXT_BYTES, HEADROOM, Params, Shape
@@ -112,7 +111,7 @@ class Factory:
         self.settings = settings
         self.catalog = Catalog(settings.db_url)
         self.emit = emit
-        self._hub_writer = None  # an HfApi checked once for writing under FACTORY_HUB_OWNER
+        self.publisher = publishing.Publisher(settings, self.catalog)
         self.token: int | None = None  # the fencing token of the lease `execute` runs under, if any
         self.max_units = settings.max_units  # None: as many units at once as fit
         self._stop = threading.Event()  # set: the running units stop at their next progress event
@@ -748,106 +747,13 @@ class Factory:
 
     def _publish(self, job: Job, prepared: _Prepared, spec: QuantSpec, out: Path, ppl: float, fp16: float,
                  extra: dict[str, dict]) -> None:
-        rev = identity.rev(job.source_identity)
-        engine = engines.get(spec.method)
         with self._step(job.id, f"publish:{spec.tag}"):
-            (out / card.FILENAME).unlink(missing_ok=True)
-            files.check_publishable(out, engine.outputs)
-            quant = Quant(
-                job_id=job.id,
-                name=job.name,
-                tag=spec.tag,
-                rev=rev,
-                method=spec.method,
-                bits=spec.bits,
-                spec=spec.model_dump(),
-                bytes=sum(p.stat().st_size for p in out.iterdir() if p.is_file()),
-                path=str(
-                    registry.quant_dir(self.settings.registry, job.name, spec.tag, rev).relative_to(
-                        self.settings.registry
-                    )
-                ),
-                source=job.source,
-                source_identity=job.source_identity,
-                calibration=job.calibration,
-                calibration_sha=job.calibration_sha,
-                versions=_versions(job.versions),
-                ppl=ppl,
-                fp16_ppl=fp16,
-                eval={
-                    "text": job.eval,
-                    "sha256": job.eval_sha,
-                    "windows": len(prepared.stream.windows),
-                    "window_length": prepared.stream.window_length,
-                    "device": job.device,
-                    # the engine's other scores, e.g. kv_cache (JSON: no NaN or infinity, so null)
-                    **{group: {k: p if math.isfinite(p) else None for k, p in scores.items()}
-                       for group, scores in extra.items()},
-                },
-            )
-            this = quant.as_row()
-            if fits := engine.fits(out):
-                this["fits"] = fits
-            if note := engine.load_note(out):
-                this["load_note"] = note
-            others = [q.as_row() for q in self.catalog.quants(name=job.name) if (q.tag, q.rev) != (spec.tag, rev)]
-            (out / card.FILENAME).write_text(card.render(job.name, prepared.upstream, this, [this, *others]))
-            manifest = {  # identities, never local paths
-                "source_identity": job.source_identity,
-                "base_model": job.base_model,
-                "calibration": calibration.public_name(job.calibration),
-                "calibration_sha256": job.calibration_sha,
-                "versions": this["versions"],
-                "job": job.id,
-                "spec": spec.model_dump(),
-                "eval": {**quant.eval, "text": calibration.public_name(job.eval), "ppl": ppl, "fp16_ppl": fp16},
-            }
-            # one fenced act: a cancel or a new holder either comes before it (nothing published) or waits for it
-            self.catalog.put_quant(quant, self.token, publish=lambda: registry.publish(
-                self.settings.registry, job.name, spec.tag, rev, out, manifest))
+            scores = publishing.Scores(ppl, fp16, extra, len(prepared.stream.windows), prepared.stream.window_length)
+            self.publisher.to_registry(job, spec, out, scores, prepared.upstream, self.token)
 
     def _push(self, job: Job, prepared: _Prepared, spec: QuantSpec) -> None:
-        """The quant's branch on the Hub, then main of its repo: the card of every variant there with its plot, and
-        the files the engine puts on main (Engine.main_files)."""
-        s, engine = self.settings, engines.get(spec.method)
-        templates = hub.templates(s.hub_repos)
-
-        def where(tag: str) -> hub.Place:
-            return hub.place(s.hub_owner, job.name, tag, templates)
-
-        here, rev = where(spec.tag), identity.rev(job.source_identity)
-        folder = registry.quant_dir(s.registry, job.name, spec.tag, rev)
-
-        def main_files() -> dict[str, Path]:  # made again after a concurrent commit to main
-            on_hub = hub.refs(here.repo)
-            latest = {q.tag: q for q in sorted(self.catalog.quants(name=job.name), key=lambda q: q.created_at)
-                      if q.method == spec.method and where(q.tag).branch in on_hub and (s.registry / q.path).is_dir()}
-            rows = [q.as_row() for q in latest.values()]
-            for r in rows:
-                if fits := engine.fits(s.registry / r["path"]):
-                    r["fits"] = fits
-                if note := engine.load_note(s.registry / r["path"]):
-                    r["load_note"] = note
-            newest = max(rows, key=lambda r: r["created_at"])
-            newest_dir = s.registry / newest["path"]
-            main_quant = {name: newest_dir / name for name in engine.main_files(newest_dir)}
-            if main_quant:
-                files.check_publishable(newest_dir, engine.outputs)
-            main = s.work / job.id / "hub-main" / spec.method
-            shutil.rmtree(main, ignore_errors=True)
-            main.mkdir(parents=True)
-            places = {r["name"]: where(r["name"].split(":", 1)[1]) for r in rows}
-            (main / card.FILENAME).write_text(card.render(job.name, prepared.upstream, newest, rows, places))
-            return {**main_quant, card.FILENAME: main / card.FILENAME, card.PLOT: card.plot(rows, main / card.PLOT)}
-
         with self._step(job.id, f"push:{spec.tag}"):
-            files.check_publishable(folder, engine.outputs)
-            self._hub_writer = self._hub_writer or hub.writer(s.hub_owner)
-            quant_files = {p.name: p for p in folder.iterdir() if p.is_file()}
-            message = f"{job.name}:{spec.tag}@{rev} from {job.source_identity}"
-            self._check_ours(job.id)  # immediately before the irreversible push
-            hub.put_branch(self._hub_writer, here.repo, here.branch, quant_files, message)
-            hub.put_branch(self._hub_writer, here.repo, "main", main_files, f"model card of {job.name}")
+            self.publisher.to_hub(job, spec, prepared.upstream, lambda: self._check_ours(job.id))
 
     def _result(self, job: Job) -> None:
         self.emit(
@@ -857,7 +763,7 @@ class Factory:
                 "state": job.state,
                 "error": job.error,
                 "exit_code": job.exit_code or 0,
-                "quants": [q.as_row() for q in self.catalog.quants(job_id=job.id)],
+                "quants": [q.row().to_json() for q in self.catalog.quants(job_id=job.id)],
             }
         )
 
@@ -906,16 +812,3 @@ def _text(name: str, sha256: str) -> calibration.TextSet:
 
 def _progress(event: dict) -> dict:
     return {k: v for k, v in event.items() if k != "event"}
-
-
-def _versions(engine_versions: dict) -> dict:
-    import importlib.metadata
-
-    tools = {"torch": "torch", "transformers": "transformers", "quantfactory": "quantfactory"}
-    found = {}
-    for key, dist in tools.items():
-        try:
-            found[key] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            found[key] = "unknown"
-    return {**found, **engine_versions}

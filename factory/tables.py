@@ -67,15 +67,16 @@ def duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
-def quants(rows: list[dict], width: int, title: str | None = None) -> Table:
+def quants(rows: list, width: int, title: str | None = None) -> Table:
+    """`rows`: the catalog's QuantRows."""
     return layout([
-        Col("NAME:TAG", [f"{r['name']}@{r['rev']}" for r in rows]),
-        Col("METHOD", [r["method"] for r in rows], priority=2),
-        Col("BITS", [f"{r['bits']:g}" for r in rows], right=True),
-        Col("SIZE", [size(r["bytes"]) for r in rows], right=True),
-        Col("PPL", [f"{r['ppl']:.4f}" for r in rows], right=True),
-        Col("VS FP16", [f"{r['change'] * 100:+.2f}%" for r in rows], right=True),
-        Col("SOURCE", [r["source_identity"][:19] for r in rows], priority=3),
+        Col("NAME:TAG", [f"{r.ref}@{r.rev}" for r in rows]),
+        Col("METHOD", [r.method for r in rows], priority=2),
+        Col("BITS", [f"{r.bits:g}" for r in rows], right=True),
+        Col("SIZE", [size(r.bytes) for r in rows], right=True),
+        Col("PPL", [f"{r.ppl:.4f}" for r in rows], right=True),
+        Col("VS FP16", [f"{r.change * 100:+.2f}%" for r in rows], right=True),
+        Col("SOURCE", [r.source_identity[:19] for r in rows], priority=3),
     ], width, title)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from factory.catalog import QuantRow
 from factory.publish import card, upstream
 
 GB = 2**30
@@ -13,17 +14,18 @@ TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content']
 UPSTREAM_CARD = "---\nlicense: llama3.1\nlicense_link: LICENSE\nlanguage: [en, de]\n---\n# Llama\n"
 
 
-def _row(tag: str, bits: float, fits: list[tuple[int, int]] | None = None, **spec) -> dict:
-    method = tag.split("-")[0]
-    return {"name": f"llama:{tag}", "rev": "abc1234", "method": method, "bits": bits, "bytes": int(bits * GB),
-            "ppl": 8.0, "fp16_ppl": 7.6, "change": 0.05, "calibration": "file:/home/alice/corpus.txt",
-            "eval": {"text": "builtin:wiki", "windows": 48, "window_length": 2048, "device": "cuda"},
-            "versions": {}, "source_identity": "meta-llama/Llama-3.1-8B-Instruct@" + "a" * 40, "spec": spec,
-            "fits": [{"budget": b * GB, "fp16": f16, "q4": q4} for b, (f16, q4) in zip((8, 24), fits, strict=True)]
-            if fits else None}
+def _row(tag: str, bits: float, fits: list[tuple[int, int]] | None = None, **spec) -> QuantRow:
+    return QuantRow(
+        name="llama", tag=tag, rev="abc1234", method=tag.split("-")[0], bits=bits, bytes=int(bits * GB), ppl=8.0,
+        fp16_ppl=7.6, source="meta-llama/Llama-3.1-8B-Instruct", calibration="file:/home/alice/corpus.txt",
+        eval={"text": "builtin:wiki", "windows": 48, "window_length": 2048, "device": "cuda"}, versions={},
+        source_identity="meta-llama/Llama-3.1-8B-Instruct@" + "a" * 40, job="j", path="p", spec=spec,
+        created_at="2026-12-01T00:00:00",
+        fits=[{"budget": b * GB, "fp16": f16, "q4": q4} for b, (f16, q4) in zip((8, 24), fits, strict=True)]
+        if fits else None)
 
 
-def _card(tmp_path: Path, rows: list[dict], card_text: str | None = UPSTREAM_CARD) -> str:
+def _card(tmp_path: Path, rows: list[QuantRow], card_text: str | None = UPSTREAM_CARD) -> str:
     (tmp_path / "chat_template.jinja").write_text(TEMPLATE)
     up = upstream.read("meta-llama/Llama-3.1-8B-Instruct", card_text, tmp_path)
     return card.render("llama", up, rows[0], rows)

@@ -6,12 +6,22 @@ import pytest
 from rich.console import Console
 
 from factory import tables
+from factory.catalog import QuantRow
+
+
+def quant(ref: str, rev: str, method: str, bits: float, size: float, ppl: float, change: float,
+          source_identity: str) -> QuantRow:
+    name, tag = ref.split(":")
+    return QuantRow(name=name, tag=tag, rev=rev, method=method, bits=bits, bytes=int(size), ppl=ppl,
+                    fp16_ppl=ppl / (1 + change), source="s", source_identity=source_identity, calibration="c",
+                    eval={}, versions={}, job="j", path="p", spec={}, created_at="2026-12-01T00:00:00")
+
 
 QUANTS = [
-    {"name": "smollm2-135m-instruct:awq-w4g64", "rev": "c2f4786", "method": "awq", "bits": 4, "bytes": 174_168_064,
-     "ppl": 14.1926, "change": 0.1467, "source_identity": "sha256:c2f4786a1b2c3d4e5f"},
-    {"name": "smollm2-135m-instruct:exl2-4.31bpw-h8", "rev": "c2f4786", "method": "exl2", "bits": 4.31,
-     "bytes": 147_636_224, "ppl": 15.676, "change": 0.199, "source_identity": "sha256:c2f4786a1b2c3d4e5f"},
+    quant("smollm2-135m-instruct:awq-w4g64", "c2f4786", "awq", 4, 174_168_064, 14.1926, 0.1467,
+          "sha256:c2f4786a1b2c3d4e5f"),
+    quant("smollm2-135m-instruct:exl2-4.31bpw-h8", "c2f4786", "exl2", 4.31, 147_636_224, 15.676, 0.199,
+          "sha256:c2f4786a1b2c3d4e5f"),
 ]
 STEPS = [{"name": "inspect", "state": "succeeded", "seconds": 1.2, "error": None, "peak_gpu_bytes": None},
          {"name": "quantize:exl2-4.0bpw", "state": "succeeded", "seconds": 128.4, "error": None,
@@ -38,7 +48,7 @@ def test_quant_table(width):
     lines = render(tables.quants(QUANTS, width), width)
     assert len(lines) == 1 + len(QUANTS) and all(len(line) <= width for line in lines)
     for line, q in zip(lines[1:], QUANTS, strict=True):
-        assert line.startswith(f"{q['name']}@{q['rev']}  ")
+        assert line.startswith(f"{q.ref}@{q.rev}  ")
     assert "166.1 MiB" in lines[1] and "+14.67%" in lines[1] and "14.1926" in lines[1]
     assert ("SOURCE" in lines[0]) == (width == 200)  # the source gives way first
 
@@ -89,7 +99,6 @@ def test_the_readmes_sample_output_is_what_qf_prints():
     block = readme.split("```\njob ", 1)[1].split("```", 1)[0].splitlines()
     title, header, line = block[0], block[1], block[2]
     name, method, bits, size, unit, ppl, change, source = line.split()
-    row = {"name": name.split("@")[0], "rev": name.split("@")[1], "method": method, "bits": float(bits),
-           "bytes": float(size) * 2**20, "ppl": float(ppl), "change": float(change.rstrip("%")) / 100,
-           "source_identity": source}
+    row = quant(name.split("@")[0], name.split("@")[1], method, float(bits), float(size) * 2**20, float(ppl),
+                float(change.rstrip("%")) / 100, source)
     assert render(tables.quants([row], 200, title=f"job {title}"), 200) == [f"job {title}", header, line]

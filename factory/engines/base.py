@@ -21,6 +21,7 @@ from factory.vram import human
 if TYPE_CHECKING:
     import torch
 
+    from factory.catalog import QuantRow
     from factory.inspect import ModelInfo
     from factory.vram import Params, Shape
 
@@ -297,12 +298,12 @@ class Engine:
         """The card's snippet after `qf pull ... -o FOLDER`: markdown code blocks."""
         raise NotImplementedError
 
-    def describe_scores(self, row: dict) -> list[str]:
+    def describe_scores(self, row: QuantRow) -> list[str]:
         """Lines `qf show` prints about a quant's scores beyond perplexity."""
-        return [f"perplexity through {text}: {format_scores(row['eval'][group])}"
-                for group, text in self.scores_about.items() if row["eval"].get(group)]
+        return [f"perplexity through {text}: {format_scores(row.eval[group])}"
+                for group, text in self.scores_about.items() if row.eval.get(group)]
 
-    def card_sections(self, rows: list[dict]) -> tuple[str, str]:
+    def card_sections(self, rows: list[QuantRow]) -> tuple[str, str]:
         """Markdown sections the card adds about this engine's quants (`rows`): one before the prompt format and
         the load snippets, one after them (EXL2: which size to pick; where each fits)."""
         return "", ""

@@ -1,1 +1,2 @@
-"""Publish targets: the registry folder under FACTORY_HOME (folder.py); the Hub comes with issue D."""
+"""Publish targets: the registry folder under FACTORY_HOME (folder.py), the Hub (hub.py), the model card
+(card.py); publishing.py publishes a job's quant to them."""

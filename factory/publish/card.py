@@ -15,6 +15,7 @@ import yaml
 
 from calibration import public_name
 from factory import engines
+from factory.catalog import QuantRow
 from factory.publish.upstream import Upstream
 
 FILENAME = "README.md"
@@ -31,25 +32,25 @@ def _versions(versions: dict) -> str:
     return ", ".join(f"{k} {versions[k]}" for k in keep if k in versions)
 
 
-def _how_to_load(row: dict, place=None) -> str:
-    ref, folder = row["name"], row["name"].replace(":", "-")
+def _how_to_load(row: QuantRow, place=None) -> str:
+    ref, folder = row.ref, f"{row.name}-{row.tag}"
     get = f"qf pull {ref} -o {folder}"
     if place is not None:
         get = f"hf download {place.repo} --revision {place.branch} --local-dir {folder}\n# or: {get}"
-    note = f"\n{row['load_note']}\n" if row.get("load_note") else ""
-    return f"### {ref}\n\n```bash\n{get}\n```\n\n{engines.get(row['method']).how_to_load(folder)}{note}"
+    note = f"\n{row.load_note}\n" if row.load_note else ""
+    return f"### {ref}\n\n```bash\n{get}\n```\n\n{engines.get(row.method).how_to_load(folder)}{note}"
 
 
-def _calibration(r: dict) -> str:
+def _calibration(r: QuantRow) -> str:
     """The calibration a quant was made with: the text set, and how much of it (its engine says)."""
-    spec, text = r.get("spec") or {}, public_name(r["calibration"])
-    return engines.get(r["method"]).describe_calibration(spec, text) if spec else text
+    text = public_name(r.calibration)
+    return engines.get(r.method).describe_calibration(r.spec, text) if r.spec else text
 
 
-def _sections(rows: list[dict]) -> tuple[str, str]:
+def _sections(rows: list[QuantRow]) -> tuple[str, str]:
     """What each engine adds about its quants: before the prompt format, and after the load snippets."""
-    parts = [engines.get(m).card_sections([r for r in rows if r["method"] == m])
-             for m in sorted({r["method"] for r in rows})]
+    parts = [engines.get(m).card_sections([r for r in rows if r.method == m])
+             for m in sorted({r.method for r in rows})]
     return "".join(p[0] for p in parts), "".join(p[1] for p in parts)
 
 
@@ -74,9 +75,9 @@ def _prompt(up: Upstream) -> str:
             f"system and a user message become:\n\n```\n{prompt.strip()}\n```\n")
 
 
-def render(name: str, upstream: Upstream, this: dict, rows: list[dict], places: dict | None = None) -> str:
-    """`this` is the quant the folder holds; `rows` every quant of the model, `this` included. `places` (quant
-    name -> hub.Place) makes the card of a Hub repo: where each variant is, how to download it, and the plot."""
+def render(name: str, upstream: Upstream, this: QuantRow, rows: list[QuantRow], places: dict | None = None) -> str:
+    """`this` is the quant the folder holds; `rows` every quant of the model, `this` included. `places` (tag ->
+    hub.Place) makes the card of a Hub repo: where each variant is, how to download it, and the plot."""
     places = places or {}
     base_model = upstream.base_model
     meta = {
@@ -86,8 +87,8 @@ def render(name: str, upstream: Upstream, this: dict, rows: list[dict], places: 
         **({"license_link": upstream.license_link} if upstream.license_link else {}),
         **({"language": upstream.language} if upstream.language else {}),
         "pipeline_tag": "text-generation",
-        "library_name": engines.get(this["method"]).library_name,
-        "tags": sorted({this["method"], "quantized", QUANTIZED_BY}),
+        "library_name": engines.get(this.method).library_name,
+        "tags": sorted({this.method, "quantized", QUANTIZED_BY}),
         "quantized_by": QUANTIZED_BY,
     }
     table = [
@@ -95,18 +96,18 @@ def render(name: str, upstream: Upstream, this: dict, rows: list[dict], places: 
         + (" on the Hub |" if places else ""),
         "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if places else ""),
     ]
-    for r in sorted(rows, key=lambda r: (r["method"], r["bits"])):
-        ev = r["eval"]
-        mark = " (this folder)" if not places and (r["name"], r["rev"]) == (this["name"], this["rev"]) else ""
+    ordered = sorted(rows, key=lambda r: (r.method, r.bits))
+    for r in ordered:
+        ev = r.eval
+        mark = " (this folder)" if not places and (r.tag, r.rev) == (this.tag, this.rev) else ""
         table.append(
-            f"| `{r['name']}`{mark} | {r['method']} | {r['bits']:g} | {_size(r['bytes'])} | {r['ppl']:.4f} "
-            f"| {r['change'] * 100:+.2f}% | {_calibration(r)} | {public_name(ev['text'])}, "
-            f"{ev['windows']} x {ev['window_length']} tokens, {ev['device']} (FP16 {r['fp16_ppl']:.4f}) "
-            f"| {_versions(r['versions'])} | `{r['source_identity']}` |"
-            + (f" `{places[r['name']].repo}` branch `{places[r['name']].branch}` |" if places else "")
+            f"| `{r.ref}`{mark} | {r.method} | {r.bits:g} | {_size(r.bytes)} | {r.ppl:.4f} "
+            f"| {r.change * 100:+.2f}% | {_calibration(r)} | {public_name(ev['text'])}, "
+            f"{ev['windows']} x {ev['window_length']} tokens, {ev['device']} (FP16 {r.fp16_ppl:.4f}) "
+            f"| {_versions(r.versions)} | `{r.source_identity}` |"
+            + (f" `{places[r.tag].repo}` branch `{places[r.tag].branch}` |" if places else "")
         )
-    ordered = sorted(rows, key=lambda r: (r["method"], r["bits"]))
-    loads = "\n".join(_how_to_load(r, places.get(r["name"])) for r in ordered)
+    loads = "\n".join(_how_to_load(r, places.get(r.tag)) for r in ordered)
     before, after = _sections(rows)
     picture = f"\n![perplexity against size]({PLOT})\n" if places else ""
     return f"""---
@@ -129,7 +130,7 @@ FP16 model on those windows.
 {loads}{chr(10) + after if after else ""}"""
 
 
-def plot(rows: list[dict], path: Path) -> Path:
+def plot(rows: list[QuantRow], path: Path) -> Path:
     """Perplexity against size for every variant, the FP16 model as a dashed line (a PNG for the Hub card)."""
     import matplotlib
 
@@ -137,16 +138,16 @@ def plot(rows: list[dict], path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=100)
-    for method in sorted({r["method"] for r in rows}):
-        engine, mine = engines.get(method), [r for r in rows if r["method"] == method]
-        points = sorted((r["bytes"] / 2**20, r["ppl"], r["name"].split(":", 1)[1]) for r in mine)
+    for method in sorted({r.method for r in rows}):
+        engine, mine = engines.get(method), [r for r in rows if r.method == method]
+        points = sorted((r.bytes / 2**20, r.ppl, r.tag) for r in mine)
         if points:
             ax.plot([p[0] for p in points], [p[1] for p in points], marker=engine.plot_marker, label=engine.label)
             for x, y, tag in points:
                 ax.annotate(tag, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
-    ax.axhline(rows[0]["fp16_ppl"], linestyle="--", color="gray", label="FP16")
+    ax.axhline(rows[0].fp16_ppl, linestyle="--", color="gray", label="FP16")
     ax.set_xlabel("size (MiB)")
-    ax.set_ylabel(f"perplexity ({public_name(rows[0]['eval']['text'])})")
+    ax.set_ylabel(f"perplexity ({public_name(rows[0].eval['text'])})")
     ax.legend()
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -29,12 +29,16 @@ import re
 import shutil
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from factory.engines import child
 from factory.engines.base import Engine, Evaluation, Flag, MemoryPlan, QuantizeRequest, check_quant_folder
 from factory.engines.exl2 import card, evaluate, memory
 from factory.engines.exl2.spec import Exl2Spec, Exl2Targets, targets_from_flag
 from factory.errors import JobFailed, SpecError
+
+if TYPE_CHECKING:
+    from factory.catalog import QuantRow
 
 SCRIPT = "exllamav2.conversion.convert_exl2"
 STATUS = re.compile(r"\[STATUS\](.*)\[/STATUS\]")
@@ -156,7 +160,7 @@ class Exl2Engine(Engine):
     def how_to_load(self, folder: str) -> str:
         return card.how_to_load(folder)
 
-    def card_sections(self, rows: list[dict]) -> tuple[str, str]:
+    def card_sections(self, rows: list[QuantRow]) -> tuple[str, str]:
         return card.picks(rows), card.fits_on(rows)
 
     def version(self) -> str:

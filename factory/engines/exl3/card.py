@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from factory.engines.base import format_scores
 from factory.engines.exl3.evaluate import KV_CHUNK_NOTE
+
+if TYPE_CHECKING:
+    from factory.catalog import QuantRow
 
 DOTTED_NOTE = ("Its tensors are named `.model.…` (a leading dot), as exllamav3 1.6.5 names a text-only Gemma 3's "
                "modules, so exllamav3 1.6.5 loads it as it is; a release that fixes `Gemma3TextModel`'s key "
@@ -27,8 +32,8 @@ generator = Generator(model=model, cache=cache, tokenizer=tokenizer)
 """
 
 
-def kv_section(rows: list[dict]) -> str:
-    lines = [f"- `{r['name']}`: {format_scores(r['eval']['kv_cache'])}" for r in rows if r["eval"].get("kv_cache")]
+def kv_section(rows: list[QuantRow]) -> str:
+    lines = [f"- `{r.ref}`: {format_scores(r.eval['kv_cache'])}" for r in rows if r.eval.get("kv_cache")]
     if not lines:
         return ""
     return ("## EXL3 through a quantized KV cache\n\n"

@@ -29,6 +29,7 @@ import re
 import shutil
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from factory.engines import child
 from factory.engines.base import Engine, Evaluation, Flag, MemoryPlan, QuantizeRequest, check_quant_folder
@@ -37,6 +38,9 @@ from factory.engines.exl3.spec import MIN_ROWS, ROWS, Exl3Spec, Exl3Targets, tar
 from factory.errors import JobFailed, SpecError
 from factory.inspect import read_config, read_header
 from factory.vram import Params, Shape, human, tensor_bytes
+
+if TYPE_CHECKING:
+    from factory.catalog import QuantRow
 
 SCRIPT = "exllamav3.conversion.convert_model"
 PAD = 128  # exllamav3 pads linear layers to multiples of this (modules/linear.py)
@@ -199,7 +203,7 @@ class Exl3Engine(Engine):
             return card.DOTTED_NOTE
         return None
 
-    def card_sections(self, rows: list[dict]) -> tuple[str, str]:
+    def card_sections(self, rows: list[QuantRow]) -> tuple[str, str]:
         return "", card.kv_section(rows)
 
 

@@ -1,0 +1,149 @@
+"""Publishing a job's quant: its catalog row and registry folder (with its model card and manifest) in one act
+fenced by the job's lease token, then, with FACTORY_HUB_OWNER, its branch on the Hub and its repo's main (the card
+of every variant there, the plot, the files its engine puts on main). The pipeline calls these in its publish and
+push units; nothing here decides whether a quant passed its gate.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import math
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import calibration
+from factory import engines, files, identity
+from factory.catalog import Catalog, Job, Quant, QuantRow
+from factory.engines import QuantSpec
+from factory.publish import card, hub
+from factory.publish import folder as registry
+from factory.publish.upstream import Upstream
+from factory.settings import Settings
+
+
+@dataclass(frozen=True)
+class Scores:
+    """What a quant scored, as its row and card record it."""
+
+    ppl: float
+    fp16_ppl: float
+    extra: dict[str, dict]  # the engine's other scores by group (kv_cache: {fp16: ..., q4: ...})
+    windows: int
+    window_length: int
+
+
+class Publisher:
+    def __init__(self, settings: Settings, catalog: Catalog):
+        self.settings = settings
+        self.catalog = catalog
+        self._hub_writer = None  # an HfApi checked once for writing under FACTORY_HUB_OWNER
+
+    def to_registry(self, job: Job, spec: QuantSpec, out: Path, scores: Scores, upstream: Upstream,
+                    token: int | None) -> None:
+        """The quant's row and its registry folder `<name>/<tag>@<rev>`, one act fenced by `token`: a cancel or a
+        new holder either comes before it (nothing published) or waits for it."""
+        rev = identity.rev(job.source_identity)
+        engine = engines.get(spec.method)
+        (out / card.FILENAME).unlink(missing_ok=True)
+        files.check_publishable(out, engine.outputs)
+        quant = Quant(
+            job_id=job.id,
+            name=job.name,
+            tag=spec.tag,
+            rev=rev,
+            method=spec.method,
+            bits=spec.bits,
+            spec=spec.model_dump(),
+            bytes=sum(p.stat().st_size for p in out.iterdir() if p.is_file()),
+            path=str(registry.quant_dir(self.settings.registry, job.name, spec.tag, rev)
+                     .relative_to(self.settings.registry)),
+            source=job.source,
+            source_identity=job.source_identity,
+            calibration=job.calibration,
+            calibration_sha=job.calibration_sha,
+            versions=_versions(job.versions),
+            ppl=scores.ppl,
+            fp16_ppl=scores.fp16_ppl,
+            eval={
+                "text": job.eval,
+                "sha256": job.eval_sha,
+                "windows": scores.windows,
+                "window_length": scores.window_length,
+                "device": job.device,
+                # the engine's other scores, e.g. kv_cache (JSON: no NaN or infinity, so null)
+                **{group: {k: p if math.isfinite(p) else None for k, p in values.items()}
+                   for group, values in scores.extra.items()},
+            },
+        )
+        this = _with_engine_notes(quant.row(), engine, out)
+        others = [q.row() for q in self.catalog.quants(name=job.name) if (q.tag, q.rev) != (spec.tag, rev)]
+        (out / card.FILENAME).write_text(card.render(job.name, upstream, this, [this, *others]))
+        manifest = {  # identities, never local paths
+            "source_identity": job.source_identity,
+            "base_model": job.base_model,
+            "calibration": calibration.public_name(job.calibration),
+            "calibration_sha256": job.calibration_sha,
+            "versions": this.versions,
+            "job": job.id,
+            "spec": spec.model_dump(),
+            "eval": {**quant.eval, "text": calibration.public_name(job.eval), "ppl": scores.ppl,
+                     "fp16_ppl": scores.fp16_ppl},
+        }
+        self.catalog.put_quant(quant, token, publish=lambda: registry.publish(
+            self.settings.registry, job.name, spec.tag, rev, out, manifest))
+
+    def to_hub(self, job: Job, spec: QuantSpec, upstream: Upstream, check_ours: Callable[[], None]) -> None:
+        """The quant's branch on the Hub, then main of its repo: the card of every variant there with its plot, and
+        the files the engine puts on main (Engine.main_files). `check_ours` runs right before the push (it raises
+        once the job is not the caller's any more)."""
+        s, engine = self.settings, engines.get(spec.method)
+        templates = hub.templates(s.hub_repos)
+
+        def where(tag: str) -> hub.Place:
+            return hub.place(s.hub_owner, job.name, tag, templates)
+
+        here, rev = where(spec.tag), identity.rev(job.source_identity)
+        folder = registry.quant_dir(s.registry, job.name, spec.tag, rev)
+
+        def main_files() -> dict[str, Path]:  # made again after a concurrent commit to main
+            on_hub = hub.refs(here.repo)
+            latest = {q.tag: q for q in sorted(self.catalog.quants(name=job.name), key=lambda q: q.created_at)
+                      if q.method == spec.method and where(q.tag).branch in on_hub and (s.registry / q.path).is_dir()}
+            rows = [_with_engine_notes(q.row(), engine, s.registry / q.path) for q in latest.values()]
+            newest = max(rows, key=lambda r: r.created_at)
+            newest_dir = s.registry / newest.path
+            main_quant = {name: newest_dir / name for name in engine.main_files(newest_dir)}
+            if main_quant:
+                files.check_publishable(newest_dir, engine.outputs)
+            main = s.work / job.id / "hub-main" / spec.method
+            shutil.rmtree(main, ignore_errors=True)
+            main.mkdir(parents=True)
+            places = {r.tag: where(r.tag) for r in rows}
+            (main / card.FILENAME).write_text(card.render(job.name, upstream, newest, rows, places))
+            return {**main_quant, card.FILENAME: main / card.FILENAME, card.PLOT: card.plot(rows, main / card.PLOT)}
+
+        files.check_publishable(folder, engine.outputs)
+        self._hub_writer = self._hub_writer or hub.writer(s.hub_owner)
+        quant_files = {p.name: p for p in folder.iterdir() if p.is_file()}
+        message = f"{job.name}:{spec.tag}@{rev} from {job.source_identity}"
+        check_ours()  # immediately before the irreversible push
+        hub.put_branch(self._hub_writer, here.repo, here.branch, quant_files, message)
+        hub.put_branch(self._hub_writer, here.repo, "main", main_files, f"model card of {job.name}")
+
+
+def _with_engine_notes(row: QuantRow, engine, folder: Path) -> QuantRow:
+    """A quant's row for its card: with the engine's "fits on" table and what a user must know to load it."""
+    return replace(row, fits=engine.fits(folder), load_note=engine.load_note(folder))
+
+
+def _versions(engine_versions: dict) -> dict:
+    tools = {"torch": "torch", "transformers": "transformers", "quantfactory": "quantfactory"}
+    found = {}
+    for key, dist in tools.items():
+        try:
+            found[key] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            found[key] = "unknown"
+    return {**found, **engine_versions}
