@@ -33,6 +33,7 @@ from rich.table import Column, Table
 
 from factory import engines, naming, settings, tables
 from factory.errors import FactoryError, JobFailed, NotFound, ServiceUnavailable, SpecError
+from factory.events import Event
 
 app = typer.Typer(
     add_completion=False,
@@ -123,11 +124,11 @@ class Renderer:
         if self.live:
             self.progress.stop()
 
-    def __call__(self, event: dict) -> None:
+    def __call__(self, event: Event) -> None:
         with self.lock:
             self._render(event)
 
-    def _render(self, event: dict) -> None:
+    def _render(self, event: Event) -> None:
         if self.as_json:
             print(json.dumps(event, default=str), flush=True)
             return

@@ -9,7 +9,7 @@
 stopped: finished quantize and evaluate steps are reused; steps an earlier attempt left running (it was killed)
 are marked interrupted. Engines and evaluators read the source through a staging folder of its allowlisted files
 (factory/files.py), and a quant is published only when its folder holds nothing else. Nothing here prints:
-progress goes to `emit` as events (dicts with an "event" key) that the CLI renders.
+progress goes to `emit` as events (factory/events.py) that the CLI renders.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import calibration
-from factory import engines, evaluate, files, identity, naming, sources, tables
+from factory import engines, evaluate, events, files, identity, naming, sources, tables
 from factory.catalog import Catalog, Job, JobState, Lease, StepState
 from factory.engines import Engine, QuantSpec
 from factory.errors import (
@@ -39,6 +39,7 @@ from factory.errors import (
     SpecError,
     mask_url,
 )
+from factory.events import Emit
 from factory.identity import job_key, measurement_key
 from factory.inspect import ModelInfo, inspect
 from factory.jobs import eta, graph, packing
@@ -49,7 +50,6 @@ from factory.recipes import Recipe
 from factory.settings import Settings
 from factory.vram import CONTEXT_BYTES, HEADROOM, Params, Shape
 
-Emit = Callable[[dict], None]
 CANCEL_CHECK_SECONDS = 1.0  # how often a running step looks whether its job was cancelled or taken over
 AUTOMATIC_MAX_UNITS = 8  # on a GPU without --max-units: beyond 8 EXL2 passes an H200's SMs are busy (GPU.md)
 HISTORY_MARGIN = 1.1  # over the highest peak the catalog recorded for a unit of the same source
@@ -164,17 +164,7 @@ class Factory:
             versions=versions,
             device=device,
         )
-        self.emit(
-            {
-                "event": "job",
-                "job": job.id,
-                "created": created,
-                "state": job.state,
-                "name": name,
-                "source": source.source,
-                "source_identity": source.identity,
-            }
-        )
+        self.emit(events.job(job.id, created, job.state, name, source.source, source.identity))
         return job, created
 
     def _runnable(self, specs: list[QuantSpec], request: Request, device: str) -> list[QuantSpec]:
@@ -192,7 +182,7 @@ class Factory:
                     raise SpecError(f"{engine.label} ({flags}) needs a CUDA GPU and {where} none"
                                     + (f"; {alternative}" if alternative else ""))
                 specs = [s for s in specs if s.method != engine.name]
-                self.emit({"event": "note", "message": f"no CUDA GPU: skipping the recipe's {engine.label} targets"})
+                self.emit(events.note(f"no CUDA GPU: skipping the recipe's {engine.label} targets"))
         if not specs:
             flags = ", ".join(f"--{e.name}" + (" VALUE" if e.flag.takes_value else "")
                               for e in engines.all_engines() if e.flag)
@@ -275,7 +265,7 @@ class Factory:
             state = self.catalog.job(job_id).state
             if state != JobState.running and not (state == JobState.queued and time.monotonic() - start < 60):
                 return  # over, or not started by its holder within a minute
-            self.emit({"event": "waiting", "for": ["inspect"], "by": self.holder})
+            self.emit(events.waiting(["inspect"], self.holder))
             time.sleep(MEASUREMENT_WAIT_SECONDS)
         job = self.catalog.job(job_id)
         if job.state != JobState.running:
@@ -303,7 +293,7 @@ class Factory:
                 if ready:
                     packing.run(ready, work, lambda unit: needs[unit.name], packer, self._stop, self._note)
                 else:  # the job's holder is making the measurement; an event: this helper is alive
-                    self.emit({"event": "waiting", "for": sorted({u.measurement for u in left}), "by": self.holder})
+                    self.emit(events.waiting(sorted({u.measurement for u in left}), self.holder))
                     time.sleep(MEASUREMENT_WAIT_SECONDS)
         except (Cancelled, LeaseLost) as e:  # the job ended, or a claim went to another holder: nothing more here
             log.warning("job %s: a helper stops: %s", job_id, e.message)
@@ -311,7 +301,7 @@ class Factory:
             log.warning("job %s: a helper stops: a unit it held was taken over", job_id)
 
     def _note(self, message: str) -> None:
-        self.emit({"event": "note", "message": message})
+        self.emit(events.note(message))
 
     def _unit(self, job: Job, prepared: _Prepared, unit: Unit, made: _Made) -> None:
         """One unit's work; what it makes goes into `made` for the units after it."""
@@ -360,8 +350,8 @@ class Factory:
         left = {name: 0.0 if name in done else s for name, s in self._expected_seconds.items()}
         wall = eta.wall_seconds(units, left, lambda unit: needs[unit.name], packer)
         self.catalog.set_expected_end(job.id, wall, self.token)
-        self.emit({"event": "note", "message": f"{len(units)} units, expected to take {tables.duration(wall)} "
-                   f"(up to {packer.max_units} at once)"})
+        self.emit(events.note(f"{len(units)} units, expected to take {tables.duration(wall)} "
+                   f"(up to {packer.max_units} at once)"))
 
     def estimate(self, job: Job) -> tuple[float, float] | None:
         """(packed, one after another) expected seconds of a job that was just submitted, from its source's shape
@@ -426,8 +416,7 @@ class Factory:
         step's records besides the job's lease; `on_success` runs under those fences as the step succeeds."""
         self._check_ours(job_id)
         expected = self._expected_seconds.get(name)
-        self.emit({"event": "step", "step": name, "state": StepState.running,
-                   **({"expected_seconds": round(expected, 1)} if expected is not None else {})})
+        self.emit(events.step_started(name, expected))
         step_id = self.catalog.start_step(job_id, name, self.token, expected, self.holder, claim)
         start = time.monotonic()
         peak: list[int] = []
@@ -436,7 +425,7 @@ class Factory:
         def progress(**event) -> None:
             if event.get("peak_gpu_bytes") is not None:
                 peak.append(event["peak_gpu_bytes"])
-            self.emit({"event": "progress", "step": name, **event})
+            self.emit(events.progress(name, event))
             if self._stop.is_set():
                 raise packing.Stopped(f"{name} stopped: the job stops")
             if time.monotonic() - checked[0] > CANCEL_CHECK_SECONDS:
@@ -454,13 +443,12 @@ class Factory:
         except BaseException as e:
             error = mask_url(e.message if isinstance(e, FactoryError) else f"{type(e).__name__}: {e}")
             self.catalog.end_step(step_id, StepState.failed, error, max(peak, default=None), self.token, claim)
-            self.emit({"event": "step", "step": name, "state": StepState.failed, "error": error})
+            self.emit(events.step_failed(name, error))
             raise
         self.catalog.end_step(step_id, StepState.succeeded, None, max(peak, default=None), self.token, claim,
                               on_success)
         seconds = round(time.monotonic() - start, 3)
-        self.emit({"event": "step", "step": name, "state": StepState.succeeded, "seconds": seconds,
-                   "peak_gpu_bytes": max(peak, default=None)})
+        self.emit(events.step_succeeded(name, seconds, max(peak, default=None)))
 
     def _check_ours(self, job_id: str) -> None:
         """Raises Cancelled when the job was cancelled, LeaseLost when another holder has it."""
@@ -486,8 +474,8 @@ class Factory:
         for s in prepared.specs:
             if s.tag in prepared.calibration:  # what the engine takes of the text, said before it runs for minutes
                 used = engines.get(s.method).describe_calibration(s.model_dump(), job.calibration)
-                self.emit({"event": "note", "message": f"{s.tag}: calibration {used}; eval {job.eval} "
-                           f"{job.eval_windows} x {prepared.stream.window_length} tokens on {job.device}"})
+                self.emit(events.note(f"{s.tag}: calibration {used}; eval {job.eval} "
+                           f"{job.eval_windows} x {prepared.stream.window_length} tokens on {job.device}"))
         return prepared
 
     def _read(self, job: Job, fetched: Path | None, where: Path) -> _Prepared:
@@ -573,7 +561,7 @@ class Factory:
                 calibration_file=prepared.calibration_file,
                 measurement=measurement,
             )
-            engine.quantize(request, lambda event: progress(**_progress(event)))
+            engine.quantize(request, lambda event: progress(**event))
 
     def _helper_work(self, job: Job) -> Path:
         return self.settings.work / job.id / "helpers" / self.holder.replace(":", "-")
@@ -603,8 +591,8 @@ class Factory:
         name, claim = f"measure:{key[:12]}", f"measure:{key}"
         while True:
             if (known := self._known_measurement(key)) is not None:
-                self.emit({"event": "note", "message": f"reusing {engine.label} measurement {key[:12]} ({rows} x "
-                           f"{length} tokens)"})
+                self.emit(events.note(f"reusing {engine.label} measurement {key[:12]} ({rows} x "
+                           f"{length} tokens)"))
                 return known
             if (token := self.catalog.claim(claim, self._claimer(job), self.settings.lease_seconds)) is not None:
                 if self._known_measurement(key) is None:  # not finished while we took the claim
@@ -623,7 +611,7 @@ class Factory:
                     length,
                     self.settings.work / job.id / f"measure-{key[:12]}",
                     path,
-                    lambda event: progress(**_progress(event)),
+                    lambda event: progress(**event),
                 )
                 self.catalog.add_measurement(
                     job.id,
@@ -647,8 +635,8 @@ class Factory:
     def _wait_for_measurement(self, job: Job, claim: str, name: str, key: str) -> None:
         """Until the measurement exists or nobody holds its claim any more."""
         maker = self.catalog.claimant(claim)
-        self.emit({"event": "note", "message": f"{name}: {_claim_holder(maker)} is making this measurement; "
-                   "waiting for it"})
+        self.emit(events.note(f"{name}: {_claim_holder(maker)} is making this measurement; "
+                   "waiting for it"))
         with self._step(job.id, f"wait:{name}") as progress:
             while self._known_measurement(key) is None and (maker := self.catalog.claimant(claim)) is not None:
                 progress(waiting_for=_claim_holder(maker))  # an event: this job is alive while it waits
@@ -679,7 +667,7 @@ class Factory:
     def _evaluate_fp16(self, job: Job, prepared: _Prepared) -> float:
         key = (job.source_identity, job.eval_sha, job.eval_windows, prepared.stream.window_length, job.device)
         if (ppl := self.catalog.baseline(*key)) is not None:
-            self.emit({"event": "note", "message": f"FP16 perplexity {ppl:.4f} reused from an earlier evaluation"})
+            self.emit(events.note(f"FP16 perplexity {ppl:.4f} reused from an earlier evaluation"))
             return ppl
         return self._measure(job, prepared, "fp16", prepared.folder, evaluate.load_fp16, evaluate.FP16_EVALUATOR)
 
@@ -707,7 +695,7 @@ class Factory:
 
                 result = evaluate.evaluate(out, e.load, engine.evaluator, prepared.stream, on_window)
                 scores[e.key] = self._record(job, prepared, subjects[e.key], result, progress)
-                self.emit({"event": "evaluation", "subject": subjects[e.key], "ppl": result.ppl})
+                self.emit(events.evaluation(subjects[e.key], result.ppl))
         return scores
 
     def _measure(self, job: Job, prepared: _Prepared, subject: str, folder: Path, load, evaluator: str) -> float:
@@ -717,7 +705,7 @@ class Factory:
                 lambda done, total: progress(done=done, total=total, unit="window"),
             )
             self._record(job, prepared, subject, result, progress)
-        self.emit({"event": "evaluation", "subject": subject, "ppl": result.ppl})
+        self.emit(events.evaluation(subject, result.ppl))
         return result.ppl
 
     def _record(self, job: Job, prepared: _Prepared, subject: str, result: evaluate.Result, progress) -> float:
@@ -756,16 +744,8 @@ class Factory:
             self.publisher.to_hub(job, spec, prepared.upstream, lambda: self._check_ours(job.id))
 
     def _result(self, job: Job) -> None:
-        self.emit(
-            {
-                "event": "result",
-                "job": job.id,
-                "state": job.state,
-                "error": job.error,
-                "exit_code": job.exit_code or 0,
-                "quants": [q.row().to_json() for q in self.catalog.quants(job_id=job.id)],
-            }
-        )
+        self.emit(events.result(job.id, job.state, job.error, job.exit_code or 0,
+                                [q.row().to_json() for q in self.catalog.quants(job_id=job.id)]))
 
 
 def unit_claim(job_id: str, unit: str) -> str:
@@ -808,7 +788,3 @@ def _text(name: str, sha256: str) -> calibration.TextSet:
     if text.sha256 != sha256:
         raise SpecError(f"text set {name!r} changed since the job was submitted; submit it again")
     return text
-
-
-def _progress(event: dict) -> dict:
-    return {k: v for k, v in event.items() if k != "event"}

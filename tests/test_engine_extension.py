@@ -60,7 +60,8 @@ def test_an_unknown_engine_key_lists_the_registered_ones(qf, tiny, tmp_path, rou
 # or inside a function alike. The leaves import nothing but errors; engines never see the catalog or publishing.
 LAYERS = [
     ["factory.errors"],
-    ["factory.settings", "factory.specs", "factory.naming", "factory.files", "factory.tables", "calibration"],
+    ["factory.settings", "factory.specs", "factory.naming", "factory.files", "factory.tables", "factory.events",
+     "calibration"],
     ["factory.identity", "factory.inspect", "factory.hubclient", "factory.catalog", "factory.status",
      "factory.evaluate", "factory.publish.upstream"],
     ["factory.sources", "factory.vram"],
@@ -69,7 +70,7 @@ LAYERS = [
     ["factory.pipeline", "factory.housekeeping", "factory.leases"],
     ["factory.cli", "workers"],
 ]
-LEAVES = {"factory.errors", "factory.settings", "factory.specs", "factory.naming"}
+LEAVES = {"factory.errors", "factory.settings", "factory.specs", "factory.naming", "factory.events"}
 
 
 
