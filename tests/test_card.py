@@ -7,6 +7,7 @@ from pathlib import Path
 
 from factory.catalog import QuantRow
 from factory.publish import card, upstream
+from tests.quant_rows import quant_row
 
 GB = 2**30
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -15,12 +16,10 @@ UPSTREAM_CARD = "---\nlicense: llama3.1\nlicense_link: LICENSE\nlanguage: [en, d
 
 
 def _row(tag: str, bits: float, fits: list[tuple[int, int]] | None = None, **spec) -> QuantRow:
-    return QuantRow(
-        name="llama", tag=tag, rev="abc1234", method=tag.split("-")[0], bits=bits, bytes=int(bits * GB), ppl=8.0,
-        fp16_ppl=7.6, source="meta-llama/Llama-3.1-8B-Instruct", calibration="file:/home/alice/corpus.txt",
-        eval={"text": "builtin:wiki", "windows": 48, "window_length": 2048, "device": "cuda"}, versions={},
-        source_identity="meta-llama/Llama-3.1-8B-Instruct@" + "a" * 40, job="j", path="p", spec=spec,
-        created_at="2026-12-01T00:00:00",
+    return quant_row(
+        f"llama:{tag}", bits=bits, bytes=int(bits * GB), calibration="file:/home/alice/corpus.txt",
+        eval={"text": "builtin:wiki", "windows": 48, "window_length": 2048, "device": "cuda"},
+        source_identity="meta-llama/Llama-3.1-8B-Instruct@" + "a" * 40, spec=spec,
         fits=[{"budget": b * GB, "fp16": f16, "q4": q4} for b, (f16, q4) in zip((8, 24), fits, strict=True)]
         if fits else None)
 

@@ -7,14 +7,13 @@ from rich.console import Console
 
 from factory import tables
 from factory.catalog import QuantRow
+from tests.quant_rows import quant_row
 
 
 def quant(ref: str, rev: str, method: str, bits: float, size: float, ppl: float, change: float,
           source_identity: str) -> QuantRow:
-    name, tag = ref.split(":")
-    return QuantRow(name=name, tag=tag, rev=rev, method=method, bits=bits, bytes=int(size), ppl=ppl,
-                    fp16_ppl=ppl / (1 + change), source="s", source_identity=source_identity, calibration="c",
-                    eval={}, versions={}, job="j", path="p", spec={}, created_at="2026-12-01T00:00:00")
+    return quant_row(ref, rev=rev, method=method, bits=bits, bytes=int(size), ppl=ppl, fp16_ppl=ppl / (1 + change),
+                     source_identity=source_identity)
 
 
 QUANTS = [

@@ -16,6 +16,7 @@ from factory.engines.exl2 import memory as vram
 from factory.engines.exl2.spec import Fit
 from factory.engines.exl3 import memory as exl3_memory
 from factory.errors import SpecError
+from tests.quant_rows import quant_row
 
 ROOT = Path(__file__).resolve().parent.parent
 MEASURED = ROOT / "benchmarks" / "results" / "h200-2026-11-30" / "vram_smollm2.json"
@@ -215,8 +216,8 @@ def test_fits_table_of_a_finished_quant_and_its_card(tmp_path):
     fits = vram.quant_fits(folder)
     assert [f["budget"] for f in fits] == list(vram.FIT_BUDGETS)
     assert all(f["fp16"] == 8192 and f["q4"] == 8192 for f in fits)  # a 135M model fits 8 GB at its full context
-    row = {"name": "smollm2:exl2-4.0bpw", "fits": fits, "fit": {"vram": 8 * 2**30, "ctx": 8192, "cache": "q4"},
-           "eval": {"kv_cache": {"fp16": 16.2, "q8": 16.21, "q4": 16.5}}}
+    row = quant_row("smollm2:exl2-4.0bpw", fits=fits, spec={"fit": {"vram": 8 * 2**30, "ctx": 8192, "cache": "q4"}},
+                    eval={"kv_cache": {"fp16": 16.2, "q8": 16.21, "q4": 16.5}})
     text = exl2_card.fits(row)
     assert "| 8 GB | 8,192 tokens | 8,192 tokens |" in text and "Made to fit 8 GiB with 8192 tokens of q4" in text
     assert "fp16 16.2000, q8 16.2100, q4 16.5000" in text
