@@ -717,10 +717,13 @@ class Catalog:
             s.execute(delete(Claim).where(Claim.key == key, Claim.token == token))
 
     def claimant(self, key: str) -> str | None:
-        """The holder whose valid claim holds `key`, if any."""
+        """The holder whose valid claim holds `key`, if any (one on this machine whose process is gone holds
+        nothing: `claim` takes it over at once)."""
         with self.session() as s:
             held = s.get(Claim, key)
-            return held.holder if held is not None and held.until > now() else None
+            if held is None or held.until <= now() or gone(held.holder.rpartition("@")[2]):
+                return None
+            return held.holder
 
     def _fence_claim(self, s: Session, claim: tuple[str, int] | None) -> None:
         """Inside a write's own transaction: go on only while `claim` (key, token) is still held."""

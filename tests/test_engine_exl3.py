@@ -181,6 +181,7 @@ def test_text_only_gemma3_sources_are_read_with_exllamav3s_dotted_names(tmp_path
 
 def test_the_card_says_how_exllamav3_names_a_gemma3_quant(tmp_path, tiny):
     from factory.publish import card
+    from tests.quant_rows import quant_row
 
     gemma3 = tmp_path / "gemma3"
     shutil.copytree(tiny, gemma3)
@@ -189,7 +190,7 @@ def test_the_card_says_how_exllamav3_names_a_gemma3_quant(tmp_path, tiny):
     engine = engines.get("exl3")
     assert "exllamav3 1.6.5 loads it as it is" in engine.load_note(gemma3)
     assert engine.load_note(tiny) is None
-    row = {"name": "gemma3:exl3-4.0bpw", "method": "exl3", "load_note": engine.load_note(gemma3)}
+    row = quant_row("gemma3:exl3-4.0bpw", load_note=engine.load_note(gemma3))
     assert card._how_to_load(row).endswith(f"```\n\n{engine.load_note(gemma3)}\n")
 
 
