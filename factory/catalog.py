@@ -45,6 +45,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, rela
 
 from factory.errors import Cancelled, LeaseLost, ServiceUnavailable, SpecError, database_error, mask_url
 from factory.identity import gone
+from factory.published import QuantRow
 from factory.settings import database_kind
 
 
@@ -205,55 +206,6 @@ class Quant(Base):
             calibration=self.calibration, eval=self.eval, versions=self.versions, job=self.job_id, path=self.path,
             spec=self.spec or {}, created_at=(self.created_at or now()).isoformat(timespec="seconds"),
         )
-
-
-@dataclass(frozen=True)
-class QuantRow:
-    """A published quant as the card, the CLI and `--json` see it: its model name, tag and revision apart (`ref`
-    is `name:tag`); `fits` and `load_note` are its engine's, added where a card or `qf show` wants them."""
-
-    name: str
-    tag: str
-    rev: str
-    method: str
-    bits: float
-    bytes: int
-    ppl: float
-    fp16_ppl: float
-    source: str
-    source_identity: str
-    calibration: str
-    eval: dict  # text, sha256, windows, window_length, device, and the engine's other scores by group
-    versions: dict
-    job: str
-    path: str  # relative to the registry folder
-    spec: dict
-    created_at: str
-    fits: list[dict] | None = None  # the longest context that fits each budget (engines with a memory model)
-    load_note: str | None = None
-
-    @property
-    def ref(self) -> str:
-        return f"{self.name}:{self.tag}"
-
-    @property
-    def change(self) -> float:
-        return self.ppl / self.fp16_ppl - 1
-
-    @property
-    def fit(self) -> dict | None:
-        """The VRAM budget `--fit` chose this size for."""
-        return self.spec.get("fit")
-
-    def to_json(self) -> dict:
-        """`name` as people type it (`name:tag`), with `tag` and `rev` apart too."""
-        row = {"name": self.ref, "model": self.name, "tag": self.tag, "rev": self.rev, "method": self.method,
-               "bits": self.bits, "bytes": self.bytes, "ppl": self.ppl, "fp16_ppl": self.fp16_ppl,
-               "change": self.change, "source": self.source, "source_identity": self.source_identity,
-               "calibration": self.calibration, "eval": self.eval, "versions": self.versions, "job": self.job,
-               "path": self.path, "spec": self.spec, "fit": self.fit, "created_at": self.created_at}
-        return {**row, **({"fits": self.fits} if self.fits else {}),
-                **({"load_note": self.load_note} if self.load_note else {})}
 
 
 class Measurement(Base):

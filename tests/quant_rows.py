@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from factory.catalog import QuantRow
+from factory.published import QuantRow
 
 DEFAULTS = dict(rev="abc1234", bits=4.0, bytes=2**30, ppl=8.0, fp16_ppl=7.6, source="s", source_identity="sha256:0",
                 calibration="builtin:c4", eval={}, versions={}, job="j", path="p", spec={},

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from factory.catalog import QuantRow
 from factory.publish import card, upstream
+from factory.published import QuantRow
 from tests.quant_rows import quant_row
 
 GB = 2**30

@@ -21,8 +21,8 @@ from factory.vram import human
 if TYPE_CHECKING:
     import torch
 
-    from factory.catalog import QuantRow
     from factory.inspect import ModelInfo
+    from factory.published import QuantRow
     from factory.vram import Params, Shape
 
 Emit = Callable[[dict], None]

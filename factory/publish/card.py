@@ -15,8 +15,8 @@ import yaml
 
 from calibration import public_name
 from factory import engines
-from factory.catalog import QuantRow
 from factory.publish.upstream import Upstream
+from factory.published import QuantRow
 
 FILENAME = "README.md"
 PLOT = "ppl_vs_size.png"  # beside the card of a Hub repo

@@ -15,11 +15,12 @@ from pathlib import Path
 
 import calibration
 from factory import engines, files, identity
-from factory.catalog import Catalog, Job, Quant, QuantRow
+from factory.catalog import Catalog, Job, Quant
 from factory.engines import QuantSpec
 from factory.publish import card, hub
 from factory.publish import folder as registry
 from factory.publish.upstream import Upstream
+from factory.published import QuantRow
 from factory.settings import Settings
 
 

@@ -8,7 +8,7 @@ from factory.engines.base import format_scores
 from factory.engines.exl2.evaluate import KV_CHUNK_NOTE
 
 if TYPE_CHECKING:
-    from factory.catalog import QuantRow
+    from factory.published import QuantRow
 
 
 def how_to_load(folder: str) -> str:

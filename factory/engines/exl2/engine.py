@@ -38,7 +38,7 @@ from factory.engines.exl2.spec import Exl2Spec, Exl2Targets, targets_from_flag
 from factory.errors import JobFailed, SpecError
 
 if TYPE_CHECKING:
-    from factory.catalog import QuantRow
+    from factory.published import QuantRow
 
 SCRIPT = "exllamav2.conversion.convert_exl2"
 STATUS = re.compile(r"\[STATUS\](.*)\[/STATUS\]")

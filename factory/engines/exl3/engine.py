@@ -40,7 +40,7 @@ from factory.inspect import read_config, read_header
 from factory.vram import Params, Shape, human, tensor_bytes
 
 if TYPE_CHECKING:
-    from factory.catalog import QuantRow
+    from factory.published import QuantRow
 
 SCRIPT = "exllamav3.conversion.convert_model"
 PAD = 128  # exllamav3 pads linear layers to multiples of this (modules/linear.py)
