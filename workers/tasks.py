@@ -12,6 +12,11 @@ lost, so a job that kills its workers does not loop forever; the hand-off from t
 is not a loss. Redis' visibility timeout stays a backstop: a redelivered message of a job that finished or is held
 by another worker does nothing. `enqueue` is the one place that hands a job to the broker.
 
+A job's conversions spread over the gpu queue: the worker that takes a job queues a `help_job` per target beyond the
+first, and a worker with nothing else to do converts the sizes nobody holds yet beside the job's holder
+(Factory.help: each size under a claim in the catalog, fenced by its token). Help is optional: a message that
+finds the job done, or every size taken, does nothing.
+
 `check_watchlist` (beat, every FACTORY_WATCH_SECONDS) asks the Hub about the watchlist, plans with
 factory/schedule.py and submits like `qf submit`; one check at a time (a Redis lock), so two beats still make
 one job, and a release already planned is a row in the catalog's `upstream` table.
