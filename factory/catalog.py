@@ -106,7 +106,7 @@ class Claim(Base):
 
     __tablename__ = "claims"
     key: Mapped[str] = mapped_column(String(160), primary_key=True)
-    holder: Mapped[str] = mapped_column(String(160))  # <job>@<host>:<pid> (factory.leases.unit_holder)
+    holder: Mapped[str] = mapped_column(String(160))  # <job>@<host>:<pid> (Factory._claimer)
     until: Mapped[datetime] = mapped_column()
     token: Mapped[int] = mapped_column(Integer, default=1)  # +1 every time it changes hands
 
@@ -206,6 +206,11 @@ class Quant(Base):
             calibration=self.calibration, eval=self.eval, versions=self.versions, job=self.job_id, path=self.path,
             spec=self.spec or {}, created_at=(self.created_at or now()).isoformat(timespec="seconds"),
         )
+
+
+def _holding(held: Claim) -> bool:
+    """A claim is held until it runs out, or until its holder on this machine is gone (a killed process)."""
+    return held.until > now() and not gone(held.holder.rpartition("@")[2])
 
 
 class Measurement(Base):
@@ -650,7 +655,7 @@ class Catalog:
                     if held is None:
                         s.add(Claim(key=key, holder=holder, until=until, token=1))
                         return 1
-                    if held.until > now() and held.holder != holder and not gone(held.holder.rpartition("@")[2]):
+                    if _holding(held) and held.holder != holder:
                         return None
                     held.holder, held.until, held.token = holder, until, held.token + 1
                     return held.token
@@ -673,9 +678,7 @@ class Catalog:
         nothing: `claim` takes it over at once)."""
         with self.session() as s:
             held = s.get(Claim, key)
-            if held is None or held.until <= now() or gone(held.holder.rpartition("@")[2]):
-                return None
-            return held.holder
+            return held.holder if held is not None and _holding(held) else None
 
     def _fence_claim(self, s: Session, claim: tuple[str, int] | None) -> None:
         """Inside a write's own transaction: go on only while `claim` (key, token) is still held."""

@@ -53,7 +53,7 @@ from factory.vram import CONTEXT_BYTES, HEADROOM, Params, Shape
 CANCEL_CHECK_SECONDS = 1.0  # how often a running step looks whether its job was cancelled or taken over
 AUTOMATIC_MAX_UNITS = 8  # on a GPU without --max-units: beyond 8 EXL2 passes an H200's SMs are busy (GPU.md)
 HISTORY_MARGIN = 1.1  # over the highest peak the catalog recorded for a unit of the same source
-MEASUREMENT_WAIT_SECONDS = 2.0  # how often a job that waits for another job's measurement looks again
+WAIT_SECONDS = 2.0  # how often a process that waits for another one (its measurement, a unit it claimed) looks again
 log = logging.getLogger("quantfactory")
 INTERRUPTED = "interrupted (Ctrl-C or SIGTERM); run the same command again to continue from the finished steps"
 
@@ -266,7 +266,7 @@ class Factory:
             if state != JobState.running and not (state == JobState.queued and time.monotonic() - start < 60):
                 return  # over, or not started by its holder within a minute
             self.emit(events.waiting(["inspect"], self.holder))
-            time.sleep(MEASUREMENT_WAIT_SECONDS)
+            time.sleep(WAIT_SECONDS)
         job = self.catalog.job(job_id)
         if job.state != JobState.running:
             return
@@ -294,7 +294,7 @@ class Factory:
                     packing.run(ready, work, lambda unit: needs[unit.name], packer, self._stop, self._note)
                 else:  # the job's holder is making the measurement; an event: this helper is alive
                     self.emit(events.waiting(sorted({u.measurement for u in left}), self.holder))
-                    time.sleep(MEASUREMENT_WAIT_SECONDS)
+                    time.sleep(WAIT_SECONDS)
         except (Cancelled, LeaseLost) as e:  # the job ended, or a claim went to another holder: nothing more here
             log.warning("job %s: a helper stops: %s", job_id, e.message)
         except packing.Stopped:  # a unit's claim went to another holder while this process was stopped
@@ -525,7 +525,7 @@ class Factory:
                 if helping:
                     return None
                 self._check_ours(job.id)
-                time.sleep(MEASUREMENT_WAIT_SECONDS)
+                time.sleep(WAIT_SECONDS)
                 continue
             try:
                 if self._quantized(job, spec) is None:  # not finished while we took the claim
@@ -640,7 +640,7 @@ class Factory:
         with self._step(job.id, f"wait:{name}") as progress:
             while self._known_measurement(key) is None and (maker := self.catalog.claimant(claim)) is not None:
                 progress(waiting_for=_claim_holder(maker))  # an event: this job is alive while it waits
-                time.sleep(MEASUREMENT_WAIT_SECONDS)
+                time.sleep(WAIT_SECONDS)
 
     @contextmanager
     def _renewed(self, claim: str, token: int, stop_when_lost: bool = False):

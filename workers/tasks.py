@@ -138,11 +138,7 @@ def _call_helpers(job: Job) -> None:
 def _execute_help(job_id: str, stall: float) -> None:
     """Factory.help in a spawned job process, as _execute runs a job; killed when it stops reporting progress
     (its claims then run out and the job's holder makes those units)."""
-    global _spare
-    proc, conn, progress = _spare if _spare and _spare[0].is_alive() else _spawn()
-    progress.value = time.time()
-    conn.send(("help", job_id))
-    _spare = _spawn()
+    proc, conn, progress = _hand_to_job_process(("help", job_id))
     while proc.is_alive():
         proc.join(timeout=1.0)
         if proc.is_alive() and time.time() - progress.value > stall:
@@ -156,11 +152,7 @@ def _execute(factory: Factory, lease: Lease, publish: bool, seconds: float, stal
     The process for the next job is started (and has done its imports) while this one runs. The lease is renewed
     while that process lives and reports progress (a timestamp it shares); a stall or a lost lease kills it.
     Returns the state the job process reported (None when it died, LOST when the lease went)."""
-    global _spare
-    proc, conn, progress = _spare if _spare and _spare[0].is_alive() else _spawn()
-    progress.value = time.time()
-    conn.send(("run", lease, publish))
-    _spare = _spawn()
+    proc, conn, progress = _hand_to_job_process(("run", lease, publish))
 
     def alive() -> str | None:
         if not proc.is_alive():
@@ -184,6 +176,16 @@ def _execute(factory: Factory, lease: Lease, publish: bool, seconds: float, stal
         factory.catalog.fail_job(lease.job_id, f"the job's process died ({how})", lease.token)
         return None
     return outcome
+
+
+def _hand_to_job_process(message: tuple):
+    """The spare job process (or a new one) takes `message`; another spare starts for the next job."""
+    global _spare
+    proc, conn, progress = _spare if _spare and _spare[0].is_alive() else _spawn()
+    progress.value = time.time()
+    conn.send(message)
+    _spare = _spawn()
+    return proc, conn, progress
 
 
 def _kill(proc) -> None:
