@@ -51,7 +51,7 @@ from factory.settings import Settings
 from factory.vram import CONTEXT_BYTES, HEADROOM, Params, Shape
 
 CANCEL_CHECK_SECONDS = 1.0  # how often a running step looks whether its job was cancelled or taken over
-AUTOMATIC_MAX_UNITS = 8  # on a GPU without --max-units: beyond 8 EXL2 passes an H200's SMs are busy (GPU.md)
+AUTOMATIC_MAX_UNITS = 8  # on a GPU without --max-units: beyond 8 conversion passes an H200's SMs are busy (GPU.md)
 HISTORY_MARGIN = 1.1  # over the highest peak the catalog recorded for a unit of the same source
 WAIT_SECONDS = 2.0  # how often a process that waits for another one (its measurement, a unit it claimed) looks again
 log = logging.getLogger("quantfactory")
@@ -359,10 +359,10 @@ class Factory:
         try:
             config, tensors = sources.layout(job.source)
             specs = _specs(job.specs)
-            if Path(job.source).is_dir():  # the specs' defaults that depend on the model (AWQ's group size)
+            if Path(job.source).is_dir():  # the specs' defaults that depend on the model (a group size)
                 info = inspect(Path(job.source), _architectures(specs))
                 specs = [_resolve(s, info, job.device) for s in specs]
-            [s.tag for s in specs]  # noqa: B018  - a Hub repo's AWQ spec has no tag before it is fetched
+            [s.tag for s in specs]  # noqa: B018  - a Hub repo's spec may have no tag before it is fetched
         except (FactoryError, ValueError):
             return None
         shape = Shape.of(config)

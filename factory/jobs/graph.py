@@ -4,7 +4,7 @@
     quantize:<tag>         after its measurement, if it has one
     evaluate:fp16          once per job (reused across jobs by the catalog's baseline)
     evaluate:<tag>         after quantize:<tag>
-    evaluate:<tag>:<group> the engine's other scores (EXL2's KV cache), after quantize:<tag>
+    evaluate:<tag>:<group> the engine's other scores (a quantized KV cache's), after quantize:<tag>
     gate                   after every evaluation
     publish:<tag>          after the gate (a GPU worker's job stops before: a CPU worker publishes)
     push:<tag>             after publish:<tag>, when the factory pushes to the Hub
