@@ -7,8 +7,9 @@ many units at once as fit), in fresh homes on the same card, one after the other
 Records for each side: wall seconds, each step's seconds and peak GPU memory, the card's SM use and memory
 (nvidia-smi dmon every 2 s: mean and max), and the quants' sizes and perplexities (random weights: only their
 agreement between the sides means something). speed.packing_ratio = one-at-a-time wall / packed wall (target >=
-2.5 at 4 sizes; raw passes reached 3.3x, GPU.md). Results in GPU.md's shape (default
-benchmarks/results/packing.json).
+2.5 at 4 sizes); speed.conversion_ratio the same for the conversions alone, from the first quantize unit's start to
+the last one's end (the measurement before them runs alone on both sides; raw passes reached 3.3x, GPU.md).
+Results in GPU.md's shape (default benchmarks/results/packing.json).
 """
 
 from __future__ import annotations
@@ -53,20 +54,27 @@ def side(model: Path, home: Path, bpw: str, windows: int, max_units: int | None)
     home.mkdir(parents=True, exist_ok=True)
     monitor = _dmon(home / "dmon.log")
     start = time.monotonic()
+    events = []  # each with "at": seconds since the start, when this process read it
     try:
-        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+        with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True) as run:
+            for line in run.stdout:
+                events.append({**json.loads(line), "at": round(time.monotonic() - start, 1)})
+        if run.returncode:
+            raise SystemExit(f"qf run failed ({run.returncode}): {events[-1] if events else 'no events'}")
     finally:
         monitor.terminate()
         monitor.wait()
     wall = time.monotonic() - start
-    events = [json.loads(line) for line in done.stdout.splitlines()]
+    converting = [e["at"] for e in events if e["event"] == "step" and e["step"].startswith("quantize:")
+                  and e["state"] in ("running", "succeeded")]
     steps = {e["step"]: {"seconds": e["seconds"], "peak_gpu_bytes": e["peak_gpu_bytes"]}
              for e in events if e["event"] == "step" and e["state"] == "succeeded"}
     quants = [{"tag": q["name"].split(":", 1)[1], "bits": q["bits"], "bytes": q["bytes"], "ppl": q["ppl"],
                "fp16_ppl": q["fp16_ppl"]} for q in events[-1]["quants"]]
     notes = [e["message"] for e in events if e["event"] == "note"]
-    return {"max_units": max_units or "default", "wall_seconds": round(wall, 1), "steps": steps, "quants": quants,
-            "gpu": _gpu_use(home / "dmon.log"), "notes": notes}
+    return {"max_units": max_units or "default", "wall_seconds": round(wall, 1),
+            "conversion_seconds": round(max(converting) - min(converting), 1),  # first quantize start to last end
+            "steps": steps, "quants": quants, "gpu": _gpu_use(home / "dmon.log"), "notes": notes}
 
 
 def main() -> None:
@@ -88,13 +96,14 @@ def main() -> None:
                "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
                                         text=True).stdout.strip() or os.environ.get("QF_COMMIT", "unknown"),
                "sides": {}}
-    for name, max_units in (("one_at_a_time", 1), ("packed", None)):
+    for name, max_units in (("packed", None), ("one_at_a_time", 1)):  # packed first: the newer path fails early
         results["sides"][name] = side(model, args.dir / name, args.bpw, args.windows, max_units)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=2) + "\n")  # what is measured survives a later failure
         print(name, results["sides"][name]["wall_seconds"], "s", flush=True)
     one, packed = results["sides"]["one_at_a_time"], results["sides"]["packed"]
     results["speed"] = {"packing_ratio": round(one["wall_seconds"] / packed["wall_seconds"], 3),
+                        "conversion_ratio": round(one["conversion_seconds"] / packed["conversion_seconds"], 3),
                         "sizes": len(args.bpw.split(","))}
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps(results["speed"]))
