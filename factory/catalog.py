@@ -87,8 +87,13 @@ class Base(DeclarativeBase):
     type_annotation_map = {dict: JSON, list: JSON}
 
 
-SCHEMA_VERSION = 4  # 2: jobs.lease_token; 3: steps.lease_token and expected_seconds, jobs.parameters, expected_end;
-#                    4: claims.holder (was job_id), steps.holder
+SCHEMA_VERSION = 5  # 2: jobs.lease_token; 3: steps.lease_token and expected_seconds, jobs.parameters, expected_end;
+#                    4: claims.holder (was job_id), steps.holder; 5: kld, kld_p99, top1 of evaluations and quants,
+#                    jobs.max_kld (a schema 4 catalog gains them in place: MIGRATIONS)
+MIGRATIONS = {  # version -> the statements that bring a catalog of that version to the next one
+    "4": [f"ALTER TABLE {table} ADD COLUMN {column} FLOAT" for table in ("evaluations", "quants")
+          for column in ("kld", "kld_p99", "top1")] + ["ALTER TABLE jobs ADD COLUMN max_kld FLOAT"],
+}
 _SCHEMA_LOCK_KEY = 0x71F4C7  # pg_advisory_lock key for creating the tables
 
 
@@ -135,6 +140,7 @@ class Job(Base):
     eval_sha: Mapped[str] = mapped_column(String(64))
     eval_windows: Mapped[int] = mapped_column(Integer)
     max_ppl_ratio: Mapped[float] = mapped_column(Float)
+    max_kld: Mapped[float | None] = mapped_column(Float)
     versions: Mapped[dict] = mapped_column()
     device: Mapped[str] = mapped_column(String(16))
     state: Mapped[str] = mapped_column(String(16), default=JobState.queued)
@@ -196,13 +202,17 @@ class Quant(Base):
     versions: Mapped[dict] = mapped_column()
     ppl: Mapped[float] = mapped_column(Float)
     fp16_ppl: Mapped[float] = mapped_column(Float)
+    kld: Mapped[float | None] = mapped_column(Float)  # mean KL(FP16 || quant) per token, on the eval windows
+    kld_p99: Mapped[float | None] = mapped_column(Float)
+    top1: Mapped[float | None] = mapped_column(Float)  # share of positions where both pick the same next token
     created_at: Mapped[datetime] = mapped_column(default=now)
 
     def row(self) -> QuantRow:
         """The public form of this quant (the model card, `qf ls`, `qf show`, `--json`)."""
         return QuantRow(
             name=self.name, tag=self.tag, rev=self.rev, method=self.method, bits=self.bits, bytes=self.bytes,
-            ppl=self.ppl, fp16_ppl=self.fp16_ppl, source=self.source, source_identity=self.source_identity,
+            ppl=self.ppl, fp16_ppl=self.fp16_ppl, kld=self.kld, kld_p99=self.kld_p99, top1=self.top1,
+            source=self.source, source_identity=self.source_identity,
             calibration=self.calibration, eval=self.eval, versions=self.versions, job=self.job_id, path=self.path,
             spec=self.spec or {}, created_at=(self.created_at or now()).isoformat(timespec="seconds"),
         )
@@ -229,7 +239,8 @@ class Measurement(Base):
 
 
 class Evaluation(Base):
-    """A perplexity measured on one token stream; subject `fp16` is the baseline, reused across jobs."""
+    """A perplexity measured on one token stream, and a quant's divergence from FP16 on it; subject `fp16` is the
+    baseline, reused across jobs (with its reference of FP16's distributions, factory/kld.py)."""
 
     __tablename__ = "evaluations"
     id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
@@ -242,6 +253,9 @@ class Evaluation(Base):
     windows: Mapped[int] = mapped_column(Integer)
     window_length: Mapped[int] = mapped_column(Integer)
     ppl: Mapped[float] = mapped_column(Float)
+    kld: Mapped[float | None] = mapped_column(Float)
+    kld_p99: Mapped[float | None] = mapped_column(Float)
+    top1: Mapped[float | None] = mapped_column(Float)
     seconds: Mapped[float] = mapped_column(Float)
     created_at: Mapped[datetime] = mapped_column(default=now)
 
@@ -310,17 +324,22 @@ class Catalog:
             yield
 
     def _check_schema(self, had_tables: bool) -> None:
-        """A catalog made by another schema version is refused in one sentence (there are no migrations yet)."""
+        """A catalog of an older version that MIGRATIONS knows is brought up to this one; any other version is
+        refused in one sentence."""
         with self.session() as s:
             found = s.get(Meta, "schema")
             if found is None and not had_tables:
                 s.add(Meta(key="schema", value=str(SCHEMA_VERSION)))
                 return
             version = found.value if found else "0"
+            while version in MIGRATIONS:
+                for statement in MIGRATIONS[version]:
+                    s.execute(text(statement))
+                version = found.value = str(int(version) + 1)
         if version != str(SCHEMA_VERSION):
             raise ServiceUnavailable(
                 f"the catalog at {mask_url(self.url)} has schema version {version}, this quantfactory needs "
-                f"{SCHEMA_VERSION}; point FACTORY_DB_URL at a new database (there are no migrations yet)"
+                f"{SCHEMA_VERSION}; point FACTORY_DB_URL at a new database (no migration from it exists)"
             )
 
     @contextmanager

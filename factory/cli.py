@@ -151,7 +151,9 @@ class Renderer:
             elif not self.live and "total" in event and time.monotonic() - self.last_line > HEARTBEAT_SECONDS:
                 self._line(f"{event['step']}: {event['done']:g} of {event['total']:g} {event.get('unit', '')}".rstrip())
         elif kind == "evaluation":
-            self._line(f"perplexity {event['subject']}: {event['ppl']:.4f}")
+            divergence = (f", KL divergence from FP16 {event['kld']:.4f} (p99 {event['kld_p99']:.3f}), top-1 "
+                          f"{event['top1'] * 100:.1f}%" if "kld" in event else "")
+            self._line(f"perplexity {event['subject']}: {event['ppl']:.4f}{divergence}")
 
     def _step(self, event: dict) -> None:
         name, state = event["step"], event["state"]
@@ -178,10 +180,11 @@ class Renderer:
         (self.progress.console if self.live else err).print(text, markup=False, highlight=False)
 
 
-def _factory(emit=lambda e: None):
+def _factory(emit=lambda e: None, max_units: int | None = None):
     from factory.pipeline import Factory
 
-    return Factory(settings.load(), emit)
+    loaded = settings.load()
+    return Factory(replace(loaded, max_units=max_units or loaded.max_units), emit)
 
 
 def _catalog():
@@ -270,8 +273,7 @@ def run(source: SourceArg, flags: dict, recipe: RecipeOpt = None,
         hub.writer(owner)  # a missing or read-only token fails now, not after hours of quantizing
     _quiet_libraries()
     with Renderer(as_json) as render:
-        factory = _factory(render)
-        factory.max_units = max_units or factory.max_units
+        factory = _factory(render, max_units)
         job, created = factory.submit(request)
         job = _run_held(factory, job)
     if not as_json:

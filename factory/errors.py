@@ -30,12 +30,21 @@ class JobFailed(FactoryError):
 
 
 class QualityGateRefused(JobFailed):
-    def __init__(self, tag: str, ppl: float, fp16_ppl: float, max_ratio: float):
-        super().__init__(
-            f"quality gate refused {tag}: perplexity {ppl:.4g} vs FP16 {fp16_ppl:.4g} "
-            f"(ratio {ppl / fp16_ppl:.3f}), allowed at most {max_ratio:g} x FP16"
-        )
-        self.tag, self.ppl, self.fp16_ppl, self.max_ratio = tag, ppl, fp16_ppl, max_ratio
+    """A quant the recipe's quality gate refused: its perplexity against FP16's (`max_ppl_ratio`), or its KL
+    divergence from FP16 (`max_kld`)."""
+
+    def __init__(self, tag: str, measured: str, limit: str):
+        super().__init__(f"quality gate refused {tag}: {measured}, allowed at most {limit}")
+        self.tag = tag
+
+    @classmethod
+    def perplexity(cls, tag: str, ppl: float, fp16_ppl: float, max_ratio: float) -> QualityGateRefused:
+        return cls(tag, f"perplexity {ppl:.4g} vs FP16 {fp16_ppl:.4g} (ratio {ppl / fp16_ppl:.3f})",
+                   f"{max_ratio:g} x FP16")
+
+    @classmethod
+    def divergence(cls, tag: str, kld: float, max_kld: float) -> QualityGateRefused:
+        return cls(tag, f"KL divergence from FP16 {kld:.4g}", f"{max_kld:g} (max_kld)")
 
 
 class Cancelled(JobFailed):

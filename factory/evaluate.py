@@ -1,9 +1,11 @@
-"""Perplexity on one fixed token stream, the same for the FP16 source and every quant.
+"""Perplexity on one fixed token stream, the same for the FP16 source and every quant, and each quant's KL
+divergence from FP16 and top-1 agreement on the same positions (factory/kld.py).
 
 Protocol (DESIGN.md): the eval text is tokenized once with the source's tokenizer, no BOS added, and cut into
 non-overlapping windows of 2048 tokens (fewer if the model's max positions are fewer) from the start; the
 first N windows are scored. CPU computes in fp32, CUDA in fp16. The FP16 source is scored with transformers, a
-quant through its engine's loader (`Engine.load`: its own runtime, or a dequantization into transformers).
+quant through its engine's loader (`Engine.load`: its own runtime, or a dequantization into transformers). The
+FP16 evaluation keeps a compact reference of its distributions; a quant's evaluation reads it window by window.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from factory import kld, layered
 from factory.errors import SpecError
 from factory.inspect import read_config
+from factory.layered import ByLayer
 
 if TYPE_CHECKING:
     import torch
@@ -59,23 +63,45 @@ def stream(ids: list[int], count: int, max_positions: int | None, name: str) -> 
 
 
 Logits = Callable[["torch.Tensor"], "torch.Tensor"]  # token ids [1, L] on the CPU -> logits [1, L, V]
-Loader = Callable[[Path, str], Logits]  # (folder, device) -> Logits
+Model = Logits | ByLayer  # a whole model, called window by window, or one walked layer by layer over all windows
+Loader = Callable[[Path, str], Model]  # (folder, device) -> Model
+Progress = Callable[[int, int, str], None]  # done, total, unit (window, or layer)
 
 
-def perplexity(logits_of: Logits, data: Stream, on_window: Callable[[int, int], None] | None = None) -> float:
+def score(model: Model, data: Stream, on_progress: Progress | None = None, reference: kld.Reference | None = None,
+          keep: kld.Reference | None = None) -> tuple[float, kld.Divergence | None]:
+    """Perplexity over the stream's windows; with `reference` (FP16's), the divergence from it on the same
+    positions; with `keep`, this model's distributions are kept into it (the FP16 evaluation makes the reference)."""
     import torch
 
     total_nll, total_tokens = 0.0, 0
+    kls, same = [], []
     with torch.inference_mode():
-        for i, window in enumerate(data.windows):
-            ids = torch.tensor([window])
-            logits = logits_of(ids)[0, :-1].float()
-            nll = torch.nn.functional.cross_entropy(logits, ids[0, 1:].to(logits.device), reduction="sum")
-            total_nll += nll.item()
+        if isinstance(model, ByLayer):
+            every = model.logits(data.windows, on_progress)
+        else:
+            every = (model(torch.tensor([window])) for window in data.windows)
+        for i, (window, logits) in enumerate(zip(data.windows, every, strict=True)):
+            ids = torch.tensor(window)
+            logp = torch.log_softmax(logits[0, :-1].float(), dim=-1)
+            del logits
+            total_nll -= logp.gather(-1, ids[1:, None].to(logp.device)).sum().item()
             total_tokens += len(window) - 1
-            if on_window:
-                on_window(i + 1, len(data.windows))
-    return math.exp(total_nll / total_tokens) if math.isfinite(total_nll) else float("inf")
+            if keep is not None:
+                keep.add(logp, i)
+            if reference is not None:
+                kl, agree = reference.divergence(logp, i)
+                kls.append(kl)
+                same.append(agree)
+            del logp
+            if on_progress:
+                on_progress(i + 1, len(data.windows), "window")
+    ppl = math.exp(total_nll / total_tokens) if math.isfinite(total_nll) else float("inf")
+    return ppl, kld.summarize(kls, same) if reference is not None else None
+
+
+def perplexity(model: Model, data: Stream, on_progress: Progress | None = None) -> float:
+    return score(model, data, on_progress)[0]
 
 
 def quiet_transformers() -> None:
@@ -107,11 +133,16 @@ def source_dtype(folder: Path, dev: str):
     return torch_dtype(dev)
 
 
-def load_fp16(folder: Path, dev: str) -> Logits:
+def load_fp16(folder: Path, dev: str) -> Model:
+    """The source model: walked layer by layer where its architecture allows (factory/layered.py: memory for one
+    layer, not the model), else whole."""
     from transformers import AutoModelForCausalLM
 
     quiet_transformers()
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=source_dtype(folder, dev), trust_remote_code=False)
+    dtype = source_dtype(folder, dev)
+    if layered.walkable(read_config(Path(folder) / "config.json", check_numbers=False)):
+        return ByLayer.of(folder, dev, dtype)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, trust_remote_code=False)
     return transformers_logits(model, dev)
 
 
@@ -125,10 +156,13 @@ class Result:
     evaluator: str
     device: str
     peak_gpu_bytes: int | None = None
+    divergence: kld.Divergence | None = None  # from FP16, when scored against its reference
 
 
-def evaluate(folder: Path, load: Loader, evaluator: str, data: Stream, on_window=None) -> Result:
-    """Perplexity of the model in `folder` through `load` (load_fp16, or an engine's loader)."""
+def evaluate(folder: Path, load: Loader, evaluator: str, data: Stream, on_progress: Progress | None = None,
+             reference: kld.Reference | None = None, keep: kld.Reference | None = None) -> Result:
+    """Perplexity of the model in `folder` through `load` (load_fp16, or an engine's loader), and its divergence
+    from `reference`; `keep` collects this model's reference (see `score`)."""
     import torch
 
     dev = device()
@@ -136,8 +170,9 @@ def evaluate(folder: Path, load: Loader, evaluator: str, data: Stream, on_window
     if dev == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    logits_of = load(folder, dev)
-    ppl = perplexity(logits_of, data, on_window)
+    model = load(folder, dev)
+    ppl, divergence = score(model, data, on_progress, reference, keep)
     peak = torch.cuda.max_memory_allocated() if dev == "cuda" else None
-    del logits_of
-    return Result(ppl=ppl, seconds=time.monotonic() - start, evaluator=evaluator, device=dev, peak_gpu_bytes=peak)
+    del model
+    return Result(ppl=ppl, seconds=time.monotonic() - start, evaluator=evaluator, device=dev, peak_gpu_bytes=peak,
+                  divergence=divergence)

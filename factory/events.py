@@ -9,7 +9,8 @@ pipeline makes them with the functions here, so that every consumer can rely on 
     progress    a running step moved on:        step; done, total, unit (a layer, a window, a module); eta (the
                                                 tool's own words); peak_gpu_bytes; waiting_for; any other number
                                                 its engine reports
-    evaluation  a perplexity was measured:      subject (fp16, a tag, or tag:group:key), ppl
+    evaluation  a perplexity was measured:      subject (fp16, a tag, or tag:group:key), ppl; a quant's kld,
+                                                kld_p99 and top1 against FP16 where they were measured
     waiting     a helper waits for the job:     units (the units it waits for), by (its process)
     result      the job ended or was found done: job, state, error, exit_code, quants (QuantRow.to_json each)
 """
@@ -60,6 +61,9 @@ class Evaluation(TypedDict):
     event: Literal["evaluation"]
     subject: str
     ppl: float
+    kld: NotRequired[float]
+    kld_p99: NotRequired[float]
+    top1: NotRequired[float]
 
 
 class Waiting(TypedDict):
@@ -111,8 +115,12 @@ def progress(name: str, fields: dict[str, Any]) -> Progress:
     return {**{k: v for k, v in fields.items() if k != "event"}, "event": "progress", "step": name}  # type: ignore[typeddict-item]
 
 
-def evaluation(subject: str, ppl: float) -> Evaluation:
-    return {"event": "evaluation", "subject": subject, "ppl": ppl}
+def evaluation(subject: str, ppl: float, divergence: tuple[float, float, float] | None = None) -> Evaluation:
+    """`divergence`: a quant's (mean KLD, its 99th percentile, top-1 agreement) against FP16."""
+    event: Evaluation = {"event": "evaluation", "subject": subject, "ppl": ppl}
+    if divergence is not None:
+        event.update(zip(("kld", "kld_p99", "top1"), divergence, strict=True))  # type: ignore[typeddict-item]
+    return event
 
 
 def waiting(units: list[str], by: str) -> Waiting:

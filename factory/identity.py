@@ -79,6 +79,12 @@ def measurement_key(source_identity: str, calibration_sha: str, rows: int, lengt
     return digest([source_identity, calibration_sha, rows, length, tool_version])
 
 
+def reference_key(source_identity: str, eval_sha: str, windows: int, window_length: int, device: str,
+                  layout: object) -> str:
+    """FP16's reference for KL divergence (factory/kld.py) on one eval stream; `layout` its top K, samples, seed."""
+    return digest([source_identity, eval_sha, windows, window_length, device, layout])
+
+
 def holder_name() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 

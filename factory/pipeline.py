@@ -22,11 +22,11 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import astuple, dataclass, field, replace
 from pathlib import Path
 
 import calibration
-from factory import engines, evaluate, events, files, identity, naming, sources, tables
+from factory import engines, evaluate, events, files, identity, kld, naming, sources, tables
 from factory.catalog import Catalog, Job, JobState, Lease, StepState
 from factory.engines import Engine, QuantSpec
 from factory.errors import (
@@ -40,19 +40,18 @@ from factory.errors import (
     mask_url,
 )
 from factory.events import Emit
-from factory.identity import job_key, measurement_key
+from factory.identity import job_key, measurement_key, reference_key
 from factory.inspect import ModelInfo, inspect
 from factory.jobs import eta, graph, packing
+from factory.jobs.costs import Costs, Sized
 from factory.jobs.graph import Unit
 from factory.jobs.packing import Need, Packer
 from factory.publish import publishing, upstream
 from factory.recipes import Recipe
 from factory.settings import Settings
-from factory.vram import CONTEXT_BYTES, HEADROOM, Params, Shape
+from factory.vram import Params, Shape
 
 CANCEL_CHECK_SECONDS = 1.0  # how often a running step looks whether its job was cancelled or taken over
-AUTOMATIC_MAX_UNITS = 8  # on a GPU without --max-units: beyond 8 conversion passes an H200's SMs are busy (GPU.md)
-HISTORY_MARGIN = 1.1  # over the highest peak the catalog recorded for a unit of the same source
 WAIT_SECONDS = 2.0  # how often a process that waits for another one (its measurement, a unit it claimed) looks again
 log = logging.getLogger("quantfactory")
 INTERRUPTED = "interrupted (Ctrl-C or SIGTERM); run the same command again to continue from the finished steps"
@@ -81,19 +80,6 @@ class _Prepared:
     model: Sized
 
 
-@dataclass(frozen=True)
-class Sized:
-    """What the source's shape says about the cost of its units (memory, seconds)."""
-
-    shape: Shape
-    params: Params
-    window_length: int  # of the eval windows
-
-    @property
-    def parameters(self) -> int:
-        return self.params.total
-
-
 @dataclass
 class _Made:
     """What the units of this attempt made, for the units after them (units in threads write distinct keys)."""
@@ -102,6 +88,7 @@ class _Made:
     outputs: dict[str, Path] = field(default_factory=dict)  # tag -> quant folder
     fp16: float = math.nan
     ppls: dict[str, float] = field(default_factory=dict)
+    divergences: dict[str, kld.Divergence | None] = field(default_factory=dict)  # tag -> from FP16
     extra: dict[str, dict[str, dict]] = field(default_factory=dict)  # tag -> group -> {key: ppl}
     refused: dict[str, QualityGateRefused] = field(default_factory=dict)
 
@@ -113,7 +100,7 @@ class Factory:
         self.emit = emit
         self.publisher = publishing.Publisher(settings, self.catalog)
         self.token: int | None = None  # the fencing token of the lease `execute` runs under, if any
-        self.max_units = settings.max_units  # None: as many units at once as fit
+        self.costs = Costs(self.catalog, settings.max_units)
         self._stop = threading.Event()  # set: the running units stop at their next progress event
         self._expected_seconds: dict[str, float] = {}  # unit -> seconds, for its step
         self.holder = identity.holder_name()  # this process, in the steps it runs and the claims it holds
@@ -161,6 +148,7 @@ class Factory:
             eval_sha=ev.sha256,
             eval_windows=windows,
             max_ppl_ratio=recipe.max_ppl_ratio,
+            max_kld=recipe.max_kld,
             versions=versions,
             device=device,
         )
@@ -213,7 +201,7 @@ class Factory:
             units = graph.units(prepared.specs, keys, publish, bool(self.settings.hub_owner))
             made = _Made()
             self._stop.clear()
-            packer, needs = self._packer(job), self._needs(job, prepared.model, units)
+            packer, needs = self.costs.packer(job), self.costs.needs(job, prepared.model, units)
             self._expect(job, prepared.model, units, needs, packer)
             packing.run(units, lambda unit: self._unit(job, prepared, unit, made), lambda unit: needs[unit.name],
                         packer, self._stop, self._note, lambda unit: self.held_elsewhere(job, unit))
@@ -278,7 +266,7 @@ class Factory:
         units = [replace(u, needs=frozenset()) for u in graph.units(prepared.specs, keys, False, False)
                  if u.kind == "quantize"]
         self._stop.clear()
-        packer, needs = self._packer(job), self._needs(job, prepared.model, units)
+        packer, needs = self.costs.packer(job), self.costs.needs(job, prepared.model, units)
 
         def work(unit: Unit) -> None:
             measurement = self._known_measurement(keys[unit.spec.tag]) if unit.measurement else None
@@ -316,37 +304,26 @@ class Factory:
         elif unit.kind == "evaluate" and spec is None:
             made.fp16 = self._evaluate_fp16(job, prepared)
         elif unit.kind == "evaluate" and unit.group is None:
-            made.ppls[spec.tag] = self._evaluate(job, prepared, spec, made.outputs[spec.tag])
+            out = made.outputs[spec.tag]
+            made.ppls[spec.tag], made.divergences[spec.tag] = self._evaluate(job, prepared, spec, out)
         elif unit.kind == "evaluate":
             scores = self._evaluate_group(job, prepared, spec, unit.group, made.outputs[spec.tag])
             made.extra.setdefault(spec.tag, {})[unit.group] = scores
         elif unit.kind == "gate":
-            made.refused = self._gate(job, made.ppls, made.fp16)
+            made.refused = self._gate(job, made.ppls, made.fp16, made.divergences)
         elif unit.kind == "publish" and spec.tag not in made.refused:
-            self._publish(job, prepared, spec, made.outputs[spec.tag], made.ppls[spec.tag], made.fp16,
-                          made.extra.get(spec.tag, {}))
+            scores = publishing.Scores(made.ppls[spec.tag], made.fp16, made.divergences.get(spec.tag),
+                                       made.extra.get(spec.tag, {}), len(prepared.stream.windows),
+                                       prepared.stream.window_length)
+            self._publish(job, prepared, spec, made.outputs[spec.tag], scores)
         elif unit.kind == "push" and spec.tag not in made.refused:
             self._push(job, prepared, spec)
-
-    def _expected(self, job: Job, model: Sized, unit: Unit) -> float:
-        """A unit's expected seconds (jobs/eta.py): history of its family near this size, else an estimate."""
-        if unit.kind in ("measure", "quantize"):
-            engine = engines.get(unit.spec.method)
-            guess = engine.unit_seconds(unit.kind, model.parameters, job.device,
-                                        engine.unit_cores(unit.kind, job.device))
-        else:
-            guess = eta.other_seconds(unit.kind, model.parameters, job.eval_windows * model.window_length,
-                                      job.device, os.cpu_count() or 1)
-        family = eta.family(unit.name)
-        past = [eta.Past(seconds, parameters) for name, seconds, parameters
-                in self.catalog.unit_history(family, job.device) if eta.family(name) == family]
-        return eta.expected(past, model.parameters, guess)[0]
 
     def _expect(self, job: Job, model: Sized, units: list[Unit], needs: dict[str, Need], packer: Packer) -> None:
         """Each unit's expected seconds (its step records them) and when the job should end (the catalog keeps
         it for `qf status`)."""
         done = self.catalog.done_steps(job.id)
-        self._expected_seconds = {u.name: self._expected(job, model, u) for u in units}
+        self._expected_seconds = {u.name: self.costs.seconds(job, model, u) for u in units}
         left = {name: 0.0 if name in done else s for name, s in self._expected_seconds.items()}
         wall = eta.wall_seconds(units, left, lambda unit: needs[unit.name], packer)
         self.catalog.set_expected_end(job.id, wall, self.token)
@@ -368,45 +345,7 @@ class Factory:
         shape = Shape.of(config)
         model = Sized(shape, Params.of(tensors, shape), min(evaluate.WINDOW, shape.max_positions))
         keys = {s.tag: self._measurement_key(job, s) for s in specs if engines.get(s.method).needs_measurement}
-        units = graph.units(specs, keys, True, bool(self.settings.hub_owner))
-        seconds = {u.name: self._expected(job, model, u) for u in units}
-        packed = Packer(self.max_units or AUTOMATIC_MAX_UNITS, None, AUTOMATIC_MAX_UNITS * 2)
-        needs = self._needs(job, model, units)
-        need = lambda unit: needs[unit.name]  # noqa: E731
-        return eta.wall_seconds(units, seconds, need, packed), eta.wall_seconds(units, seconds, need, Packer(1))
-
-    def _needs(self, job: Job, model: Sized, units: list[Unit]) -> dict[str, Need]:
-        """Each unit's predicted needs, from one read of the catalog's recorded peaks for this source."""
-        peaks = self.catalog.recorded_peaks(job.source_identity)
-        return {unit.name: self._need(job, model, unit, peaks) for unit in units}
-
-    def _need(self, job: Job, model: Sized, unit: Unit, peaks: dict[str, int]) -> Need:
-        """What a unit is predicted to take: from the recorded peaks of earlier units of the same source (the
-        same unit, else one of the same kind and engine), else its engine's estimate from the model's shape."""
-        if unit.kind in ("gate", "publish", "push"):
-            return Need(in_process=True)  # quick, and one at a time: each card lists the quants published before
-        cuda = job.device == "cuda"
-        if unit.kind == "evaluate":  # the model in torch in this process, and a window's logits
-            gpu = 2 * model.parameters + 2 * model.window_length * model.shape.vocab * 4
-            return Need(gpu if cuda else 0, 1 if cuda else os.cpu_count() or 1, in_process=True)
-        engine = engines.get(unit.spec.method)
-        family = "measure:" if unit.kind == "measure" else f"quantize:{unit.spec.tag.split('-')[0]}-"
-        seen = peaks.get(unit.name) or max((p for n, p in peaks.items() if n.startswith(family)), default=None)
-        peak = int(seen * HISTORY_MARGIN) if seen else engine.unit_gpu_bytes(unit.kind, unit.spec, model.shape,
-                                                                               model.params)
-        cores = engine.unit_cores(unit.kind, job.device)
-        if self.max_units:  # asked for: the cores are shared among them
-            cores = min(cores, max(1, (os.cpu_count() or 1) // self.max_units))
-        return Need(peak + CONTEXT_BYTES if cuda else 0, cores)
-
-    def _packer(self, job: Job) -> Packer:
-        cores = os.cpu_count() or 1
-        if job.device != "cuda":
-            return Packer(self.max_units or cores, None, cores)
-        import torch
-
-        free, _ = torch.cuda.mem_get_info()
-        return Packer(self.max_units or AUTOMATIC_MAX_UNITS, max(0, free - HEADROOM), cores)
+        return self.costs.estimate(job, model, graph.units(specs, keys, True, bool(self.settings.hub_owner)))
 
     @contextmanager
     def _step(self, job_id: str, name: str, claim: tuple[str, int] | None = None,
@@ -665,18 +604,34 @@ class Factory:
             thread.join()
 
     def _evaluate_fp16(self, job: Job, prepared: _Prepared) -> float:
+        """FP16's perplexity and its reference for the quants' KL divergence (a file under FACTORY_HOME), both
+        reused from any earlier job on the same token stream."""
         key = (job.source_identity, job.eval_sha, job.eval_windows, prepared.stream.window_length, job.device)
-        if (ppl := self.catalog.baseline(*key)) is not None:
-            self.emit(events.note(f"FP16 perplexity {ppl:.4f} reused from an earlier evaluation"))
+        path = self._reference_path(job, prepared)
+        if (ppl := self.catalog.baseline(*key)) is not None and path.is_file():
+            self.emit(events.note(f"FP16 perplexity {ppl:.4f} and its KL reference reused from an earlier evaluation"))
             return ppl
-        return self._measure(job, prepared, "fp16", prepared.folder, evaluate.load_fp16, evaluate.FP16_EVALUATOR)
+        reference = kld.Reference()
+        ppl = self._measure(job, prepared, "fp16", prepared.folder, evaluate.load_fp16, evaluate.FP16_EVALUATOR,
+                            keep=reference, on_scored=lambda: reference.save(path))
+        return ppl
 
-    def _evaluate(self, job: Job, prepared: _Prepared, spec: QuantSpec, out: Path) -> float:
-        done = {e.subject: e.ppl for e in self.catalog.evaluations(job.id)}
+    def _reference_path(self, job: Job, prepared: _Prepared) -> Path:
+        key = reference_key(job.source_identity, job.eval_sha, job.eval_windows, prepared.stream.window_length,
+                            job.device, kld.LAYOUT)
+        return self.settings.references / f"{key}.safetensors"
+
+    def _evaluate(self, job: Job, prepared: _Prepared, spec: QuantSpec,
+                  out: Path) -> tuple[float, kld.Divergence | None]:
+        """The quant's perplexity and its divergence from FP16 (whose reference evaluate:fp16 made or found)."""
+        done = {e.subject: e for e in self.catalog.evaluations(job.id)}
         if spec.tag in done and f"evaluate:{spec.tag}" in self.catalog.done_steps(job.id):
-            return done[spec.tag]
+            found = done[spec.tag]
+            return found.ppl, kld.Divergence(found.kld, found.kld_p99, found.top1) if found.kld is not None else None
         engine = engines.get(spec.method)
-        return self._measure(job, prepared, spec.tag, out, engine.load, engine.evaluator)
+        reference = kld.Reference.load(self._reference_path(job, prepared))
+        result = self._scored(job, prepared, spec.tag, out, engine.load, engine.evaluator, reference=reference)
+        return result.ppl, result.divergence
 
     def _evaluate_group(self, job: Job, prepared: _Prepared, spec: QuantSpec, group: str, out: Path) -> dict:
         """One group of the engine's scores beyond perplexity (e.g. through its runtime's quantized KV caches), as
@@ -690,26 +645,39 @@ class Factory:
         scores = {}
         with self._step(job.id, f"evaluate:{spec.tag}:{group.split('_')[0]}") as progress:
             for e in mine:
-                def on_window(d: int, t: int, unit: str = e.unit) -> None:
-                    progress(done=d, total=t, unit=unit)
+                def on_progress(d: int, t: int, unit: str, window: str = e.unit) -> None:
+                    progress(done=d, total=t, unit=window if unit == "window" else unit)
 
-                result = evaluate.evaluate(out, e.load, engine.evaluator, prepared.stream, on_window)
+                result = evaluate.evaluate(out, e.load, engine.evaluator, prepared.stream, on_progress)
                 scores[e.key] = self._record(job, prepared, subjects[e.key], result, progress)
                 self.emit(events.evaluation(subjects[e.key], result.ppl))
         return scores
 
-    def _measure(self, job: Job, prepared: _Prepared, subject: str, folder: Path, load, evaluator: str) -> float:
+    def _measure(self, job: Job, prepared: _Prepared, subject: str, folder: Path, load, evaluator: str,
+                 **scoring) -> float:
+        return self._scored(job, prepared, subject, folder, load, evaluator, **scoring).ppl
+
+    def _scored(self, job: Job, prepared: _Prepared, subject: str, folder: Path, load, evaluator: str,
+                reference: kld.Reference | None = None, keep: kld.Reference | None = None,
+                on_scored: Callable[[], None] | None = None) -> evaluate.Result:
+        """One evaluation step: the model in `folder` scored on the job's stream (against FP16's `reference`, or
+        keeping its own into `keep`); `on_scored` runs before the result is recorded (the reference is saved)."""
         with self._step(job.id, f"evaluate:{subject}") as progress:
             result = evaluate.evaluate(
                 folder, load, evaluator, prepared.stream,
-                lambda done, total: progress(done=done, total=total, unit="window"),
+                lambda done, total, unit: progress(done=done, total=total, unit=unit),
+                reference=reference, keep=keep,
             )
+            if on_scored:
+                on_scored()
             self._record(job, prepared, subject, result, progress)
-        self.emit(events.evaluation(subject, result.ppl))
-        return result.ppl
+        divergence = astuple(result.divergence) if result.divergence else None  # mean, p99, top1
+        self.emit(events.evaluation(subject, result.ppl, divergence))
+        return result
 
     def _record(self, job: Job, prepared: _Prepared, subject: str, result: evaluate.Result, progress) -> float:
         progress(peak_gpu_bytes=result.peak_gpu_bytes)
+        divergence = result.divergence
         self.catalog.add_evaluation(
             self.token,
             job_id=job.id,
@@ -721,22 +689,29 @@ class Factory:
             windows=len(prepared.stream.windows),
             window_length=prepared.stream.window_length,
             ppl=result.ppl,
+            kld=divergence.mean if divergence else None,
+            kld_p99=divergence.p99 if divergence else None,
+            top1=divergence.top1 if divergence else None,
             seconds=result.seconds,
         )
         return result.ppl
 
-    def _gate(self, job: Job, ppls: dict[str, float], fp16: float) -> dict[str, QualityGateRefused]:
+    def _gate(self, job: Job, ppls: dict[str, float], fp16: float,
+              divergences: dict[str, kld.Divergence | None]) -> dict[str, QualityGateRefused]:
+        """The quants the recipe's gate refuses: perplexity not finite or above max_ppl_ratio x FP16, or (with
+        max_kld) a mean KL divergence from FP16 above it."""
+        refused = {}
         with self._step(job.id, "gate"):
-            return {
-                tag: QualityGateRefused(tag, ppl, fp16, job.max_ppl_ratio)
-                for tag, ppl in ppls.items()
-                if not (math.isfinite(ppl) and ppl <= job.max_ppl_ratio * fp16)
-            }
+            for tag, ppl in ppls.items():
+                divergence = divergences.get(tag)
+                if not (math.isfinite(ppl) and ppl <= job.max_ppl_ratio * fp16):
+                    refused[tag] = QualityGateRefused.perplexity(tag, ppl, fp16, job.max_ppl_ratio)
+                elif job.max_kld is not None and divergence is not None and not divergence.mean <= job.max_kld:
+                    refused[tag] = QualityGateRefused.divergence(tag, divergence.mean, job.max_kld)
+        return refused
 
-    def _publish(self, job: Job, prepared: _Prepared, spec: QuantSpec, out: Path, ppl: float, fp16: float,
-                 extra: dict[str, dict]) -> None:
+    def _publish(self, job: Job, prepared: _Prepared, spec: QuantSpec, out: Path, scores: publishing.Scores) -> None:
         with self._step(job.id, f"publish:{spec.tag}"):
-            scores = publishing.Scores(ppl, fp16, extra, len(prepared.stream.windows), prepared.stream.window_length)
             self.publisher.to_registry(job, spec, out, scores, prepared.upstream, self.token)
 
     def _push(self, job: Job, prepared: _Prepared, spec: QuantSpec) -> None:

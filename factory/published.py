@@ -20,6 +20,9 @@ class QuantRow:
     bytes: int
     ppl: float
     fp16_ppl: float
+    kld: float | None  # mean KL(FP16 || quant) per token; None for a quant published before it was measured
+    kld_p99: float | None
+    top1: float | None  # share of positions where the quant's most likely next token is FP16's
     source: str
     source_identity: str
     calibration: str
@@ -49,7 +52,8 @@ class QuantRow:
         """`name` as people type it (`name:tag`), with `tag` and `rev` apart too."""
         row = {"name": self.ref, "model": self.name, "tag": self.tag, "rev": self.rev, "method": self.method,
                "bits": self.bits, "bytes": self.bytes, "ppl": self.ppl, "fp16_ppl": self.fp16_ppl,
-               "change": self.change, "source": self.source, "source_identity": self.source_identity,
+               "change": self.change, "kld": self.kld, "kld_p99": self.kld_p99, "top1": self.top1,
+               "source": self.source, "source_identity": self.source_identity,
                "calibration": self.calibration, "eval": self.eval, "versions": self.versions, "job": self.job,
                "path": self.path, "spec": self.spec, "fit": self.fit, "created_at": self.created_at}
         return {**row, **({"fits": self.fits} if self.fits else {}),

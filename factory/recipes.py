@@ -1,7 +1,7 @@
 """Recipes: what to make of one model, as YAML (configs/standard.yaml) or command-line flags.
 
 A recipe has a key per engine (its name, e.g. `<engine>: {bpw: [...], head_bits: 6}`; each engine's `targets` class
-validates its key) and the settings every engine shares: calibration, eval, eval_windows, max_ppl_ratio.
+validates its key) and the settings every engine shares: calibration, eval, eval_windows, max_ppl_ratio, max_kld.
 Unknown keys are refused with one sentence that lists the known ones (exit 2).
 """
 
@@ -28,6 +28,7 @@ class Settings(Closed):
     eval: str = DEFAULT_EVAL
     eval_windows: int | None = Field(None, ge=1)
     max_ppl_ratio: float = Field(1.5, gt=0)
+    max_kld: float | None = Field(None, gt=0)  # None: no limit on the KL divergence from FP16
 
 
 @dataclass(frozen=True)

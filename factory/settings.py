@@ -68,6 +68,11 @@ class Settings:  # a plain dataclass: `qf status` must start fast, and pydantic'
         return self.home / "measurements"
 
     @property
+    def references(self) -> Path:
+        """FP16's compact next-token distributions, one file per eval stream (identity.reference_key)."""
+        return self.home / "references"
+
+    @property
     def texts(self) -> Path:
         """Calibration and eval files that `qf calib ls` lists (name them with file:<path>)."""
         return self.home / "texts"

@@ -76,6 +76,8 @@ def quants(rows: list, width: int, title: str | None = None) -> Table:
         Col("SIZE", [size(r.bytes) for r in rows], right=True),
         Col("PPL", [f"{r.ppl:.4f}" for r in rows], right=True),
         Col("VS FP16", [f"{r.change * 100:+.2f}%" for r in rows], right=True),
+        Col("KLD", ["-" if r.kld is None else f"{r.kld:.4f}" for r in rows], priority=1, right=True),
+        Col("TOP-1", ["-" if r.top1 is None else f"{r.top1 * 100:.1f}%" for r in rows], priority=1, right=True),
         Col("SOURCE", [r.source_identity[:19] for r in rows], priority=3),
     ], width, title)
 

@@ -61,7 +61,7 @@ def test_an_unknown_engine_key_lists_the_registered_ones(qf, tiny, tmp_path, rou
 LAYERS = [
     ["factory.errors"],
     ["factory.settings", "factory.specs", "factory.naming", "factory.files", "factory.tables", "factory.events",
-     "factory.published", "calibration"],
+     "factory.published", "factory.kld", "factory.layered", "calibration"],
     ["factory.identity", "factory.inspect", "factory.hubclient", "factory.catalog", "factory.status",
      "factory.evaluate", "factory.publish.upstream"],
     ["factory.sources", "factory.vram"],

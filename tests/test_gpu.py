@@ -106,7 +106,8 @@ def _rows(model: str, events: list[dict]) -> None:
         RESULTS["rows"].append({
             "model": model, "method": q["method"], "tag": tag,
             "evaluator": engines.get(q["method"]).evaluator, "bits": q["bits"], "bytes": q["bytes"],
-            "ppl": q["ppl"], "fp16_ppl": q["fp16_ppl"], "change": q["change"],
+            "ppl": q["ppl"], "fp16_ppl": q["fp16_ppl"], "change": q["change"], "kld": q["kld"],
+            "kld_p99": q["kld_p99"], "top1": q["top1"],
             "eval_windows": q["eval"]["windows"], "seconds": seconds,
             "peak_gpu_bytes": {"quantize": quantize["peak_gpu_bytes"],
                                "evaluate": steps[f"evaluate:{tag}"]["peak_gpu_bytes"],
@@ -155,11 +156,13 @@ def test_quality_falls_with_fewer_bits(standard):
     if name != "smollm2-135m-instruct":
         pytest.skip("a random model's perplexity does not order by bits")
     exl2 = sorted((q for q in events[-1]["quants"] if q["method"] == "exl2"), key=lambda q: q["bits"])
-    ppls = [q["ppl"] for q in exl2]
+    ppls, klds = [q["ppl"] for q in exl2], [q["kld"] for q in exl2]
     RESULTS["checks"]["smollm2_exl2_ppl_by_bpw"] = dict(zip(BPWS.split(","), ppls, strict=True))
+    RESULTS["checks"]["smollm2_exl2_kld_by_bpw"] = dict(zip(BPWS.split(","), klds, strict=True))
     RESULTS["checks"]["smollm2_exl2_6bpw_change"] = exl2[-1]["change"]
     _save()
     assert ppls == sorted(ppls, reverse=True)
+    assert klds == sorted(klds, reverse=True) and klds[-1] > 0  # KL divergence from FP16 falls as bits rise
     assert exl2[-1]["change"] < 0.03
 
 

@@ -147,7 +147,8 @@ def test_publish_to_the_hub_then_pull_by_name_anywhere(qf, tiny, hub, alice, tmp
     branch = hub.files("alice/tiny-AWQ", "w4g128")
     assert {n: branch[n] for n in branch if n != ".gitattributes"} == _files(local)
     main = hub.files("alice/tiny-AWQ", "main")
-    assert main["ppl_vs_size.png"].startswith(b"\x89PNG")
+    assert main["ppl_vs_size.png"].startswith(b"\x89PNG") and main["kld_vs_size.png"].startswith(b"\x89PNG")
+    assert "![KL divergence against size](kld_vs_size.png)" in main["README.md"].decode()
     meta = card.metadata(main["README.md"].decode())
     assert meta["base_model_relation"] == "quantized" and "awq" in meta["tags"] and meta["quantized_by"]
     assert "hf download alice/tiny-AWQ --revision w4g128" in main["README.md"].decode()

@@ -39,7 +39,7 @@ def test_the_graph_of_a_job_with_exl2_and_awq_targets():
     assert units[f"quantize:{awq}"].needs == frozenset()
     assert units[f"quantize:{e4}"].needs == units[f"quantize:{e6}"].needs == frozenset({measure})
     assert units["evaluate:fp16"].needs == frozenset()  # runs beside the conversions
-    assert units[f"evaluate:{e4}"].needs == frozenset({f"quantize:{e4}"})
+    assert units[f"evaluate:{e4}"].needs == frozenset({f"quantize:{e4}", "evaluate:fp16"})  # FP16's KL reference
     assert units[f"evaluate:{e4}:kv"].needs == frozenset({f"quantize:{e4}"})  # EXL2's KV-cache scores
     assert units["gate"].needs == frozenset(n for n in units if n.startswith("evaluate:"))
     assert units[f"publish:{e6}"].needs == frozenset({"gate"})

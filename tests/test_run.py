@@ -360,4 +360,25 @@ def test_catalog_of_another_schema_is_refused(tmp_path):
     assert result.exit_code == 5
     assert last_line(result) == (f"error: the catalog at sqlite:///{home / 'catalog.db'} has schema version 0, this "
                                  f"quantfactory needs {SCHEMA_VERSION}; point FACTORY_DB_URL at a new database "
-                                 "(there are no migrations yet)")
+                                 "(no migration from it exists)")
+
+
+def test_a_catalog_of_schema_4_gains_the_divergence_columns_in_place(finished):
+    """A catalog made before KL divergence (schema 4): its quants list with `kld` unknown, and new ones get it."""
+    import sqlite3
+
+    from factory.catalog import MIGRATIONS, SCHEMA_VERSION
+
+    qf, _ = finished
+    home = qf.home.parent / "schema4"
+    shutil.copytree(qf.home, home)
+    with sqlite3.connect(home / "catalog.db") as db:
+        for table, column in [("evaluations", "kld"), ("evaluations", "kld_p99"), ("evaluations", "top1"),
+                              ("quants", "kld"), ("quants", "kld_p99"), ("quants", "top1"), ("jobs", "max_kld")]:
+            db.execute(f"ALTER TABLE {table} DROP COLUMN {column}")
+        db.execute("UPDATE meta SET value = '4' WHERE key = 'schema'")
+    assert "4" in MIGRATIONS and SCHEMA_VERSION == 5
+    [row] = Qf(home=home).json("ls")
+    assert row["kld"] is None and row["ppl"] > 0
+    with sqlite3.connect(home / "catalog.db") as db:
+        assert db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone() == ("5",)

@@ -82,3 +82,29 @@ def test_the_pulled_quant_applies_the_chat_template_as_the_source_does(smollm2, 
 
     assert prompt(tmp_path / "pulled") == prompt(smollm2)
     assert "<|im_start|>user\nCapital of France?<|im_end|>" in prompt(smollm2)
+
+
+def test_the_compact_reference_gives_the_exact_kl_divergence(smollm2, smollm2_run, tmp_path):
+    """FP16's compact reference (top 32 + 32 sampled from the tail, factory/kld.py) against the exact
+    full-vocabulary KL(FP16 || AWQ) on 2 windows of SmolLM2: mean and 99th percentile within 2% (README)."""
+    import torch
+
+    from calibration import builtin_text
+    from factory import kld
+
+    qf, row = smollm2_run
+    assert 0 < row["kld"] < 0.5 and 0.5 < row["top1"] < 1  # what the run published
+    data = evaluate.stream(evaluate.tokenize(smollm2, builtin_text("wiki")), 2, None, "builtin:wiki")
+    fp16, quant = evaluate.load_fp16(smollm2, "cpu"), engines.get("awq").load(qf.home / "registry" / row["path"], "cpu")
+    reference, exact, estimated = kld.Reference(), [], []
+    with torch.inference_mode():
+        for i, window in enumerate(data.windows):
+            ids = torch.tensor([window])
+            p = torch.log_softmax(fp16(ids)[0, :-1].float(), -1)
+            q = torch.log_softmax(quant(ids)[0, :-1].float(), -1)
+            reference.add(p, i)
+            exact.append((p.exp() * (p - q)).sum(-1))
+            estimated.append(reference.divergence(q, i)[0])
+    exact, estimated = torch.cat(exact).double(), torch.cat(estimated).double()
+    for measure in (torch.mean, lambda t: torch.quantile(t, 0.99)):
+        assert measure(estimated).item() == pytest.approx(measure(exact).item(), rel=0.02)

@@ -11,9 +11,9 @@ from tests.quant_rows import quant_row
 
 
 def quant(ref: str, rev: str, method: str, bits: float, size: float, ppl: float, change: float,
-          source_identity: str) -> QuantRow:
+          source_identity: str, **fields) -> QuantRow:
     return quant_row(ref, rev=rev, method=method, bits=bits, bytes=int(size), ppl=ppl, fp16_ppl=ppl / (1 + change),
-                     source_identity=source_identity)
+                     source_identity=source_identity, **fields)
 
 
 QUANTS = [
@@ -49,7 +49,8 @@ def test_quant_table(width):
     for line, q in zip(lines[1:], QUANTS, strict=True):
         assert line.startswith(f"{q.ref}@{q.rev}  ")
     assert "166.1 MiB" in lines[1] and "+14.67%" in lines[1] and "14.1926" in lines[1]
-    assert ("SOURCE" in lines[0]) == (width == 200)  # the source gives way first
+    assert ("SOURCE" in lines[0]) == (width == 200)  # the source gives way first, then the divergence
+    assert ("0.0500" in lines[1] and "90.0%" in lines[1]) == (width == 200)
 
 
 def test_job_table_at_80_columns():
@@ -97,7 +98,7 @@ def test_the_readmes_sample_output_is_what_qf_prints():
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     block = readme.split("```\njob ", 1)[1].split("```", 1)[0].splitlines()
     title, header, line = block[0], block[1], block[2]
-    name, method, bits, size, unit, ppl, change, source = line.split()
+    name, method, bits, size, unit, ppl, change, kld, top1, source = line.split()
     row = quant(name.split("@")[0], name.split("@")[1], method, float(bits), float(size) * 2**20, float(ppl),
-                float(change.rstrip("%")) / 100, source)
+                float(change.rstrip("%")) / 100, source, kld=float(kld), top1=float(top1.rstrip("%")) / 100)
     assert render(tables.quants([row], 200, title=f"job {title}"), 200) == [f"job {title}", header, line]

@@ -2,8 +2,8 @@
 
     measure:<key>          once per measurement key (engines with a measurement)
     quantize:<tag>         after its measurement, if it has one
-    evaluate:fp16          once per job (reused across jobs by the catalog's baseline)
-    evaluate:<tag>         after quantize:<tag>
+    evaluate:fp16          once per job (reused across jobs by the catalog's baseline and its KL reference)
+    evaluate:<tag>         after quantize:<tag> and evaluate:fp16 (its KL divergence reads FP16's reference)
     evaluate:<tag>:<group> the engine's other scores (a quantized KV cache's), after quantize:<tag>
     gate                   after every evaluation
     publish:<tag>          after the gate (a GPU worker's job stops before: a CPU worker publishes)
@@ -47,7 +47,7 @@ def units(specs: list[QuantSpec], measurement_keys: dict[str, str], publish: boo
         add(Unit(f"quantize:{spec.tag}", "quantize", needs, spec, measurement=next(iter(needs), None)))
     add(Unit("evaluate:fp16", "evaluate"))
     for spec in specs:
-        add(Unit(f"evaluate:{spec.tag}", "evaluate", frozenset({f"quantize:{spec.tag}"}), spec))
+        add(Unit(f"evaluate:{spec.tag}", "evaluate", frozenset({f"quantize:{spec.tag}", "evaluate:fp16"}), spec))
     for spec in specs:
         for group in dict.fromkeys(e.group for e in engines.get(spec.method).evaluations(spec)):
             add(Unit(f"evaluate:{spec.tag}:{group.split('_')[0]}", "evaluate", frozenset({f"quantize:{spec.tag}"}),

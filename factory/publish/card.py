@@ -2,9 +2,10 @@
 
 YAML metadata (`base_model`, `base_model_relation: quantized`, `license` and `language` as the base model's card
 says, `pipeline_tag`, `library_name`, `tags`, `quantized_by`), where the base model and its license are, the table of
-this model's quants as known when this one was published (bits, size, perplexity, change vs FP16, the calibration
-used, eval protocol, tool versions, source identity), what each engine adds (which size to pick for common GPUs,
-where each fits), the prompt format, and how to load each one (the engine's snippet).
+this model's quants as known when this one was published (bits, size, perplexity, change vs FP16, KL divergence from
+FP16 and top-1 agreement, the calibration used, eval protocol, tool versions, source identity), what each engine adds
+(which size to pick for common GPUs, where each fits), the prompt format, and how to load each one (the engine's
+snippet). A Hub repo's card shows two plots against size: perplexity, and KL divergence on a log scale.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from factory.published import QuantRow
 
 FILENAME = "README.md"
 PLOT = "ppl_vs_size.png"  # beside the card of a Hub repo
+KLD_PLOT = "kld_vs_size.png"
 QUANTIZED_BY = "quantfactory"
 
 
@@ -39,6 +41,14 @@ def _how_to_load(row: QuantRow, place=None) -> str:
         get = f"hf download {place.repo} --revision {place.branch} --local-dir {folder}\n# or: {get}"
     note = f"\n{row.load_note}\n" if row.load_note else ""
     return f"### {ref}\n\n```bash\n{get}\n```\n\n{engines.get(row.method).how_to_load(folder)}{note}"
+
+
+def _kld(r: QuantRow) -> str:
+    return "n/a" if r.kld is None else f"{r.kld:.4f}"
+
+
+def _top1(r: QuantRow) -> str:
+    return "n/a" if r.top1 is None else f"{r.top1 * 100:.1f}%"
 
 
 def _calibration(r: QuantRow) -> str:
@@ -92,9 +102,9 @@ def render(name: str, upstream: Upstream, this: QuantRow, rows: list[QuantRow], 
         "quantized_by": QUANTIZED_BY,
     }
     table = [
-        "| quant | method | bits | size | perplexity | vs FP16 | calibration | eval | tools | source |"
+        "| quant | method | bits | size | perplexity | vs FP16 | KLD | top-1 | calibration | eval | tools | source |"
         + (" on the Hub |" if places else ""),
-        "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if places else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if places else ""),
     ]
     ordered = sorted(rows, key=lambda r: (r.method, r.bits))
     for r in ordered:
@@ -102,14 +112,17 @@ def render(name: str, upstream: Upstream, this: QuantRow, rows: list[QuantRow], 
         mark = " (this folder)" if not places and (r.tag, r.rev) == (this.tag, this.rev) else ""
         table.append(
             f"| `{r.ref}`{mark} | {r.method} | {r.bits:g} | {_size(r.bytes)} | {r.ppl:.4f} "
-            f"| {r.change * 100:+.2f}% | {_calibration(r)} | {public_name(ev['text'])}, "
+            f"| {r.change * 100:+.2f}% | {_kld(r)} | {_top1(r)} | {_calibration(r)} | {public_name(ev['text'])}, "
             f"{ev['windows']} x {ev['window_length']} tokens, {ev['device']} (FP16 {r.fp16_ppl:.4f}) "
             f"| {_versions(r.versions)} | `{r.source_identity}` |"
             + (f" `{places[r.tag].repo}` branch `{places[r.tag].branch}` |" if places else "")
         )
     loads = "\n".join(_how_to_load(r, places.get(r.tag)) for r in ordered)
     before, after = _sections(rows)
-    picture = f"\n![perplexity against size]({PLOT})\n" if places else ""
+    picture = ""
+    if places:
+        picture = f"\n![perplexity against size]({PLOT})\n"
+        picture += f"![KL divergence against size]({KLD_PLOT})\n" if has_kld(rows) else ""
     return f"""---
 {yaml.safe_dump(meta, sort_keys=False).strip()}
 ---
@@ -120,7 +133,9 @@ def render(name: str, upstream: Upstream, this: QuantRow, rows: list[QuantRow], 
 
 Perplexity is measured on held-out text that calibration never saw, on the same token windows for the FP16 model
 and every quant (no BOS, non-overlapping windows from the start of the text); "vs FP16" is the change against the
-FP16 model on those windows.
+FP16 model on those windows. KLD is the mean KL divergence of the quant's next-token distribution from the FP16
+model's at every position of those windows (nats per token; lower is closer), top-1 how often both pick the same
+most likely next token.
 
 {chr(10).join(table)}
 {picture}
@@ -132,6 +147,22 @@ FP16 model on those windows.
 
 def plot(rows: list[QuantRow], path: Path) -> Path:
     """Perplexity against size for every variant, the FP16 model as a dashed line (a PNG for the Hub card)."""
+    return _plot(rows, path, lambda r: r.ppl, f"perplexity ({public_name(rows[0].eval['text'])})",
+                 fp16=rows[0].fp16_ppl)
+
+
+def has_kld(rows: list[QuantRow]) -> bool:
+    return any(r.kld is not None and r.kld > 0 for r in rows)
+
+
+def plot_kld(rows: list[QuantRow], path: Path) -> Path:
+    """KL divergence from FP16 against size for every variant that has one, on a log scale (FP16 itself is 0)."""
+    return _plot([r for r in rows if r.kld is not None and r.kld > 0], path, lambda r: r.kld,
+                 f"KL divergence from FP16 ({public_name(rows[0].eval['text'])})", log=True)
+
+
+def _plot(rows: list[QuantRow], path: Path, value, label: str, fp16: float | None = None, log: bool = False) -> Path:
+    """`value(row)` against size, a line per method, each point named by its tag."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -140,14 +171,16 @@ def plot(rows: list[QuantRow], path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=100)
     for method in sorted({r.method for r in rows}):
         engine, mine = engines.get(method), [r for r in rows if r.method == method]
-        points = sorted((r.bytes / 2**20, r.ppl, r.tag) for r in mine)
-        if points:
-            ax.plot([p[0] for p in points], [p[1] for p in points], marker=engine.plot_marker, label=engine.label)
-            for x, y, tag in points:
-                ax.annotate(tag, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
-    ax.axhline(rows[0].fp16_ppl, linestyle="--", color="gray", label="FP16")
+        points = sorted((r.bytes / 2**20, value(r), r.tag) for r in mine)
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker=engine.plot_marker, label=engine.label)
+        for x, y, tag in points:
+            ax.annotate(tag, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    if fp16 is not None:
+        ax.axhline(fp16, linestyle="--", color="gray", label="FP16")
+    if log:
+        ax.set_yscale("log")
     ax.set_xlabel("size (MiB)")
-    ax.set_ylabel(f"perplexity ({public_name(rows[0].eval['text'])})")
+    ax.set_ylabel(label)
     ax.legend()
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -17,6 +17,7 @@ import calibration
 from factory import engines, files, identity
 from factory.catalog import Catalog, Job, Quant
 from factory.engines import QuantSpec
+from factory.kld import Divergence
 from factory.publish import card, hub
 from factory.publish import folder as registry
 from factory.publish.upstream import Upstream
@@ -30,6 +31,7 @@ class Scores:
 
     ppl: float
     fp16_ppl: float
+    divergence: Divergence | None  # from FP16 (mean KL, its 99th percentile, top-1 agreement)
     extra: dict[str, dict]  # the engine's other scores by group (kv_cache: {fp16: ..., q4: ...})
     windows: int
     window_length: int
@@ -67,6 +69,9 @@ class Publisher:
             versions=_versions(job.versions),
             ppl=scores.ppl,
             fp16_ppl=scores.fp16_ppl,
+            kld=_finite(scores.divergence.mean) if scores.divergence else None,
+            kld_p99=_finite(scores.divergence.p99) if scores.divergence else None,
+            top1=scores.divergence.top1 if scores.divergence else None,
             eval={
                 "text": job.eval,
                 "sha256": job.eval_sha,
@@ -90,7 +95,7 @@ class Publisher:
             "job": job.id,
             "spec": spec.model_dump(),
             "eval": {**quant.eval, "text": calibration.public_name(job.eval), "ppl": scores.ppl,
-                     "fp16_ppl": scores.fp16_ppl},
+                     "fp16_ppl": scores.fp16_ppl, "kld": quant.kld, "kld_p99": quant.kld_p99, "top1": quant.top1},
         }
         self.catalog.put_quant(quant, token, publish=lambda: registry.publish(
             self.settings.registry, job.name, spec.tag, rev, out, manifest))
@@ -123,7 +128,10 @@ class Publisher:
             main.mkdir(parents=True)
             places = {r.tag: where(r.tag) for r in rows}
             (main / card.FILENAME).write_text(card.render(job.name, upstream, newest, rows, places))
-            return {**main_quant, card.FILENAME: main / card.FILENAME, card.PLOT: card.plot(rows, main / card.PLOT)}
+            plots = {card.PLOT: card.plot(rows, main / card.PLOT)}
+            if card.has_kld(rows):
+                plots[card.KLD_PLOT] = card.plot_kld(rows, main / card.KLD_PLOT)
+            return {**main_quant, card.FILENAME: main / card.FILENAME, **plots}
 
         files.check_publishable(folder, engine.outputs)
         self._hub_writer = self._hub_writer or hub.writer(s.hub_owner)
@@ -137,6 +145,11 @@ class Publisher:
 def _with_engine_notes(row: QuantRow, engine, folder: Path) -> QuantRow:
     """A quant's row for its card: with the engine's "fits on" table and what a user must know to load it."""
     return replace(row, fits=engine.fits(folder), load_note=engine.load_note(folder))
+
+
+def _finite(value: float) -> float | None:
+    """JSON (the manifest, --json) has no infinity: a divergence that is not finite is stored as unknown."""
+    return value if math.isfinite(value) else None
 
 
 def _versions(engine_versions: dict) -> dict:

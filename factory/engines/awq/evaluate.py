@@ -1,6 +1,8 @@
 """Scoring AWQ quants on any device: AutoAWQ's own `dequantize_gemm` turns the packed weights back into a
 transformers model (every other tensor comes from the AWQ file, which holds the norms AWQ folded its scales into).
-AutoAWQ's loader (`from_quantized`) insists on intel_extension_for_pytorch on a CPU, which our torch lacks."""
+AutoAWQ's loader (`from_quantized`) insists on intel_extension_for_pytorch on a CPU, which our torch lacks. Where the
+architecture allows, the model is walked layer by layer and each layer's weights are unpacked as it is reached, so
+memory holds one layer, not the model."""
 
 from __future__ import annotations
 
@@ -8,27 +10,62 @@ import json
 import logging
 from pathlib import Path
 
-from factory.evaluate import quiet_transformers, torch_dtype, transformers_logits
+from factory.evaluate import Model, quiet_transformers, torch_dtype, transformers_logits
+from factory.layered import ByLayer, Tensors, walkable
 
 
-def load(folder: Path, dev: str):
-    """A transformers model whose quantized linears hold AutoAWQ's dequantized weights."""
+def _dequantize_gemm():
+    """AutoAWQ's unpacking (its import resets the warning filters and warns of its deprecation in 15 lines: keep
+    them in the log)."""
     import warnings
 
-    import torch
-    from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    # autoawq's import resets the warning filters and warns of its deprecation in 15 lines: keep them in the log
     with warnings.catch_warnings(record=True) as caught:
         from awq.utils.packing_utils import dequantize_gemm
     log = logging.getLogger(__name__)
     for w in caught:  # the first import only: one line, and the notice itself for whoever logs at debug
         log.info("AutoAWQ is deprecated upstream and still works here (its notice: debug log)")
         log.debug("autoawq: %s", w.message)
+    return dequantize_gemm
+
+
+class Dequantized(Tensors):
+    """An AWQ checkpoint's tensors as the unquantized model names them: `<linear>.weight` unpacked from its
+    qweight, qzeros and scales when asked for (a layer at a time, for layered.ByLayer)."""
+
+    def __init__(self, folder: Path):
+        super().__init__(folder)
+        qc = json.loads((folder / "config.json").read_text())["quantization_config"]
+        self.bits, self.group_size = qc["bits"], qc["group_size"]
+        self.unpack = _dequantize_gemm()
+
+    def __contains__(self, name: str) -> bool:
+        return super().__contains__(name) or super().__contains__(name.removesuffix(".weight") + ".qweight")
+
+    def get(self, name: str):
+        base = name.removesuffix(".weight")
+        if not super().__contains__(f"{base}.qweight"):
+            return super().get(name)
+        parts = [super(Dequantized, self).get(f"{base}.{part}") for part in ("qweight", "qzeros", "scales")]
+        return self.unpack(*parts, self.bits, self.group_size).T.contiguous()
+
+
+def load(folder: Path, dev: str) -> Model:
+    """The quant as an unquantized model holding AutoAWQ's dequantized weights: walked layer by layer where its
+    architecture allows (factory/layered.py), else a whole transformers model."""
     quiet_transformers()
+    if walkable(json.loads((folder / "config.json").read_text())):
+        return ByLayer.of(folder, dev, torch_dtype(dev), Dequantized(folder))
+    return load_whole(folder, dev)
+
+
+def load_whole(folder: Path, dev: str) -> Model:
+    """The whole dequantized model in transformers."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     config_dict = json.loads((folder / "config.json").read_text())
+    dequantize_gemm = _dequantize_gemm()
     qc = config_dict.pop("quantization_config")
     config = AutoConfig.for_model(**config_dict)
     tensors: dict[str, torch.Tensor] = {}

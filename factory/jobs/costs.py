@@ -1,0 +1,97 @@
+"""What a job's units are expected to cost on this machine: each unit's GPU memory and cores (what packing admits
+by), its seconds (jobs/eta.py), and the packer for the job's device. Predictions come from the catalog's history
+(recorded peaks of the same source, finished units of the same family near the model's size), else from the
+engines' first-principles estimates from the model's shape."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from factory import engines
+from factory.catalog import Catalog, Job
+from factory.jobs import eta
+from factory.jobs.graph import Unit
+from factory.jobs.packing import Need, Packer
+from factory.vram import CONTEXT_BYTES, HEADROOM, Params, Shape
+
+AUTOMATIC_MAX_UNITS = 8  # on a GPU without --max-units: beyond 8 conversion passes an H200's SMs are busy (GPU.md)
+HISTORY_MARGIN = 1.1  # over the highest peak the catalog recorded for a unit of the same source
+
+
+@dataclass(frozen=True)
+class Sized:
+    """What the source's shape says about the cost of its units (memory, seconds)."""
+
+    shape: Shape
+    params: Params
+    window_length: int  # of the eval windows
+
+    @property
+    def parameters(self) -> int:
+        return self.params.total
+
+
+class Costs:
+    def __init__(self, catalog: Catalog, max_units: int | None):
+        self.catalog = catalog
+        self.max_units = max_units  # None: as many units at once as fit
+
+    def seconds(self, job: Job, model: Sized, unit: Unit) -> float:
+        """A unit's expected seconds (jobs/eta.py): history of its family near this size, else an estimate."""
+        if unit.kind in ("measure", "quantize"):
+            engine = engines.get(unit.spec.method)
+            guess = engine.unit_seconds(unit.kind, model.parameters, job.device,
+                                        engine.unit_cores(unit.kind, job.device))
+        else:
+            guess = eta.other_seconds(unit.kind, model.parameters, job.eval_windows * model.window_length,
+                                      job.device, os.cpu_count() or 1)
+        family = eta.family(unit.name)
+        past = [eta.Past(seconds, parameters) for name, seconds, parameters
+                in self.catalog.unit_history(family, job.device) if eta.family(name) == family]
+        return eta.expected(past, model.parameters, guess)[0]
+
+    def needs(self, job: Job, model: Sized, units: list[Unit]) -> dict[str, Need]:
+        """Each unit's predicted needs, from one read of the catalog's recorded peaks for this source."""
+        peaks = self.catalog.recorded_peaks(job.source_identity)
+        return {unit.name: self._need(job, model, unit, peaks) for unit in units}
+
+    def _need(self, job: Job, model: Sized, unit: Unit, peaks: dict[str, int]) -> Need:
+        """What a unit is predicted to take: from the recorded peaks of earlier units of the same source (the
+        same unit, else one of the same kind and engine), else its engine's estimate from the model's shape."""
+        if unit.kind in ("gate", "publish", "push"):
+            return Need(in_process=True)  # quick, and one at a time: each card lists the quants published before
+        cuda = job.device == "cuda"
+        if unit.kind == "evaluate":  # at most the model in torch in this process, and a window's logits
+            gpu = 2 * model.parameters + 2 * model.window_length * model.shape.vocab * 4
+            return Need(gpu if cuda else 0, 1 if cuda else os.cpu_count() or 1, in_process=True)
+        engine = engines.get(unit.spec.method)
+        family = "measure:" if unit.kind == "measure" else f"quantize:{unit.spec.tag.split('-')[0]}-"
+        seen = peaks.get(unit.name) or max((p for n, p in peaks.items() if n.startswith(family)), default=None)
+        peak = int(seen * HISTORY_MARGIN) if seen else engine.unit_gpu_bytes(unit.kind, unit.spec, model.shape,
+                                                                               model.params)
+        cores = engine.unit_cores(unit.kind, job.device)
+        if self.max_units:  # asked for: the cores are shared among them
+            cores = min(cores, max(1, (os.cpu_count() or 1) // self.max_units))
+        return Need(peak + CONTEXT_BYTES if cuda else 0, cores)
+
+    def packer(self, job: Job) -> Packer:
+        """What this machine admits at once for the job: its GPU's free memory less HEADROOM, its cores."""
+        cores = os.cpu_count() or 1
+        if job.device != "cuda":
+            return Packer(self.max_units or cores, None, cores)
+        import torch
+
+        free, _ = torch.cuda.mem_get_info()
+        return Packer(self.max_units or AUTOMATIC_MAX_UNITS, max(0, free - HEADROOM), cores)
+
+    def estimate(self, job: Job, model: Sized, units: list[Unit]) -> tuple[float, float]:
+        """(packed, one after another) expected seconds of a job planned for its workers' device."""
+        seconds = {u.name: self.seconds(job, model, u) for u in units}
+        needs = self.needs(job, model, units)
+
+        def need(unit: Unit) -> Need:
+            return needs[unit.name]
+
+        packed = Packer(self.max_units or AUTOMATIC_MAX_UNITS, None, AUTOMATIC_MAX_UNITS * 2)
+        return eta.wall_seconds(units, seconds, need, packed), eta.wall_seconds(units, seconds, need, Packer(1))
