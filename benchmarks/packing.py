@@ -93,8 +93,8 @@ def main() -> None:
         make_tiny_llama(model, device="cuda", **LLAMA_1B)
     results = {"gpu": torch.cuda.get_device_name(0), "versions": {"torch": torch.__version__},
                "command": f"python benchmarks/packing.py DIR --bpw {args.bpw} --windows {args.windows}",
-               "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                                        text=True).stdout.strip() or os.environ.get("QF_COMMIT", "unknown"),
+               "commit": os.environ.get("QF_COMMIT") or subprocess.run(  # a copy's .git may be another commit's
+                   ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip() or "unknown",
                "sides": {}}
     for name, max_units in (("packed", None), ("one_at_a_time", 1)):  # packed first: the newer path fails early
         results["sides"][name] = side(model, args.dir / name, args.bpw, args.windows, max_units)

@@ -612,9 +612,8 @@ class Factory:
             self.emit(events.note(f"FP16 perplexity {ppl:.4f} and its KL reference reused from an earlier evaluation"))
             return ppl
         reference = kld.Reference()
-        ppl = self._measure(job, prepared, "fp16", prepared.folder, evaluate.load_fp16, evaluate.FP16_EVALUATOR,
-                            keep=reference, on_scored=lambda: reference.save(path))
-        return ppl
+        return self._scored(job, prepared, "fp16", prepared.folder, evaluate.load_fp16, evaluate.FP16_EVALUATOR,
+                            keep=reference, on_scored=lambda: reference.save(path)).ppl
 
     def _reference_path(self, job: Job, prepared: _Prepared) -> Path:
         key = reference_key(job.source_identity, job.eval_sha, job.eval_windows, prepared.stream.window_length,
@@ -652,10 +651,6 @@ class Factory:
                 scores[e.key] = self._record(job, prepared, subjects[e.key], result, progress)
                 self.emit(events.evaluation(subjects[e.key], result.ppl))
         return scores
-
-    def _measure(self, job: Job, prepared: _Prepared, subject: str, folder: Path, load, evaluator: str,
-                 **scoring) -> float:
-        return self._scored(job, prepared, subject, folder, load, evaluator, **scoring).ppl
 
     def _scored(self, job: Job, prepared: _Prepared, subject: str, folder: Path, load, evaluator: str,
                 reference: kld.Reference | None = None, keep: kld.Reference | None = None,

@@ -37,8 +37,12 @@ def test_run_events_and_result(finished, tiny):
         "gate",
         "publish:awq-w4g128",
     ]
-    layers = [e for e in events if e["event"] == "progress" and e.get("unit") == "layer"]
-    assert [e["done"] for e in layers] == [0, 1, 2] and {e["total"] for e in layers} == {2}
+    layers = {}  # step -> the layers it reported: AutoAWQ's, then each evaluation's walk (factory/layered.py)
+    for e in events:
+        if e["event"] == "progress" and e.get("unit") == "layer":
+            layers.setdefault(e["step"], []).append((e["done"], e["total"]))
+    assert layers == {"quantize:awq-w4g128": [(0, 2), (1, 2), (2, 2)], "evaluate:fp16": [(1, 2), (2, 2)],
+                      "evaluate:awq-w4g128": [(1, 2), (2, 2)]}
     result = events[-1]
     assert (result["state"], result["exit_code"], result["error"]) == ("succeeded", 0, None)
     [row] = result["quants"]
@@ -222,7 +226,7 @@ def test_recipe_with_unknown_keys(qf, tiny, tmp_path):
     assert result.exit_code == 2
     assert last_line(result) == (
         f"error: recipe '{recipe}': unknown key 'awq.clipping' "
-        "(recipe keys: awq, exl2, exl3, calibration, eval, eval_windows, max_ppl_ratio)"
+        "(recipe keys: awq, exl2, exl3, calibration, eval, eval_windows, max_ppl_ratio, max_kld)"
     )
 
 
@@ -300,8 +304,8 @@ def test_model_card(finished):
         "quantized_by": "quantfactory",
     }
     assert "| `tiny:awq-w4g128` (this folder) | awq | 4 |" in text
-    assert (f"{row['ppl']:.4f} | {row['change'] * 100:+.2f}% | builtin:c4, 16 x 128 tokens, clipping off | "
-            "builtin:wiki, 2 x 2048 tokens, cpu") in text
+    assert (f"{row['ppl']:.4f} | {row['change'] * 100:+.2f}% | {row['kld']:.4f} | {row['top1'] * 100:.1f}% | "
+            "builtin:c4, 16 x 128 tokens, clipping off | builtin:wiki, 2 x 2048 tokens, cpu") in text
     assert "Read the base model's license on the original model's card." in text
     assert "qf pull tiny:awq-w4g128 -o tiny-awq-w4g128" in text and row["source_identity"] in text
     manifest = json.loads((qf.home / "registry" / row["path"] / MANIFEST).read_text())

@@ -86,7 +86,8 @@ def test_the_pulled_quant_applies_the_chat_template_as_the_source_does(smollm2, 
 
 def test_the_compact_reference_gives_the_exact_kl_divergence(smollm2, smollm2_run, tmp_path):
     """FP16's compact reference (top 32 + 32 sampled from the tail, factory/kld.py) against the exact
-    full-vocabulary KL(FP16 || AWQ) on 2 windows of SmolLM2: mean and 99th percentile within 2% (README)."""
+    full-vocabulary KL(FP16 || AWQ) on 4 windows of SmolLM2 (8188 positions): the mean within 1%, its 99th
+    percentile (82 positions above it: sampling noise shows most there) within 5%, the issue's bound (README)."""
     import torch
 
     from calibration import builtin_text
@@ -94,17 +95,18 @@ def test_the_compact_reference_gives_the_exact_kl_divergence(smollm2, smollm2_ru
 
     qf, row = smollm2_run
     assert 0 < row["kld"] < 0.5 and 0.5 < row["top1"] < 1  # what the run published
-    data = evaluate.stream(evaluate.tokenize(smollm2, builtin_text("wiki")), 2, None, "builtin:wiki")
+    data = evaluate.stream(evaluate.tokenize(smollm2, builtin_text("wiki")), 4, None, "builtin:wiki")
     fp16, quant = evaluate.load_fp16(smollm2, "cpu"), engines.get("awq").load(qf.home / "registry" / row["path"], "cpu")
     reference, exact, estimated = kld.Reference(), [], []
     with torch.inference_mode():
-        for i, window in enumerate(data.windows):
-            ids = torch.tensor([window])
-            p = torch.log_softmax(fp16(ids)[0, :-1].float(), -1)
-            q = torch.log_softmax(quant(ids)[0, :-1].float(), -1)
+        pairs = zip(fp16.logits(data.windows), quant.logits(data.windows), strict=True)  # both walked by layer
+        for i, (fp16_logits, quant_logits) in enumerate(pairs):
+            p = torch.log_softmax(fp16_logits[0, :-1].float(), -1)
+            q = torch.log_softmax(quant_logits[0, :-1].float(), -1)
             reference.add(p, i)
             exact.append((p.exp() * (p - q)).sum(-1))
             estimated.append(reference.divergence(q, i)[0])
     exact, estimated = torch.cat(exact).double(), torch.cat(estimated).double()
-    for measure in (torch.mean, lambda t: torch.quantile(t, 0.99)):
-        assert measure(estimated).item() == pytest.approx(measure(exact).item(), rel=0.02)
+    for name, measure, bound in (("mean", torch.mean, 0.01), ("p99", lambda t: torch.quantile(t, 0.99), 0.05)):
+        print(f"KLD {name}: exact {measure(exact).item():.6f}, estimated {measure(estimated).item():.6f}")
+        assert measure(estimated).item() == pytest.approx(measure(exact).item(), rel=bound)

@@ -231,7 +231,9 @@ class Engine:
 
     # how it is scored ----------------------------------------------------------------------------------------
     def load(self, folder: Path, device: str) -> Logits:
-        """A function from token ids to logits through the engine's own runtime, for perplexity."""
+        """A function from token ids to logits through the engine's own runtime, for perplexity and the KL
+        divergence from FP16 (both computed from these logits); or a `factory.layered.ByLayer` over the quant's
+        weights, unpacked a layer at a time (see awq/evaluate.py), where the quant loads as an unquantized model."""
         raise NotImplementedError
 
     def evaluations(self, spec: QuantSpec) -> list[Evaluation]:
