@@ -26,7 +26,7 @@ from dataclasses import astuple, dataclass, field, replace
 from pathlib import Path
 
 import calibration
-from factory import engines, evaluate, events, files, identity, kld, naming, sources, tables
+from factory import engines, evaluate, events, files, identity, kld, layered, naming, sources, tables
 from factory.catalog import Catalog, Job, JobState, Lease, StepState
 from factory.engines import Engine, QuantSpec
 from factory.errors import (
@@ -343,7 +343,8 @@ class Factory:
         except (FactoryError, ValueError):
             return None
         shape = Shape.of(config)
-        model = Sized(shape, Params.of(tensors, shape), min(evaluate.WINDOW, shape.max_positions))
+        model = Sized(shape, Params.of(tensors, shape), min(evaluate.WINDOW, shape.max_positions),
+                      layered.walkable(config))
         keys = {s.tag: self._measurement_key(job, s) for s in specs if engines.get(s.method).needs_measurement}
         return self.costs.estimate(job, model, graph.units(specs, keys, True, bool(self.settings.hub_owner)))
 
@@ -444,7 +445,7 @@ class Factory:
         stream = evaluate.stream(eval_ids, job.eval_windows, info.max_positions, job.eval)
         up = upstream.read(job.base_model, files.upstream_card(source_folder), folder)
         return _Prepared(folder=folder, specs=specs, calibration=windows, calibration_file=cal_file, stream=stream,
-                         upstream=up, model=Sized(shape, params, stream.window_length))
+                         upstream=up, model=Sized(shape, params, stream.window_length, layered.walkable(config)))
 
     def _quantized(self, job: Job, spec: QuantSpec) -> Path | None:
         """The quant an earlier attempt of this job made, if its step finished and its folder is there."""

@@ -89,6 +89,17 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
+def round_engine():
+    """The test-only engine of tests/round_engine.py, registered in this process for the test."""
+    from factory import engines
+    from tests.round_engine import ENGINE
+
+    engines.register(ENGINE)
+    yield ENGINE
+    engines.unregister(ENGINE.name)
+
+
+@pytest.fixture
 def db_url():
     with fresh_database() as url:
         yield url

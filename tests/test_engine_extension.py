@@ -14,16 +14,8 @@ import pytest
 
 from factory import engines
 from factory.publish import card
-from tests.round_engine import ENGINE
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture
-def round_engine():
-    engines.register(ENGINE)
-    yield ENGINE
-    engines.unregister(ENGINE.name)
 
 
 def test_an_engine_from_tests_runs_end_to_end(qf, tiny, tmp_path, round_engine):

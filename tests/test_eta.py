@@ -41,3 +41,19 @@ def test_a_jobs_wall_time_follows_the_packing_rule():
     assert eta.wall_seconds(units, seconds, need, Packer(1, None, 8)) == 221.0  # one after another
     assert eta.wall_seconds(units, seconds, need, Packer(4, None, 8)) == 121.0  # both passes at once
     assert eta.wall_seconds(units, seconds, need, Packer(4, 6, 8)) == 211.0  # memory for one pass at a time
+
+
+def test_an_evaluation_walked_layer_by_layer_is_predicted_by_its_largest_layer():
+    """Llama-3-8B's shape, 48 windows: the whole model is 16 GB; walked a layer at a time, what packing admits the
+    FP16 evaluation by is its embedding (1 GB), the windows' states (0.8 GB) and a window's logits as scoring uses
+    them (4 x 1 GB in fp32). tests/test_gpu_kld.py checks the walk's measured peak against it on the GPU."""
+    from factory.jobs.costs import Sized, evaluation_bytes
+    from factory.vram import Params, Shape
+
+    shape = Shape(hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, intermediate=14336, vocab=128256,
+                  max_positions=8192)
+    params = Params(embed=128256 * 4096, head=128256 * 4096, linear=32 * 218_103_808, other=32 * 8192 + 4096)
+    model = Sized(shape, params, 2048, walkable=True)
+    whole, walked = evaluation_bytes(model, 48, walked=False), evaluation_bytes(model, 48, walked=True)
+    assert 17e9 < whole < 19e9  # 16 GB of weights, a window's logits
+    assert 5.5e9 < walked < 6.5e9 and walked < whole / 2.5

@@ -80,7 +80,18 @@ def test_an_8b_llama_is_scored_layer_by_layer_in_less_than_8_gb(tmp_path):
     ]
     _save()
     assert layered_peak < LIMIT < whole_peak
+    assert layered_peak <= _predicted(source, walked=True)  # what packing admits the evaluation by (jobs/costs.py)
     assert layered_ppl == pytest.approx(whole_ppl, rel=0.001)
+
+
+def _predicted(source: Path, walked: bool) -> int:
+    from factory import sources
+    from factory.jobs.costs import Sized, evaluation_bytes
+    from factory.vram import Params, Shape
+
+    config, tensors = sources.layout(str(source))
+    shape = Shape.of(config)
+    return evaluation_bytes(Sized(shape, Params.of(tensors, shape), evaluate.WINDOW, walked), WINDOWS, walked)
 
 
 def test_the_kl_pass_costs_at_most_1_3x_the_perplexity_pass(tmp_path):

@@ -75,16 +75,6 @@ def test_the_same_stream_makes_the_same_reference(tiny, stream):
         assert all((a[k] == b[k]).all() for k in kld.KEYS)
 
 
-@pytest.fixture
-def round_engine():
-    from factory import engines
-    from tests.round_engine import ENGINE
-
-    engines.register(ENGINE)
-    yield ENGINE
-    engines.unregister(ENGINE.name)
-
-
 def test_kld_is_published_falls_as_bits_rise_and_the_gate_can_refuse_on_it(qf, tiny, tmp_path, round_engine):
     """Quants that keep 2 and 7 mantissa bits: each row carries its divergence (--json, manifest, card); a later job
     reuses FP16's reference and refuses the coarser one on `max_kld` with both numbers."""

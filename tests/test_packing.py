@@ -16,14 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from factory import engines
 from factory.engines.awq.spec import AwqSpec
 from factory.engines.exl2.spec import Exl2Spec
 from factory.errors import JobFailed
 from factory.jobs import graph, packing
 from factory.jobs.graph import Unit
 from factory.jobs.packing import Need, Packer
-from tests.round_engine import ENGINE as ROUND
 
 GiB = 2**30
 ROOT = Path(__file__).resolve().parent.parent
@@ -147,13 +145,6 @@ def test_the_first_failure_stops_the_running_units_and_is_raised():
     with pytest.raises(JobFailed, match="quantize:a broke"):
         packing.run(_units(), work, _need, Packer(4, 10 * GiB, 4), stop)
     assert seen == ["quantize:b"] and time.monotonic() - start < 5
-
-
-@pytest.fixture
-def round_engine():
-    engines.register(ROUND)
-    yield ROUND
-    engines.unregister(ROUND.name)
 
 
 def _spans(qf, job_id: str) -> dict[str, tuple[float, float]]:

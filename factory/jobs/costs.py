@@ -26,10 +26,23 @@ class Sized:
     shape: Shape
     params: Params
     window_length: int  # of the eval windows
+    walkable: bool = False  # its FP16 evaluation walks it a layer at a time (factory/layered.py)
 
     @property
     def parameters(self) -> int:
         return self.params.total
+
+
+def evaluation_bytes(model: Sized, windows: int, walked: bool) -> int:
+    """An evaluation's GPU memory: the whole model in fp16 and a window's logits; walked a layer at a time, the
+    largest of the embedding, the head and one decoder layer, every window's hidden states, and a window's logits
+    with what scoring makes of them (log-probabilities, FP16's tail for its KL reference)."""
+    logits = model.window_length * model.shape.vocab * 4
+    if not walked:
+        return 2 * model.parameters + 2 * logits
+    p = model.params
+    largest = max(p.embed, p.head, (p.linear + p.other) // max(1, model.shape.layers))
+    return 2 * largest + windows * model.window_length * model.shape.hidden * 2 + 4 * logits
 
 
 class Costs:
@@ -62,8 +75,8 @@ class Costs:
         if unit.kind in ("gate", "publish", "push"):
             return Need(in_process=True)  # quick, and one at a time: each card lists the quants published before
         cuda = job.device == "cuda"
-        if unit.kind == "evaluate":  # at most the model in torch in this process, and a window's logits
-            gpu = 2 * model.parameters + 2 * model.window_length * model.shape.vocab * 4
+        if unit.kind == "evaluate":
+            gpu = evaluation_bytes(model, job.eval_windows, walked=unit.spec is None and model.walkable)
             return Need(gpu if cuda else 0, 1 if cuda else os.cpu_count() or 1, in_process=True)
         engine = engines.get(unit.spec.method)
         family = "measure:" if unit.kind == "measure" else f"quantize:{unit.spec.tag.split('-')[0]}-"
