@@ -562,9 +562,11 @@ def worker(
     gpu: Annotated[int | None, typer.Option("--gpu", min=0, help="The GPU it owns (CUDA_VISIBLE_DEVICES).")] = None,
     queues: Annotated[str, typer.Option("--queues", help="Queues to take jobs from.")] = "gpu,cpu",
     max_units: UnitsOpt = None,
+    slots: Annotated[int, typer.Option("--slots", min=1, help="Jobs run at once on this worker's GPU, each packing "
+                                       "its units into its share of the card (default 1).")] = 1,
 ) -> None:
-    """Start a Celery worker with the factory's settings: one job at a time, acknowledged when done. A catalog or
-    broker that cannot be reached is exit 5 before it takes any message."""
+    """Start a Celery worker with the factory's settings: one job at a time (per slot), acknowledged when done. A
+    catalog or broker that cannot be reached is exit 5 before it takes any message."""
     import os
 
     from workers.tasks import check_broker
@@ -576,10 +578,18 @@ def worker(
         env["CUDA_VISIBLE_DEVICES"] = str(gpu)
     if max_units is not None:
         env["FACTORY_MAX_UNITS"] = str(max_units)  # read by the job processes it spawns (factory/settings.py)
-    node = f"qf-{'gpu' + str(gpu) if gpu is not None else 'worker'}@%h"
-    argv = [sys.executable, "-m", "celery", "-A", "workers.app", "worker", "-Q", queues, "--pool", "solo",
-            "--concurrency", "1", "--prefetch-multiplier", "1", "-n", node, "--loglevel", "INFO"]
-    os.execvpe(sys.executable, argv, env)
+    env["FACTORY_GPU_SLOTS"] = str(slots)
+    node = f"qf-{'gpu' + str(gpu) if gpu is not None else 'worker'}"
+
+    def celery(name: str) -> list[str]:
+        return [sys.executable, "-m", "celery", "-A", "workers.app", "worker", "-Q", queues, "--pool", "solo",
+                "--concurrency", "1", "--prefetch-multiplier", "1", "-n", f"{name}@%h", "--loglevel", "INFO"]
+
+    if slots == 1:
+        os.execvpe(sys.executable, celery(node), env)
+    from workers.slots import supervise
+
+    sys.exit(supervise([celery(f"{node}-{i}") for i in range(1, slots + 1)], env))
 
 
 @app.command()

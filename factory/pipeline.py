@@ -100,7 +100,7 @@ class Factory:
         self.emit = emit
         self.publisher = publishing.Publisher(settings, self.catalog)
         self.token: int | None = None  # the fencing token of the lease `execute` runs under, if any
-        self.costs = Costs(self.catalog, settings.max_units)
+        self.costs = Costs(self.catalog, settings.max_units, settings.gpu_slots)
         self._stop = threading.Event()  # set: the running units stop at their next progress event
         self._expected_seconds: dict[str, float] = {}  # unit -> seconds, for its step
         self.holder = identity.holder_name()  # this process, in the steps it runs and the claims it holds

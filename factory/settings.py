@@ -52,6 +52,7 @@ class Settings:  # a plain dataclass: `qf status` must start fast, and pydantic'
     watch_seconds: float = 3600.0
     hub_owner: str | None = None
     max_units: int | None = None  # units of a job run at once on this machine; None: as many as fit
+    gpu_slots: int = 1  # jobs run at once on this GPU (qf worker --slots): each packs into its share of the card
     hub_repos: dict[str, str] = field(default_factory=dict)  # engine name -> repo template, where one is set
 
     @property
@@ -93,6 +94,7 @@ _FROM_ENV = {  # field -> (variable, type); an unset or empty variable leaves th
     "watch_seconds": ("FACTORY_WATCH_SECONDS", float),
     "hub_owner": ("FACTORY_HUB_OWNER", str),
     "max_units": ("FACTORY_MAX_UNITS", int),
+    "gpu_slots": ("FACTORY_GPU_SLOTS", int),
 }
 
 

