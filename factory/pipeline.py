@@ -8,7 +8,8 @@
 `qf run` calls both in-process; a worker calls `execute` with a job id. A failed job runs again from where it
 stopped: finished quantize and evaluate steps are reused; steps an earlier attempt left running (it was killed)
 are marked interrupted. Engines and evaluators read the source through a staging folder of its allowlisted files
-(factory/files.py), and a quant is published only when its folder holds nothing else. Nothing here prints:
+(factory/files.py), and a quant is published only when its folder holds nothing else. The evaluation units are
+factory/jobs/evaluations.py's (a mixin of Factory), what units cost factory/jobs/costs.py's. Nothing here prints:
 progress goes to `emit` as events (factory/events.py) that the CLI renders.
 """
 
@@ -22,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import astuple, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import calibration
@@ -40,10 +41,11 @@ from factory.errors import (
     mask_url,
 )
 from factory.events import Emit
-from factory.identity import job_key, measurement_key, reference_key
+from factory.identity import job_key, measurement_key
 from factory.inspect import ModelInfo, inspect
 from factory.jobs import eta, graph, packing
 from factory.jobs.costs import Costs, Sized
+from factory.jobs.evaluations import Evaluations
 from factory.jobs.graph import Unit
 from factory.jobs.packing import Need, Packer
 from factory.publish import publishing, upstream
@@ -93,7 +95,7 @@ class _Made:
     refused: dict[str, QualityGateRefused] = field(default_factory=dict)
 
 
-class Factory:
+class Factory(Evaluations):
     def __init__(self, settings: Settings, emit: Emit = lambda event: None):
         self.settings = settings
         self.catalog = Catalog(settings.db_url)
@@ -302,12 +304,12 @@ class Factory:
             measurement = made.measurements.get(unit.measurement) if unit.measurement else None
             made.outputs[spec.tag] = self._quantize(job, prepared, spec, measurement)
         elif unit.kind == "evaluate" and spec is None:
-            made.fp16 = self._evaluate_fp16(job, prepared)
+            made.fp16 = self.evaluate_fp16(job, prepared.folder, prepared.stream)
         elif unit.kind == "evaluate" and unit.group is None:
             out = made.outputs[spec.tag]
-            made.ppls[spec.tag], made.divergences[spec.tag] = self._evaluate(job, prepared, spec, out)
+            made.ppls[spec.tag], made.divergences[spec.tag] = self.evaluate_quant(job, spec, out, prepared.stream)
         elif unit.kind == "evaluate":
-            scores = self._evaluate_group(job, prepared, spec, unit.group, made.outputs[spec.tag])
+            scores = self.evaluate_group(job, spec, unit.group, made.outputs[spec.tag], prepared.stream)
             made.extra.setdefault(spec.tag, {})[unit.group] = scores
         elif unit.kind == "gate":
             made.refused = self._gate(job, made.ppls, made.fp16, made.divergences)
@@ -603,94 +605,6 @@ class Factory:
         finally:
             done.set()
             thread.join()
-
-    def _evaluate_fp16(self, job: Job, prepared: _Prepared) -> float:
-        """FP16's perplexity and its reference for the quants' KL divergence (a file under FACTORY_HOME), both
-        reused from any earlier job on the same token stream."""
-        key = (job.source_identity, job.eval_sha, job.eval_windows, prepared.stream.window_length, job.device)
-        path = self._reference_path(job, prepared)
-        if (ppl := self.catalog.baseline(*key)) is not None and path.is_file():
-            self.emit(events.note(f"FP16 perplexity {ppl:.4f} and its KL reference reused from an earlier evaluation"))
-            return ppl
-        reference = kld.Reference()
-        return self._scored(job, prepared, "fp16", prepared.folder, evaluate.load_fp16, evaluate.FP16_EVALUATOR,
-                            keep=reference, on_scored=lambda: reference.save(path)).ppl
-
-    def _reference_path(self, job: Job, prepared: _Prepared) -> Path:
-        key = reference_key(job.source_identity, job.eval_sha, job.eval_windows, prepared.stream.window_length,
-                            job.device, kld.LAYOUT)
-        return self.settings.references / f"{key}.safetensors"
-
-    def _evaluate(self, job: Job, prepared: _Prepared, spec: QuantSpec,
-                  out: Path) -> tuple[float, kld.Divergence | None]:
-        """The quant's perplexity and its divergence from FP16 (whose reference evaluate:fp16 made or found)."""
-        done = {e.subject: e for e in self.catalog.evaluations(job.id)}
-        if spec.tag in done and f"evaluate:{spec.tag}" in self.catalog.done_steps(job.id):
-            found = done[spec.tag]
-            return found.ppl, kld.Divergence(found.kld, found.kld_p99, found.top1) if found.kld is not None else None
-        engine = engines.get(spec.method)
-        reference = kld.Reference.load(self._reference_path(job, prepared))
-        result = self._scored(job, prepared, spec.tag, out, engine.load, engine.evaluator, reference=reference)
-        return result.ppl, result.divergence
-
-    def _evaluate_group(self, job: Job, prepared: _Prepared, spec: QuantSpec, group: str, out: Path) -> dict:
-        """One group of the engine's scores beyond perplexity (e.g. through its runtime's quantized KV caches), as
-        {key: ppl}, in one step."""
-        engine = engines.get(spec.method)
-        done = {e.subject: e.ppl for e in self.catalog.evaluations(job.id)}
-        mine = [e for e in engine.evaluations(spec) if e.group == group]
-        subjects = {e.key: f"{spec.tag}:{e.suffix}" for e in mine}
-        if all(s in done for s in subjects.values()):
-            return {key: done[s] for key, s in subjects.items()}
-        scores = {}
-        with self._step(job.id, f"evaluate:{spec.tag}:{group.split('_')[0]}") as progress:
-            for e in mine:
-                def on_progress(d: int, t: int, unit: str, window: str = e.unit) -> None:
-                    progress(done=d, total=t, unit=window if unit == "window" else unit)
-
-                result = evaluate.evaluate(out, e.load, engine.evaluator, prepared.stream, on_progress)
-                scores[e.key] = self._record(job, prepared, subjects[e.key], result, progress)
-                self.emit(events.evaluation(subjects[e.key], result.ppl))
-        return scores
-
-    def _scored(self, job: Job, prepared: _Prepared, subject: str, folder: Path, load, evaluator: str,
-                reference: kld.Reference | None = None, keep: kld.Reference | None = None,
-                on_scored: Callable[[], None] | None = None) -> evaluate.Result:
-        """One evaluation step: the model in `folder` scored on the job's stream (against FP16's `reference`, or
-        keeping its own into `keep`); `on_scored` runs before the result is recorded (the reference is saved)."""
-        with self._step(job.id, f"evaluate:{subject}") as progress:
-            result = evaluate.evaluate(
-                folder, load, evaluator, prepared.stream,
-                lambda done, total, unit: progress(done=done, total=total, unit=unit),
-                reference=reference, keep=keep,
-            )
-            if on_scored:
-                on_scored()
-            self._record(job, prepared, subject, result, progress)
-        divergence = astuple(result.divergence) if result.divergence else None  # mean, p99, top1
-        self.emit(events.evaluation(subject, result.ppl, divergence))
-        return result
-
-    def _record(self, job: Job, prepared: _Prepared, subject: str, result: evaluate.Result, progress) -> float:
-        progress(peak_gpu_bytes=result.peak_gpu_bytes)
-        divergence = result.divergence
-        self.catalog.add_evaluation(
-            self.token,
-            job_id=job.id,
-            subject=subject,
-            source_identity=job.source_identity,
-            evaluator=result.evaluator,
-            device=result.device,
-            eval_sha=job.eval_sha,
-            windows=len(prepared.stream.windows),
-            window_length=prepared.stream.window_length,
-            ppl=result.ppl,
-            kld=divergence.mean if divergence else None,
-            kld_p99=divergence.p99 if divergence else None,
-            top1=divergence.top1 if divergence else None,
-            seconds=result.seconds,
-        )
-        return result.ppl
 
     def _gate(self, job: Job, ppls: dict[str, float], fp16: float,
               divergences: dict[str, kld.Divergence | None]) -> dict[str, QualityGateRefused]:
