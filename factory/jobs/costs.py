@@ -78,21 +78,25 @@ class Costs:
         cuda = job.device == "cuda"
         if unit.kind == "evaluate":
             gpu = evaluation_bytes(model, job.eval_windows, walked=unit.spec is None and model.walkable)
-            return Need(gpu if cuda else 0, 1 if cuda else os.cpu_count() or 1, in_process=True)
+            return Need(gpu if cuda else 0, 1 if cuda else self._cores(), in_process=True)
         engine = engines.get(unit.spec.method)
         family = "measure:" if unit.kind == "measure" else f"quantize:{unit.spec.tag.split('-')[0]}-"
         seen = peaks.get(unit.name) or max((p for n, p in peaks.items() if n.startswith(family)), default=None)
         peak = int(seen * HISTORY_MARGIN) if seen else engine.unit_gpu_bytes(unit.kind, unit.spec, model.shape,
                                                                                model.params)
-        cores = engine.unit_cores(unit.kind, job.device)
-        if self.max_units:  # asked for: the cores are shared among them
-            cores = min(cores, max(1, (os.cpu_count() or 1) // self.max_units))
+        cores = min(engine.unit_cores(unit.kind, job.device), self._cores())
+        if self.max_units:  # asked for: the job's cores are shared among them
+            cores = min(cores, max(1, self._cores() // self.max_units))
         return Need(peak + CONTEXT_BYTES if cuda else 0, cores)
+
+    def _cores(self) -> int:
+        """The cores a job may use: this machine's, or its slot's share of them."""
+        return max(1, (os.cpu_count() or 1) // self.slots)
 
     def packer(self, job: Job) -> Packer:
         """What this machine admits at once for the job: its GPU's free memory less HEADROOM, its cores; with
         several slots (jobs at once on one GPU), its share of each."""
-        cores = max(1, (os.cpu_count() or 1) // self.slots)
+        cores = self._cores()
         if job.device != "cuda":
             return Packer(self.max_units or cores, None, cores)
         import torch
