@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from factory import kld, layered
 from factory.errors import SpecError
 from factory.inspect import read_config
-from factory.layered import ByLayer
+from factory.layered import ByLayer, Progress  # done, total, unit (a window, or a layer)
 
 if TYPE_CHECKING:
     import torch
@@ -65,7 +65,6 @@ def stream(ids: list[int], count: int, max_positions: int | None, name: str) -> 
 Logits = Callable[["torch.Tensor"], "torch.Tensor"]  # token ids [1, L] on the CPU -> logits [1, L, V]
 Model = Logits | ByLayer  # a whole model, called window by window, or one walked layer by layer over all windows
 Loader = Callable[[Path, str], Model]  # (folder, device) -> Model
-Progress = Callable[[int, int, str], None]  # done, total, unit (window, or layer)
 
 
 def score(model: Model, data: Stream, on_progress: Progress | None = None, reference: kld.Reference | None = None,

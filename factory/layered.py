@@ -1,13 +1,13 @@
 """Scoring a model layer by layer, so that memory holds one decoder layer and the windows' hidden states instead of
-the whole model: a 70B-class source (140 GB in FP16) is evaluated on one GPU the way exllamav2's measurement walks
-a model.
+the whole model: a 70B-class source (140 GB in FP16) can be evaluated on one GPU the way a quantizer's measurement pass
+walks a model.
 
 The model is built on the meta device (no memory). Its embedding runs over every window with a stand-in for the
 first decoder layer that records what the layer is given (hidden states, rotary embeddings, positions: the
-"catcher" AutoAWQ and GPTQ use), so the model's own code prepares each layer's inputs. Then each decoder layer in
-turn is read from the safetensors, run over every window's hidden states, and dropped; finally the norm and the
-head turn each window's states into logits. Peak memory: the largest of the embedding, one layer and the head, plus
-the states (windows x length x hidden) and one window's logits.
+"catcher" calibration-based quantizers use), so the model's own code prepares each layer's inputs. Then each decoder
+layer in turn is read from the safetensors, run over every window's hidden states, and dropped; finally the norm and
+the head turn each window's states into logits. Peak memory: the largest of the embedding, one layer and the head,
+plus the states (windows x length x hidden) and one window's logits.
 
 Only architectures whose forward is exactly embedding, uniform decoder layers, norm and head are walked this way
 (ARCHITECTURES); the rest load whole (evaluate.load_fp16 decides).

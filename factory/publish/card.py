@@ -151,13 +151,18 @@ def plot(rows: list[QuantRow], path: Path) -> Path:
                  fp16=rows[0].fp16_ppl)
 
 
+def _with_kld(rows: list[QuantRow]) -> list[QuantRow]:
+    """The variants with a KL divergence to plot on a log scale (measured, and above FP16's own 0)."""
+    return [r for r in rows if r.kld is not None and r.kld > 0]
+
+
 def has_kld(rows: list[QuantRow]) -> bool:
-    return any(r.kld is not None and r.kld > 0 for r in rows)
+    return bool(_with_kld(rows))
 
 
 def plot_kld(rows: list[QuantRow], path: Path) -> Path:
     """KL divergence from FP16 against size for every variant that has one, on a log scale (FP16 itself is 0)."""
-    return _plot([r for r in rows if r.kld is not None and r.kld > 0], path, lambda r: r.kld,
+    return _plot(_with_kld(rows), path, lambda r: r.kld,
                  f"KL divergence from FP16 ({public_name(rows[0].eval['text'])})", log=True)
 
 
