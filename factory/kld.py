@@ -27,8 +27,9 @@ if TYPE_CHECKING:
 TOP_K = 32
 TAIL_SAMPLES = 32
 SEED = 20261202
+CHUNK = 256  # positions drawn from at once: the tail's copy of a 128k vocabulary is 128 MB, not a window's 1 GB
 KEYS = ("top_ids", "top_logp", "tail_ids", "tail_logp", "tail_mass")
-LAYOUT = (TOP_K, TAIL_SAMPLES, SEED)  # a reference made another way is another file (identity.reference_key)
+LAYOUT = (TOP_K, TAIL_SAMPLES, SEED, CHUNK)  # a reference made another way is another file (identity.reference_key)
 
 
 @dataclass(frozen=True)
@@ -50,20 +51,9 @@ class Reference:
         """Keep what KL needs of one window's FP16 log-probabilities [positions, vocab]."""
         import torch
 
-        top_logp, top_ids = logp.topk(TOP_K, dim=-1)
-        tail = logp.exp().scatter(-1, top_ids, 0.0)
-        mass = tail.sum(-1)
-        empty = mass <= 0  # every bit of mass in the top K: draw anything, the term weighs nothing
-        tail[empty] = 1.0
         generator = torch.Generator(device=logp.device).manual_seed(SEED + index)
-        tail_ids = torch.multinomial(tail, TAIL_SAMPLES, replacement=True, generator=generator)
-        self.windows.append({
-            "top_ids": top_ids.int().cpu(),
-            "top_logp": top_logp.float().cpu(),
-            "tail_ids": tail_ids.int().cpu(),
-            "tail_logp": logp.gather(-1, tail_ids).float().cpu(),
-            "tail_mass": mass.masked_fill(empty, 0.0).float().cpu(),
-        })
+        parts = [_compact(logp[start : start + CHUNK], generator) for start in range(0, len(logp), CHUNK)]
+        self.windows.append({k: torch.cat([part[k] for part in parts]) for k in KEYS})
 
     def divergence(self, logq: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Per position of window `index`: the estimated KL(FP16 || quant) and whether both pick the same token,
@@ -91,6 +81,21 @@ class Reference:
 
         stacked = load_file(str(path))
         return cls([{k: stacked[k][i] for k in KEYS} for i in range(len(stacked["top_ids"]))])
+
+
+def _compact(logp: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    import torch
+
+    top_logp, top_ids = logp.topk(TOP_K, dim=-1)
+    tail = logp.exp().scatter_(-1, top_ids, 0.0)
+    mass = tail.sum(-1)
+    empty = mass <= 0  # every bit of mass in the top K: draw anything, the term weighs nothing
+    tail[empty] = 1.0
+    tail_ids = torch.multinomial(tail, TAIL_SAMPLES, replacement=True, generator=generator)
+    del tail
+    return {"top_ids": top_ids.int().cpu(), "top_logp": top_logp.float().cpu(), "tail_ids": tail_ids.int().cpu(),
+            "tail_logp": logp.gather(-1, tail_ids).float().cpu(),
+            "tail_mass": mass.masked_fill(empty, 0.0).float().cpu()}
 
 
 def summarize(kls: list[torch.Tensor], same: list[torch.Tensor]) -> Divergence:
