@@ -87,12 +87,13 @@ class Base(DeclarativeBase):
     type_annotation_map = {dict: JSON, list: JSON}
 
 
-SCHEMA_VERSION = 5  # 2: jobs.lease_token; 3: steps.lease_token and expected_seconds, jobs.parameters, expected_end;
+SCHEMA_VERSION = 6  # 2: jobs.lease_token; 3: steps.lease_token and expected_seconds, jobs.parameters, expected_end;
 #                    4: claims.holder (was job_id), steps.holder; 5: kld, kld_p99, top1 of evaluations and quants,
-#                    jobs.max_kld (a schema 4 catalog gains them in place: MIGRATIONS)
+#                    jobs.max_kld (a schema 4 catalog gains them in place: MIGRATIONS); 6: tokens, submissions
 MIGRATIONS = {  # version -> the statements that bring a catalog of that version to the next one
     "4": [f"ALTER TABLE {table} ADD COLUMN {column} FLOAT" for table in ("evaluations", "quants")
           for column in ("kld", "kld_p99", "top1")] + ["ALTER TABLE jobs ADD COLUMN max_kld FLOAT"],
+    "5": [],  # new tables only: create_all makes them
 }
 _SCHEMA_LOCK_KEY = 0x71F4C7  # pg_advisory_lock key for creating the tables
 
@@ -282,6 +283,32 @@ class Upstream(Base):
     job_id: Mapped[str | None] = mapped_column(String(32))
     skipped: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(default=now)
+
+
+class Token(Base):
+    """A person's key to the service (`qf token create`): only its sha256 is kept."""
+
+    __tablename__ = "tokens"
+    id: Mapped[str] = mapped_column(String(16), primary_key=True)  # shown by `qf token ls`, named by revoke
+    username: Mapped[str] = mapped_column(String(64), index=True)
+    sha256: Mapped[str] = mapped_column(String(64), unique=True)
+    scopes: Mapped[list] = mapped_column()
+    quota_jobs_per_day: Mapped[int | None] = mapped_column(Integer)
+    max_running: Mapped[int | None] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(default=now)
+    last_used_at: Mapped[datetime | None] = mapped_column()  # its last submission
+    revoked_at: Mapped[datetime | None] = mapped_column()
+
+
+class Submission(Base):
+    """Who asked for a job, and when: a job submitted again by another user is theirs too (the same job id). A row
+    without a job is a place reserved by a submission in progress (service/accounts.py)."""
+
+    __tablename__ = "submissions"
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    job_id: Mapped[str | None] = mapped_column(ForeignKey("jobs.id"), index=True)
+    username: Mapped[str] = mapped_column(String(64), index=True)
+    created_at: Mapped[datetime] = mapped_column(default=now, index=True)
 
 
 def _normalize_url(url: str) -> str:

@@ -34,6 +34,7 @@ from rich.table import Column, Table
 from factory import engines, naming, settings, tables
 from factory.errors import FactoryError, JobFailed, NotFound, ServiceUnavailable, SpecError
 from factory.events import Event
+from factory.submission import sizer
 
 app = typer.Typer(
     add_completion=False,
@@ -193,6 +194,16 @@ def _catalog():
     return Catalog(settings.load().db_url)
 
 
+def _remote():
+    """The service's client when FACTORY_SERVER (or --server) names one: the command goes through it."""
+    config = settings.load()
+    if not config.server:
+        return None
+    from factory.service.client import Client
+
+    return Client(config.server, config.token)
+
+
 SourceArg = Annotated[str, typer.Argument(metavar="SOURCE", help="A local checkpoint folder (config.json, tokenizer, "
                                          "safetensors) or a Hub repo org/name[@revision].")]
 RecipeOpt = Annotated[Path | None, typer.Option("--recipe", help="A recipe YAML (see configs/standard.yaml).")]
@@ -202,8 +213,7 @@ WindowsOpt = Annotated[int | None, typer.Option("--eval-windows", min=1, help="2
 NameOpt = Annotated[str | None, typer.Option("--name", help="The quant name (default: the folder's name).")]
 BaseOpt = Annotated[str | None, typer.Option("--base-model", help="The Hub repo the card names as base_model.")]
 JsonOpt = Annotated[bool, typer.Option("--json", metavar="", help="JSON instead of tables and progress bars.")]
-_SIZER = next(e for e in engines.all_engines() if e.sizes_to_budget)  # the engine --fit sizes
-FitOpt = Annotated[str | None, typer.Option("--fit", help=f"VRAM budgets, e.g. 24GB,16GB: {_SIZER.label} at the "
+FitOpt = Annotated[str | None, typer.Option("--fit", help=f"VRAM budgets, e.g. 24GB,16GB: {sizer().label} at the "
                                             "highest bpw that fits each with --ctx and --kv-cache (see qf plan).")]
 CtxOpt = Annotated[int | None, typer.Option("--ctx", min=1, help="Context in tokens (default: the model's max).")]
 KvOpt = Annotated[str, typer.Option("--kv-cache", help="fp16, q8, q6 or q4.")]
@@ -240,20 +250,10 @@ def _with_engine_flags(fn):
 
 def _request(source, flags, recipe, calibration, eval_set, eval_windows, name, base_model, device=None,
              fit=None, ctx=None, kv_cache="fp16"):
-    from factory.pipeline import Request
-    from factory.recipes import build_recipe
+    from factory import submission
 
-    flags = dict(flags)
-    if fit:
-        sizer = _SIZER
-        if flags.get(sizer.name):
-            raise SpecError(f"give --{sizer.name} sizes or --fit budgets, not both")
-        written = build_recipe(recipe).to_dict().get(sizer.name, {})
-        flags[sizer.name] = sizer.fit_budgets(source, fit, ctx, kv_cache, written,
-                                              lambda line: err.print(line, highlight=False))
-    chosen = build_recipe(recipe, flags, calibration=calibration, eval=eval_set, eval_windows=eval_windows)
-    asked = {name for name, value in flags.items() if value}
-    return Request(source=source, recipe=chosen, asked=asked, name=name, base_model=base_model, device=device)
+    return submission.request(source, flags, recipe, calibration, eval_set, eval_windows, name, base_model, device,
+                              fit, ctx, kv_cache, say=lambda line: err.print(line, highlight=False))
 
 
 @app.command()
@@ -324,13 +324,26 @@ def submit(source: SourceArg, flags: dict, recipe: RecipeOpt = None,
            name: NameOpt = None, base_model: BaseOpt = None, fit: FitOpt = None, ctx: CtxOpt = None,
            kv_cache: KvOpt = "fp16") -> None:
     """Queue a job for the workers; prints only its id (the same job twice: the same id)."""
-    from workers.tasks import submit as queue
+    if (remote := _remote()) is not None:
+        if recipe is not None and not recipe.is_file():
+            raise SpecError(f"recipe {str(recipe)!r} does not exist; pass a YAML file such as configs/standard.yaml")
+        answer = remote.submit({
+            "source": source, "flags": flags, "recipe": recipe.read_text(encoding="utf-8") if recipe else None,
+            "calibration": calibration, "eval": eval_set, "eval_windows": eval_windows, "name": name,
+            "base_model": base_model, "fit": fit, "ctx": ctx, "kv_cache": kv_cache})
+        for line in answer["notes"]:
+            err.print(line, markup=False, highlight=False)
+        print(answer["id"])
+        guess = answer["estimate"] and (answer["estimate"]["packed"], answer["estimate"]["alone"])
+    else:
+        from workers.tasks import submit as queue
 
-    factory = _factory()
-    job = queue(factory, _request(source, flags, recipe, calibration, eval_set, eval_windows, name, base_model,
-                                  device=factory.settings.worker_device, fit=fit, ctx=ctx, kv_cache=kv_cache))
-    print(job.id)
-    if (guess := factory.estimate(job)) is not None:
+        factory = _factory()
+        job = queue(factory, _request(source, flags, recipe, calibration, eval_set, eval_windows, name, base_model,
+                                      device=factory.settings.worker_device, fit=fit, ctx=ctx, kv_cache=kv_cache))
+        print(job.id)
+        guess = factory.estimate(job)
+    if guess:
         packed, alone = guess
         err.print(f"expected to take about {tables.duration(packed)} on a worker (units packed; "
                   f"{tables.duration(alone)} one after another)", markup=False, highlight=False)
@@ -358,7 +371,12 @@ def ls(
             table.add_row(r["name"], r["repo"], r["branch"], r["commit"][:7])
         out.print(table)
         return
-    rows = [q.row() for q in _catalog().quants()]
+    if (client := _remote()) is not None:
+        from factory.published import QuantRow
+
+        rows = [QuantRow.from_json(r) for r in client.quants()]
+    else:
+        rows = [q.row() for q in _catalog().quants()]
     if as_json:
         print(json.dumps([r.to_json() for r in rows], indent=2))
     elif not rows:
@@ -368,6 +386,14 @@ def ls(
 
 
 def _job_rows(**query) -> list[dict]:
+    """Jobs as `qf status` and `qf jobs` print them: from the catalog, or the service's (the user's own)."""
+    if (remote := _remote()) is not None:
+        if query.get("job_id"):
+            try:
+                return [remote.job(query["job_id"])]
+            except NotFound:
+                return []
+        return remote.jobs(limit=query.get("limit", 20), name=query.get("name"))
     from factory import status
 
     return status.job_rows(settings.load().db_url, **query)
@@ -387,22 +413,6 @@ def jobs(
         out.print(tables.jobs(rows, out.width))
 
 
-def _find(catalog, ref: naming.QuantRef):
-    """The quants of ref.name (matching ref.tag/ref.rev if given); NotFound listing what exists."""
-    names = catalog.model_names()
-    quants = catalog.quants(name=ref.name)
-    if ref.name not in names:
-        known = ", ".join(names) or "none yet"
-        raise NotFound(f"no model named {ref.name!r}; known names: {known}")
-    matching = [
-        q for q in quants if (ref.tag is None or q.tag == ref.tag) and (ref.rev is None or q.rev.startswith(ref.rev))
-    ]
-    if ref.tag is not None and not matching:
-        tags = ", ".join(sorted({f"{q.tag}@{q.rev}" for q in quants})) or "none yet"
-        raise NotFound(f"{ref} does not exist; tags of {ref.name}: {tags}")
-    return sorted(matching, key=lambda q: q.created_at, reverse=True)
-
-
 @app.command()
 @_handled
 def show(
@@ -410,16 +420,21 @@ def show(
     as_json: JsonOpt = False,
 ) -> None:
     """One model's quants and job history."""
-    catalog = _catalog()
     parsed = naming.parse(ref)
+    if (remote := _remote()) is not None:
+        from factory.published import QuantRow
+
+        found = remote.model(parsed)
+        return _show(parsed, [QuantRow.from_json(r) for r in found["quants"]], found["jobs"], as_json)
+    from factory import lookup
+
+    rows = lookup.with_fits(_catalog(), settings.load().registry, parsed)
+    _show(parsed, rows, _job_rows(limit=50, name=parsed.name), as_json)
+
+
+def _show(parsed: naming.QuantRef, rows: list, job_rows: list[dict], as_json: bool) -> None:
     from factory import vram
 
-    registry = settings.load().registry
-    rows = []
-    for q in _find(catalog, parsed):
-        folder = registry / q.path
-        rows.append(replace(q.row(), fits=engines.get(q.method).fits(folder) if folder.is_dir() else None))
-    job_rows = _job_rows(limit=50, name=parsed.name)
     if as_json:
         print(json.dumps({"quants": [r.to_json() for r in rows], "jobs": job_rows}, indent=2))
         return
@@ -450,7 +465,7 @@ def status(
     if follow and job_id is None:
         raise SpecError("--follow needs a JOB to follow; `qf status` lists the recent ones")
     if follow and job_id is not None:
-        _follow(_catalog(), job_id, as_json)
+        _follow(job_id, as_json)
         if as_json:
             return  # the events were the output
     rows = _job_rows(job_id=job_id) if job_id else _job_rows(limit=20)
@@ -477,39 +492,29 @@ def status(
             out.print(f"error: {rows[0]['error']}", markup=False, highlight=False)
 
 
-def _follow(catalog, job_id: str, as_json: bool) -> None:
-    """Render the job's events as its worker publishes them, until a result event or a terminal state."""
-    import redis
+def _follow(job_id: str, as_json: bool) -> None:
+    """Render the job's events as its worker publishes them (or the service relays them), until a result event
+    or a terminal state."""
+    if (remote := _remote()) is not None:
+        events = remote.events(job_id)
+    else:
+        from workers.tasks import follow
 
-    from factory.catalog import TERMINAL
-    from factory.errors import mask_url
-    from workers.tasks import EVENTS
-
-    url = settings.load().broker_url
-    try:
-        channel = redis.Redis.from_url(url).pubsub(ignore_subscribe_messages=True)
-        channel.subscribe(EVENTS + job_id)
-    except redis.RedisError:
-        raise ServiceUnavailable(f"the broker at {mask_url(url)} cannot be reached") from None
+        events = follow(_catalog(), settings.load().broker_url, job_id)
     with Renderer(as_json) as render:
-        while True:
-            job = catalog.job(job_id)
-            if job is None:
-                raise NotFound(f"no job {job_id!r}; `qf status` lists the recent ones")
-            message = channel.get_message(timeout=2.0)
-            if message is not None:
-                event = json.loads(message["data"])
+        for event in events:
+            if event is not None:
                 render(event)
-                if event["event"] == "result":
-                    return
-            elif job.state in TERMINAL:
-                return
 
 
 @app.command()
 @_handled
 def cancel(job_id: Annotated[str, typer.Argument(metavar="JOB")]) -> None:
     """Cancel a queued or running job: its engine gets SIGTERM, its work folder goes, nothing is published."""
+    if (remote := _remote()) is not None:
+        job = remote.cancel(job_id)
+        err.print(f"job {job['id']}: {job['state']}")
+        return
     job = _catalog().cancel_job(job_id)
     if job is None:
         raise NotFound(f"no job {job_id!r}; `qf status` lists the recent ones")
@@ -520,6 +525,9 @@ def cancel(job_id: Annotated[str, typer.Argument(metavar="JOB")]) -> None:
 @_handled
 def retry(job_id: Annotated[str, typer.Argument(metavar="JOB")]) -> None:
     """Queue a failed or cancelled job again; finished steps are kept."""
+    if (remote := _remote()) is not None:
+        print(remote.retry(job_id)["id"])
+        return
     from factory.catalog import JobState
     from workers.tasks import enqueue
 
@@ -601,12 +609,15 @@ def pull(
                                               "catalog does not know NAME:TAG (default FACTORY_HUB_OWNER).")] = None,
 ) -> None:
     """Copy a finished quant out of the registry, or download it from the Hub; every file's sha256 verified."""
+    from factory import lookup
     from factory.publish import folder
 
     parsed = naming.parse(ref, tag_required=True)
+    if (remote := _remote()) is not None:
+        return _pull_from_service(remote, parsed, output)
     owner = owner or settings.load().hub_owner
     try:
-        quant = _find(_catalog(), parsed)[0]
+        quant = lookup.find(_catalog(), parsed)[0]
     except (NotFound, ServiceUnavailable):
         if not owner:
             raise
@@ -621,11 +632,11 @@ def pull(
 @_handled
 def rm(ref: Annotated[str, typer.Argument(metavar="NAME:TAG[@REV]")]) -> None:
     """Remove a quant from the registry and the catalog (its copy on the Hub stays; `hf repo` manages that)."""
-    from factory import housekeeping
+    from factory import housekeeping, lookup
 
     parsed = naming.parse(ref, tag_required=True)
     catalog = _catalog()
-    quant, freed = housekeeping.remove_quant(settings.load(), catalog, _find(catalog, parsed))
+    quant, freed = housekeeping.remove_quant(settings.load(), catalog, lookup.find(catalog, parsed))
     err.print(f"removed {quant.name}:{quant.tag}@{quant.rev} ({tables.size(freed)} freed)")
 
 
@@ -665,6 +676,22 @@ def _templates() -> dict[str, str]:
     from factory.publish import hub
 
     return hub.templates(settings.load().hub_repos)
+
+
+def _pull_from_service(remote, parsed: naming.QuantRef, output: Path | None) -> None:
+    dest = _output_folder(output or Path(f"{parsed.name}-{parsed.tag}"))
+    if dest.exists() and any(dest.iterdir()):
+        raise SpecError(f"output folder {str(dest)!r} exists and is not empty; pass -o with a new or empty folder")
+    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), console=err,
+                  disable=not err.is_terminal) as bar:
+        task = bar.add_task(str(parsed), total=None)
+        try:
+            quant, files = remote.pull(parsed, dest, lambda done, total: bar.update(task, completed=done, total=total))
+        except KeyboardInterrupt:
+            err.print("interrupted: the same qf pull continues where this one stopped")
+            raise
+    err.print(f"{quant['name']}@{quant['rev']}: {len(files)} files verified, in {dest}")
+    out.print(str(dest.resolve()))
 
 
 def _pull_from_hub(parsed: naming.QuantRef, owner: str, output: Path | None) -> None:
@@ -864,6 +891,19 @@ def calib_ls(as_json: JsonOpt = False) -> None:
     err.print('also: file:<path> to any .txt, .jsonl (a "text" field per line) or .parquet (a "text" column)')
 
 
+from factory import cli_service  # noqa: E402, F401  (registers qf serve and qf token)
+
+
+@app.callback()
+def _options(server: Annotated[str | None, typer.Option(
+        "--server", metavar="URL", help="Talk to the factory's service at URL (FACTORY_SERVER) with FACTORY_TOKEN.")]
+             = None) -> None:
+    if server:
+        import os
+
+        os.environ["FACTORY_SERVER"] = server
+
+
 def main() -> None:
     try:
         app(standalone_mode=True)
@@ -872,5 +912,7 @@ def main() -> None:
         sys.exit(e.exit_code)
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # python -m factory.cli: run the module that cli_service registered its commands on
+    from factory.cli import main as registered
+
+    registered()

@@ -7,7 +7,9 @@
 | 2    | SpecError          | bad usage or spec: numbers, names, recipe keys, no CUDA for an engine that needs it |
 | 3    | ModelRefused       | inspection refused the checkpoint                               |
 | 4    | NotFound           | a path, name or tag that does not exist                         |
-| 5    | ServiceUnavailable | database, broker or Hub unreachable                             |
+| 5    | ServiceUnavailable | database, broker, Hub or the factory's service unreachable      |
+| 5    | AccessDenied       | the service refused the token, its scope, or another user's job |
+| 5    | OverQuota          | the service's quota for this user is used up (until it resets)  |
 
 Messages are one sentence saying what was wrong and what is allowed; the CLI prints them as they are.
 """
@@ -69,6 +71,14 @@ class NotFound(FactoryError):
 
 class ServiceUnavailable(FactoryError):
     exit_code = 5
+
+
+class AccessDenied(FactoryError):
+    exit_code = 5
+
+
+class OverQuota(AccessDenied):
+    """A user's quota (`qf token create --quota-jobs-per-day`, `--max-running`) is used up."""
 
 
 def mask_url(url: str) -> str:

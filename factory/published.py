@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 
 @dataclass(frozen=True)
@@ -58,3 +58,9 @@ class QuantRow:
                "path": self.path, "spec": self.spec, "fit": self.fit, "created_at": self.created_at}
         return {**row, **({"fits": self.fits} if self.fits else {}),
                 **({"load_note": self.load_note} if self.load_note else {})}
+
+    @classmethod
+    def from_json(cls, row: dict) -> QuantRow:
+        """The inverse of to_json (what a client of the service reads)."""
+        names = {f.name for f in fields(cls)} - {"name"}
+        return cls(name=row["model"], **{k: v for k, v in row.items() if k in names})

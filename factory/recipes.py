@@ -92,10 +92,10 @@ def load_recipe(path: Path) -> Recipe:
     path = Path(path)
     if not path.is_file():
         raise SpecError(f"recipe {str(path)!r} does not exist; pass a YAML file such as configs/standard.yaml")
-    return _recipe_from_yaml(path.read_text(encoding="utf-8"), f"recipe {str(path)!r}")
+    return recipe_from_yaml(path.read_text(encoding="utf-8"), f"recipe {str(path)!r}")
 
 
-def _recipe_from_yaml(text: str, where: str) -> Recipe:
+def recipe_from_yaml(text: str, where: str) -> Recipe:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
@@ -106,18 +106,21 @@ def _recipe_from_yaml(text: str, where: str) -> Recipe:
 
 
 def standard_recipe() -> Recipe:
-    return _recipe_from_yaml(resources.files("configs").joinpath(STANDARD).read_text(encoding="utf-8"),
+    return recipe_from_yaml(resources.files("configs").joinpath(STANDARD).read_text(encoding="utf-8"),
                              f"the standard recipe (configs/{STANDARD})")
 
 
 def build_recipe(path: Path | None = None, flags: dict[str, str | bool | None] | None = None,
-                 **overrides: object) -> Recipe:
-    """The recipe a command line asks for: --recipe FILE, else the standard recipe. Engine flags (`flags`, or
+                 written: Recipe | None = None, **overrides: object) -> Recipe:
+    """The recipe a command line asks for: --recipe FILE (or `written`, one already read), else the standard
+    recipe. Engine flags (`flags`, or
     keyword arguments named after an engine: `<engine>="4.0,5.0"`, `<engine>=True`) replace its targets, keeping its
     settings for those engines; other options that are not None replace its keys."""
     flags = {**(flags or {}), **{k: overrides.pop(k) for k in list(overrides) if k in engines.available()}}
     asked = {name: value for name, value in flags.items() if value not in (None, False)}
-    data = (load_recipe(path) if path else standard_recipe()).to_dict()
+    if written is None:
+        written = load_recipe(path) if path else standard_recipe()
+    data = written.to_dict()
     if asked:  # the flags say what to make: the recipe's other targets are dropped
         written = {name: data.pop(name) for name in engines.available() if name in data}
         for name, value in asked.items():

@@ -23,6 +23,12 @@ FACTORY_HUB_OWNER  publish every quant to the Hugging Face Hub under this user o
                   the registry folder only); the token is HF_TOKEN or huggingface_hub's stored login
 FACTORY_HUB_<ENGINE>_REPO  an engine's repo name template on the Hub (default: the engine's `hub_repo`, e.g.
                   `{owner}/{model}-<engine>`; {model} is the factory's name of the model); `qf pull` uses them too
+FACTORY_SERVER    the URL of a factory's service (`qf serve`): the CLI then submits, follows and pulls through it
+                  instead of the catalog and broker; `--server URL` sets it for one command
+FACTORY_TOKEN     the bearer token the CLI sends to FACTORY_SERVER (`qf token create` prints one)
+FACTORY_SERVE_SOURCES  folders (separated by ":") whose model folders a service's users may name as a source; Hub
+                  repos are always allowed (default: none, Hub repos only)
+FACTORY_SERVE_PUBLIC  1: the service's dashboard and its read-only pages need no token (default: a token)
 """
 
 from __future__ import annotations
@@ -54,6 +60,10 @@ class Settings:  # a plain dataclass: `qf status` must start fast, and pydantic'
     max_units: int | None = None  # units of a job run at once on this machine; None: as many as fit
     gpu_slots: int = 1  # jobs run at once on this GPU (qf worker --slots): each packs into its share of the card
     hub_repos: dict[str, str] = field(default_factory=dict)  # engine name -> repo template, where one is set
+    server: str | None = None  # the service the CLI talks to instead of the catalog and broker
+    token: str | None = None
+    serve_sources: tuple[Path, ...] = ()  # folders the service lets its users name sources in
+    serve_public: bool = False  # the dashboard readable without a token
 
     @property
     def registry(self) -> Path:
@@ -95,6 +105,10 @@ _FROM_ENV = {  # field -> (variable, type); an unset or empty variable leaves th
     "hub_owner": ("FACTORY_HUB_OWNER", str),
     "max_units": ("FACTORY_MAX_UNITS", int),
     "gpu_slots": ("FACTORY_GPU_SLOTS", int),
+    "server": ("FACTORY_SERVER", str),
+    "token": ("FACTORY_TOKEN", str),
+    "serve_sources": ("FACTORY_SERVE_SOURCES", lambda v: tuple(Path(p).resolve() for p in v.split(":") if p)),
+    "serve_public": ("FACTORY_SERVE_PUBLIC", lambda v: v.lower() in ("1", "true", "yes")),
 }
 
 

@@ -52,7 +52,7 @@ def resolve(arg: str, cache_dir: Path) -> Source:
             identity=folder_identity(path, cache_dir),
             base_model=path.name,
         )
-    if _is_hub_name(arg):
+    if is_hub_name(arg):
         repo, _, revision = arg.partition("@")
         sha = resolve_hub(repo, revision or None)
         owner, label = repo.split("/")
@@ -60,7 +60,7 @@ def resolve(arg: str, cache_dir: Path) -> Source:
     raise NotFound(f"source {arg!r} does not exist; pass a local folder with config.json and safetensors weights")
 
 
-def _is_hub_name(arg: str) -> bool:
+def is_hub_name(arg: str) -> bool:
     return bool(_HUB_REPO.fullmatch(arg)) and not arg.startswith((".", "/", "~"))
 
 
@@ -129,7 +129,7 @@ def layout(arg: str) -> tuple[dict, dict[str, list[int]]]:
         config = read_config(files["config.json"])
         check_against_tensors(config, tensors)
         return config, tensors
-    if not _is_hub_name(arg):
+    if not is_hub_name(arg):
         raise NotFound(f"source {arg!r} does not exist; pass a local folder or a Hub repo org/name")
     from factory import hubclient as hub
 

@@ -20,9 +20,17 @@ _STEPS = ("SELECT job_id, name, state, started_at, ended_at, error, peak_gpu_byt
           "FROM steps")
 
 
-def job_rows(url: str, job_id: str | None = None, name: str | None = None, limit: int = 20) -> list[dict]:
-    """The newest `limit` jobs (of model `name`, or the one job `job_id`), newest first; [] for a new catalog."""
-    where, args = ("WHERE id = ?", [job_id]) if job_id else ("WHERE name = ?", [name]) if name else ("", [])
+def job_rows(url: str, job_id: str | None = None, name: str | None = None, limit: int = 20,
+             user: str | None = None) -> list[dict]:
+    """The newest `limit` jobs (of model `name`, or the one job `job_id`; of those, the ones `user` submitted
+    through the service), newest first; [] for a new catalog."""
+    clauses, args = [], []
+    for clause, value in (("id = ?", job_id), ("name = ?", name),
+                          ("id IN (SELECT job_id FROM submissions WHERE username = ?)", user)):
+        if value is not None:
+            clauses.append(clause)
+            args.append(value)
+    where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
     conn, database_error = _connect(url)
     if conn is None:
         return []

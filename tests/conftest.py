@@ -71,9 +71,10 @@ def fresh_database():
 CATALOG_FIXTURES = {"db_url", "finished"}  # every test that writes or reads a catalog uses one of these
 # The tests where the database itself is under test: concurrent writers and fenced holders (leases, claims, the
 # workers, two runs of one job, publishing fenced by a token), plain SQL (status), the watchlist's and
-# housekeeping's writes. The other catalog tests go through the same SQLAlchemy code and ran on SQLite.
+# housekeeping's writes, the service's quotas and plain SQL. The other catalog tests go through the same SQLAlchemy
+# code and ran on SQLite.
 DATABASE_MODULES = {"test_workers", "test_leases", "test_packing", "test_safety", "test_status", "test_schedule",
-                    "test_housekeeping"}
+                    "test_housekeeping", "test_service"}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -368,7 +368,8 @@ def test_catalog_of_another_schema_is_refused(tmp_path):
 
 
 def test_a_catalog_of_schema_4_gains_the_divergence_columns_in_place(finished):
-    """A catalog made before KL divergence (schema 4): its quants list with `kld` unknown, and new ones get it."""
+    """A catalog made before KL divergence (schema 4): its quants list with `kld` unknown, and new ones get it; it
+    gains the service's tables (schema 6) too."""
     import sqlite3
 
     from factory.catalog import MIGRATIONS, SCHEMA_VERSION
@@ -380,9 +381,12 @@ def test_a_catalog_of_schema_4_gains_the_divergence_columns_in_place(finished):
         for table, column in [("evaluations", "kld"), ("evaluations", "kld_p99"), ("evaluations", "top1"),
                               ("quants", "kld"), ("quants", "kld_p99"), ("quants", "top1"), ("jobs", "max_kld")]:
             db.execute(f"ALTER TABLE {table} DROP COLUMN {column}")
+        db.execute("DROP TABLE tokens")
+        db.execute("DROP TABLE submissions")
         db.execute("UPDATE meta SET value = '4' WHERE key = 'schema'")
-    assert "4" in MIGRATIONS and SCHEMA_VERSION == 5
+    assert "4" in MIGRATIONS and SCHEMA_VERSION == 6
     [row] = Qf(home=home).json("ls")
     assert row["kld"] is None and row["ppl"] > 0
     with sqlite3.connect(home / "catalog.db") as db:
-        assert db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone() == ("5",)
+        assert db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone() == ("6",)
+        assert db.execute("SELECT count(*) FROM tokens").fetchone() == (0,)

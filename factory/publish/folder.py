@@ -53,7 +53,7 @@ def publish(registry: Path, name: str, tag: str, rev: str, files: Path, manifest
     dest.parent.mkdir(parents=True, exist_ok=True)
     sweep(registry)
     manifest = {**manifest, "name": name, "tag": tag, "rev": rev, "files": file_table(files)}
-    if dest.is_dir() and _read(dest) == manifest:
+    if dest.is_dir() and read_manifest(dest) == manifest:
         return dest, manifest
     with _staging(dest.parent / f"{STAGING}{dest.name}-{uuid.uuid4().hex[:8]}") as tmp:
         shutil.copytree(files, tmp)
@@ -141,7 +141,7 @@ def _share_or_copy(src: str, dst: str) -> None:
         shutil.copy2(src, dst)
 
 
-def _read(folder: Path) -> dict | None:
+def read_manifest(folder: Path) -> dict | None:
     try:
         return json.loads((folder / MANIFEST).read_text())
     except (OSError, ValueError):
@@ -150,7 +150,7 @@ def _read(folder: Path) -> dict | None:
 
 def verify(folder: Path) -> dict:
     """The manifest of a registry folder whose files all match it; JobFailed naming the first that does not."""
-    manifest = _read(folder)
+    manifest = read_manifest(folder)
     if manifest is None:
         raise JobFailed(f"{folder} has no readable {MANIFEST}")
     for fname, want in manifest["files"].items():

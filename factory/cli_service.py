@@ -1,0 +1,98 @@
+"""`qf serve` and `qf token`: the factory's service and its users' tokens (factory/service/). Registered on the
+`qf` app by factory/cli.py."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from factory import settings
+from factory.cli import _catalog, _handled, app, err, out
+
+token_app = typer.Typer(help="Tokens of the factory's service (`qf serve`): one per person, only its hash is kept.",
+                        no_args_is_help=True)
+app.add_typer(token_app, name="token")
+
+
+@app.command()
+@_handled
+def serve(
+    host: Annotated[str, typer.Option("--host", help="The address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", min=1, max=65535)] = 8750,
+    public: Annotated[bool, typer.Option("--public", metavar="", help="The dashboard and read-only pages need no "
+                                         "token (FACTORY_SERVE_PUBLIC).")] = False,
+) -> None:
+    """Serve the HTTP API (docs at /docs) and the dashboard (/) in front of the catalog, broker and registry."""
+    import dataclasses
+
+    import uvicorn
+
+    from factory.service.app import create_app
+
+    config = settings.load()
+    if public:
+        config = dataclasses.replace(config, serve_public=True)
+    _catalog()  # a catalog that cannot be reached is exit 5 before the port opens
+    uvicorn.run(create_app(config), host=host, port=port, log_level="info", access_log=True)
+
+
+def _accounts():
+    from factory.service.accounts import Accounts
+
+    return Accounts(_catalog())
+
+
+@token_app.command("create")
+@_handled
+def token_create(
+    user: Annotated[str, typer.Option("--user", help="Who the token is for.")],
+    scope: Annotated[str, typer.Option("--scope", help="read, submit, pull and/or admin, comma-separated.")] = (
+        "read,submit,pull"),
+    quota: Annotated[int | None, typer.Option("--quota-jobs-per-day", min=0, help="Submissions a day (any 24 "
+                                              "hours), over all of the user's tokens.")] = None,
+    max_running: Annotated[int | None, typer.Option("--max-running", min=0, help="Jobs queued or running at "
+                                                    "once.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", metavar="")] = False,
+) -> None:
+    """Make a token and print it, this once (only its sha256 is kept)."""
+    from factory.service.accounts import parse_scopes
+
+    secret, row = _accounts().create(user, parse_scopes(scope), quota, max_running)
+    if as_json:
+        print(json.dumps({"token": secret, "id": row.id, "user": row.username, "scopes": row.scopes}))
+        return
+    print(secret)
+    err.print(f"token {row.id} for {row.username} ({', '.join(row.scopes)}): give it to them as FACTORY_TOKEN; it "
+              "is not shown again", markup=False, highlight=False)
+
+
+@token_app.command("ls")
+@_handled
+def token_ls(as_json: Annotated[bool, typer.Option("--json", metavar="")] = False) -> None:
+    """Every token: its id, user, scopes, quotas and whether it was revoked (never the token)."""
+    rows = [{"id": t.id, "user": t.username, "scopes": t.scopes, "quota_jobs_per_day": t.quota_jobs_per_day,
+             "max_running": t.max_running, "created_at": t.created_at.isoformat(timespec="seconds"),
+             "last_used_at": t.last_used_at.isoformat(timespec="seconds") if t.last_used_at else None,
+             "revoked_at": t.revoked_at.isoformat(timespec="seconds") if t.revoked_at else None}
+            for t in _accounts().tokens()]
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return
+    table = Table(box=None, header_style="bold")
+    for col in ("ID", "USER", "SCOPES", "JOBS/DAY", "RUNNING", "CREATED", "REVOKED"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r["id"], r["user"], ",".join(r["scopes"]), str(r["quota_jobs_per_day"] or "-"),
+                      str(r["max_running"] or "-"), r["created_at"], r["revoked_at"] or "-")
+    out.print(table)
+
+
+@token_app.command("revoke")
+@_handled
+def token_revoke(token_id: Annotated[str, typer.Argument(metavar="ID", help="As `qf token ls` shows it.")]) -> None:
+    """Refuse the token from now on (its user's jobs stay)."""
+    row = _accounts().revoke(token_id)
+    err.print(f"token {row.id} of {row.username} revoked", markup=False, highlight=False)

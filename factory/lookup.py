@@ -1,0 +1,36 @@
+"""Finding quants by name (`NAME[:TAG][@REV]`): what `qf show`, `qf pull` and the service share."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from factory import engines, naming
+from factory.catalog import Catalog, Quant
+from factory.errors import NotFound
+from factory.published import QuantRow
+
+
+def find(catalog: Catalog, ref: naming.QuantRef) -> list[Quant]:
+    """The quants of ref.name (matching ref.tag/ref.rev if given), newest first; NotFound listing what exists."""
+    names = catalog.model_names()
+    quants = catalog.quants(name=ref.name)
+    if ref.name not in names:
+        known = ", ".join(names) or "none yet"
+        raise NotFound(f"no model named {ref.name!r}; known names: {known}")
+    matching = [
+        q for q in quants if (ref.tag is None or q.tag == ref.tag) and (ref.rev is None or q.rev.startswith(ref.rev))
+    ]
+    if ref.tag is not None and not matching:
+        tags = ", ".join(sorted({f"{q.tag}@{q.rev}" for q in quants})) or "none yet"
+        raise NotFound(f"{ref} does not exist; tags of {ref.name}: {tags}")
+    return sorted(matching, key=lambda q: q.created_at, reverse=True)
+
+
+def with_fits(catalog: Catalog, registry: Path, ref: naming.QuantRef) -> list[QuantRow]:
+    """`find`'s quants as rows, each with what its engine says fits each GPU (its files are in `registry`)."""
+    rows = []
+    for q in find(catalog, ref):
+        folder = registry / q.path
+        rows.append(replace(q.row(), fits=engines.get(q.method).fits(folder) if folder.is_dir() else None))
+    return rows

@@ -1,0 +1,321 @@
+"""`qf serve`: the factory's front door, an HTTP API (and the dashboard, service/dashboard.py) in front of the
+catalog, the broker and the registry. It is the only component that needs their credentials; its users hold
+tokens (service/accounts.py).
+
+Every refusal is a JSON body `{"error": "<the CLI's sentence>", "exit_code": N}` with its HTTP status:
+
+| status | error class                   | exit |
+|--------|-------------------------------|------|
+| 401    | no token, or not a valid one  | 5    |
+| 403    | a scope the token lacks       | 5    |
+| 404    | NotFound (also another user's job) | 4 |
+| 409    | JobFailed (a job that cannot be retried or cancelled now) | 1 |
+| 413    | a request body over MAX_BODY  | 2    |
+| 422    | SpecError, ModelRefused, a malformed request | 2, 3 |
+| 429    | OverQuota                     | 5    |
+| 503    | ServiceUnavailable            | 5    |
+
+Names in paths go through the CLI's parser (naming.parse); files are served only by their name in a quant's
+manifest; sources are Hub repos or folders under FACTORY_SERVE_SOURCES.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Annotated
+
+from fastapi import Depends, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
+
+from factory import lookup, naming, settings, sources, status, submission
+from factory.catalog import RETRYABLE, JobState
+from factory.errors import (
+    AccessDenied,
+    FactoryError,
+    JobFailed,
+    ModelRefused,
+    NotFound,
+    OverQuota,
+    ServiceUnavailable,
+    SpecError,
+)
+from factory.publish import folder
+from factory.service.accounts import PUBLIC, Account, Accounts, Unauthenticated
+
+MAX_BODY = 64 * 1024  # a submission is a few hundred bytes; a recipe a few kilobytes
+COOKIE = "qf_token"  # the dashboard's sign-in (service/dashboard.py); the API takes the Authorization header only
+log = logging.getLogger("quantfactory.service")
+
+_STATUS = [(Unauthenticated, 401), (OverQuota, 429), (AccessDenied, 403), (NotFound, 404), (SpecError, 422),
+           (ModelRefused, 422), (ServiceUnavailable, 503), (JobFailed, 409)]
+
+
+def http_status(error: FactoryError) -> int:
+    return next((code for kind, code in _STATUS if isinstance(error, kind)), 400)
+
+
+def refusal(status_code: int, message: str, exit_code: int) -> JSONResponse:
+    return JSONResponse({"error": message, "exit_code": exit_code}, status_code=status_code)
+
+
+class SubmitBody(BaseModel):
+    """What `qf submit` sends: its arguments, the recipe as YAML text."""
+
+    model_config = ConfigDict(extra="forbid")
+    source: str = Field(max_length=500)
+    flags: dict[str, str | bool | None] = {}
+    recipe: str | None = Field(default=None, max_length=MAX_BODY)
+    calibration: str | None = None
+    eval: str | None = None
+    eval_windows: int | None = Field(default=None, ge=1)
+    name: str | None = None
+    base_model: str | None = None
+    fit: str | None = None
+    ctx: int | None = Field(default=None, ge=1)
+    kv_cache: str = "fp16"
+
+
+class _BodyLimit:
+    """Refuses a request body over MAX_BODY (413) before the application reads it, declared or streamed."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > MAX_BODY:
+            return await _too_large(scope, receive, send)
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > MAX_BODY:
+                raise _TooLarge
+            return message
+
+        try:
+            await self.app(scope, limited, send)
+        except _TooLarge:
+            await _too_large(scope, receive, send)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+async def _too_large(scope, receive, send):
+    response = refusal(413, f"the request body is over {MAX_BODY // 1024} KiB, the most this factory takes", 2)
+    await response(scope, receive, send)
+
+
+def account(request: Request) -> Account:
+    """Who sent the request: the bearer token's user; for a page (GET), the dashboard's sign-in cookie, or the
+    public where the admin allows it."""
+    config, accounts = request.app.state.config, request.app.state.accounts
+    header = request.headers.get("authorization", "")
+    secret = header.removeprefix("Bearer ").strip() if header.startswith("Bearer ") else None
+    if secret is None and request.method == "GET":
+        secret = request.cookies.get(COOKIE)
+    if secret is None and config.serve_public and request.method == "GET":
+        return PUBLIC
+    return accounts.authenticate(secret)
+
+
+Who = Annotated[Account, Depends(account)]
+
+
+def create_app(config: settings.Settings | None = None) -> FastAPI:
+    from factory.pipeline import Factory
+    from factory.service import dashboard
+
+    config = config or settings.load()
+    factory = Factory(config)
+    accounts = Accounts(factory.catalog)
+    app = FastAPI(title="quantfactory", summary="Submit quantization jobs, follow them, pull finished quants.",
+                  version="1")
+    app.add_middleware(_BodyLimit)
+    app.state.config, app.state.factory, app.state.accounts = config, factory, accounts
+
+    @app.exception_handler(FactoryError)
+    async def _factory_error(request: Request, e: FactoryError):
+        if not request.url.path.startswith("/api/") and "text/html" in request.headers.get("accept", ""):
+            return dashboard.error_page(http_status(e), e.message)  # a person at a browser
+        return refusal(http_status(e), e.message, e.exit_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError):
+        first = e.errors()[0] if e.errors() else {"loc": (), "msg": "malformed"}
+        where = ".".join(str(part) for part in first["loc"] if part != "body") or "the request"
+        return refusal(422, f"{where}: {first['msg']}", 2)
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, e: HTTPException):
+        return refusal(e.status_code, str(e.detail), 2 if e.status_code < 500 else 5)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception):
+        log.exception("%s %s", request.method, request.url.path)
+        return refusal(500, "the factory's service failed on this request; its log has the details", 5)
+
+    @app.get("/api/me")
+    def me(who: Who) -> dict:
+        return {"user": who.user, "scopes": sorted(who.scopes)}
+
+    @app.post("/api/jobs", status_code=201)
+    def submit(body: SubmitBody, who: Who) -> dict:
+        """Queue a job (the same job again: the same id)."""
+        from workers.tasks import submit as queue
+
+        who.require("submit")
+        _check_source(body.source, config)
+        place, notes = accounts.reserve(who), []
+        try:
+            request = submission.request(
+                body.source, body.flags, None, body.calibration, body.eval, body.eval_windows, body.name,
+                body.base_model, config.worker_device, body.fit, body.ctx, body.kv_cache, say=notes.append,
+                recipe_text=body.recipe)
+            for text in (request.recipe.calibration, request.recipe.eval):
+                _check_text(text, config)
+            job = queue(factory, request)
+        except BaseException:
+            accounts.release(place)
+            raise
+        accounts.record(place, job.id)
+        guess = factory.estimate(job)
+        return {"id": job.id, "state": str(job.state), "notes": notes,
+                "estimate": {"packed": guess[0], "alone": guess[1]} if guess else None}
+
+    @app.get("/api/jobs")
+    def jobs(who: Who, limit: Annotated[int, Query(ge=1, le=1000)] = 20, name: str | None = None) -> list[dict]:
+        who.require("read")
+        return _jobs(who, limit=limit, name=naming.parse(name).name if name else None)
+
+    def _jobs(who: Account, **query) -> list[dict]:
+        return status.job_rows(config.db_url, user=None if who.sees_every_job else who.user, **query)
+
+    @app.get("/api/jobs/{job_id}")
+    def job(job_id: str, who: Who) -> dict:
+        who.require("read")
+        rows = _jobs(who, job_id=job_id)
+        if not rows:
+            raise NotFound(f"no job {job_id!r}; `qf status` lists the recent ones")
+        return rows[0]
+
+    @app.get("/api/jobs/{job_id}/events")
+    def events(job_id: str, who: Who) -> StreamingResponse:
+        """The job's progress events as server-sent events (`data: <json>`), until its result or its end."""
+        from workers.tasks import follow
+
+        who.require("read")
+        accounts.check_job(who, job_id)
+        stream = follow(factory.catalog, config.broker_url, job_id)
+
+        def lines():
+            for event in stream:
+                yield ": keep-alive\n\n" if event is None else f"data: {json.dumps(event, default=str)}\n\n"
+
+        return StreamingResponse(lines(), media_type="text/event-stream", headers={"Cache-Control": "no-store"})
+
+    @app.post("/api/jobs/{job_id}/cancel")
+    def cancel(job_id: str, who: Who) -> dict:
+        who.require("submit")
+        accounts.check_job(who, job_id)
+        job = factory.catalog.cancel_job(job_id)
+        return {"id": job.id, "state": str(job.state)}
+
+    @app.post("/api/jobs/{job_id}/retry")
+    def retry(job_id: str, who: Who) -> dict:
+        from workers.tasks import enqueue
+
+        who.require("submit")
+        accounts.check_job(who, job_id)
+        job = factory.catalog.job(job_id)
+        if job.state not in RETRYABLE:
+            raise JobFailed(f"job {job_id} is {job.state}; only failed or cancelled jobs can be retried")
+        enqueue(factory, job.id)
+        return {"id": job.id, "state": str(JobState.queued)}
+
+    @app.get("/api/quants")
+    def quants(who: Who) -> list[dict]:
+        who.require("read")
+        return [q.row().to_json() for q in factory.catalog.quants()]
+
+    @app.get("/api/models/{name}")
+    def model(name: str, who: Who, tag: str | None = None, rev: str | None = None) -> dict:
+        """`qf show NAME[:TAG]`: the model's quants (with what fits each GPU) and the user's jobs of it."""
+        who.require("read")
+        ref = _ref(name, tag, rev, tag_required=False)
+        return {"quants": [r.to_json() for r in lookup.with_fits(factory.catalog, config.registry, ref)],
+                "jobs": _jobs(who, limit=50, name=ref.name)}
+
+    @app.get("/api/quants/{name}/{tag}")
+    def quant(name: str, tag: str, who: Who, rev: str | None = None) -> dict:
+        """One quant (the newest revision, or `rev`) with its manifest: what `qf pull` downloads and checks."""
+        who.require("read")
+        found, manifest = _quant(name, tag, rev)
+        return {"quant": found.row().to_json(), "manifest": manifest}
+
+    @app.get("/api/quants/{name}/{tag}/files/{fname}")
+    def quant_file(name: str, tag: str, fname: str, who: Who, rev: str | None = None) -> FileResponse:
+        """One file of a quant, by its name in the manifest; HTTP Range requests resume a download."""
+        who.require("pull")
+        found, manifest = _quant(name, tag, rev)
+        if fname != folder.MANIFEST and fname not in manifest["files"]:
+            raise NotFound(f"{found.name}:{found.tag}@{found.rev} has no file {fname!r}")
+        return FileResponse(config.registry / found.path / fname, filename=fname,
+                            media_type="application/octet-stream")
+
+    def _quant(name: str, tag: str, rev: str | None):
+        ref = _ref(name, tag, rev, tag_required=True)
+        found = lookup.find(factory.catalog, ref)[0]
+        manifest = folder.read_manifest(config.registry / found.path)
+        if manifest is None:
+            raise NotFound(f"{ref} has no files in this factory's registry")
+        return found, manifest
+
+    dashboard.mount(app, account)
+
+    @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False)
+    def unknown(path: str) -> None:
+        raise NotFound(f"no page or API endpoint /{path}; /docs lists the API")
+
+    return app
+
+
+def _ref(name: str, tag: str | None, rev: str | None, tag_required: bool) -> naming.QuantRef:
+    text = name + (f":{tag}" if tag is not None else "") + (f"@{rev}" if rev is not None else "")
+    return naming.parse(text, tag_required=tag_required)
+
+
+def _check_source(source: str, config: settings.Settings) -> None:
+    """A source a service's user may name: a Hub repo, or a folder under FACTORY_SERVE_SOURCES (after following
+    links); never another path of the server's."""
+    path = Path(source).expanduser()
+    if path.is_absolute() or path.exists():
+        resolved = path.resolve()
+        if not any(resolved.is_relative_to(root) for root in config.serve_sources):
+            raise AccessDenied(f"source {source!r} is not in a folder this factory serves models from "
+                               "(FACTORY_SERVE_SOURCES); name a Hub repo org/name[@revision]")
+        return
+    if not sources.is_hub_name(source):
+        raise SpecError(f"source {source!r} is neither a Hub repo org/name[@revision] nor a folder this factory "
+                        "serves models from")
+
+
+def _check_text(text: str | None, config: settings.Settings) -> None:
+    """Calibration and eval texts: builtin ones, or files under FACTORY_SERVE_SOURCES."""
+    if text and text.startswith("file:"):
+        _check_source(text.removeprefix("file:"), config)
+        if not Path(text.removeprefix("file:")).is_absolute():
+            raise AccessDenied(f"{text!r}: a text file must be named by its absolute path in a folder this factory "
+                               "serves (FACTORY_SERVE_SOURCES)")
+

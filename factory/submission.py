@@ -1,0 +1,39 @@
+"""What a submission asks for, from the options `qf run`, `qf submit` and the service take: a pipeline Request."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from factory import engines
+from factory.errors import SpecError
+
+
+def sizer() -> engines.Engine:
+    """The engine `--fit` sizes: the one that sizes quants to a VRAM budget."""
+    return next(e for e in engines.all_engines() if e.sizes_to_budget)
+
+
+def request(source: str, flags: dict, recipe: Path | None = None, calibration: str | None = None,
+            eval_set: str | None = None, eval_windows: int | None = None, name: str | None = None,
+            base_model: str | None = None, device: str | None = None, fit: str | None = None,
+            ctx: int | None = None, kv_cache: str = "fp16", say: Callable[[str], None] = lambda line: None,
+            recipe_text: str | None = None):
+    """The Request for SOURCE: the recipe (a file, or its YAML text from a service's client) with the engine flags
+    (`--<engine> 3.0,4.0`) and options applied; `fit` (VRAM budgets) becomes the sizing engine's sizes, each
+    choice told to `say`."""
+    from factory.pipeline import Request
+    from factory.recipes import build_recipe, recipe_from_yaml
+
+    flags = dict(flags)
+    written_recipe = recipe_from_yaml(recipe_text, "the recipe sent") if recipe_text is not None else None
+    if fit:
+        engine = sizer()
+        if flags.get(engine.name):
+            raise SpecError(f"give --{engine.name} sizes or --fit budgets, not both")
+        written = build_recipe(recipe, written=written_recipe).to_dict().get(engine.name, {})
+        flags[engine.name] = engine.fit_budgets(source, fit, ctx, kv_cache, written, say)
+    chosen = build_recipe(recipe, flags, written=written_recipe, calibration=calibration, eval=eval_set,
+                          eval_windows=eval_windows)
+    asked = {name for name, value in flags.items() if value}
+    return Request(source=source, recipe=chosen, asked=asked, name=name, base_model=base_model, device=device)

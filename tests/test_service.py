@@ -1,0 +1,287 @@
+"""The factory's service (`qf serve`) against a real server: uvicorn on a free port, the real catalog (SQLite, or
+PostgreSQL in that pass) and Redis, a real worker; the CLI as its users run it, with FACTORY_SERVER and a token and
+no way to reach the catalog or the broker themselves. The dashboard is read by headless Chromium."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from tests.test_workers import BROKER, ROOT, _start_worker
+
+NOWHERE = {"FACTORY_DB_URL": "postgresql://nobody@127.0.0.1:1/none", "FACTORY_BROKER_URL": "redis://127.0.0.1:1/0"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`qf serve` in a child process, with the factory's own environment (catalog, broker, registry)."""
+
+    def __init__(self, env: dict, log: Path, *args: str):
+        self.env, self.port = env, _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        self.proc = subprocess.Popen([sys.executable, "-m", "factory.cli", "serve", "--port", str(self.port), *args],
+                                     env=env, cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                httpx.get(self.url + "/openapi.json", timeout=2)
+                break
+            except httpx.TransportError:
+                assert self.proc.poll() is None and time.monotonic() < deadline, log.read_text()
+                time.sleep(0.2)
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGINT)
+        self.proc.wait(timeout=30)
+
+    def token(self, user: str, *args: str) -> str:
+        return qf(self.env, "token", "create", "--user", user, *args, check=True).stdout.strip()
+
+
+def qf(env, *args, check=False) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "factory.cli", *map(str, args)], env=env, cwd=ROOT,
+                          capture_output=True, text=True, check=check, timeout=180)
+
+
+@pytest.fixture
+def factory_env(tmp_path, db_url, tiny):
+    """The factory's side: its home, catalog, broker, and the folder its users may name models in."""
+    redis.Redis.from_url(BROKER).flushdb()
+    models = tmp_path / "models"
+    shutil.copytree(tiny, models / "tiny")
+    return {**os.environ, "FACTORY_HOME": str(tmp_path / "home"), "FACTORY_DB_URL": db_url,
+            "FACTORY_BROKER_URL": BROKER, "FACTORY_WORKER_DEVICE": "cpu", "FACTORY_SERVE_SOURCES": str(models)}
+
+
+@pytest.fixture
+def server(factory_env, tmp_path):
+    server = Server(factory_env, tmp_path / "server.log")
+    yield server
+    server.stop()
+
+
+def user_env(server: Server, token: str | None, home: Path) -> dict:
+    """A user's machine: its own FACTORY_HOME, the server and a token, and no catalog or broker it could reach."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FACTORY_")}
+    return {**env, **NOWHERE, "FACTORY_HOME": str(home), "FACTORY_SERVER": server.url,
+            **({"FACTORY_TOKEN": token} if token else {})}
+
+
+def test_a_user_submits_follows_and_pulls_from_another_machine(server, factory_env, tmp_path):
+    alice = user_env(server, server.token("alice"), tmp_path / "alice")
+    model = Path(factory_env["FACTORY_SERVE_SOURCES"]) / "tiny"
+    submitted = qf(alice, "submit", model, "--awq", "--eval-windows", 1)
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip()
+    assert len(job_id) == 12 and qf(alice, "submit", model, "--awq", "--eval-windows", 1).stdout.strip() == job_id
+    worker = _start_worker(factory_env, tmp_path / "worker.log")
+    try:
+        followed = qf(alice, "status", job_id, "--follow", "--json")
+        assert followed.returncode == 0, followed.stderr
+        events = [json.loads(line) for line in followed.stdout.splitlines()]
+        assert events[-1]["event"] == "result" and events[-1]["state"] == "succeeded"
+        assert any(e["event"] == "step" and e["step"] == "quantize:awq-w4g128" for e in events)
+    finally:
+        worker.terminate()
+        worker.wait(timeout=30)
+    status = json.loads(qf(alice, "status", job_id, "--json", check=True).stdout)
+    assert status["state"] == "succeeded" and status["steps"][-1]["name"] == "publish:awq-w4g128"
+    [row] = json.loads(qf(alice, "ls", "--json", check=True).stdout)
+    assert row["name"] == "tiny:awq-w4g128" and row["job"] == job_id
+    shown = json.loads(qf(alice, "show", "tiny", "--json", check=True).stdout)
+    assert [q["name"] for q in shown["quants"]] == ["tiny:awq-w4g128"] and shown["jobs"][0]["id"] == job_id
+    assert "tiny:awq-w4g128" in qf(alice, "ls", check=True).stdout
+
+    pulled = qf(alice, "pull", "tiny:awq-w4g128", "-o", tmp_path / "pulled")
+    assert pulled.returncode == 0, pulled.stderr
+    assert "files verified" in pulled.stderr
+    registry = Path(factory_env["FACTORY_HOME"]) / "registry" / row["path"]
+    assert sorted(p.name for p in (tmp_path / "pulled").iterdir()) == sorted(p.name for p in registry.iterdir())
+    for p in registry.iterdir():
+        assert (tmp_path / "pulled" / p.name).read_bytes() == p.read_bytes()
+    assert not list(tmp_path.glob(".qf-pull-*"))
+
+
+def test_other_users_tokens_scopes_and_revocation(server, factory_env, tmp_path):
+    alice = user_env(server, server.token("alice"), tmp_path / "alice")
+    bob = user_env(server, server.token("bob"), tmp_path / "bob")
+    admin = user_env(server, server.token("root", "--scope", "admin"), tmp_path / "admin")
+    reader = user_env(server, server.token("carol", "--scope", "read"), tmp_path / "carol")
+    model = Path(factory_env["FACTORY_SERVE_SOURCES"]) / "tiny"
+    job_id = qf(alice, "submit", model, "--awq", "--eval-windows", 1, check=True).stdout.strip()
+
+    for args in (("status", job_id), ("cancel", job_id), ("retry", job_id)):
+        refused = qf(bob, *args)
+        assert (refused.returncode, refused.stderr) == (4, f"error: no job {job_id!r}; `qf status` lists the "
+                                                            "recent ones\n")
+    assert json.loads(qf(bob, "status", "--json", check=True).stdout) == []
+    assert [j["id"] for j in json.loads(qf(admin, "status", "--json", check=True).stdout)] == [job_id]
+    refused = qf(reader, "submit", model, "--awq")
+    assert (refused.returncode, refused.stderr) == (5, "error: this token of carol lacks the 'submit' scope; ask the "
+                                                       "factory's admin for a token that has it\n")
+    assert qf(alice, "cancel", job_id).stderr == f"job {job_id}: cancelled\n"
+
+    [alice_token] = [t for t in json.loads(qf(factory_env, "token", "ls", "--json", check=True).stdout)
+                     if t["user"] == "alice"]
+    assert "token" not in alice_token and alice_token["scopes"] == ["read", "submit", "pull"]
+    qf(factory_env, "token", "revoke", alice_token["id"], check=True)
+    refused = qf(alice, "status", job_id)
+    assert (refused.returncode, refused.stderr) == (5, "error: the token is not valid here (revoked, or not one of "
+                                                       "this factory's); ask the factory's admin for a new one\n")
+    nobody = qf(user_env(server, None, tmp_path / "nobody"), "ls")
+    assert nobody.returncode == 5 and "this request has no token; set FACTORY_TOKEN" in nobody.stderr
+    wrong = qf({**bob, "FACTORY_SERVER": "http://127.0.0.1:1"}, "ls")
+    assert (wrong.returncode, wrong.stderr) == (5, "error: the factory's service at http://127.0.0.1:1 cannot be "
+                                                   "reached\n")
+
+
+def test_quotas_refuse_the_next_job_with_when_it_resets(server, factory_env, tmp_path):
+    model = Path(factory_env["FACTORY_SERVE_SOURCES"]) / "tiny"
+    daily = user_env(server, server.token("dora", "--quota-jobs-per-day", "2"), tmp_path / "dora")
+    for windows in (1, 2):
+        qf(daily, "submit", model, "--awq", "--eval-windows", windows, check=True)
+    refused = qf(daily, "submit", model, "--awq", "--eval-windows", 3)
+    assert refused.returncode == 5, refused.stderr
+    assert refused.stderr.startswith("error: dora has submitted 2 jobs in the last 24 hours, the quota is 2 a day; "
+                                     "the next one may be submitted at ")
+    assert len(json.loads(qf(daily, "status", "--json", check=True).stdout)) == 2
+
+    running = user_env(server, server.token("erin", "--max-running", "1"), tmp_path / "erin")
+    first = qf(running, "submit", model, "--awq", "--eval-windows", 4, check=True).stdout.strip()
+    refused = qf(running, "submit", model, "--awq", "--eval-windows", 5)
+    assert (refused.returncode, refused.stderr) == (5, "error: erin has 1 jobs queued or running, at most 1 are "
+                                                       "allowed at once; the next one may be submitted when one of "
+                                                       "them ends\n")
+    qf(running, "cancel", first, check=True)
+    bad = qf(running, "submit", model, "--awq", "--eval-windows", 5, "--kv-cache", "q3", "--fit", "24GB")
+    assert bad.returncode == 2, bad.stderr  # refused input takes no place in the quota
+    qf(running, "submit", model, "--awq", "--eval-windows", 5, check=True)
+    assert len(json.loads(qf(running, "status", "--json", check=True).stdout)) == 2
+
+
+def test_bad_requests_get_one_sentence_and_never_reach_the_filesystem(finished, tmp_path):
+    qf_finished, _ = finished
+    env = {**os.environ, "FACTORY_HOME": str(qf_finished.home), "FACTORY_DB_URL": qf_finished.db_url,
+           "FACTORY_BROKER_URL": BROKER, "FACTORY_SERVE_SOURCES": str(tmp_path / "models")}
+    server = Server(env, tmp_path / "server.log")
+    try:
+        token = server.token("mallory")
+        api = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {token}"})
+        for path in ("/api/quants/tiny/awq-w4g128/files/..%2Fcatalog.db",
+                     "/api/quants/tiny/awq-w4g128/files/..%2F..%2F..%2Fcatalog.db",
+                     "/api/quants/..%2F..%2Fcatalog.db/x", "/api/quants/tiny/..%2F..%2F/files/manifest.json",
+                     "/api/jobs/..%2F..%2Fetc", "/api/../catalog.db", "/registry/tiny"):
+            answer = api.get(path)
+            assert answer.status_code in (404, 422), (path, answer.status_code, answer.text)
+            assert answer.headers["content-type"] == "application/json" and set(answer.json()) == {"error", "exit_code"}
+        assert api.get("/api/quants/tiny/awq-w4g128/files/manifest.json").status_code == 200
+        for source in ("/etc", str(qf_finished.home), "../../etc", "not a model"):
+            answer = api.post("/api/jobs", json={"source": source, "flags": {"awq": True}})
+            assert answer.status_code in (403, 422) and answer.json()["error"].startswith(f"source {source!r}")
+        answer = api.post("/api/jobs", json={"source": "org/model", "calibration": "file:/etc/passwd"})
+        assert answer.status_code in (403, 422, 503), answer.text
+        big = api.post("/api/jobs", content=b"{" + b" " * 100_000 + b"}", headers={"Content-Type": "application/json"})
+        assert (big.status_code, big.json()["error"]) == (413, "the request body is over 64 KiB, the most this "
+                                                               "factory takes")
+        assert api.post("/api/jobs", content=b"{not json", headers={"Content-Type": "application/json"}
+                        ).status_code == 422
+        extra = api.post("/api/jobs", json={"source": "org/model", "surprise": 1})
+        assert extra.status_code == 422 and "surprise" in extra.json()["error"]
+        assert api.get("/api/jobs", params={"limit": 0}).status_code == 422
+        anonymous = httpx.get(server.url + "/api/quants")
+        assert anonymous.status_code == 401 and anonymous.json()["exit_code"] == 5
+        assert "Traceback" not in server.log.read_text()
+    finally:
+        server.stop()
+
+
+def test_an_interrupted_pull_resumes_and_a_corrupt_one_is_refused(finished, tmp_path):
+    qf_finished, _ = finished
+    env = {**os.environ, "FACTORY_HOME": str(qf_finished.home), "FACTORY_DB_URL": qf_finished.db_url,
+           "FACTORY_BROKER_URL": BROKER}
+    server = Server(env, tmp_path / "server.log")
+    try:
+        user = user_env(server, server.token("paul", "--scope", "read,pull"), tmp_path / "paul")
+        [row] = json.loads(qf(user, "ls", "--json", check=True).stdout)
+        registry = qf_finished.home / "registry" / row["path"]
+        biggest = max((p for p in registry.iterdir() if p.name != "manifest.json"), key=lambda p: p.stat().st_size)
+        staging = tmp_path / f".qf-pull-out-{row['rev']}"  # where the interrupted pull had got to
+        staging.mkdir()
+        half = biggest.stat().st_size // 2
+        (staging / biggest.name).write_bytes(biggest.read_bytes()[:half])
+        resumed = qf(user, "pull", row["name"], "-o", tmp_path / "out")
+        assert resumed.returncode == 0, resumed.stderr
+        assert (tmp_path / "out" / biggest.name).read_bytes() == biggest.read_bytes()
+        assert "206 Partial Content" in server.log.read_text()  # it asked for the rest, not the whole file
+
+        staging = tmp_path / f".qf-pull-bad-{row['rev']}"
+        staging.mkdir()
+        (staging / biggest.name).write_bytes(b"\0" * half)  # a partial download that went wrong
+        refused = qf(user, "pull", row["name"], "-o", tmp_path / "bad")
+        assert (refused.returncode, refused.stderr) == (1, f"error: {biggest.name} of {row['name']}@{row['rev']} "
+                                                           "does not match its sha256 in the manifest; pull again\n")
+        assert not (tmp_path / "bad").exists() and not (staging / biggest.name).exists()
+        assert qf(user, "pull", row["name"], "-o", tmp_path / "bad").returncode == 0
+    finally:
+        server.stop()
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+DOCS = ROOT / "docs"
+
+
+def _browse(url: str, screenshot: Path | None = None) -> str:
+    """The page's DOM after Chromium rendered it (and, where asked, a screenshot of it)."""
+    flags = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--window-size=1280,900",
+             f"--user-data-dir={Path(os.environ.get('TMPDIR', '/tmp')) / 'qf-chromium'}"]
+    if screenshot is not None:
+        subprocess.run([*flags, f"--screenshot={screenshot}", url], capture_output=True, timeout=120, check=True)
+    return subprocess.run([*flags, "--dump-dom", url], capture_output=True, text=True, timeout=120, check=True).stdout
+
+
+@pytest.mark.skipif(not CHROMIUM and not os.environ.get("QF_REQUIRE_BROWSER"), reason="needs chromium")
+def test_the_dashboard_in_a_browser(finished, tmp_path):
+    qf_finished, _ = finished
+    env = {**os.environ, "FACTORY_HOME": str(qf_finished.home), "FACTORY_DB_URL": qf_finished.db_url,
+           "FACTORY_BROKER_URL": BROKER}
+    private = Server(env, tmp_path / "private.log")
+    try:
+        assert "<form method=\"post\" action=\"/login\">" in httpx.get(private.url + "/", follow_redirects=True).text
+    finally:
+        private.stop()
+    server = Server(env, tmp_path / "server.log", "--public")
+    shots = Path(os.environ.get("QF_SCREENSHOTS", tmp_path))
+    try:
+        [row] = json.loads(qf({**env, "FACTORY_SERVER": server.url}, "ls", "--json", check=True).stdout)
+        index = _browse(server.url + "/", shots / "dashboard.png")
+        assert f'data-job="{row["job"]}"' in index and 'class="state-succeeded">succeeded<' in index
+        assert f'data-quant="{row["name"]}"' in index and f'{row["ppl"]:.3f}' in index
+        model = _browse(server.url + "/models/tiny", shots / "dashboard-model.png")
+        assert f'{row["ppl"]:.3f}' in model and f'{row["kld"]:.4f}' in model
+        assert 'src="/models/tiny/ppl.png"' in model and 'src="/models/tiny/kld.png"' in model
+        for plot in ("ppl", "kld"):
+            png = httpx.get(f"{server.url}/models/tiny/{plot}.png")
+            assert png.status_code == 200 and png.content.startswith(b"\x89PNG")
+        job = _browse(f"{server.url}/jobs/{row['job']}", shots / "dashboard-job.png")
+        assert 'class="step"' in job and "quantize:awq-w4g128" in job
+        missing = _browse(server.url + "/models/nosuchmodel")
+        assert "no model named 'nosuchmodel'" in missing
+    finally:
+        server.stop()
