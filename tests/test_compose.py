@@ -16,7 +16,8 @@ FACTORY = {name: s for name, s in SERVICES.items() if str(s.get("command", "")).
 
 
 def test_services():
-    assert {"redis", "postgres", "worker-gpu0", "worker-cpu", "beat"} <= set(SERVICES)
+    assert {"redis", "postgres", "worker-gpu0", "worker-cpu", "beat", "service"} <= set(SERVICES)
+    assert SERVICES["service"]["ports"] == ["8750:8750"] and "--port 8750" in SERVICES["service"]["command"]
     assert "--appendonly yes" in SERVICES["redis"]["command"]
     assert SERVICES["postgres"]["volumes"]
     gpu = SERVICES["worker-gpu0"]["deploy"]["resources"]["reservations"]["devices"][0]
@@ -25,7 +26,7 @@ def test_services():
 
 def test_every_qf_command_exists_and_parses():
     group = typer.main.get_command(app)
-    assert len(FACTORY) == 3
+    assert len(FACTORY) == 4
     for service in FACTORY.values():
         name, *args = shlex.split(service["command"])[1:]
         assert name in group.commands, service["command"]

@@ -258,6 +258,7 @@ def _browse(url: str, screenshot: Path | None = None) -> str:
 
 @pytest.mark.skipif(not CHROMIUM and not os.environ.get("QF_REQUIRE_BROWSER"), reason="needs chromium")
 def test_the_dashboard_in_a_browser(finished, tmp_path):
+    assert CHROMIUM, "QF_REQUIRE_BROWSER is set and chromium is not installed"
     qf_finished, _ = finished
     env = {**os.environ, "FACTORY_HOME": str(qf_finished.home), "FACTORY_DB_URL": qf_finished.db_url,
            "FACTORY_BROKER_URL": BROKER}

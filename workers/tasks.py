@@ -34,6 +34,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import redis
@@ -44,7 +45,7 @@ from kombu.exceptions import OperationalError
 from factory import engines, identity, leases, schedule, settings
 from factory.catalog import RETRYABLE, TERMINAL, Job, JobState, Lease
 from factory.engines import child
-from factory.errors import FactoryError, LeaseLost, ServiceUnavailable, mask_url
+from factory.errors import FactoryError, LeaseLost, NotFound, ServiceUnavailable, mask_url
 from factory.pipeline import Factory, Request
 from factory.recipes import recipe_from_dict
 from workers.app import app
@@ -260,6 +261,33 @@ def _publisher(broker_url: str, job_id: str):
             pass
 
     return emit
+
+
+def follow(catalog, broker_url: str, job_id: str, tick: float = 2.0) -> Iterator[dict | None]:
+    """A job's events as its worker publishes them, until its result event or a terminal state; None every `tick`
+    seconds without one (a follower over HTTP sends a keep-alive then). NotFound for a job that does not exist."""
+    try:
+        channel = redis.Redis.from_url(broker_url).pubsub(ignore_subscribe_messages=True)
+        channel.subscribe(EVENTS + job_id)
+    except redis.RedisError:
+        raise _broker_unreachable() from None
+    try:
+        while True:
+            job = catalog.job(job_id)
+            if job is None:
+                raise NotFound(f"no job {job_id!r}; `qf status` lists the recent ones")
+            message = channel.get_message(timeout=tick)
+            if message is not None:
+                event = json.loads(message["data"])
+                yield event
+                if event["event"] == "result":
+                    return
+            elif job.state in TERMINAL:
+                return
+            else:
+                yield None
+    finally:
+        channel.close()
 
 
 @app.task(name="quantfactory.reconcile", ignore_result=True)
