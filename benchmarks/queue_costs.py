@@ -4,6 +4,8 @@
 
 - accept: 500 distinct submissions through the `qf submit` code path in one process (catalog row + message);
 - status: `qf status JOB` and `qf status` as fresh processes with 10,000 jobs in the catalog (target < 0.5 s);
+- api: the service (`qf serve`): 500 distinct submissions over HTTP from 5 clients at once (target < 10 s), and
+  `GET /api/jobs` and the dashboard's page with 10,000 jobs in the catalog (target < 0.3 s);
 - overhead: one tiny AWQ job end to end through a worker that is up (its next job process has done its imports)
   (submit -> succeeded) against `qf run` (target < 2 s).
 Uses a fresh database on the server and its own Redis database; writes benchmarks/results/queue_costs.json.
@@ -31,6 +33,63 @@ def _qf(env: dict, *args: str) -> float:
     subprocess.run([sys.executable, "-m", "factory.cli", *args], env=env, cwd=ROOT, check=True,
                    capture_output=True, text=True)
     return time.monotonic() - start
+
+
+def _api(env: dict, model: Path, clients: int = 5, each: int = 100) -> dict:
+    """The service in front of this catalog: submissions over HTTP from `clients` threads, then reads."""
+    import socket
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    env = {**env, "FACTORY_SERVE_SOURCES": str(model.parent)}
+    token = subprocess.run([sys.executable, "-m", "factory.cli", "token", "create", "--user", "bench", "--scope",
+                            "admin"], env=env, cwd=ROOT, check=True, capture_output=True, text=True).stdout.strip()
+    server = subprocess.Popen([sys.executable, "-m", "factory.cli", "serve", "--port", str(port)], env=env, cwd=ROOT,
+                              stdout=open(env["FACTORY_HOME"] + ".server.log", "w"), stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                httpx.get(url + "/openapi.json")
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline and server.poll() is None
+                time.sleep(0.2)
+        headers = {"Authorization": f"Bearer {token}"}
+
+        def submit_many(client: int) -> list[str]:
+            with httpx.Client(base_url=url, headers=headers, timeout=60) as http:
+                return [http.post("/api/jobs", json={"source": str(model), "flags": {"awq": True},
+                                                     "eval_windows": 1000 + client * each + i}).raise_for_status()
+                        .json()["id"] for i in range(each)]
+
+        start = time.monotonic()
+        with ThreadPoolExecutor(clients) as pool:
+            ids = [i for batch in pool.map(submit_many, range(clients)) for i in batch]
+        accept = time.monotonic() - start
+        assert len(set(ids)) == clients * each
+        with httpx.Client(base_url=url, headers=headers) as http:
+            jobs_seconds, page_seconds = [], []
+            for _ in range(5):
+                start = time.monotonic()
+                assert len(http.get("/api/jobs", params={"limit": 50}).raise_for_status().json()) == 50
+                jobs_seconds.append(time.monotonic() - start)
+                start = time.monotonic()
+                http.get("/", cookies={"qf_token": token}).raise_for_status()
+                page_seconds.append(time.monotonic() - start)
+        accepted = {"seconds": round(accept, 2), "per_submission_ms": round(accept * 1000 / len(ids), 2)}
+        return {f"accept_{clients * each}_from_{clients}_clients": accepted,
+                "jobs_in_catalog": 10_000 + len(ids),
+                "get_api_jobs_50_seconds_median": round(statistics.median(jobs_seconds), 3),
+                "dashboard_page_seconds_median": round(statistics.median(page_seconds), 3)}
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
 
 
 def main() -> None:
@@ -93,6 +152,7 @@ def main() -> None:
             result["status_10000_jobs"] = {"qf_status_job_seconds_median": round(statistics.median(one), 3),
                                            "qf_status_list_seconds_median": round(statistics.median(listing), 3),
                                            "python_startup_and_imports_included": True}
+            result["api"] = _api(env, model)
             redis.Redis.from_url(args.broker).flushdb()
 
             # overhead: one job through a worker vs qf run

@@ -15,6 +15,7 @@ always give the same windows.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -51,14 +52,20 @@ def builtin_text(name: str) -> str:
     return (builtin_folder() / f"{name}.utf8").read_text(encoding="utf-8")
 
 
+@functools.cache
+def _builtin(name: str) -> TextSet:
+    """A builtin set, read and hashed once a process: package data does not change (a service submits many jobs)."""
+    return _text_set(f"builtin:{name}", builtin_text(name))
+
+
 def resolve(name: str) -> TextSet:
     """Rules: `builtin:<one of BUILTIN>` or `file:<path to an existing .txt>`.
     Valid: builtin:c4, builtin:wiki, file:/data/my_corpus.txt. Not valid: c4, builtin:pile, file:missing.txt.
     """
     kind, _, rest = name.partition(":")
     if kind == "builtin" and rest in BUILTIN:
-        text = builtin_text(rest)
-    elif kind == "file" and rest:
+        return _builtin(rest)
+    if kind == "file" and rest:
         path = Path(rest).expanduser()
         if path.suffix not in FILE_SUFFIXES:
             raise SpecError(f"text set {name!r} is not a .txt, .jsonl or .parquet file")
@@ -71,6 +78,10 @@ def resolve(name: str) -> TextSet:
         raise SpecError(
             f"unknown text set {name!r}; use one of {allowed} or file:<path to a .txt, .jsonl or .parquet file>"
         )
+    return _text_set(name, text)
+
+
+def _text_set(name: str, text: str) -> TextSet:
     if not text.strip():
         raise SpecError(f"text set {name!r} is empty")
     return TextSet(name=name, text=text, sha256=hashlib.sha256(text.encode("utf-8")).hexdigest())

@@ -9,7 +9,6 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from factory import settings
 from factory.cli import _catalog, _handled, app, err, out
 
 token_app = typer.Typer(help="Tokens of the factory's service (`qf serve`): one per person, only its hash is kept.",
@@ -24,19 +23,19 @@ def serve(
     port: Annotated[int, typer.Option("--port", min=1, max=65535)] = 8750,
     public: Annotated[bool, typer.Option("--public", metavar="", help="The dashboard and read-only pages need no "
                                          "token (FACTORY_SERVE_PUBLIC).")] = False,
+    workers: Annotated[int | None, typer.Option("--workers", min=1, help="Server processes (default: one per CPU "
+                                                "core, at most 4).")] = None,
 ) -> None:
     """Serve the HTTP API (docs at /docs) and the dashboard (/) in front of the catalog, broker and registry."""
-    import dataclasses
+    import os
 
     import uvicorn
 
-    from factory.service.app import create_app
-
-    config = settings.load()
     if public:
-        config = dataclasses.replace(config, serve_public=True)
+        os.environ["FACTORY_SERVE_PUBLIC"] = "1"  # read by each server process (settings.load)
     _catalog()  # a catalog that cannot be reached is exit 5 before the port opens
-    uvicorn.run(create_app(config), host=host, port=port, log_level="info", access_log=True)
+    uvicorn.run("factory.service.app:create_app", factory=True, host=host, port=port,
+                workers=workers or min(4, os.cpu_count() or 1), log_level="info", access_log=True)
 
 
 def _accounts():

@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import socket
+import threading
 from pathlib import Path
 
 from factory.files import source_files
@@ -52,7 +53,7 @@ def folder_identity(folder: Path, cache_dir: Path) -> str:
             hit = cache[str(f)] = [stamp, file_sha256(f)]
         entries.append(f"{name}:{hit[1]}")
     cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
+    tmp = cache_file.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")  # threads of one server too
     tmp.write_text(json.dumps(cache))
     tmp.replace(cache_file)
     return "sha256:" + hashlib.sha256("\n".join(entries).encode()).hexdigest()

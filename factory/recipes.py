@@ -7,6 +7,7 @@ Unknown keys are refused with one sentence that lists the known ones (exit 2).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -105,6 +106,7 @@ def recipe_from_yaml(text: str, where: str) -> Recipe:
     return recipe_from_dict(data, where)
 
 
+@functools.cache  # package data; build_recipe copies it (to_dict) before changing anything
 def standard_recipe() -> Recipe:
     return recipe_from_yaml(resources.files("configs").joinpath(STANDARD).read_text(encoding="utf-8"),
                              f"the standard recipe (configs/{STANDARD})")

@@ -328,9 +328,10 @@ def _jobs_in_broker() -> set[str]:
 
 
 def check_broker() -> None:
-    """Raises ServiceUnavailable (exit 5) when the broker cannot be reached."""
+    """Raises ServiceUnavailable (exit 5) when the broker cannot be reached (a connection from the app's pool: a
+    process that submits many jobs, the service, connects once)."""
     try:
-        with app.connection_for_write() as conn:
+        with app.pool.acquire(block=True) as conn:
             conn.ensure_connection(max_retries=1)
     except OperationalError:
         raise _broker_unreachable() from None
