@@ -801,9 +801,14 @@ def watch_add(
         recipe_dict = {k: v for k, v in chosen.items() if k in engines.available() or recipe is not None}
         limits = {"architectures": arch, "max_params": max_params}
         entries = [schedule.entry(target, recipe_dict, {k: v for k, v in limits.items() if v})]
-    catalog = _catalog()
+    if (remote := _remote()) is not None:
+        remote.call("PUT", "/api/watches", json=[{"target": e.target, "recipe": e.recipe, "filter": e.filter}
+                                                 for e in entries])
+    else:
+        catalog = _catalog()
+        for e in entries:
+            catalog.put_watch(e.target, e.recipe, e.filter)
     for e in entries:
-        catalog.put_watch(e.target, e.recipe, e.filter)
         err.print(f"watching {e.target}")
 
 
@@ -811,7 +816,9 @@ def watch_add(
 @_handled
 def watch_rm(target: Annotated[str, typer.Argument(metavar="TARGET")]) -> None:
     """Stop watching TARGET (what it already submitted stays)."""
-    if not _catalog().remove_watch(target):
+    if (remote := _remote()) is not None:
+        remote.call("DELETE", "/api/watches", params={"target": target})
+    elif not _catalog().remove_watch(target):
         raise NotFound(f"{target!r} is not on the watchlist; `qf watch ls` shows it")
 
 
@@ -819,14 +826,10 @@ def watch_rm(target: Annotated[str, typer.Argument(metavar="TARGET")]) -> None:
 @_handled
 def watch_ls(as_json: JsonOpt = False) -> None:
     """The watchlist, and what each watch last did."""
-    catalog = _catalog()
-    seen: dict[str, list] = {}
-    for u in catalog.upstream():
-        seen.setdefault(u.watch, []).append(u)
-    rows = [{"target": w.target, "recipe": w.recipe, "filter": w.filter,
-             "seen": [{"repo": u.repo, "sha": u.sha, "job": u.job_id, "skipped": u.skipped}
-                      for u in seen.get(w.target, [])]}
-            for w in catalog.watches()]
+    from factory import schedule
+
+    remote = _remote()
+    rows = remote.call("GET", "/api/watches") if remote else schedule.watch_rows(_catalog())
     if as_json:
         print(json.dumps(rows, indent=2))
         return
@@ -849,9 +852,12 @@ def watch_check(
     as_json: JsonOpt = False,
 ) -> None:
     """Ask the Hub about every watch now and submit what is new (what beat does every FACTORY_WATCH_SECONDS)."""
-    from workers.tasks import watch_check as check
+    if (remote := _remote()) is not None:
+        result = remote.call("POST", "/api/watches/check", params={"dry_run": dry_run})
+    else:
+        from workers.tasks import watch_check as check
 
-    result = check(dry_run=dry_run)
+        result = check(dry_run=dry_run)
     if as_json:
         print(json.dumps(result, indent=2))
         return

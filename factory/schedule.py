@@ -182,3 +182,14 @@ def _release(repo: str):
         except (FactoryError, NotASafetensorsRepoError, SafetensorsParsingError):
             params = None  # a count we cannot read leaves the max_params filter open
     return Release(repo, info.sha, tuple(config.get("architectures") or ()), params)
+
+
+def watch_rows(catalog) -> list[dict]:
+    """The watchlist as `qf watch ls --json` prints it: each watch with what it saw upstream and did."""
+    seen: dict[str, list] = {}
+    for u in catalog.upstream():
+        seen.setdefault(u.watch, []).append(u)
+    return [{"target": w.target, "recipe": w.recipe, "filter": w.filter,
+             "seen": [{"repo": u.repo, "sha": u.sha, "job": u.job_id, "skipped": u.skipped}
+                      for u in seen.get(w.target, [])]}
+            for w in catalog.watches()]

@@ -286,3 +286,21 @@ def test_the_dashboard_in_a_browser(finished, tmp_path):
         assert "no model named 'nosuchmodel'" in missing
     finally:
         server.stop()
+
+
+def test_the_watchlist_through_the_service_is_for_admins(server, tmp_path):
+    admin = user_env(server, server.token("root", "--scope", "admin"), tmp_path / "root")
+    alice = user_env(server, server.token("alice"), tmp_path / "alice")
+    added = qf(admin, "watch", "add", "Qwen/*-Instruct", "--awq", "--max-params", "2e9")
+    assert (added.returncode, added.stderr) == (0, "watching Qwen/*-Instruct\n")
+    [row] = json.loads(qf(admin, "watch", "ls", "--json", check=True).stdout)
+    assert (row["target"], list(row["recipe"]), row["filter"]) == ("Qwen/*-Instruct", ["awq"], {"max_params": 2e9})
+    refused = qf(alice, "watch", "ls")
+    assert (refused.returncode, refused.stderr) == (5, "error: this token of alice lacks the 'admin' scope; ask the "
+                                                       "factory's admin for a token that has it\n")
+    bad = qf(admin, "watch", "add", "not-a-repo", "--awq")
+    assert bad.returncode == 2 and "not-a-repo" in bad.stderr
+    assert qf(admin, "watch", "rm", "Qwen/*-Instruct").returncode == 0
+    gone = qf(admin, "watch", "rm", "Qwen/*-Instruct")
+    assert (gone.returncode, gone.stderr) == (4, "error: 'Qwen/*-Instruct' is not on the watchlist; `qf watch ls` "
+                                                 "shows it\n")

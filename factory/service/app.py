@@ -32,7 +32,7 @@ from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
-from factory import lookup, naming, settings, sources, status, submission
+from factory import lookup, naming, schedule, settings, sources, status, submission
 from factory.catalog import RETRYABLE, JobState
 from factory.errors import (
     AccessDenied,
@@ -78,6 +78,13 @@ class SubmitBody(BaseModel):
     fit: str | None = None
     ctx: int | None = Field(default=None, ge=1)
     kv_cache: str = "fp16"
+
+
+class WatchBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    target: str = Field(max_length=200)
+    recipe: dict
+    filter: dict = {}
 
 
 class _BodyLimit:
@@ -281,6 +288,36 @@ def create_app(config: settings.Settings | None = None) -> FastAPI:
         if manifest is None:
             raise NotFound(f"{ref} has no files in this factory's registry")
         return found, manifest
+
+    @app.get("/api/watches")
+    def watches(who: Who) -> list[dict]:
+        """`qf watch ls` (admin)."""
+        who.require("admin")
+        return schedule.watch_rows(factory.catalog)
+
+    @app.put("/api/watches")
+    def watch_add(entries: list[WatchBody], who: Who) -> dict:
+        """`qf watch add`: each entry checked as the CLI checks it (admin)."""
+        who.require("admin")
+        checked = [schedule.entry(e.target, e.recipe, e.filter) for e in entries]
+        for e in checked:
+            factory.catalog.put_watch(e.target, e.recipe, e.filter)
+        return {"watching": [e.target for e in checked]}
+
+    @app.delete("/api/watches")
+    def watch_rm(target: str, who: Who) -> dict:
+        who.require("admin")
+        if not factory.catalog.remove_watch(target):
+            raise NotFound(f"{target!r} is not on the watchlist; `qf watch ls` shows it")
+        return {"removed": target}
+
+    @app.post("/api/watches/check")
+    def watch_check(who: Who, dry_run: bool = False) -> dict:
+        """`qf watch check`: ask the Hub about every watch now and submit what is new (admin)."""
+        from workers.tasks import watch_check as check
+
+        who.require("admin")
+        return check(dry_run=dry_run)
 
     dashboard.mount(app, account)
 
