@@ -32,7 +32,7 @@ from rich.progress import (
 from rich.table import Column, Table
 
 from factory import engines, naming, settings, tables
-from factory.errors import FactoryError, JobFailed, NotFound, ServiceUnavailable, SpecError
+from factory.errors import Conflict, FactoryError, JobFailed, NotFound, ServiceUnavailable, SpecError
 from factory.events import Event
 from factory.submission import sizer
 
@@ -536,7 +536,7 @@ def retry(job_id: Annotated[str, typer.Argument(metavar="JOB")]) -> None:
     if job is None:
         raise NotFound(f"no job {job_id!r}; `qf status` lists the recent ones")
     if job.state not in (JobState.failed, JobState.cancelled):
-        raise SpecError(f"job {job_id} is {job.state}; only failed or cancelled jobs can be retried")
+        raise Conflict(f"job {job_id} is {job.state}; only failed or cancelled jobs can be retried")
     enqueue(factory, job.id)
     print(job.id)
 

@@ -61,6 +61,10 @@ class SpecError(FactoryError):
     exit_code = 2
 
 
+class Conflict(SpecError):
+    """A request the job's state does not allow now (retrying a job that is running)."""
+
+
 class ModelRefused(FactoryError):
     exit_code = 3
 

@@ -59,8 +59,8 @@ LAYERS = [
     ["factory.sources", "factory.vram"],
     ["factory.engines"],
     ["factory.recipes", "factory.schedule", "factory.publish", "factory.jobs"],
-    ["factory.pipeline", "factory.housekeeping", "factory.leases"],
-    ["factory.cli", "workers"],
+    ["factory.pipeline", "factory.housekeeping", "factory.leases", "factory.submission", "factory.lookup"],
+    ["factory.cli", "factory.cli_service", "factory.service", "workers"],
 ]
 LEAVES = {"factory.errors", "factory.settings", "factory.specs", "factory.naming", "factory.events",
           "factory.published"}

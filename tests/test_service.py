@@ -136,7 +136,11 @@ def test_other_users_tokens_scopes_and_revocation(server, factory_env, tmp_path)
     refused = qf(reader, "submit", model, "--awq")
     assert (refused.returncode, refused.stderr) == (5, "error: this token of carol lacks the 'submit' scope; ask the "
                                                        "factory's admin for a token that has it\n")
+    early = qf(alice, "retry", job_id)
+    assert (early.returncode, early.stderr) == (2, f"error: job {job_id} is queued; only failed or cancelled jobs "
+                                                   "can be retried\n")
     assert qf(alice, "cancel", job_id).stderr == f"job {job_id}: cancelled\n"
+    assert qf(alice, "retry", job_id).stdout.strip() == job_id
 
     [alice_token] = [t for t in json.loads(qf(factory_env, "token", "ls", "--json", check=True).stdout)
                      if t["user"] == "alice"]

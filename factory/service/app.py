@@ -9,7 +9,8 @@ Every refusal is a JSON body `{"error": "<the CLI's sentence>", "exit_code": N}`
 | 401    | no token, or not a valid one  | 5    |
 | 403    | a scope the token lacks       | 5    |
 | 404    | NotFound (also another user's job) | 4 |
-| 409    | JobFailed (a job that cannot be retried or cancelled now) | 1 |
+| 409    | Conflict (retrying a job that is not failed or cancelled) | 2 |
+| 409    | JobFailed (a file that changed while it was read) | 1 |
 | 413    | a request body over MAX_BODY  | 2    |
 | 422    | SpecError, ModelRefused, a malformed request | 2, 3 |
 | 429    | OverQuota                     | 5    |
@@ -36,6 +37,7 @@ from factory import lookup, naming, schedule, settings, sources, status, submiss
 from factory.catalog import RETRYABLE, JobState
 from factory.errors import (
     AccessDenied,
+    Conflict,
     FactoryError,
     JobFailed,
     ModelRefused,
@@ -51,7 +53,8 @@ MAX_BODY = 64 * 1024  # a submission is a few hundred bytes; a recipe a few kilo
 COOKIE = "qf_token"  # the dashboard's sign-in (service/dashboard.py); the API takes the Authorization header only
 log = logging.getLogger("quantfactory.service")
 
-_STATUS = [(Unauthenticated, 401), (OverQuota, 429), (AccessDenied, 403), (NotFound, 404), (SpecError, 422),
+_STATUS = [(Unauthenticated, 401), (OverQuota, 429), (AccessDenied, 403), (NotFound, 404), (Conflict, 409),
+           (SpecError, 422),
            (ModelRefused, 422), (ServiceUnavailable, 503), (JobFailed, 409)]
 
 
@@ -247,7 +250,7 @@ def create_app(config: settings.Settings | None = None) -> FastAPI:
         accounts.check_job(who, job_id)
         job = factory.catalog.job(job_id)
         if job.state not in RETRYABLE:
-            raise JobFailed(f"job {job_id} is {job.state}; only failed or cancelled jobs can be retried")
+            raise Conflict(f"job {job_id} is {job.state}; only failed or cancelled jobs can be retried")
         enqueue(factory, job.id)
         return {"id": job.id, "state": str(JobState.queued)}
 

@@ -12,6 +12,7 @@ import httpx
 from factory import naming
 from factory.errors import (
     AccessDenied,
+    Conflict,
     FactoryError,
     JobFailed,
     ModelRefused,
@@ -24,7 +25,7 @@ from factory.errors import (
 from factory.identity import file_sha256
 
 CHUNK = 1 << 20
-_BY_EXIT = {1: JobFailed, 2: SpecError, 3: ModelRefused, 4: NotFound}
+_BY_EXIT = {1: JobFailed, 2: SpecError, 3: ModelRefused, 4: NotFound}  # 409 is a Conflict (a SpecError: exit 2)
 Progress = Callable[[int, int], None]  # (bytes done, bytes in all)
 
 
@@ -43,6 +44,8 @@ class Client:
                                       f"{response.status_code} without saying why")
         if response.status_code == 429:
             return OverQuota(message)
+        if response.status_code == 409:
+            return Conflict(message)
         if response.status_code in (401, 403):
             return AccessDenied(message)
         return _BY_EXIT.get(exit_code, ServiceUnavailable)(message)
@@ -57,7 +60,11 @@ class Client:
             raise self._unreachable() from None
         if response.status_code >= 400:
             raise self._error(response)
-        return response.json()
+        try:
+            return response.json()
+        except ValueError:
+            raise ServiceUnavailable(f"{mask_url(self.url)} answered {path} with something other than JSON; is "
+                                     "FACTORY_SERVER the factory's service?") from None
 
     def submit(self, body: dict) -> dict:
         return self.call("POST", "/api/jobs", json=body)
