@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -216,7 +217,35 @@ def test_bad_requests_get_one_sentence_and_never_reach_the_filesystem(finished, 
         server.stop()
 
 
-def test_an_interrupted_pull_resumes_and_a_corrupt_one_is_refused(finished, tmp_path):
+class SlowProxy:
+    """A TCP proxy in front of the server that hands its answers on 16 KiB at a time with a pause, so that a
+    download lasts long enough to be killed half-way."""
+
+    def __init__(self, port: int):
+        self.upstream, self.listener = port, socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            client, _ = self.listener.accept()
+            server = socket.create_connection(("127.0.0.1", self.upstream))
+            threading.Thread(target=self._pipe, args=(client, server, 0), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(server, client, 0.05), daemon=True).start()
+
+    @staticmethod
+    def _pipe(source: socket.socket, sink: socket.socket, pause: float) -> None:
+        try:
+            while chunk := source.recv(16384):
+                sink.sendall(chunk)
+                time.sleep(pause)
+        except OSError:
+            pass
+        finally:
+            sink.close()
+
+
+def test_a_pull_killed_half_way_resumes_and_a_corrupt_one_is_refused(finished, tmp_path):
     qf_finished, _ = finished
     env = {**os.environ, "FACTORY_HOME": str(qf_finished.home), "FACTORY_DB_URL": qf_finished.db_url,
            "FACTORY_BROKER_URL": BROKER}
@@ -226,10 +255,17 @@ def test_an_interrupted_pull_resumes_and_a_corrupt_one_is_refused(finished, tmp_
         [row] = json.loads(qf(user, "ls", "--json", check=True).stdout)
         registry = qf_finished.home / "registry" / row["path"]
         biggest = max((p for p in registry.iterdir() if p.name != "manifest.json"), key=lambda p: p.stat().st_size)
-        staging = tmp_path / f".qf-pull-out-{row['rev']}"  # where the interrupted pull had got to
-        staging.mkdir()
-        half = biggest.stat().st_size // 2
-        (staging / biggest.name).write_bytes(biggest.read_bytes()[:half])
+        partial = tmp_path / f".qf-pull-out-{row['rev']}" / biggest.name
+        slow = {**user, "FACTORY_SERVER": SlowProxy(server.port).url}
+        pull = subprocess.Popen([sys.executable, "-m", "factory.cli", "pull", row["name"], "-o", tmp_path / "out"],
+                                env=slow, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while not (partial.exists() and partial.stat().st_size > biggest.stat().st_size // 4):
+            assert pull.poll() is None and time.monotonic() < deadline, "the pull ended before it could be killed"
+            time.sleep(0.05)
+        pull.kill()
+        pull.wait()
+        assert 0 < partial.stat().st_size < biggest.stat().st_size and not (tmp_path / "out").exists()
         resumed = qf(user, "pull", row["name"], "-o", tmp_path / "out")
         assert resumed.returncode == 0, resumed.stderr
         assert (tmp_path / "out" / biggest.name).read_bytes() == biggest.read_bytes()
@@ -237,7 +273,7 @@ def test_an_interrupted_pull_resumes_and_a_corrupt_one_is_refused(finished, tmp_
 
         staging = tmp_path / f".qf-pull-bad-{row['rev']}"
         staging.mkdir()
-        (staging / biggest.name).write_bytes(b"\0" * half)  # a partial download that went wrong
+        (staging / biggest.name).write_bytes(b"\0" * (biggest.stat().st_size // 2))  # a partial download gone wrong
         refused = qf(user, "pull", row["name"], "-o", tmp_path / "bad")
         assert (refused.returncode, refused.stderr) == (1, f"error: {biggest.name} of {row['name']}@{row['rev']} "
                                                            "does not match its sha256 in the manifest; pull again\n")

@@ -24,7 +24,6 @@ from factory.errors import (
 )
 from factory.identity import file_sha256
 
-CHUNK = 1 << 20
 _BY_EXIT = {1: JobFailed, 2: SpecError, 3: ModelRefused, 4: NotFound}  # 409 is a Conflict (a SpecError: exit 2)
 Progress = Callable[[int, int], None]  # (bytes done, bytes in all)
 
@@ -142,7 +141,7 @@ class Client:
                     raise self._error(response)
                 mode = "ab" if response.status_code == 206 else "wb"  # 200: the server sent the whole file
                 with open(path, mode) as out:
-                    for chunk in response.iter_bytes(CHUNK):
+                    for chunk in response.iter_bytes():  # as they arrive: a killed pull keeps what it got
                         out.write(chunk)
                         got += len(chunk)
                         progress(got)
