@@ -67,7 +67,10 @@ def side(model: Path, home: Path, bpw: str, windows: int, max_units: int | None)
     wall = time.monotonic() - start
     converting = [e["at"] for e in events if e["event"] == "step" and e["step"].startswith("quantize:")
                   and e["state"] in ("running", "succeeded")]
-    steps = {e["step"]: {"seconds": e["seconds"], "peak_gpu_bytes": e["peak_gpu_bytes"]}
+    expected = {e["step"]: e.get("expected_seconds") for e in events
+                if e["event"] == "step" and e["state"] == "running"}
+    steps = {e["step"]: {"seconds": e["seconds"], "peak_gpu_bytes": e["peak_gpu_bytes"],
+                         "expected_seconds": expected.get(e["step"])}
              for e in events if e["event"] == "step" and e["state"] == "succeeded"}
     quants = [{"tag": q["name"].split(":", 1)[1], "bits": q["bits"], "bytes": q["bytes"], "ppl": q["ppl"],
                "fp16_ppl": q["fp16_ppl"]} for q in events[-1]["quants"]]
