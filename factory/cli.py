@@ -22,17 +22,16 @@ import typer
 from rich.console import Console
 from rich.progress import (
     BarColumn,
-    DownloadColumn,
     MofNCompleteColumn,
     Progress,
     SpinnerColumn,
     TextColumn,
     TimeElapsedColumn,
 )
-from rich.table import Column, Table
+from rich.table import Table
 
-from factory import engines, naming, settings, tables
-from factory.errors import Conflict, FactoryError, JobFailed, NotFound, ServiceUnavailable, SpecError
+from factory import engines, settings, tables
+from factory.errors import Conflict, FactoryError, JobFailed, NotFound, SpecError
 from factory.events import Event
 from factory.submission import sizer
 
@@ -349,42 +348,6 @@ def submit(source: SourceArg, flags: dict, recipe: RecipeOpt = None,
                   f"{tables.duration(alone)} one after another)", markup=False, highlight=False)
 
 
-@app.command("ls")
-@_handled
-def ls(
-    as_json: JsonOpt = False,
-    remote: Annotated[str | None, typer.Option("--remote", metavar="OWNER", help="List what OWNER published on the "
-                                                "Hub instead of the catalog.")] = None,
-) -> None:
-    """List finished quants."""
-    if remote:
-        from factory.publish import hub
-
-        found = hub.published(remote, _templates())
-        if as_json:
-            print(json.dumps(found, indent=2))
-            return
-        table = Table(title=f"published by {remote} on the Hub", title_justify="left")
-        for col in ("QUANT", "REPO", "BRANCH", "COMMIT"):
-            table.add_column(col)
-        for r in found:
-            table.add_row(r["name"], r["repo"], r["branch"], r["commit"][:7])
-        out.print(table)
-        return
-    if (client := _remote()) is not None:
-        from factory.published import QuantRow
-
-        rows = [QuantRow.from_json(r) for r in client.quants()]
-    else:
-        rows = [q.row() for q in _catalog().quants()]
-    if as_json:
-        print(json.dumps([r.to_json() for r in rows], indent=2))
-    elif not rows:
-        err.print("no quants yet: qf run SOURCE makes some")
-    else:
-        out.print(tables.quants(rows, out.width))
-
-
 def _job_rows(**query) -> list[dict]:
     """Jobs as `qf status` and `qf jobs` print them: from the catalog, or the service's (the user's own)."""
     if (remote := _remote()) is not None:
@@ -411,46 +374,6 @@ def jobs(
         print(json.dumps(rows, indent=2))
     else:
         out.print(tables.jobs(rows, out.width))
-
-
-@app.command()
-@_handled
-def show(
-    ref: Annotated[str, typer.Argument(metavar="NAME[:TAG]")],
-    as_json: JsonOpt = False,
-) -> None:
-    """One model's quants and job history."""
-    parsed = naming.parse(ref)
-    if (remote := _remote()) is not None:
-        from factory.published import QuantRow
-
-        found = remote.model(parsed)
-        return _show(parsed, [QuantRow.from_json(r) for r in found["quants"]], found["jobs"], as_json)
-    from factory import lookup
-
-    rows = lookup.with_fits(_catalog(), settings.load().registry, parsed)
-    _show(parsed, rows, _job_rows(limit=50, name=parsed.name), as_json)
-
-
-def _show(parsed: naming.QuantRef, rows: list, job_rows: list[dict], as_json: bool) -> None:
-    from factory import vram
-
-    if as_json:
-        print(json.dumps({"quants": [r.to_json() for r in rows], "jobs": job_rows}, indent=2))
-        return
-    out.print(tables.quants(rows, out.width, title=f"quants of {parsed.name}"))
-    for r in rows:
-        engine = engines.get(r.method)
-        if r.fits:
-            out.print(f"{r.ref}@{r.rev}: the longest context that fits each GPU with {engine.evaluator}, "
-                      f"{vram.human(vram.HEADROOM)} left free")
-            table = Table(*(Column(c, justify="right") for c in ("GPU", "FP16 CACHE", "Q4 CACHE")))
-            for f in r.fits:
-                table.add_row(f"{f['budget'] / 2**30:.0f} GB", *(f"{f[c]:,}" if f[c] else "-" for c in ("fp16", "q4")))
-            out.print(table)
-        for line in engine.describe_scores(r):
-            out.print(line)
-    out.print(tables.jobs(job_rows, out.width, title="jobs"))
 
 
 @app.command()
@@ -543,176 +466,6 @@ def retry(job_id: Annotated[str, typer.Argument(metavar="JOB")]) -> None:
 
 @app.command()
 @_handled
-def reconcile() -> None:
-    """One reconciler pass (beat runs it periodically): re-enqueue jobs of lost workers and lost messages."""
-    from workers.tasks import reconcile as reconcile_pass
-
-    for job_id in reconcile_pass():
-        print(job_id)
-
-
-@app.command()
-def beat() -> None:
-    """Start Celery beat: the periodic reconciler and watchlist check (a second beat is harmless: the check takes
-    a lock, and submissions collapse into existing jobs). Its schedule file lives in FACTORY_HOME."""
-    import os
-
-    home = settings.load().home
-    home.mkdir(parents=True, exist_ok=True)
-    argv = [sys.executable, "-m", "celery", "-A", "workers.app", "beat", "--loglevel", "INFO",
-            "--schedule", str(home / "celerybeat-schedule")]
-    os.execvp(sys.executable, argv)
-
-
-@app.command()
-@_handled
-def worker(
-    gpu: Annotated[int | None, typer.Option("--gpu", min=0, help="The GPU it owns (CUDA_VISIBLE_DEVICES).")] = None,
-    queues: Annotated[str, typer.Option("--queues", help="Queues to take jobs from.")] = "gpu,cpu",
-    max_units: UnitsOpt = None,
-    slots: Annotated[int, typer.Option("--slots", min=1, help="Jobs run at once on this worker's GPU, each packing "
-                                       "its units into its share of the card (default 1).")] = 1,
-) -> None:
-    """Start a Celery worker with the factory's settings: one job at a time (per slot), acknowledged when done. A
-    catalog or broker that cannot be reached is exit 5 before it takes any message."""
-    import os
-
-    from workers.tasks import check_broker
-
-    _catalog()
-    check_broker()
-    env = dict(os.environ)
-    if gpu is not None:
-        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
-    if max_units is not None:
-        env["FACTORY_MAX_UNITS"] = str(max_units)  # read by the job processes it spawns (factory/settings.py)
-    env["FACTORY_GPU_SLOTS"] = str(slots)
-    node = f"qf-{'gpu' + str(gpu) if gpu is not None else 'worker'}"
-
-    def celery(name: str) -> list[str]:
-        return [sys.executable, "-m", "celery", "-A", "workers.app", "worker", "-Q", queues, "--pool", "solo",
-                "--concurrency", "1", "--prefetch-multiplier", "1", "-n", f"{name}@%h", "--loglevel", "INFO"]
-
-    if slots == 1:
-        os.execvpe(sys.executable, celery(node), env)
-    from workers.slots import supervise
-
-    sys.exit(supervise([celery(f"{node}-{i}") for i in range(1, slots + 1)], env))
-
-
-@app.command()
-@_handled
-def pull(
-    ref: Annotated[str, typer.Argument(metavar="NAME:TAG[@REV]")],
-    output: Annotated[Path | None, typer.Option("-o", "--output", help="Folder to put the files in.")] = None,
-    owner: Annotated[str | None, typer.Option("--hub", metavar="OWNER", help="Where to look on the Hub when the "
-                                              "catalog does not know NAME:TAG (default FACTORY_HUB_OWNER).")] = None,
-) -> None:
-    """Copy a finished quant out of the registry, or download it from the Hub; every file's sha256 verified."""
-    from factory import lookup
-    from factory.publish import folder
-
-    parsed = naming.parse(ref, tag_required=True)
-    if (remote := _remote()) is not None:
-        return _pull_from_service(remote, parsed, output)
-    owner = owner or settings.load().hub_owner
-    try:
-        quant = lookup.find(_catalog(), parsed)[0]
-    except (NotFound, ServiceUnavailable):
-        if not owner:
-            raise
-        return _pull_from_hub(parsed, owner, output)
-    dest = _output_folder(output or Path(f"{quant.name}-{quant.tag}"))
-    files = folder.pull(settings.load().registry / quant.path, dest)
-    err.print(f"{quant.name}:{quant.tag}@{quant.rev}: {len(files)} files verified, in {dest}")
-    out.print(str(dest.resolve()))
-
-
-@app.command()
-@_handled
-def rm(ref: Annotated[str, typer.Argument(metavar="NAME:TAG[@REV]")]) -> None:
-    """Remove a quant from the registry and the catalog (its copy on the Hub stays; `hf repo` manages that)."""
-    from factory import housekeeping, lookup
-
-    parsed = naming.parse(ref, tag_required=True)
-    catalog = _catalog()
-    quant, freed = housekeeping.remove_quant(settings.load(), catalog, lookup.find(catalog, parsed))
-    err.print(f"removed {quant.name}:{quant.tag}@{quant.rev} ({tables.size(freed)} freed)")
-
-
-@app.command()
-@_handled
-def gc(
-    dry_run: Annotated[bool, typer.Option("--dry-run", metavar="", help="List what would go; remove nothing.")] = False,
-    as_json: JsonOpt = False,
-) -> None:
-    """Free disk: work folders of finished jobs, staging of killed publishes, Hub downloads no unfinished job needs."""
-    from factory import housekeeping
-
-    items = housekeeping.garbage(settings.load(), _catalog())
-    freed = sum(i.bytes for i in items) if dry_run else housekeeping.collect(items)
-    if as_json:
-        print(json.dumps({"dry_run": dry_run, "bytes": freed,
-                          "items": [{"path": str(i.path), "bytes": i.bytes, "why": i.why} for i in items]}, indent=2))
-        return
-    for i in items:
-        out.print(f"{tables.size(i.bytes):>10}  {i.path}  ({i.why})", markup=False, highlight=False)
-    err.print(f"{'would free' if dry_run else 'freed'} {tables.size(freed)} in {len(items)} places")
-
-
-def _output_folder(dest: Path) -> Path:
-    """Where `qf pull` may put files: a new or empty real folder outside FACTORY_HOME (SpecError, exit 2)."""
-    if dest.is_symlink():
-        raise SpecError(f"-o {str(dest)!r} is a symbolic link; pass a real folder")
-    if dest.exists() and not dest.is_dir():
-        raise SpecError(f"-o {str(dest)!r} is a file; pass a new or empty folder")
-    home = settings.load().home
-    if dest.resolve().is_relative_to(home):
-        raise SpecError(f"-o {str(dest)!r} is inside FACTORY_HOME ({home}); pull into a folder outside it")
-    return dest
-
-
-def _templates() -> dict[str, str]:
-    from factory.publish import hub
-
-    return hub.templates(settings.load().hub_repos)
-
-
-def _pull_from_service(remote, parsed: naming.QuantRef, output: Path | None) -> None:
-    dest = _output_folder(output or Path(f"{parsed.name}-{parsed.tag}"))
-    if dest.exists() and any(dest.iterdir()):
-        raise SpecError(f"output folder {str(dest)!r} exists and is not empty; pass -o with a new or empty folder")
-    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), console=err,
-                  disable=not err.is_terminal) as bar:
-        task = bar.add_task(str(parsed), total=None)
-        try:
-            quant, files = remote.pull(parsed, dest, lambda done, total: bar.update(task, completed=done, total=total))
-        except KeyboardInterrupt:
-            err.print("interrupted: the same qf pull continues where this one stopped")
-            raise
-    err.print(f"{quant['name']}@{quant['rev']}: {len(files)} files verified, in {dest}")
-    out.print(str(dest.resolve()))
-
-
-def _pull_from_hub(parsed: naming.QuantRef, owner: str, output: Path | None) -> None:
-    from factory.publish import hub
-
-    tags = hub.tags(owner, parsed.name, _templates())
-    if parsed.tag not in tags:
-        known = ", ".join(sorted(tags)) or "none"
-        raise NotFound(f"{parsed.name}:{parsed.tag} is not published under {owner} on the Hub; tags there: {known}")
-    where = tags[parsed.tag]
-    dest = _output_folder(output or Path(f"{parsed.name}-{parsed.tag}"))
-    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), console=err,
-                  disable=not err.is_terminal) as bar:
-        task = bar.add_task(f"{where.repo}@{where.branch}", total=None)
-        files = hub.pull(where, parsed.rev, dest, lambda done, total: bar.update(task, completed=done, total=total))
-    err.print(f"{parsed.name}:{parsed.tag} from {where.repo}@{where.branch}: {len(files)} files verified, in {dest}")
-    out.print(str(dest.resolve()))
-
-
-@app.command()
-@_handled
 def plan(
     source: Annotated[str, typer.Argument(metavar="SOURCE", help="A local FP16 folder or a Hub repo org/name.")],
     vram: Annotated[str, typer.Option("--vram", help="GPU memory, e.g. 24GB (GB means GiB, as on the card).")],
@@ -773,105 +526,6 @@ def _conversion_times(names: list[str], parameters: int) -> dict[str, dict]:
     return {name: eta.conversion(engines.get(name), parameters, history) for name in names}
 
 
-watch_app = typer.Typer(help="The watchlist: upstream repos re-quantized when they get a new commit.",
-                        no_args_is_help=True)
-app.add_typer(watch_app, name="watch")
-
-
-@watch_app.command("add")
-@_handled
-@_with_engine_flags
-def watch_add(
-    target: Annotated[str | None, typer.Argument(metavar="ORG/NAME|ORG/PATTERN")] = None,
-    flags: dict | None = None, recipe: RecipeOpt = None,
-    arch: Annotated[list[str] | None, typer.Option("--arch", help="Only these architectures (repeatable).")] = None,
-    max_params: Annotated[float | None, typer.Option("--max-params", help="Only models up to N parameters.")] = None,
-    file: Annotated[Path | None, typer.Option("--file", help="Add every entry of a watchlist YAML.")] = None,
-) -> None:
-    """Watch a repo (org/name) or an author's repos by pattern (Qwen/*-Instruct) with a recipe."""
-    from factory import schedule
-    from factory.recipes import build_recipe
-
-    if (target is None) == (file is None):
-        raise SpecError("give a target (org/name or org/pattern) or --file WATCHLIST.yaml, not both")
-    if file is not None:
-        entries = schedule.load(file)
-    else:
-        chosen = build_recipe(recipe, flags).to_dict()
-        recipe_dict = {k: v for k, v in chosen.items() if k in engines.available() or recipe is not None}
-        limits = {"architectures": arch, "max_params": max_params}
-        entries = [schedule.entry(target, recipe_dict, {k: v for k, v in limits.items() if v})]
-    if (remote := _remote()) is not None:
-        remote.call("PUT", "/api/watches", json=[{"target": e.target, "recipe": e.recipe, "filter": e.filter}
-                                                 for e in entries])
-    else:
-        catalog = _catalog()
-        for e in entries:
-            catalog.put_watch(e.target, e.recipe, e.filter)
-    for e in entries:
-        err.print(f"watching {e.target}")
-
-
-@watch_app.command("rm")
-@_handled
-def watch_rm(target: Annotated[str, typer.Argument(metavar="TARGET")]) -> None:
-    """Stop watching TARGET (what it already submitted stays)."""
-    if (remote := _remote()) is not None:
-        remote.call("DELETE", "/api/watches", params={"target": target})
-    elif not _catalog().remove_watch(target):
-        raise NotFound(f"{target!r} is not on the watchlist; `qf watch ls` shows it")
-
-
-@watch_app.command("ls")
-@_handled
-def watch_ls(as_json: JsonOpt = False) -> None:
-    """The watchlist, and what each watch last did."""
-    from factory import schedule
-
-    remote = _remote()
-    rows = remote.call("GET", "/api/watches") if remote else schedule.watch_rows(_catalog())
-    if as_json:
-        print(json.dumps(rows, indent=2))
-        return
-    table = Table(title="watchlist", title_justify="left")
-    for col in ("TARGET", "RECIPE", "FILTER", "LAST"):
-        table.add_column(col)
-    for r in rows:
-        last = r["seen"][-1] if r["seen"] else None
-        what = "" if last is None else f"{last['repo']}@{last['sha'][:7]} " + (
-            f"job {last['job']}" if last["job"] else f"skipped: {last['skipped']}")
-        table.add_row(r["target"], json.dumps(r["recipe"]), json.dumps(r["filter"]), what)
-    out.print(table)
-
-
-@watch_app.command("check")
-@_handled
-def watch_check(
-    dry_run: Annotated[bool, typer.Option("--dry-run", metavar="",
-                                          help="Print the plan; submit and record nothing.")] = False,
-    as_json: JsonOpt = False,
-) -> None:
-    """Ask the Hub about every watch now and submit what is new (what beat does every FACTORY_WATCH_SECONDS)."""
-    if (remote := _remote()) is not None:
-        result = remote.call("POST", "/api/watches/check", params={"dry_run": dry_run})
-    else:
-        from workers.tasks import watch_check as check
-
-        result = check(dry_run=dry_run)
-    if as_json:
-        print(json.dumps(result, indent=2))
-        return
-    if result.get("busy"):
-        err.print("another check is running; nothing done")
-    for e in result["errors"]:
-        err.print(f"hub error (tried again next check): {e}", markup=False)
-    for p in result["planned"]:
-        what = f"skip: {p['skipped']}" if p["skipped"] else (f"job {p['job']}" if p["job"] else "would submit")
-        out.print(f"{p['watch']}: {p['repo']}@{p['sha'][:7]} {what}", markup=False, highlight=False)
-    if not result["planned"] and not result.get("busy"):
-        err.print("nothing new")
-
-
 calib_app = typer.Typer(help="Calibration and eval text sets.", no_args_is_help=True)
 app.add_typer(calib_app, name="calib")
 
@@ -897,7 +551,7 @@ def calib_ls(as_json: JsonOpt = False) -> None:
     err.print('also: file:<path> to any .txt, .jsonl (a "text" field per line) or .parquet (a "text" column)')
 
 
-from factory import cli_service  # noqa: E402, F401  (registers qf serve and qf token)
+from factory import cli_fleet, cli_registry, cli_service, cli_watch  # noqa: E402, F401  (register their commands)
 
 
 @app.callback()

@@ -60,7 +60,8 @@ LAYERS = [
     ["factory.engines"],
     ["factory.recipes", "factory.schedule", "factory.publish", "factory.jobs"],
     ["factory.pipeline", "factory.housekeeping", "factory.leases", "factory.submission", "factory.lookup"],
-    ["factory.cli", "factory.cli_service", "factory.service", "workers"],
+    ["factory.cli", "factory.cli_fleet", "factory.cli_registry", "factory.cli_service", "factory.cli_watch",
+     "factory.service", "workers"],
 ]
 LEAVES = {"factory.errors", "factory.settings", "factory.specs", "factory.naming", "factory.events",
           "factory.published"}

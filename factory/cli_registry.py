@@ -1,0 +1,212 @@
+"""`qf ls`, `qf show`, `qf pull`, `qf rm`, `qf gc`: the registry's quants, locally, on the Hub or through the
+factory's service. Registered on the `qf` app by factory/cli.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
+from rich.table import Column, Table
+
+from factory import engines, naming, settings, tables
+from factory.cli import (
+    JsonOpt,
+    _catalog,
+    _handled,
+    _job_rows,
+    _remote,
+    app,
+    err,
+    out,
+)
+from factory.errors import NotFound, ServiceUnavailable, SpecError
+
+
+@app.command("ls")
+@_handled
+def ls(
+    as_json: JsonOpt = False,
+    remote: Annotated[str | None, typer.Option("--remote", metavar="OWNER", help="List what OWNER published on the "
+                                                "Hub instead of the catalog.")] = None,
+) -> None:
+    """List finished quants."""
+    if remote:
+        from factory.publish import hub
+
+        found = hub.published(remote, _templates())
+        if as_json:
+            print(json.dumps(found, indent=2))
+            return
+        table = Table(title=f"published by {remote} on the Hub", title_justify="left")
+        for col in ("QUANT", "REPO", "BRANCH", "COMMIT"):
+            table.add_column(col)
+        for r in found:
+            table.add_row(r["name"], r["repo"], r["branch"], r["commit"][:7])
+        out.print(table)
+        return
+    if (client := _remote()) is not None:
+        from factory.published import QuantRow
+
+        rows = [QuantRow.from_json(r) for r in client.quants()]
+    else:
+        rows = [q.row() for q in _catalog().quants()]
+    if as_json:
+        print(json.dumps([r.to_json() for r in rows], indent=2))
+    elif not rows:
+        err.print("no quants yet: qf run SOURCE makes some")
+    else:
+        out.print(tables.quants(rows, out.width))
+
+
+@app.command()
+@_handled
+def show(
+    ref: Annotated[str, typer.Argument(metavar="NAME[:TAG]")],
+    as_json: JsonOpt = False,
+) -> None:
+    """One model's quants and job history."""
+    parsed = naming.parse(ref)
+    if (remote := _remote()) is not None:
+        from factory.published import QuantRow
+
+        found = remote.model(parsed)
+        return _show(parsed, [QuantRow.from_json(r) for r in found["quants"]], found["jobs"], as_json)
+    from factory import lookup
+
+    rows = lookup.with_fits(_catalog(), settings.load().registry, parsed)
+    _show(parsed, rows, _job_rows(limit=50, name=parsed.name), as_json)
+
+
+def _show(parsed: naming.QuantRef, rows: list, job_rows: list[dict], as_json: bool) -> None:
+    from factory import vram
+
+    if as_json:
+        print(json.dumps({"quants": [r.to_json() for r in rows], "jobs": job_rows}, indent=2))
+        return
+    out.print(tables.quants(rows, out.width, title=f"quants of {parsed.name}"))
+    for r in rows:
+        engine = engines.get(r.method)
+        if r.fits:
+            out.print(f"{r.ref}@{r.rev}: the longest context that fits each GPU with {engine.evaluator}, "
+                      f"{vram.human(vram.HEADROOM)} left free")
+            table = Table(*(Column(c, justify="right") for c in ("GPU", "FP16 CACHE", "Q4 CACHE")))
+            for f in r.fits:
+                table.add_row(f"{f['budget'] / 2**30:.0f} GB", *(f"{f[c]:,}" if f[c] else "-" for c in ("fp16", "q4")))
+            out.print(table)
+        for line in engine.describe_scores(r):
+            out.print(line)
+    out.print(tables.jobs(job_rows, out.width, title="jobs"))
+
+
+@app.command()
+@_handled
+def pull(
+    ref: Annotated[str, typer.Argument(metavar="NAME:TAG[@REV]")],
+    output: Annotated[Path | None, typer.Option("-o", "--output", help="Folder to put the files in.")] = None,
+    owner: Annotated[str | None, typer.Option("--hub", metavar="OWNER", help="Where to look on the Hub when the "
+                                              "catalog does not know NAME:TAG (default FACTORY_HUB_OWNER).")] = None,
+) -> None:
+    """Copy a finished quant out of the registry, or download it from the Hub; every file's sha256 verified."""
+    from factory import lookup
+    from factory.publish import folder
+
+    parsed = naming.parse(ref, tag_required=True)
+    if (remote := _remote()) is not None:
+        return _pull_from_service(remote, parsed, output)
+    owner = owner or settings.load().hub_owner
+    try:
+        quant = lookup.find(_catalog(), parsed)[0]
+    except (NotFound, ServiceUnavailable):
+        if not owner:
+            raise
+        return _pull_from_hub(parsed, owner, output)
+    dest = _output_folder(output or Path(f"{quant.name}-{quant.tag}"))
+    files = folder.pull(settings.load().registry / quant.path, dest)
+    err.print(f"{quant.name}:{quant.tag}@{quant.rev}: {len(files)} files verified, in {dest}")
+    out.print(str(dest.resolve()))
+
+
+@app.command()
+@_handled
+def rm(ref: Annotated[str, typer.Argument(metavar="NAME:TAG[@REV]")]) -> None:
+    """Remove a quant from the registry and the catalog (its copy on the Hub stays; `hf repo` manages that)."""
+    from factory import housekeeping, lookup
+
+    parsed = naming.parse(ref, tag_required=True)
+    catalog = _catalog()
+    quant, freed = housekeeping.remove_quant(settings.load(), catalog, lookup.find(catalog, parsed))
+    err.print(f"removed {quant.name}:{quant.tag}@{quant.rev} ({tables.size(freed)} freed)")
+
+
+@app.command()
+@_handled
+def gc(
+    dry_run: Annotated[bool, typer.Option("--dry-run", metavar="", help="List what would go; remove nothing.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Free disk: work folders of finished jobs, staging of killed publishes, Hub downloads no unfinished job needs."""
+    from factory import housekeeping
+
+    items = housekeeping.garbage(settings.load(), _catalog())
+    freed = sum(i.bytes for i in items) if dry_run else housekeeping.collect(items)
+    if as_json:
+        print(json.dumps({"dry_run": dry_run, "bytes": freed,
+                          "items": [{"path": str(i.path), "bytes": i.bytes, "why": i.why} for i in items]}, indent=2))
+        return
+    for i in items:
+        out.print(f"{tables.size(i.bytes):>10}  {i.path}  ({i.why})", markup=False, highlight=False)
+    err.print(f"{'would free' if dry_run else 'freed'} {tables.size(freed)} in {len(items)} places")
+
+
+def _output_folder(dest: Path) -> Path:
+    """Where `qf pull` may put files: a new or empty real folder outside FACTORY_HOME (SpecError, exit 2)."""
+    if dest.is_symlink():
+        raise SpecError(f"-o {str(dest)!r} is a symbolic link; pass a real folder")
+    if dest.exists() and not dest.is_dir():
+        raise SpecError(f"-o {str(dest)!r} is a file; pass a new or empty folder")
+    home = settings.load().home
+    if dest.resolve().is_relative_to(home):
+        raise SpecError(f"-o {str(dest)!r} is inside FACTORY_HOME ({home}); pull into a folder outside it")
+    return dest
+
+
+def _templates() -> dict[str, str]:
+    from factory.publish import hub
+
+    return hub.templates(settings.load().hub_repos)
+
+
+def _pull_from_service(remote, parsed: naming.QuantRef, output: Path | None) -> None:
+    dest = _output_folder(output or Path(f"{parsed.name}-{parsed.tag}"))
+    if dest.exists() and any(dest.iterdir()):
+        raise SpecError(f"output folder {str(dest)!r} exists and is not empty; pass -o with a new or empty folder")
+    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), console=err,
+                  disable=not err.is_terminal) as bar:
+        task = bar.add_task(str(parsed), total=None)
+        try:
+            quant, files = remote.pull(parsed, dest, lambda done, total: bar.update(task, completed=done, total=total))
+        except KeyboardInterrupt:
+            err.print("interrupted: the same qf pull continues where this one stopped")
+            raise
+    err.print(f"{quant['name']}@{quant['rev']}: {len(files)} files verified, in {dest}")
+    out.print(str(dest.resolve()))
+
+
+def _pull_from_hub(parsed: naming.QuantRef, owner: str, output: Path | None) -> None:
+    from factory.publish import hub
+
+    tags = hub.tags(owner, parsed.name, _templates())
+    if parsed.tag not in tags:
+        known = ", ".join(sorted(tags)) or "none"
+        raise NotFound(f"{parsed.name}:{parsed.tag} is not published under {owner} on the Hub; tags there: {known}")
+    where = tags[parsed.tag]
+    dest = _output_folder(output or Path(f"{parsed.name}-{parsed.tag}"))
+    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), console=err,
+                  disable=not err.is_terminal) as bar:
+        task = bar.add_task(f"{where.repo}@{where.branch}", total=None)
+        files = hub.pull(where, parsed.rev, dest, lambda done, total: bar.update(task, completed=done, total=total))
+    err.print(f"{parsed.name}:{parsed.tag} from {where.repo}@{where.branch}: {len(files)} files verified, in {dest}")
+    out.print(str(dest.resolve()))

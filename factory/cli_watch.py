@@ -1,0 +1,123 @@
+"""`qf watch add|rm|ls|check`: the watchlist, locally or through the factory's service (admin). Registered on
+the `qf` app by factory/cli.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from factory import engines
+from factory.cli import (
+    JsonOpt,
+    RecipeOpt,
+    _catalog,
+    _handled,
+    _remote,
+    _with_engine_flags,
+    app,
+    err,
+    out,
+)
+from factory.errors import NotFound, SpecError
+
+watch_app = typer.Typer(help="The watchlist: upstream repos re-quantized when they get a new commit.",
+                        no_args_is_help=True)
+app.add_typer(watch_app, name="watch")
+
+
+@watch_app.command("add")
+@_handled
+@_with_engine_flags
+def watch_add(
+    target: Annotated[str | None, typer.Argument(metavar="ORG/NAME|ORG/PATTERN")] = None,
+    flags: dict | None = None, recipe: RecipeOpt = None,
+    arch: Annotated[list[str] | None, typer.Option("--arch", help="Only these architectures (repeatable).")] = None,
+    max_params: Annotated[float | None, typer.Option("--max-params", help="Only models up to N parameters.")] = None,
+    file: Annotated[Path | None, typer.Option("--file", help="Add every entry of a watchlist YAML.")] = None,
+) -> None:
+    """Watch a repo (org/name) or an author's repos by pattern (Qwen/*-Instruct) with a recipe."""
+    from factory import schedule
+    from factory.recipes import build_recipe
+
+    if (target is None) == (file is None):
+        raise SpecError("give a target (org/name or org/pattern) or --file WATCHLIST.yaml, not both")
+    if file is not None:
+        entries = schedule.load(file)
+    else:
+        chosen = build_recipe(recipe, flags).to_dict()
+        recipe_dict = {k: v for k, v in chosen.items() if k in engines.available() or recipe is not None}
+        limits = {"architectures": arch, "max_params": max_params}
+        entries = [schedule.entry(target, recipe_dict, {k: v for k, v in limits.items() if v})]
+    if (remote := _remote()) is not None:
+        remote.call("PUT", "/api/watches", json=[{"target": e.target, "recipe": e.recipe, "filter": e.filter}
+                                                 for e in entries])
+    else:
+        catalog = _catalog()
+        for e in entries:
+            catalog.put_watch(e.target, e.recipe, e.filter)
+    for e in entries:
+        err.print(f"watching {e.target}")
+
+
+@watch_app.command("rm")
+@_handled
+def watch_rm(target: Annotated[str, typer.Argument(metavar="TARGET")]) -> None:
+    """Stop watching TARGET (what it already submitted stays)."""
+    if (remote := _remote()) is not None:
+        remote.call("DELETE", "/api/watches", params={"target": target})
+    elif not _catalog().remove_watch(target):
+        raise NotFound(f"{target!r} is not on the watchlist; `qf watch ls` shows it")
+
+
+@watch_app.command("ls")
+@_handled
+def watch_ls(as_json: JsonOpt = False) -> None:
+    """The watchlist, and what each watch last did."""
+    from factory import schedule
+
+    remote = _remote()
+    rows = remote.call("GET", "/api/watches") if remote else schedule.watch_rows(_catalog())
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return
+    table = Table(title="watchlist", title_justify="left")
+    for col in ("TARGET", "RECIPE", "FILTER", "LAST"):
+        table.add_column(col)
+    for r in rows:
+        last = r["seen"][-1] if r["seen"] else None
+        what = "" if last is None else f"{last['repo']}@{last['sha'][:7]} " + (
+            f"job {last['job']}" if last["job"] else f"skipped: {last['skipped']}")
+        table.add_row(r["target"], json.dumps(r["recipe"]), json.dumps(r["filter"]), what)
+    out.print(table)
+
+
+@watch_app.command("check")
+@_handled
+def watch_check(
+    dry_run: Annotated[bool, typer.Option("--dry-run", metavar="",
+                                          help="Print the plan; submit and record nothing.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Ask the Hub about every watch now and submit what is new (what beat does every FACTORY_WATCH_SECONDS)."""
+    if (remote := _remote()) is not None:
+        result = remote.call("POST", "/api/watches/check", params={"dry_run": dry_run})
+    else:
+        from workers.tasks import watch_check as check
+
+        result = check(dry_run=dry_run)
+    if as_json:
+        print(json.dumps(result, indent=2))
+        return
+    if result.get("busy"):
+        err.print("another check is running; nothing done")
+    for e in result["errors"]:
+        err.print(f"hub error (tried again next check): {e}", markup=False)
+    for p in result["planned"]:
+        what = f"skip: {p['skipped']}" if p["skipped"] else (f"job {p['job']}" if p["job"] else "would submit")
+        out.print(f"{p['watch']}: {p['repo']}@{p['sha'][:7]} {what}", markup=False, highlight=False)
+    if not result["planned"] and not result.get("busy"):
+        err.print("nothing new")
