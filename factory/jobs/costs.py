@@ -6,6 +6,7 @@ engines' first-principles estimates from the model's shape."""
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 
 from factory import engines
@@ -17,6 +18,7 @@ from factory.vram import CONTEXT_BYTES, HEADROOM, Params, Shape
 
 AUTOMATIC_MAX_UNITS = 8  # on a GPU without --max-units: beyond 8 conversion passes an H200's SMs are busy (GPU.md)
 HISTORY_MARGIN = 1.1  # over the highest peak the catalog recorded for a unit of the same source
+HISTORY_SECONDS = 30.0  # how old the unit history an ETA uses may be: a service submitting many jobs reads it once
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,7 @@ class Costs:
         self.catalog = catalog
         self.max_units = max_units  # None: as many units at once as fit
         self.slots = slots  # jobs sharing this machine's GPU and cores (qf worker --slots), each with its share
+        self._history: dict[tuple[str, str], tuple[float, list]] = {}  # (family, device) -> (read at, rows)
 
     def seconds(self, job: Job, model: Sized, unit: Unit) -> float:
         """A unit's expected seconds (jobs/eta.py): history of its family near this size, else an estimate."""
@@ -62,8 +65,14 @@ class Costs:
                                       job.device, os.cpu_count() or 1)
         family = eta.family(unit.name)
         past = [eta.Past(seconds, parameters) for name, seconds, parameters
-                in self.catalog.unit_history(family, job.device) if eta.family(name) == family]
+                in self._unit_history(family, job.device) if eta.family(name) == family]
         return eta.expected(past, model.parameters, guess)[0]
+
+    def _unit_history(self, family: str, device: str) -> list:
+        cached = self._history.get((family, device))
+        if cached is None or time.monotonic() - cached[0] > HISTORY_SECONDS:
+            cached = self._history[(family, device)] = (time.monotonic(), self.catalog.unit_history(family, device))
+        return cached[1]
 
     def needs(self, job: Job, model: Sized, units: list[Unit]) -> dict[str, Need]:
         """Each unit's predicted needs, from one read of the catalog's recorded peaks for this source."""
