@@ -143,6 +143,11 @@ def account(request: Request) -> Account:
 Who = Annotated[Account, Depends(account)]
 
 
+def visible_jobs(config: settings.Settings, who: Account, **query) -> list[dict]:
+    """status.job_rows of the jobs `who` may see: their own, or every job (admin, the public dashboard)."""
+    return status.job_rows(config.db_url, user=None if who.sees_every_job else who.user, **query)
+
+
 def create_app(config: settings.Settings | None = None) -> FastAPI:
     from factory.pipeline import Factory
     from factory.service import dashboard
@@ -210,7 +215,7 @@ def create_app(config: settings.Settings | None = None) -> FastAPI:
         return _jobs(who, limit=limit, name=naming.parse(name).name if name else None)
 
     def _jobs(who: Account, **query) -> list[dict]:
-        return status.job_rows(config.db_url, user=None if who.sees_every_job else who.user, **query)
+        return visible_jobs(config, who, **query)
 
     @app.get("/api/jobs/{job_id}")
     def job(job_id: str, who: Who) -> dict:

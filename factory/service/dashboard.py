@@ -14,10 +14,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import Environment, PackageLoader, select_autoescape
 
-from factory import lookup, naming, status, tables
+from factory import lookup, naming, tables
 from factory.errors import AccessDenied, NotFound
 from factory.service.accounts import Account
-from factory.service.app import COOKIE
+from factory.service.app import COOKIE, visible_jobs
 
 REFRESH = 10
 _pages = Environment(loader=PackageLoader("factory.service", "templates"), autoescape=select_autoescape())
@@ -47,19 +47,20 @@ def mount(app: FastAPI, account: Callable[[Request], Account]) -> None:
         who.require("read")
         return who
 
-    def visible_jobs(who: Account, **query) -> list[dict]:
-        return status.job_rows(config.db_url, user=None if who.sees_every_job else who.user, **query)
+    def jobs_of(who: Account, **query) -> list[dict]:
+        return visible_jobs(config, who, **query)
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     def index(request: Request):
         who = signed_in(request)
         if isinstance(who, RedirectResponse):
             return who
-        jobs = visible_jobs(who, limit=50)
+        recent = jobs_of(who, limit=200)  # the table shows 50; the running units are looked for in all 200
+        jobs = recent[:50]
         models = {}
         for q in catalog.quants():
             models.setdefault(q.name, []).append(q.row())
-        return page("index.html", request, who, jobs=jobs, units=running_units(visible_jobs(who, limit=200)),
+        return page("index.html", request, who, jobs=jobs, units=running_units(recent),
                     models=sorted(models.items()), live=any(j["state"] in ("queued", "running") for j in jobs))
 
     @app.get("/jobs/{job_id}", response_class=HTMLResponse, include_in_schema=False)
@@ -67,7 +68,7 @@ def mount(app: FastAPI, account: Callable[[Request], Account]) -> None:
         who = signed_in(request)
         if isinstance(who, RedirectResponse):
             return who
-        rows = visible_jobs(who, job_id=job_id)
+        rows = jobs_of(who, job_id=job_id)
         if not rows:
             raise NotFound(f"no job {job_id!r}; `qf status` lists the recent ones")
         return page("job.html", request, who, job=rows[0], live=rows[0]["state"] in ("queued", "running"))
@@ -79,7 +80,7 @@ def mount(app: FastAPI, account: Callable[[Request], Account]) -> None:
             return who
         ref = naming.parse(name)
         rows = lookup.with_fits(catalog, config.registry, ref)
-        return page("model.html", request, who, name=ref.name, rows=rows, jobs=visible_jobs(who, name=ref.name),
+        return page("model.html", request, who, name=ref.name, rows=rows, jobs=jobs_of(who, name=ref.name),
                     has_kld=any(r.kld for r in rows), live=False)
 
     @app.get("/models/{name}/{plot}.png", include_in_schema=False)
@@ -90,7 +91,7 @@ def mount(app: FastAPI, account: Callable[[Request], Account]) -> None:
         if isinstance(who, RedirectResponse):
             return who
         draw = {"ppl": card.plot, "kld": card.plot_kld}.get(plot)
-        rows = lookup.with_fits(catalog, config.registry, naming.parse(name))
+        rows = [q.row() for q in lookup.find(catalog, naming.parse(name))]  # a plot needs no fits-on table
         if draw is None or (plot == "kld" and not card.has_kld(rows)):
             raise NotFound(f"no plot {plot!r} of {name}")
         with tempfile.TemporaryDirectory() as tmp:
