@@ -31,7 +31,7 @@ from rich.progress import (
 from rich.table import Table
 
 from factory import engines, settings, tables
-from factory.errors import Conflict, FactoryError, JobFailed, NotFound, SpecError
+from factory.errors import FactoryError, JobFailed, NotFound, SpecError
 from factory.events import Event
 from factory.submission import sizer
 
@@ -451,17 +451,9 @@ def retry(job_id: Annotated[str, typer.Argument(metavar="JOB")]) -> None:
     if (remote := _remote()) is not None:
         print(remote.retry(job_id)["id"])
         return
-    from factory.catalog import JobState
-    from workers.tasks import enqueue
+    from workers.tasks import retry as queue_again
 
-    factory = _factory()
-    job = factory.catalog.job(job_id)
-    if job is None:
-        raise NotFound(f"no job {job_id!r}; `qf status` lists the recent ones")
-    if job.state not in (JobState.failed, JobState.cancelled):
-        raise Conflict(f"job {job_id} is {job.state}; only failed or cancelled jobs can be retried")
-    enqueue(factory, job.id)
-    print(job.id)
+    print(queue_again(_factory(), job_id).id)
 
 
 @app.command()

@@ -181,6 +181,38 @@ def test_quotas_refuse_the_next_job_with_when_it_resets(server, factory_env, tmp
     assert len(json.loads(qf(running, "status", "--json", check=True).stdout)) == 2
 
 
+RACER = """
+import sys, time
+import httpx
+url, token, windows, start = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+body = {"source": sys.argv[5], "flags": {"awq": True}, "eval_windows": windows}
+with httpx.Client(headers={"Authorization": f"Bearer {token}"}, timeout=60) as http:
+    http.get(url + "/api/me").raise_for_status()  # connected and warm before the start
+    time.sleep(max(0.0, start - time.time()))
+    answer = http.post(url + "/api/jobs", json=body)
+print(answer.status_code, answer.json().get("id") or answer.json()["error"])
+"""
+
+
+def test_a_quota_holds_when_submissions_race(server, factory_env, tmp_path):
+    """8 processes submit 8 different jobs for one user at the same instant, on a server of 2 processes: exactly
+    the quota's 3 are accepted, the other 5 refused with 429 and the quota's sentence."""
+    model = str(Path(factory_env["FACTORY_SERVE_SOURCES"]) / "tiny")
+    token = server.token("frank", "--quota-jobs-per-day", "3")
+    start = time.time() + 4
+    racers = [subprocess.Popen([sys.executable, "-c", RACER, server.url, token, str(w), str(start), model],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for w in range(1, 9)]
+    answers = [r.communicate(timeout=120) for r in racers]
+    assert all(r.returncode == 0 for r in racers), answers
+    codes = sorted(int(out.split()[0]) for out, _ in answers)
+    assert codes == [201] * 3 + [429] * 5, answers
+    refused = [out.split(" ", 1)[1] for out, _ in answers if out.startswith("429")]
+    assert all(r.startswith("frank has submitted 3 jobs in the last 24 hours, the quota is 3 a day") for r in refused)
+    frank = user_env(server, token, tmp_path / "frank")
+    jobs = json.loads(qf(frank, "status", "--json", check=True).stdout)
+    assert sorted(j["id"] for j in jobs) == sorted(out.split()[1] for out, _ in answers if out.startswith("201"))
+
+
 def test_bad_requests_get_one_sentence_and_never_reach_the_filesystem(finished, tmp_path):
     qf_finished, _ = finished
     env = {**os.environ, "FACTORY_HOME": str(qf_finished.home), "FACTORY_DB_URL": qf_finished.db_url,

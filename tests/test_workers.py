@@ -147,6 +147,12 @@ def test_cancel_a_running_job_then_retry(env, worker, tiny):
     assert qf(env, "retry", job_id, check=True).stdout.strip() == job_id
     assert wait_for(env, job_id)["state"] == "succeeded"
     assert [r["job"] for r in json.loads(qf(env, "ls", "--json", check=True).stdout)] == [job_id]
+    again = qf(env, "retry", job_id)
+    assert (again.returncode, again.stderr.strip()) == (
+        2, f"error: job {job_id} is succeeded; only failed or cancelled jobs can be retried")
+    unknown = qf(env, "retry", "0123456789ab")
+    assert (unknown.returncode, unknown.stderr.strip()) == (
+        4, "error: no job '0123456789ab'; `qf status` lists the recent ones")
 
 
 def test_a_dead_job_process_fails_the_job_and_the_worker_goes_on(env, worker, tiny):

@@ -45,7 +45,7 @@ from kombu.exceptions import OperationalError
 from factory import engines, identity, leases, schedule, settings
 from factory.catalog import RETRYABLE, TERMINAL, Job, JobState, Lease
 from factory.engines import child
-from factory.errors import FactoryError, LeaseLost, NotFound, ServiceUnavailable, mask_url
+from factory.errors import Conflict, FactoryError, LeaseLost, NotFound, ServiceUnavailable, mask_url
 from factory.pipeline import Factory, Request
 from factory.recipes import recipe_from_dict
 from workers.app import app
@@ -344,6 +344,17 @@ def submit(factory: Factory, request: Request) -> Job:
     job, created = factory.submit(request)
     if created or job.state in (JobState.failed, JobState.cancelled):
         enqueue(factory, job.id)
+    return job
+
+
+def retry(factory: Factory, job_id: str) -> Job:
+    """Queue a failed or cancelled job again (`qf retry`, the service's retry); its finished steps are kept."""
+    job = factory.catalog.job(job_id)
+    if job is None:
+        raise NotFound(f"no job {job_id!r}; `qf status` lists the recent ones")
+    if job.state not in RETRYABLE:
+        raise Conflict(f"job {job_id} is {job.state}; only failed or cancelled jobs can be retried")
+    enqueue(factory, job.id)
     return job
 
 

@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from factory import lookup, naming, schedule, settings, sources, status, submission
-from factory.catalog import RETRYABLE, JobState
+from factory.catalog import JobState
 from factory.errors import (
     AccessDenied,
     Conflict,
@@ -249,15 +249,11 @@ def create_app(config: settings.Settings | None = None) -> FastAPI:
 
     @app.post("/api/jobs/{job_id}/retry")
     def retry(job_id: str, who: Who) -> dict:
-        from workers.tasks import enqueue
+        from workers.tasks import retry as queue_again
 
         who.require("submit")
         accounts.check_job(who, job_id)
-        job = factory.catalog.job(job_id)
-        if job.state not in RETRYABLE:
-            raise Conflict(f"job {job_id} is {job.state}; only failed or cancelled jobs can be retried")
-        enqueue(factory, job.id)
-        return {"id": job.id, "state": str(JobState.queued)}
+        return {"id": queue_again(factory, job_id).id, "state": str(JobState.queued)}
 
     @app.get("/api/quants")
     def quants(who: Who) -> list[dict]:
