@@ -125,7 +125,7 @@ def main() -> None:
             model = make_tiny_llama(tmp / "tiny")
 
             # accept: 500 submissions, in process (what a long-lived submitter or an API would pay)
-            from factory.pipeline import Request
+            from factory.jobs.planning import Request
             from workers.tasks import enqueue
 
             factory = Factory(settings.load())

@@ -22,7 +22,7 @@ def request(source: str, flags: dict, recipe: Path | None = None, calibration: s
     """The Request for SOURCE: the recipe (a file, or its YAML text from a service's client) with the engine flags
     (`--<engine> 3.0,4.0`) and options applied; `fit` (VRAM budgets) becomes the sizing engine's sizes, each
     choice told to `say`."""
-    from factory.pipeline import Request
+    from factory.jobs.planning import Request
     from factory.recipes import build_recipe, recipe_from_yaml
 
     flags = dict(flags)

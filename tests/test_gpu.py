@@ -25,7 +25,8 @@ import torch
 
 from factory import engines, evaluate, files, settings
 from factory.errors import JobFailed
-from factory.pipeline import Factory, Request
+from factory.jobs.planning import Request
+from factory.pipeline import Factory
 from factory.recipes import build_recipe
 from tests.conftest import Qf
 from tests.smollm2 import convert

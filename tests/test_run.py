@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from factory.identity import file_sha256
-from factory.pipeline import Factory, Request
+from factory.jobs.planning import Request
+from factory.pipeline import Factory
 from factory.publish import card
 from factory.publish.folder import MANIFEST
 from factory.recipes import build_recipe

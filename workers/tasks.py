@@ -46,7 +46,8 @@ from factory import engines, identity, leases, schedule, settings
 from factory.catalog import RETRYABLE, TERMINAL, Job, JobState, Lease
 from factory.engines import child
 from factory.errors import Conflict, FactoryError, LeaseLost, NotFound, ServiceUnavailable, mask_url
-from factory.pipeline import Factory, Request
+from factory.jobs.planning import Request
+from factory.pipeline import Factory
 from factory.recipes import recipe_from_dict
 from workers.app import app
 

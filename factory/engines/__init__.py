@@ -15,7 +15,8 @@ import os
 
 from factory import naming
 from factory.engines.base import Emit, Engine, Evaluation, Flag, Logits, QuantizeRequest, QuantSpec, check_quant_folder
-from factory.errors import SpecError
+from factory.errors import ModelRefused, SpecError
+from factory.inspect import ModelInfo
 
 _ENGINES: dict[str, Engine] = {}
 _PLUGIN_ERROR: list[SpecError] = []  # a FACTORY_ENGINES entry that cannot be loaded (check_plugins says so)
@@ -49,6 +50,24 @@ def all_engines() -> list[Engine]:
 def spec_from_dict(data: dict) -> QuantSpec:
     """A spec as the catalog stores it (`{"method": "exl2", "bpw": 4.0, ...}`) -> its engine's spec."""
     return get(data["method"]).spec_from_dict(data)
+
+
+def specs_from_dicts(dicts: list[dict]) -> list[QuantSpec]:
+    return [spec_from_dict(d) for d in dicts]
+
+
+def architectures(specs: list[QuantSpec]) -> set[str]:
+    """What inspection accepts for these specs: the architectures some of their engines convert (each engine
+    refuses the rest itself)."""
+    return {a for name in {s.method for s in specs} for a in get(name).architectures}
+
+
+def resolve(spec: QuantSpec, info: ModelInfo, device: str) -> QuantSpec:
+    """The spec with its model- and device-dependent defaults, after its engine said it can take the model."""
+    engine = get(spec.method)
+    if (reason := engine.refuse(info)) is not None:
+        raise ModelRefused(reason)
+    return engine.resolve(spec, info, device)
 
 
 def of_tag(tag: str) -> Engine:

@@ -1,0 +1,252 @@
+"""A job's measure and quantize units, as the pipeline's Factory runs them: each made once, under a claim in the
+catalog. A measurement (`measure:<key>`) is shared by every job and worker that needs it: the first to claim it
+makes it, the others wait for it and make it themselves only if its claim runs out. A quant
+(`unit:<job>:quantize:<tag>`) is made by the job's holder or by a GPU worker helping with the job (`help`), whose
+quant becomes the job's only under its claim's lock. Claims are renewed in the background while their unit runs.
+
+A mixin: the class that uses it (factory/pipeline.py's Factory) provides `catalog`, `settings`, `emit`, `token`
+(the lease's fencing token), `holder`, `costs`, `_stop`, `_step(job_id, name, claim, on_success)`,
+`_check_ours(job_id)`, `_note(message)` and `_read(job, fetched, where)` (what the units work from).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+
+from factory import engines, events, identity, sources
+from factory.catalog import Job, JobState
+from factory.engines import QuantSpec
+from factory.errors import Cancelled, LeaseLost
+from factory.identity import measurement_key
+from factory.jobs import graph, packing
+from factory.jobs.graph import Unit
+from factory.jobs.prepared import Prepared
+
+WAIT_SECONDS = 2.0  # how often a process that waits for another one (its measurement, a unit it claimed) looks again
+log = logging.getLogger("quantfactory")
+
+
+class Conversions:
+    def help(self, job_id: str) -> None:
+        """Convert some of a running job's sizes here while its holder runs the rest (a GPU worker with nothing
+        else to do): the quantize units nobody holds, each claimed (`unit:<job>:quantize:<tag>`) once its
+        measurement exists, packed as `execute` packs them. What it makes is the job's (its steps, its work
+        folder); the evaluations, the gate and publishing stay with the job's holder, which waits for the units
+        held here and makes any whose claim runs out itself. Ends when nothing is left to take or the job stops."""
+        job = self.catalog.job(job_id)
+        if job is None or job.device != self.settings.worker_device:
+            return
+        start = time.monotonic()
+        while "inspect" not in self.catalog.done_steps(job_id):  # the job's holder resolves the specs first
+            state = self.catalog.job(job_id).state
+            if state != JobState.running and not (state == JobState.queued and time.monotonic() - start < 60):
+                return  # over, or not started by its holder within a minute
+            self.emit(events.waiting(["inspect"], self.holder))
+            time.sleep(WAIT_SECONDS)
+        job = self.catalog.job(job_id)
+        if job.state != JobState.running:
+            return
+        fetched = (sources.fetch_hub(job.source_identity, self.settings.cache, lambda **_: None)
+                   if identity.is_hub(job.source_identity) else None)
+        prepared = self._read(job, fetched, self._helper_work(job))
+        keys = {s.tag: self._measurement_key(job, s) for s in prepared.specs
+                if engines.get(s.method).needs_measurement}
+        units = [replace(u, needs=frozenset()) for u in graph.units(prepared.specs, keys, False, False)
+                 if u.kind == "quantize"]
+        self._stop.clear()
+        packer, needs = self.costs.packer(job), self.costs.needs(job, prepared.model, units)
+
+        def work(unit: Unit) -> None:
+            measurement = self._known_measurement(keys[unit.spec.tag]) if unit.measurement else None
+            self._quantize(job, prepared, unit.spec, measurement, helping=True)
+
+        try:
+            while self.catalog.job(job_id).state == JobState.running:
+                left = [u for u in units if self._quantized(job, u.spec) is None and not self.held_elsewhere(job, u)]
+                ready = [u for u in left if u.measurement is None or self._known_measurement(keys[u.spec.tag])]
+                if not left:
+                    return
+                if ready:
+                    packing.run(ready, work, lambda unit: needs[unit.name], packer, self._stop, self._note)
+                else:  # the job's holder is making the measurement; an event: this helper is alive
+                    self.emit(events.waiting(sorted({u.measurement for u in left}), self.holder))
+                    time.sleep(WAIT_SECONDS)
+        except (Cancelled, LeaseLost) as e:  # the job ended, or a claim went to another holder: nothing more here
+            log.warning("job %s: a helper stops: %s", job_id, e.message)
+        except packing.Stopped:  # a unit's claim went to another holder while this process was stopped
+            log.warning("job %s: a helper stops: a unit it held was taken over", job_id)
+
+    def _quantized(self, job: Job, spec: QuantSpec) -> Path | None:
+        """The quant an earlier attempt of this job made, if its step finished and its folder is there."""
+        out = self.settings.work / job.id / spec.tag / "out"
+        if f"quantize:{spec.tag}" in self.catalog.done_steps(job.id) and out.is_dir() and any(out.iterdir()):
+            return out
+        return None
+
+    def _quantize(self, job: Job, prepared: Prepared, spec: QuantSpec, measurement: Path | None,
+                  helping: bool = False) -> Path | None:
+        """The quant of `spec`, made here under the claim `unit:<job>:quantize:<tag>` unless it is made already.
+        While another process holds the claim (a worker helping with the job), the job waits for its quant and
+        makes it itself once the claim runs out; a helper (`helping`) leaves it and returns None."""
+        claim = unit_claim(job.id, f"quantize:{spec.tag}")
+        while (out := self._quantized(job, spec)) is None:
+            if (token := self.catalog.claim(claim, self._claimer(job), self.settings.lease_seconds)) is None:
+                if helping:
+                    return None
+                self._check_ours(job.id)
+                time.sleep(WAIT_SECONDS)
+                continue
+            try:
+                if self._quantized(job, spec) is None:  # not finished while we took the claim
+                    if token > 1:  # taken over: the step its last holder left running is not running
+                        self.catalog.interrupt_steps(job.id, self.token, f"quantize:{spec.tag}")
+                    with self._renewed(claim, token, stop_when_lost=True):
+                        self._make_quant(job, prepared, spec, measurement, (claim, token), helping)
+            finally:
+                self.catalog.release_claim(claim, token)
+        return out
+
+    def _make_quant(self, job: Job, prepared: Prepared, spec: QuantSpec, measurement: Path | None,
+                    claim: tuple[str, int], helping: bool) -> None:
+        """The job's holder converts in the job's work folder (a conversion taken over resumes there); a helper in
+        a folder of its own, whose quant becomes the job's only under the claim's lock as its step succeeds, so
+        a helper that lost its claim (stopped past it) never mixes its files with the new holder's."""
+        job_work = self.settings.work / job.id / spec.tag
+        work = self._helper_work(job) / spec.tag if helping else job_work
+        engine = engines.get(spec.method)
+
+        def hand_over() -> None:
+            shutil.rmtree(job_work / "out", ignore_errors=True)  # what a holder before left unfinished
+            job_work.mkdir(parents=True, exist_ok=True)
+            os.rename(work / "out", job_work / "out")
+
+        with self._step(job.id, f"quantize:{spec.tag}", claim, hand_over if helping else None) as progress:
+            request = engines.QuantizeRequest(
+                source_dir=prepared.folder,
+                out_dir=work / "out",
+                work_dir=work,
+                spec=spec.model_dump(),
+                calibration=prepared.calibration.get(spec.tag, []),
+                calibration_file=prepared.calibration_file,
+                measurement=measurement,
+            )
+            engine.quantize(request, lambda event: progress(**event))
+
+    def _helper_work(self, job: Job) -> Path:
+        return self.settings.work / job.id / "helpers" / self.holder.replace(":", "-")
+
+    def _claimer(self, job: Job) -> str:
+        return f"{job.id}@{self.holder}"
+
+    def held_elsewhere(self, job: Job, unit: Unit) -> bool:
+        """A quantize unit another process holds the claim of (a helping worker makes it)."""
+        if unit.kind != "quantize":
+            return False
+        holder = self.catalog.claimant(unit_claim(job.id, unit.name))
+        return holder is not None and holder != self._claimer(job)
+
+    def _measurement_key(self, job: Job, spec: QuantSpec) -> str:
+        engine = engines.get(spec.method)
+        rows, length = engine.measurement_settings(spec)
+        return measurement_key(job.source_identity, job.calibration_sha, rows, length, engine.version())
+
+    def _measurement(self, job: Job, prepared: Prepared, spec: QuantSpec, key: str) -> Path:
+        """The measurement for this source, calibration and settings: made once across every job and worker, and
+        reused by every later target. The job that makes it holds the claim `measure:<key>` while it does (renewed
+        in the background); another job that needs it meanwhile waits for it (a `wait:measure:...` step), and
+        makes it itself if the claim runs out first (its maker is gone)."""
+        engine = engines.get(spec.method)
+        rows, length = engine.measurement_settings(spec)
+        name, claim = f"measure:{key[:12]}", f"measure:{key}"
+        while True:
+            if (known := self._known_measurement(key)) is not None:
+                self.emit(events.note(f"reusing {engine.label} measurement {key[:12]} ({rows} x "
+                           f"{length} tokens)"))
+                return known
+            if (token := self.catalog.claim(claim, self._claimer(job), self.settings.lease_seconds)) is not None:
+                if self._known_measurement(key) is None:  # not finished while we took the claim
+                    break
+                self.catalog.release_claim(claim, token)
+                continue
+            self._wait_for_measurement(job, claim, name, key)
+        path = self.settings.measurements / f"{key}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            with self._renewed(claim, token), self._step(job.id, name) as progress:
+                engine.measure(
+                    prepared.folder,
+                    prepared.calibration_file,
+                    rows,
+                    length,
+                    self.settings.work / job.id / f"measure-{key[:12]}",
+                    path,
+                    lambda event: progress(**event),
+                )
+                self.catalog.add_measurement(
+                    job.id,
+                    self.token,
+                    key=key,
+                    path=str(path),
+                    source_identity=job.source_identity,
+                    calibration_sha=job.calibration_sha,
+                    rows=rows,
+                    length=length,
+                    tool_version=engine.version(),
+                )
+        finally:
+            self.catalog.release_claim(claim, token)
+        return path
+
+    def _known_measurement(self, key: str) -> Path | None:
+        known = self.catalog.measurement(key)
+        return Path(known.path) if known is not None and Path(known.path).is_file() else None
+
+    def _wait_for_measurement(self, job: Job, claim: str, name: str, key: str) -> None:
+        """Until the measurement exists or nobody holds its claim any more."""
+        maker = self.catalog.claimant(claim)
+        self.emit(events.note(f"{name}: {_claim_holder(maker)} is making this measurement; "
+                   "waiting for it"))
+        with self._step(job.id, f"wait:{name}") as progress:
+            while self._known_measurement(key) is None and (maker := self.catalog.claimant(claim)) is not None:
+                progress(waiting_for=_claim_holder(maker))  # an event: this job is alive while it waits
+                time.sleep(WAIT_SECONDS)
+
+    @contextmanager
+    def _renewed(self, claim: str, token: int, stop_when_lost: bool = False):
+        """Renew the claim every third of its life while the block runs (a thread: an engine can be silent). A
+        claim taken over meanwhile (this process was stopped past it) is left: a second measurement is harmless;
+        a unit of a job (`stop_when_lost`) stops, and its records are refused (the claim fences them)."""
+        done = threading.Event()
+
+        def renew() -> None:
+            while not done.wait(self.settings.lease_seconds / 3):
+                if not self.catalog.renew_claim(claim, token, self.settings.lease_seconds):
+                    if stop_when_lost:
+                        self._stop.set()
+                    return
+
+        thread = threading.Thread(target=renew, name=f"renew {claim[:20]}", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
+
+
+def unit_claim(job_id: str, unit: str) -> str:
+    """The claim a unit of a job is made under, by the job's holder or a helping worker."""
+    return f"unit:{job_id}:{unit}"
+
+
+def _claim_holder(holder: str | None) -> str:
+    """`job@host:pid` in a sentence."""
+    job, _, process = (holder or "").rpartition("@")
+    return f"job {job} ({process})" if job else "another process"

@@ -1,0 +1,134 @@
+"""What happens to a job before it runs: `submit` checks the request (exit 2/4/5 before any job exists) and
+creates the job or finds the same one; `estimate` says how long a job just submitted should take.
+
+A mixin: the class that uses it (factory/pipeline.py's Factory) provides `catalog`, `settings`, `emit`, `costs`
+and `_measurement_key(job, spec)` (factory/jobs/conversions.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import calibration
+from factory import engines, evaluate, events, layered, naming, sources
+from factory.catalog import Job
+from factory.engines import QuantSpec
+from factory.errors import FactoryError, SpecError
+from factory.identity import job_key
+from factory.inspect import inspect
+from factory.jobs import graph
+from factory.jobs.costs import Sized
+from factory.recipes import Recipe
+from factory.vram import Params, Shape
+
+
+@dataclass
+class Request:
+    """What a user asks for: a source and a recipe (`qf run`, `qf submit`, the service, the watchlist)."""
+
+    source: str
+    recipe: Recipe
+    asked: set[str] = field(default_factory=set)  # engines a flag asked for: no CUDA is an error, not a skip
+    name: str | None = None
+    base_model: str | None = None  # what the model card names as base_model (default: the source's name)
+    device: str | None = None  # where the job will run: None = this machine (qf run); qf submit: the workers'
+
+
+class Planning:
+    def submit(self, request: Request) -> tuple[Job, bool]:
+        recipe = request.recipe
+        device = request.device or evaluate.device()
+        specs = self._runnable(recipe.specs(), request, device)
+        used = [engines.get(name) for name in sorted({s.method for s in specs})]
+        versions = {engine.name: engine.version() for engine in used}
+        cal, ev = _calibration(recipe.calibration, used), calibration.resolve(recipe.eval)
+        if cal.sha256 == ev.sha256:
+            raise SpecError(
+                f"calibration {cal.name!r} and eval {ev.name!r} are the same text; evaluate on held-out text"
+            )
+        windows = recipe.eval_windows or evaluate.default_windows(device)
+
+        source = sources.resolve(request.source, self.settings.cache)
+        if source.path is not None:  # a folder that cannot work is refused before a job exists (a Hub repo: at fetch)
+            info = inspect(source.path, engines.architectures(specs))
+            for spec in specs:
+                engines.resolve(spec, info, device)
+        if request.name:
+            ref = naming.parse(request.name)
+            if ref.tag or ref.rev:
+                raise SpecError(f"--name {request.name!r} holds a tag or revision; use --name NAME; tags come from "
+                                "the spec and revisions from the source")
+            name = self.catalog.name_for(source.source, ref.name, None)
+        else:
+            name = self.catalog.name_for(
+                source.source, naming.model_name(source.label), naming.model_name(f"{source.owner}-{source.label}")
+            )
+        spec_dicts = [s.model_dump() for s in specs]
+        job, created = self.catalog.create_job(
+            key=job_key(source.identity, spec_dicts, cal.sha256, ev.sha256, windows, versions, device),
+            name=name,
+            source=source.source,
+            source_identity=source.identity,
+            base_model=request.base_model or source.base_model,
+            specs=spec_dicts,
+            calibration=cal.name,
+            calibration_sha=cal.sha256,
+            eval=ev.name,
+            eval_sha=ev.sha256,
+            eval_windows=windows,
+            max_ppl_ratio=recipe.max_ppl_ratio,
+            max_kld=recipe.max_kld,
+            versions=versions,
+            device=device,
+        )
+        self.emit(events.job(job.id, created, job.state, name, source.source, source.identity))
+        return job, created
+
+    def _runnable(self, specs: list[QuantSpec], request: Request, device: str) -> list[QuantSpec]:
+        """The specs this device can make: without CUDA, those of engines that need it are skipped with a note,
+        or refused when a flag asked for them."""
+        if device != "cuda":
+            for engine in sorted({engines.get(s.method) for s in specs if engines.get(s.method).requires_cuda},
+                                 key=lambda e: e.name):
+                if engine.name in request.asked:
+                    where = ("this machine has" if request.device is None
+                             else "the workers (FACTORY_WORKER_DEVICE) have")
+                    flags = f"--{engine.name}" + (", --fit" if engine.sizes_to_budget else "")
+                    others = [e for e in engines.all_engines() if not e.requires_cuda and e.flag]
+                    alternative = ", ".join(f"{e.label} runs without one (--{e.name})" for e in others)
+                    raise SpecError(f"{engine.label} ({flags}) needs a CUDA GPU and {where} none"
+                                    + (f"; {alternative}" if alternative else ""))
+                specs = [s for s in specs if s.method != engine.name]
+                self.emit(events.note(f"no CUDA GPU: skipping the recipe's {engine.label} targets"))
+        if not specs:
+            flags = ", ".join(f"--{e.name}" + (" VALUE" if e.flag.takes_value else "")
+                              for e in engines.all_engines() if e.flag)
+            raise SpecError(f"nothing to make: pass {flags}, or a recipe with {' or '.join(engines.available())} "
+                            "targets")
+        return specs
+
+    def estimate(self, job: Job) -> tuple[float, float] | None:
+        """(packed, one after another) expected seconds of a job that was just submitted, from its source's shape
+        (config and headers only); None where the shape cannot be read here (a Hub repo without the network)."""
+        try:
+            config, tensors = sources.layout(job.source)
+            specs = engines.specs_from_dicts(job.specs)
+            if Path(job.source).is_dir():  # the specs' defaults that depend on the model (a group size)
+                info = inspect(Path(job.source), engines.architectures(specs))
+                specs = [engines.resolve(s, info, job.device) for s in specs]
+            [s.tag for s in specs]  # noqa: B018  - a Hub repo's spec may have no tag before it is fetched
+        except (FactoryError, ValueError):
+            return None
+        shape = Shape.of(config)
+        model = Sized(shape, Params.of(tensors, shape), min(evaluate.WINDOW, shape.max_positions),
+                      layered.walkable(config))
+        keys = {s.tag: self._measurement_key(job, s) for s in specs if engines.get(s.method).needs_measurement}
+        return self.costs.estimate(job, model, graph.units(specs, keys, True, bool(self.settings.hub_owner)))
+
+
+def _calibration(name: str | None, used: list) -> calibration.TextSet:
+    """The recipe's text set, else the engines' default: the longest of their defaults, so each has enough."""
+    if name:
+        return calibration.resolve(name)
+    return max((calibration.resolve(e.default_calibration) for e in used), key=lambda t: len(t.text))
