@@ -6,6 +6,7 @@ sha256 of a file, and the keys that decide when a job or a measurement is the sa
     job key           hash(source identity, specs as written, calibration and eval sha256, windows, engine
                       versions, device)
     measurement key   hash(source identity, calibration sha256, rows, length, tool version)
+    tokens key        hash(source identity, text sha256, tokenizers version)
     holder            `host:pid` of a process that holds a lease or a claim
 """
 
@@ -84,6 +85,11 @@ def reference_key(source_identity: str, eval_sha: str, windows: int, window_leng
                   layout: object) -> str:
     """FP16's reference for KL divergence (factory/kld.py) on one eval stream; `layout` its top K, samples, seed."""
     return digest([source_identity, eval_sha, windows, window_length, device, layout])
+
+
+def tokens_key(source_identity: str, text_sha: str, tokenizer_version: str) -> str:
+    """A text's token ids under a source's tokenizer (whose files the source identity covers)."""
+    return digest([source_identity, text_sha, tokenizer_version])
 
 
 def holder_name() -> str:

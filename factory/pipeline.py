@@ -268,7 +268,7 @@ class Factory(Planning, Conversions, Evaluations):
         folder = files.stage(source_folder, where / "source")
         specs = [engines.resolve(spec, info, job.device) for spec in specs]
         cal = _text(job.calibration, job.calibration_sha)
-        cal_ids = evaluate.tokenize(folder, cal.text)
+        cal_ids = self._tokens(job, folder, cal)
         specs = [engines.get(s.method).fit_calibration(s, len(cal_ids)) for s in specs]
         config, tensors = sources.layout(str(source_folder))  # the staging folder is links: read the source
         shape = Shape.of(config)
@@ -281,11 +281,15 @@ class Factory(Planning, Conversions, Evaluations):
             if asked := engine.calibration_windows(s):
                 windows[s.tag] = calibration.token_windows(cal_ids, *asked, job.calibration)
         cal_file = calibration.write_parquet(cal, where / "calibration.parquet")
-        eval_ids = evaluate.tokenize(folder, _text(job.eval, job.eval_sha).text)
+        eval_ids = self._tokens(job, folder, _text(job.eval, job.eval_sha))
         stream = evaluate.stream(eval_ids, job.eval_windows, info.max_positions, job.eval)
         up = upstream.read(job.base_model, files.upstream_card(source_folder), folder)
         return Prepared(folder=folder, specs=specs, calibration=windows, calibration_file=cal_file, stream=stream,
                          upstream=up, model=Sized(shape, params, stream.window_length, layered.walkable(config)))
+
+    def _tokens(self, job: Job, folder: Path, text: calibration.TextSet) -> list[int]:
+        key = identity.tokens_key(job.source_identity, text.sha256, evaluate.tokenizer_version())
+        return evaluate.cached_tokens(folder, text.text, self.settings.cache / "tokens" / f"{key}.npy")
 
     def _gate(self, job: Job, ppls: dict[str, float], fp16: float,
               divergences: dict[str, kld.Divergence | None]) -> dict[str, QualityGateRefused]:

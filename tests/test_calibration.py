@@ -79,3 +79,24 @@ def test_available_lists_builtins_and_home_texts(tmp_path):
     (tmp_path / "notes.md").write_text("ignored")
     names = [t.name for t in calibration.available(tmp_path)]
     assert names == [f"builtin:{b}" for b in calibration.BUILTIN] + [f"file:{tmp_path / 'mine.jsonl'}"]
+
+
+def test_token_ids_are_kept_once_tokenized(tiny, tmp_path, monkeypatch):
+    """A text's ids under a source's tokenizer are read from the cache file the second time (a job's publishing
+    pass, a helper, a retry); a cut-short file is tokenized again."""
+    from factory import evaluate
+
+    text = calibration.resolve("builtin:wiki").text
+    cache = tmp_path / "tokens" / "key.npy"
+    ids = evaluate.cached_tokens(tiny, text, cache)
+    assert ids == evaluate.tokenize(tiny, text) and len(ids) > 100_000 and cache.is_file()
+
+    def no_tokenizing(*_):
+        raise AssertionError("tokenized again")
+
+    with monkeypatch.context() as m:
+        m.setattr(evaluate, "tokenize", no_tokenizing)
+        assert evaluate.cached_tokens(tiny, text, cache) == ids
+    cache.write_bytes(cache.read_bytes()[:1000])
+    assert evaluate.cached_tokens(tiny, text, cache) == ids
+    assert not list(cache.parent.glob("*.tmp"))

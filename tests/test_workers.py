@@ -556,7 +556,8 @@ def test_a_stopped_helper_that_comes_back_writes_nothing(env, tiny, tmp_path):
     """SIGSTOP of the helping worker and everything under it past its claim: the job's holder takes the size over
     and finishes the job; SIGCONT: the helper finds its claim gone and stops without a write (its step stays as
     the holder marked it, nothing more is published, nothing is left running)."""
-    env = {**env, **ROUND, "FACTORY_LEASE_SECONDS": "3"}
+    # units of 10 s: the helper starts while the first one runs and must find one left to claim on a busy machine
+    env = {**env, **ROUND, "FACTORY_LEASE_SECONDS": "3", "QF_TEST_ROUND_SECONDS": "10"}
     first = _start_worker(env, tmp_path / "first.log")
     second = stopped = None
     try:
