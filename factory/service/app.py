@@ -212,15 +212,12 @@ def create_app(config: settings.Settings | None = None) -> FastAPI:
     @app.get("/api/jobs")
     def jobs(who: Who, limit: Annotated[int, Query(ge=1, le=1000)] = 20, name: str | None = None) -> list[dict]:
         who.require("read")
-        return _jobs(who, limit=limit, name=naming.parse(name).name if name else None)
-
-    def _jobs(who: Account, **query) -> list[dict]:
-        return visible_jobs(config, who, **query)
+        return visible_jobs(config, who, limit=limit, name=naming.parse(name).name if name else None)
 
     @app.get("/api/jobs/{job_id}")
     def job(job_id: str, who: Who) -> dict:
         who.require("read")
-        rows = _jobs(who, job_id=job_id)
+        rows = visible_jobs(config, who, job_id=job_id)
         if not rows:
             raise NotFound(f"no job {job_id!r}; `qf status` lists the recent ones")
         return rows[0]
@@ -266,7 +263,7 @@ def create_app(config: settings.Settings | None = None) -> FastAPI:
         who.require("read")
         ref = _ref(name, tag, rev, tag_required=False)
         return {"quants": [r.to_json() for r in lookup.with_fits(factory.catalog, config.registry, ref)],
-                "jobs": _jobs(who, limit=50, name=ref.name)}
+                "jobs": visible_jobs(config, who, limit=50, name=ref.name)}
 
     @app.get("/api/quants/{name}/{tag}")
     def quant(name: str, tag: str, who: Who, rev: str | None = None) -> dict:

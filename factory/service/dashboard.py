@@ -47,15 +47,12 @@ def mount(app: FastAPI, account: Callable[[Request], Account]) -> None:
         who.require("read")
         return who
 
-    def jobs_of(who: Account, **query) -> list[dict]:
-        return visible_jobs(config, who, **query)
-
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     def index(request: Request):
         who = signed_in(request)
         if isinstance(who, RedirectResponse):
             return who
-        recent = jobs_of(who, limit=200)  # the table shows 50; the running units are looked for in all 200
+        recent = visible_jobs(config, who, limit=200)  # the table shows 50; the running units are looked for in all 200
         jobs = recent[:50]
         models = {}
         for q in catalog.quants():
@@ -68,7 +65,7 @@ def mount(app: FastAPI, account: Callable[[Request], Account]) -> None:
         who = signed_in(request)
         if isinstance(who, RedirectResponse):
             return who
-        rows = jobs_of(who, job_id=job_id)
+        rows = visible_jobs(config, who, job_id=job_id)
         if not rows:
             raise NotFound(f"no job {job_id!r}; `qf status` lists the recent ones")
         return page("job.html", request, who, job=rows[0], live=rows[0]["state"] in ("queued", "running"))
@@ -80,7 +77,7 @@ def mount(app: FastAPI, account: Callable[[Request], Account]) -> None:
             return who
         ref = naming.parse(name)
         rows = lookup.with_fits(catalog, config.registry, ref)
-        return page("model.html", request, who, name=ref.name, rows=rows, jobs=jobs_of(who, name=ref.name),
+        return page("model.html", request, who, name=ref.name, rows=rows, jobs=visible_jobs(config, who, name=ref.name),
                     has_kld=any(r.kld for r in rows), live=False)
 
     @app.get("/models/{name}/{plot}.png", include_in_schema=False)
