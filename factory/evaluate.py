@@ -10,9 +10,8 @@ FP16 evaluation keeps a compact reference of its distributions; a quant's evalua
 
 from __future__ import annotations
 
+import io
 import math
-import os
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from factory import kld, layered
 from factory.errors import SpecError
+from factory.files import write_atomic
 from factory.inspect import read_config
 from factory.layered import ByLayer, Progress  # done, total, unit (a window, or a layer)
 
@@ -67,11 +67,9 @@ def cached_tokens(tokenizer_dir: Path, text: str, cache_file: Path) -> list[int]
     except (OSError, ValueError):  # not there yet, or cut short
         pass
     ids = tokenize(tokenizer_dir, text)
-    cache_file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache_file.with_name(f"{cache_file.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    with open(tmp, "wb") as f:
-        np.save(f, np.asarray(ids, dtype=np.int64))
-    os.replace(tmp, cache_file)
+    data = io.BytesIO()
+    np.save(data, np.asarray(ids, dtype=np.int64))
+    write_atomic(cache_file, data.getvalue())
     return ids
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import fnmatch
 import os
 import stat
+import threading
 from pathlib import Path
 
 from factory.errors import JobFailed, ModelRefused
@@ -117,3 +118,12 @@ def check_publishable(folder: Path, outputs: tuple[str, ...]) -> None:
         if not any(fnmatch.fnmatchcase(p.name, pattern) for pattern in allowed):
             raise JobFailed(f"{p.name} in {folder} is not on the list of files a quant may carry; nothing was "
                             "published")
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """`path` written whole or not at all: through a temporary file of this process and thread, renamed over it,
+    so that readers (other processes, other threads of a server) never see half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)

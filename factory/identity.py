@@ -16,10 +16,9 @@ import hashlib
 import json
 import os
 import socket
-import threading
 from pathlib import Path
 
-from factory.files import source_files
+from factory.files import source_files, write_atomic
 
 
 def is_hub(identity: str) -> bool:
@@ -53,10 +52,7 @@ def folder_identity(folder: Path, cache_dir: Path) -> str:
         if not hit or hit[0] != stamp:
             hit = cache[str(f)] = [stamp, file_sha256(f)]
         entries.append(f"{name}:{hit[1]}")
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = cache_file.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")  # threads of one server too
-    tmp.write_text(json.dumps(cache))
-    tmp.replace(cache_file)
+    write_atomic(cache_file, json.dumps(cache).encode())
     return "sha256:" + hashlib.sha256("\n".join(entries).encode()).hexdigest()
 
 

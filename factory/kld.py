@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from factory.files import write_atomic
+
 if TYPE_CHECKING:
     import torch
 
@@ -68,12 +70,10 @@ class Reference:
 
     def save(self, path: Path) -> None:
         import torch
-        from safetensors.torch import save_file
+        from safetensors.torch import save
 
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        save_file({k: torch.stack([w[k] for w in self.windows]) for k in KEYS}, str(tmp))
-        tmp.replace(path)  # readers see a whole reference or none
+        # readers (and another job that made the same reference at the same time) see a whole one or none
+        write_atomic(path, save({k: torch.stack([w[k] for w in self.windows]) for k in KEYS}))
 
     @classmethod
     def load(cls, path: Path) -> Reference:
