@@ -64,7 +64,7 @@ def cached_tokens(tokenizer_dir: Path, text: str, cache_file: Path) -> list[int]
 
     try:
         return np.load(cache_file).tolist()
-    except (OSError, ValueError):  # not there yet, or cut short
+    except (OSError, ValueError, EOFError):  # not there yet, or empty or cut short (a crash): made again
         pass
     ids = tokenize(tokenizer_dir, text)
     data = io.BytesIO()
@@ -73,10 +73,15 @@ def cached_tokens(tokenizer_dir: Path, text: str, cache_file: Path) -> list[int]
     return ids
 
 
+TOKENIZE_VERSION = 1  # raise it when `tokenize` changes how it calls the tokenizer: cached ids are made again
+
+
 def tokenizer_version() -> str:
+    """What decides a text's ids beside the tokenizer's files (which the source identity covers): the libraries
+    that read those files, and `tokenize`."""
     from importlib.metadata import version
 
-    return version("tokenizers")
+    return f"tokenizers {version('tokenizers')}, transformers {version('transformers')}, tokenize {TOKENIZE_VERSION}"
 
 
 def stream(ids: list[int], count: int, max_positions: int | None, name: str) -> Stream:

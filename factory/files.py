@@ -13,7 +13,7 @@ from __future__ import annotations
 import fnmatch
 import os
 import stat
-import threading
+import tempfile
 from pathlib import Path
 
 from factory.errors import JobFailed, ModelRefused
@@ -121,9 +121,22 @@ def check_publishable(folder: Path, outputs: tuple[str, ...]) -> None:
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    """`path` written whole or not at all: through a temporary file of this process and thread, renamed over it,
-    so that readers (other processes, other threads of a server) never see half a file."""
+    """`path` written whole or not at all: through a temporary file of its own beside it (unique across threads,
+    processes and hosts sharing FACTORY_HOME), synced to disk and renamed over it, so that readers never see half a
+    file, nor an empty one after a crash. A failed write leaves no temporary file behind."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)  # the rename itself survives a crash
+    finally:
+        os.close(directory)

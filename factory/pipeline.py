@@ -259,9 +259,10 @@ class Factory(Planning, Conversions, Evaluations):
         return prepared
 
     def _read(self, job: Job, fetched: Path | None, where: Path) -> Prepared:
-        """Check the source, stage it under `where`, resolve the specs against it and tokenize the calibration and
-        eval texts: what every unit works from. Writes nothing to the catalog (a helping worker reads a job this
-        way, into a folder of its own: staging replaces the links the job's own units read)."""
+        """Check the source, stage it under `where`, resolve the specs against it and read the calibration and
+        eval texts' token ids (tokenized once, then from cache/tokens/): what every unit works from. Writes nothing
+        to the catalog (a helping worker reads a job this way, into a folder of its own: staging replaces the links
+        the job's own units read)."""
         source_folder = fetched or self._local_folder(job)
         specs = engines.specs_from_dicts(job.specs)
         info = inspect(source_folder, engines.architectures(specs))

@@ -97,6 +97,19 @@ def test_token_ids_are_kept_once_tokenized(tiny, tmp_path, monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(evaluate, "tokenize", no_tokenizing)
         assert evaluate.cached_tokens(tiny, text, cache) == ids
-    cache.write_bytes(cache.read_bytes()[:1000])
-    assert evaluate.cached_tokens(tiny, text, cache) == ids
+    for cut in (1000, 0):  # cut short, or empty (renamed before it reached the disk, then a crash)
+        cache.write_bytes(cache.read_bytes()[:cut])
+        assert evaluate.cached_tokens(tiny, text, cache) == ids
     assert not list(cache.parent.glob("*.tmp"))
+
+
+def test_the_token_cache_key_changes_with_the_libraries_that_tokenize():
+    """Ids are cached per source, text and what reads the tokenizer's files: another transformers or tokenizers
+    (or another way `tokenize` calls them) is another key, so an upgraded host does not read stale ids."""
+    from importlib.metadata import version
+
+    from factory import evaluate, identity
+
+    here = evaluate.tokenizer_version()
+    assert version("transformers") in here and version("tokenizers") in here
+    assert identity.tokens_key("sha256:a", "t", here) != identity.tokens_key("sha256:a", "t", here + "'")

@@ -361,14 +361,15 @@ def submit(factory: Factory, request: Request) -> Job:
 
 
 def retry(factory: Factory, job_id: str) -> Job:
-    """Queue a failed or cancelled job again (`qf retry`, the service's retry); its finished steps are kept."""
+    """Queue a failed or cancelled job again (`qf retry`, the service's retry); its finished steps are kept. The
+    job as it is after that (queued, or already taken by a worker)."""
     job = factory.catalog.job(job_id)
     if job is None:
         raise NotFound(f"no job {job_id!r}; `qf status` lists the recent ones")
     if job.state not in RETRYABLE:
         raise Conflict(f"job {job_id} is {job.state}; only failed or cancelled jobs can be retried")
     enqueue(factory, job.id)
-    return job
+    return factory.catalog.job(job_id)
 
 
 def enqueue(factory: Factory, job_id: str) -> None:

@@ -34,7 +34,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from factory import lookup, naming, schedule, settings, sources, status, submission
-from factory.catalog import JobState
 from factory.errors import (
     AccessDenied,
     Conflict,
@@ -250,7 +249,8 @@ def create_app(config: settings.Settings | None = None) -> FastAPI:
 
         who.require("submit")
         accounts.check_job(who, job_id)
-        return {"id": queue_again(factory, job_id).id, "state": str(JobState.queued)}
+        job = queue_again(factory, job_id)
+        return {"id": job.id, "state": str(job.state)}
 
     @app.get("/api/quants")
     def quants(who: Who) -> list[dict]:
