@@ -128,6 +128,7 @@ def write_atomic(path: Path, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
+            os.fchmod(fd, 0o644)  # as a plain write would make it (mkstemp's is 0600): other users may read it
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
