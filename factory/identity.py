@@ -44,15 +44,17 @@ def folder_identity(folder: Path, cache_dir: Path) -> str:
         cache = json.loads(cache_file.read_text())
     except (OSError, ValueError):
         cache = {}
-    entries = []
+    entries, hashed = [], False
     for name, f in source_files(folder).items():  # regular files only: a bad link or a FIFO is refused here
         st = f.stat()
         stamp = f"{st.st_size}:{st.st_mtime_ns}"
         hit = cache.get(str(f))
         if not hit or hit[0] != stamp:
             hit = cache[str(f)] = [stamp, file_sha256(f)]
+            hashed = True
         entries.append(f"{name}:{hit[1]}")
-    write_atomic(cache_file, json.dumps(cache).encode())
+    if hashed:  # every file a hit: the cache on disk already says all this
+        write_atomic(cache_file, json.dumps(cache).encode())
     return "sha256:" + hashlib.sha256("\n".join(entries).encode()).hexdigest()
 
 
