@@ -283,16 +283,21 @@ def test_killed_worker_the_job_finishes_elsewhere_once(env, tiny, tmp_path):
     assert len(list((Path(env["FACTORY_HOME"]) / "registry" / "tiny").iterdir())) == 1
 
 
-def test_reconcile_requeues_a_job_the_broker_lost(env, tiny):
-    job_id = qf(env, "submit", tiny, "--awq", "--eval-windows", 1, check=True).stdout.strip()
-    redis.Redis.from_url(BROKER).delete("gpu")  # the message is gone
+def _queued_long_ago(env, job_id: str) -> None:
+    """The job was queued long enough ago for the reconciler to look for its message."""
     from sqlalchemy import create_engine, text
 
     url = env["FACTORY_DB_URL"] or f"sqlite:///{env['FACTORY_HOME']}/catalog.db"
     engine = create_engine(url.replace("postgresql://", "postgresql+psycopg2://", 1))
-    with engine.begin() as conn:  # and it was queued long enough ago
+    with engine.begin() as conn:
         conn.execute(text("UPDATE jobs SET updated_at = '2000-01-01 00:00:00' WHERE id = :id"), {"id": job_id})
     engine.dispose()
+
+
+def test_reconcile_requeues_a_job_the_broker_lost(env, tiny):
+    job_id = qf(env, "submit", tiny, "--awq", "--eval-windows", 1, check=True).stdout.strip()
+    redis.Redis.from_url(BROKER).delete("gpu")  # the message is gone
+    _queued_long_ago(env, job_id)
     assert qf(env, "reconcile", check=True).stdout.split() == [job_id]
     assert redis.Redis.from_url(BROKER).llen("gpu") == 1
     assert qf(env, "reconcile", check=True).stdout.split() == []  # now the broker holds it
@@ -462,13 +467,21 @@ def test_a_worker_that_cannot_reach_its_services_exits_5(env):
 
 
 def test_reconcile_skips_a_malformed_message(env, tiny):
+    """Poison in the queues and in `unacked` (delivered, not acknowledged): each entry is skipped with a log line,
+    and a job the broker lost is queued again all the same."""
     job_id = qf(env, "submit", tiny, "--awq", "--eval-windows", 1, check=True).stdout.strip()
     client = redis.Redis.from_url(BROKER)
+    client.delete("gpu")  # the job's message is lost
     client.lpush("gpu", b"not a message", json.dumps({"headers": {"task": "quantfactory.run_job",
                                                                   "argsrepr": "(oops"}}))
-    result = qf(env, "reconcile", check=True)
-    assert result.stdout.split() == [] and "skipped a malformed message" in result.stderr
-    assert client.llen("gpu") == 3 and job_id
+    client.hset("unacked", mapping={"t1": "not json", "t2": json.dumps({"a": 1}), "t3": "[]", "t4": "[1, 2]",
+                                    "t5": json.dumps([{"headers": {"task": "quantfactory.run_job",
+                                                                   "argsrepr": "(oops"}}, "", "gpu"])})
+    _queued_long_ago(env, job_id)
+    result = qf(env, "reconcile")
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    assert result.stdout.split() == [job_id] and result.stderr.count("skipped a malformed message") == 6
+    assert client.llen("gpu") == 3
 
 
 # One job's conversions on two workers (the round engine of tests/round_engine.py, in every process through

@@ -327,16 +327,19 @@ def _jobs_in_broker() -> set[str]:
         with app.connection_for_read() as conn:
             client = conn.default_channel.client
             raw = [m for q in QUEUES for m in client.lrange(q, 0, -1)]
-            raw += [json.loads(v)[0] for v in client.hvals("unacked")]
+            raw += client.hvals("unacked")  # each entry is [message, exchange, routing key]
     except (OperationalError, redis.RedisError):
         raise _broker_unreachable() from None
     ids = set()
     for message in raw:
         try:
-            headers = (json.loads(message) if isinstance(message, bytes | str) else message).get("headers", {})
+            decoded = json.loads(message)
+            if isinstance(decoded, list):  # an unacked entry: its message comes first
+                decoded = decoded[0]
+            headers = decoded.get("headers", {})
             if headers.get("task") in (run_job.name, publish_job.name):  # help_job messages are optional
                 ids.update(ast.literal_eval(headers.get("argsrepr", "()")))
-        except (ValueError, SyntaxError, TypeError, AttributeError):
+        except (ValueError, SyntaxError, TypeError, AttributeError, IndexError):
             log.warning("reconcile: skipped a malformed message in the broker: %.200r", message)
     return ids
 
