@@ -13,7 +13,7 @@ from importlib import resources
 from pathlib import Path
 
 import yaml
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 
 from factory import engines
 from factory.engines.base import QuantSpec, Targets
@@ -22,14 +22,26 @@ from factory.specs import Closed
 
 DEFAULT_EVAL = "builtin:wiki"
 STANDARD = "standard.yaml"  # in the `configs` package (package data, so a wheel has it too)
+# The most eval windows a recipe may ask for: 100000 x 2048 tokens is 205M tokens, about 800 MB of text scored for
+# FP16 and every quant (hours on an H200 for a small model); far beyond the protocol's 48, and well inside the catalog's
+# 32-bit integer column. The service's submission body bounds its field with the same constant.
+MAX_EVAL_WINDOWS = 100_000
 
 
 class Settings(Closed):
     calibration: str | None = None  # None: the longest of the engines' defaults
     eval: str = DEFAULT_EVAL
-    eval_windows: int | None = Field(None, ge=1)
+    eval_windows: int | None = None
     max_ppl_ratio: float = Field(1.5, gt=0)
     max_kld: float | None = Field(None, gt=0)  # None: no limit on the KL divergence from FP16
+
+    @field_validator("eval_windows")
+    @classmethod
+    def _windows(cls, value: int | None) -> int | None:
+        if value is not None and not 1 <= value <= MAX_EVAL_WINDOWS:
+            raise ValueError(f"must be between 1 and {MAX_EVAL_WINDOWS} (2048-token windows of the eval text), "
+                             f"not {value}")
+        return value
 
 
 @dataclass(frozen=True)
