@@ -87,14 +87,16 @@ class Base(DeclarativeBase):
     type_annotation_map = {dict: JSON, list: JSON}
 
 
-SCHEMA_VERSION = 6  # 2: jobs.lease_token; 3: steps.lease_token and expected_seconds, jobs.parameters, expected_end;
+SCHEMA_VERSION = 7  # 2: jobs.lease_token; 3: steps.lease_token and expected_seconds, jobs.parameters, expected_end;
 #                    4: claims.holder (was job_id), steps.holder; 5: kld, kld_p99, top1 of evaluations and quants,
-#                    jobs.max_kld (a schema 4 catalog gains them in place: MIGRATIONS); 6: tokens, submissions
-MIGRATIONS = {  # version -> the statements that bring a catalog of that version to the next one
-    "4": [f"ALTER TABLE {table} ADD COLUMN {column} FLOAT" for table in ("evaluations", "quants")
-          for column in ("kld", "kld_p99", "top1")] + ["ALTER TABLE jobs ADD COLUMN max_kld FLOAT"],
+#                    jobs.max_kld (a schema 4 catalog gains them in place: MIGRATIONS); 6: tokens, submissions;
+#                    7: submissions.withdrawn_at
+MIGRATIONS = {  # version -> the columns (table, column, SQL type) that bring a catalog of that version to the next
+    "4": [(table, column, "FLOAT") for table in ("evaluations", "quants") for column in ("kld", "kld_p99", "top1")]
+    + [("jobs", "max_kld", "FLOAT")],
     "5": [],  # new tables only: create_all makes them
-}
+    "6": [("submissions", "withdrawn_at", "TIMESTAMP")],
+}  # a column that create_all made already (its table was new) is left as it is
 _SCHEMA_LOCK_KEY = 0x71F4C7  # pg_advisory_lock key for creating the tables
 
 
@@ -302,13 +304,15 @@ class Token(Base):
 
 class Submission(Base):
     """Who asked for a job, and when: a job submitted again by another user is theirs too (the same job id). A row
-    without a job is a place reserved by a submission in progress (service/accounts.py)."""
+    without a job is a place reserved by a submission in progress (service/accounts.py); a withdrawn row is a
+    user's cancel of a job that others still want."""
 
     __tablename__ = "submissions"
     id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
     job_id: Mapped[str | None] = mapped_column(ForeignKey("jobs.id"), index=True)
     username: Mapped[str] = mapped_column(String(64), index=True)
     created_at: Mapped[datetime] = mapped_column(default=now, index=True)
+    withdrawn_at: Mapped[datetime | None] = mapped_column()
 
 
 def _normalize_url(url: str) -> str:
@@ -360,8 +364,9 @@ class Catalog:
                 return
             version = found.value if found else "0"
             while version in MIGRATIONS:
-                for statement in MIGRATIONS[version]:
-                    s.execute(text(statement))
+                for table, column, kind in MIGRATIONS[version]:
+                    if column not in {c["name"] for c in inspect(s.connection()).get_columns(table)}:
+                        s.execute(text(f"ALTER TABLE {table} ADD COLUMN {column} {kind}"))
                 version = found.value = str(int(version) + 1)
         if version != str(SCHEMA_VERSION):
             raise ServiceUnavailable(
@@ -426,24 +431,27 @@ class Catalog:
     # state: the one compare-and-set
     def transition(self, job_id: str, to: JobState, token: int | None = None, error: str | None = None,
                    exit_code: int | None = None, only_from: frozenset[JobState] | None = None,
-                   lease_expired: bool = False) -> bool:
+                   lease_expired: bool = False, session: Session | None = None) -> bool:
         """Move the job to `to` if its state allows it (TRANSITIONS, narrowed by `only_from`) and, with `token`, if
-        that lease still holds it (`lease_expired`: only if its lease ran out). True when it happened."""
+        that lease still holds it (`lease_expired`: only if its lease ran out). True when it happened. With
+        `session`, inside that transaction (a caller that decides under the job's row lock)."""
         froms = [state for state, tos in TRANSITIONS.items() if to in tos and (only_from is None or state in only_from)]
         query = update(Job).where(Job.id == job_id, Job.state.in_(froms))
         if token is not None:
             query = query.where(Job.lease_token == token)
         if lease_expired:
             query = query.where(Job.lease_until < now())
+        query = query.values(state=to, error=error, exit_code=exit_code, updated_at=now())
+        if session is not None:
+            return session.execute(query).rowcount == 1
         with self.session() as s:
-            changed = s.execute(query.values(state=to, error=error, exit_code=exit_code, updated_at=now()))
-            return changed.rowcount == 1
+            return s.execute(query).rowcount == 1
 
-    def cancel_job(self, job_id: str) -> Job | None:
+    def cancel_job(self, job_id: str, session: Session | None = None) -> Job | None:
         """Mark a job cancelled unless it already ended; its holder stops at its next progress event and publishes
         nothing after (publishing checks the state in the same transaction)."""
-        self.transition(job_id, JobState.cancelled, error="cancelled", exit_code=1)
-        return self.job(job_id)
+        self.transition(job_id, JobState.cancelled, error="cancelled", exit_code=1, session=session)
+        return self.job(job_id) if session is None else session.get(Job, job_id, populate_existing=True)
 
     def fail_job(self, job_id: str, error: str, token: int | None = None) -> bool:
         """The job and its running steps failed with `error` (a job process that died without saying why); with

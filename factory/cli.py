@@ -433,10 +433,15 @@ def _follow(job_id: str, as_json: bool) -> None:
 @app.command()
 @_handled
 def cancel(job_id: Annotated[str, typer.Argument(metavar="JOB")]) -> None:
-    """Cancel a queued or running job: its engine gets SIGTERM, its work folder goes, nothing is published."""
+    """Cancel a queued or running job: its engine gets SIGTERM, its work folder goes, nothing is published. Through
+    a service, a job that other users submitted too goes on for them (your interest in it is withdrawn)."""
     if (remote := _remote()) is not None:
         job = remote.cancel(job_id)
-        err.print(f"job {job['id']}: {job['state']}")
+        if job.get("others") and job["state"] != "cancelled":
+            err.print(f"job {job['id']}: withdrawn; it goes on ({job['state']}) for {job['others']} other user(s) who "
+                      "submitted it too")
+        else:
+            err.print(f"job {job['id']}: {job['state']}")
         return
     job = _catalog().cancel_job(job_id)
     if job is None:

@@ -29,6 +29,8 @@ FACTORY_TOKEN     the bearer token the CLI sends to FACTORY_SERVER (`qf token cr
 FACTORY_SERVE_SOURCES  folders (separated by ":") whose model folders a service's users may name as a source; Hub
                   repos are always allowed (default: none, Hub repos only)
 FACTORY_SERVE_PUBLIC  1: the service's dashboard and its read-only pages need no token (default: a token)
+FACTORY_PLACE_SECONDS  how long a submission to the service may hold its place in its user's quota before the
+                  place is let go (a server killed mid-submission; default 900)
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ class Settings:  # a plain dataclass: `qf status` must start fast, and pydantic'
     token: str | None = None
     serve_sources: tuple[Path, ...] = ()  # folders the service lets its users name sources in
     serve_public: bool = False  # the dashboard readable without a token
+    place_seconds: float = 900.0  # how long a submission in progress holds its place in its user's quota
 
     @property
     def registry(self) -> Path:
@@ -109,6 +112,7 @@ _FROM_ENV = {  # field -> (variable, type); an unset or empty variable leaves th
     "token": ("FACTORY_TOKEN", str),
     "serve_sources": ("FACTORY_SERVE_SOURCES", lambda v: tuple(Path(p).resolve() for p in v.split(":") if p)),
     "serve_public": ("FACTORY_SERVE_PUBLIC", lambda v: v.lower() in ("1", "true", "yes")),
+    "place_seconds": ("FACTORY_PLACE_SECONDS", float),
 }
 
 

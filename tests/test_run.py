@@ -370,7 +370,7 @@ def test_catalog_of_another_schema_is_refused(tmp_path):
 
 def test_a_catalog_of_schema_4_gains_the_divergence_columns_in_place(finished):
     """A catalog made before KL divergence (schema 4): its quants list with `kld` unknown, and new ones get it; it
-    gains the service's tables (schema 6) too."""
+    gains the service's tables (schema 6) and their later columns (7) too."""
     import sqlite3
 
     from factory.catalog import MIGRATIONS, SCHEMA_VERSION
@@ -385,9 +385,25 @@ def test_a_catalog_of_schema_4_gains_the_divergence_columns_in_place(finished):
         db.execute("DROP TABLE tokens")
         db.execute("DROP TABLE submissions")
         db.execute("UPDATE meta SET value = '4' WHERE key = 'schema'")
-    assert "4" in MIGRATIONS and SCHEMA_VERSION == 6
+    assert "4" in MIGRATIONS and SCHEMA_VERSION == 7
     [row] = Qf(home=home).json("ls")
     assert row["kld"] is None and row["ppl"] > 0
     with sqlite3.connect(home / "catalog.db") as db:
-        assert db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone() == ("6",)
+        assert db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone() == ("7",)
         assert db.execute("SELECT count(*) FROM tokens").fetchone() == (0,)
+
+
+def test_a_catalog_of_schema_6_gains_the_withdrawn_column_in_place(finished):
+    """A catalog made before a user could withdraw from a shared job (schema 6): `submissions` gains the column."""
+    import sqlite3
+
+    qf, _ = finished
+    home = qf.home.parent / "schema6"
+    shutil.copytree(qf.home, home)
+    with sqlite3.connect(home / "catalog.db") as db:
+        db.execute("ALTER TABLE submissions DROP COLUMN withdrawn_at")
+        db.execute("UPDATE meta SET value = '6' WHERE key = 'schema'")
+    assert len(Qf(home=home).json("ls")) == 1
+    with sqlite3.connect(home / "catalog.db") as db:
+        assert db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone() == ("7",)
+        assert "withdrawn_at" in [row[1] for row in db.execute("PRAGMA table_info(submissions)")]

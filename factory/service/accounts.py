@@ -11,7 +11,15 @@ A token is `qf_` and 43 URL-safe characters (32 random bytes). Scopes:
 
 Quotas are per user, over all of the user's tokens, and counted strictly: a submission first reserves its place
 (a row in `submissions`) while holding the user's token rows (UPDATE ... last_used_at: a row lock on PostgreSQL,
-the write lock on SQLite), so concurrent submissions cannot both take the last place.
+the write lock on SQLite), so concurrent submissions cannot both take the last place
+(tests/test_service_races.py: 16 processes at one instant). A place whose submission never ended (its server was
+killed) is let go after FACTORY_PLACE_SECONDS.
+
+A job is owned by every user who submitted it (the same submission again is the same job: the quant's work is
+shared). `cancel` by a user withdraws that user's interest only: the job is cancelled when no owner is left (an
+admin's cancel cancels it outright), so no user can stop another's job by submitting it too. `retry` of a failed
+or cancelled job is what submitting it again does (it re-queues the job for everyone who wants it), so any owner
+may ask for it; it makes the caller an owner again if they had withdrawn.
 """
 
 from __future__ import annotations
@@ -123,11 +131,14 @@ class Accounts:
         return Account(user=row.username, scopes=frozenset(row.scopes), quota_jobs_per_day=row.quota_jobs_per_day,
                        max_running=row.max_running)
 
-    def reserve(self, account: Account) -> int:
+    def reserve(self, account: Account, place_seconds: float) -> int:
         """A place for one more submission by `account`'s user (its id, for `record` or `release`), or OverQuota
-        naming the quota and when a place frees up."""
+        naming the quota and when a place frees up. Places older than `place_seconds` that have no job yet were
+        left by a submission that never ended (a killed server): they are let go here."""
         with self.catalog.session() as s:
             s.execute(update(Token).where(Token.username == account.user).values(last_used_at=now()))
+            s.execute(delete(Submission).where(Submission.username == account.user, Submission.job_id.is_(None),
+                                               Submission.created_at < now() - timedelta(seconds=place_seconds)))
             if account.quota_jobs_per_day is not None:
                 since = now() - DAY
                 recent = s.scalars(select(Submission.created_at).where(
@@ -152,14 +163,41 @@ class Accounts:
     @staticmethod
     def _running(s, user: str) -> int:
         jobs = s.scalar(select(func.count(func.distinct(Submission.job_id))).join(Job, Job.id == Submission.job_id)
-                        .where(Submission.username == user, Job.state.not_in([str(t) for t in TERMINAL])))
+                        .where(Submission.username == user, Submission.withdrawn_at.is_(None),
+                               Job.state.not_in([str(t) for t in TERMINAL])))
         pending = s.scalar(select(func.count()).select_from(Submission)
                            .where(Submission.username == user, Submission.job_id.is_(None)))
         return (jobs or 0) + (pending or 0)
 
-    def record(self, place: int, job_id: str) -> None:
+    def record(self, place: int, user: str, job_id: str) -> Job:
+        """The reserved place becomes the user's submission of `job_id` (a new row if the place was let go in the
+        meantime): under the job's row lock, so that a concurrent `withdraw` sees this owner or comes first. Returns
+        the job as it is now (a job its last other owner cancelled just before: the caller queues it again)."""
         with self.catalog.session() as s:
-            s.execute(update(Submission).where(Submission.id == place).values(job_id=job_id))
+            job = s.get(Job, job_id, with_for_update=True)
+            if not s.execute(update(Submission).where(Submission.id == place).values(job_id=job_id)).rowcount:
+                s.add(Submission(username=user, job_id=job_id))
+            return job
+
+    def withdraw(self, account: Account, job_id: str) -> tuple[Job, int]:
+        """`account`'s cancel of a job: its interest withdrawn and, when no other owner is left (or it is an
+        admin's), the job cancelled, in one transaction under the job's row lock. Returns (the job, how many other
+        users still want it)."""
+        with self.catalog.session() as s:
+            s.get(Job, job_id, with_for_update=True)
+            s.execute(update(Submission).where(Submission.job_id == job_id, Submission.username == account.user,
+                                               Submission.withdrawn_at.is_(None)).values(withdrawn_at=now()))
+            others = s.scalar(select(func.count(func.distinct(Submission.username))).where(
+                Submission.job_id == job_id, Submission.withdrawn_at.is_(None), Submission.username != account.user))
+            if others and not account.admin:
+                return s.get(Job, job_id), others
+            return self.catalog.cancel_job(job_id, session=s), others
+
+    def rejoin(self, account: Account, job_id: str) -> None:
+        """`account` wants the job again (a retry): its withdrawn submissions of it count again."""
+        with self.catalog.session() as s:
+            s.execute(update(Submission).where(Submission.job_id == job_id, Submission.username == account.user)
+                      .values(withdrawn_at=None))
 
     def release(self, place: int) -> None:
         """A reserved place whose submission was refused (bad input): it does not count."""

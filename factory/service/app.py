@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from factory import lookup, naming, schedule, settings, sources, status, submission
+from factory.catalog import JobState
 from factory.errors import (
     AccessDenied,
     Conflict,
@@ -191,7 +192,7 @@ def create_app(config: settings.Settings | None = None) -> FastAPI:
 
         who.require("submit")
         _check_source(body.source, config)
-        place, notes = accounts.reserve(who), []
+        place, notes = accounts.reserve(who, config.place_seconds), []
         try:
             request = submission.request(
                 body.source, body.flags, None, body.calibration, body.eval, body.eval_windows, body.name,
@@ -203,7 +204,8 @@ def create_app(config: settings.Settings | None = None) -> FastAPI:
         except BaseException:
             accounts.release(place)
             raise
-        accounts.record(place, job.id)
+        if accounts.record(place, who.user, job.id).state == JobState.cancelled:
+            job = queue(factory, request)  # its last other owner cancelled it just before this user's place counted
         guess = factory.estimate(job)
         return {"id": job.id, "state": str(job.state), "notes": notes,
                 "estimate": {"packed": guess[0], "alone": guess[1]} if guess else None}
@@ -238,18 +240,22 @@ def create_app(config: settings.Settings | None = None) -> FastAPI:
 
     @app.post("/api/jobs/{job_id}/cancel")
     def cancel(job_id: str, who: Who) -> dict:
+        """Withdraw the caller's interest in the job; the job is cancelled when no other user wants it (an admin's
+        cancel cancels it outright). `others`: how many users still want it."""
         who.require("submit")
         accounts.check_job(who, job_id)
-        job = factory.catalog.cancel_job(job_id)
-        return {"id": job.id, "state": str(job.state)}
+        job, others = accounts.withdraw(who, job_id)
+        return {"id": job.id, "state": str(job.state), "others": others}
 
     @app.post("/api/jobs/{job_id}/retry")
     def retry(job_id: str, who: Who) -> dict:
+        """Queue a failed or cancelled job again, as submitting it again would; the caller wants it again."""
         from workers.tasks import retry as queue_again
 
         who.require("submit")
         accounts.check_job(who, job_id)
         job = queue_again(factory, job_id)
+        accounts.rejoin(who, job_id)
         return {"id": job.id, "state": str(job.state)}
 
     @app.get("/api/quants")

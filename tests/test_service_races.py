@@ -1,0 +1,142 @@
+"""The service's quotas and ownership under real concurrency, on SQLite and PostgreSQL alike: N processes submit
+at one instant to a real `qf serve` of 2 processes; a server killed (SIGKILL) while a submission holds its place;
+several users who want the same job."""
+# ruff: noqa: F811 (the fixtures of test_service, imported by name)
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from sqlalchemy import create_engine, text
+
+from tests.test_service import RACER, Server, factory_env, qf, server, user_env  # noqa: F401
+
+
+def _race(server: Server, token: str, model: str, n: int) -> list[tuple[int, str]]:
+    """`n` processes, each with a different job, submit at the same instant: their (status, id or error)."""
+    start = time.time() + 4
+    racers = [subprocess.Popen([sys.executable, "-c", RACER, server.url, token, str(w), str(start), model],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for w in range(1, n + 1)]
+    answers = [r.communicate(timeout=120) for r in racers]
+    assert all(r.returncode == 0 for r in racers), answers
+    return [(int(out.split()[0]), out.split(" ", 1)[1].strip()) for out, _ in answers]
+
+
+def test_max_running_holds_when_16_submissions_race(server, factory_env, tmp_path):
+    model = str(Path(factory_env["FACTORY_SERVE_SOURCES"]) / "tiny")
+    token = server.token("frank", "--max-running", "2")
+    answers = _race(server, token, model, 16)
+    assert sorted(code for code, _ in answers) == [201] * 2 + [429] * 14, answers
+    assert all(said.startswith("frank has 2 jobs queued or running, at most 2 are allowed at once")
+               for code, said in answers if code == 429), answers
+    frank = user_env(server, token, tmp_path / "frank")
+    jobs = json.loads(qf(frank, "status", "--json", check=True).stdout)
+    assert sorted(j["id"] for j in jobs) == sorted(said for code, said in answers if code == 201)
+    assert "Traceback" not in server.log.read_text()
+
+
+POST = """
+import sys, time
+import httpx
+url, token, path, start = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+with httpx.Client(headers={"Authorization": f"Bearer {token}"}, timeout=60) as http:
+    http.get(url + "/api/me").raise_for_status()
+    time.sleep(max(0.0, start - time.time()))
+    answer = http.post(url + path)
+print(answer.status_code, answer.text)
+"""
+
+
+def _at_once(server: Server, calls: list[tuple[str, str]]) -> list[tuple[int, dict]]:
+    """POST each (token, path) from its own process at the same instant: their (status, body)."""
+    start = time.time() + 3
+    procs = [subprocess.Popen([sys.executable, "-c", POST, server.url, token, path, str(start)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for token, path in calls]
+    answers = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), answers
+    return [(int(out.split(" ", 1)[0]), json.loads(out.split(" ", 1)[1])) for out, _ in answers]
+
+
+def test_another_user_who_submits_the_same_job_cannot_cancel_it_for_its_owner(server, factory_env, tmp_path):
+    """bob posts alice's exact submission: he gets her job id (the work is shared), but his cancel withdraws only
+    his own interest; the job is cancelled when its last owner cancels, even when both cancel at one instant."""
+    model = Path(factory_env["FACTORY_SERVE_SOURCES"]) / "tiny"
+    alice_token, bob_token = server.token("alice"), server.token("bob")
+    alice = user_env(server, alice_token, tmp_path / "alice")
+    bob = user_env(server, bob_token, tmp_path / "bob")
+    job_id = qf(alice, "submit", model, "--awq", "--eval-windows", 1, check=True).stdout.strip()
+    assert qf(bob, "submit", model, "--awq", "--eval-windows", 1, check=True).stdout.strip() == job_id
+
+    cancelled = qf(bob, "cancel", job_id)
+    assert cancelled.returncode == 0, cancelled.stderr
+    assert cancelled.stderr.strip() == (f"job {job_id}: withdrawn; it goes on (queued) for 1 other user(s) who "
+                                        "submitted it too")
+    assert json.loads(qf(alice, "status", job_id, "--json", check=True).stdout)["state"] == "queued"
+    assert qf(alice, "cancel", job_id, check=True).stderr.strip() == f"job {job_id}: cancelled"
+
+    retried = qf(bob, "retry", job_id)  # bob wants it again: the job is his, and queued for him
+    assert retried.returncode == 0 and retried.stdout.strip() == job_id, retried.stderr
+    assert json.loads(qf(bob, "status", job_id, "--json", check=True).stdout)["state"] == "queued"
+    assert qf(alice, "submit", model, "--awq", "--eval-windows", 1, check=True).stdout.strip() == job_id
+    for _ in range(3):  # both owners cancel at one instant: the last withdrawal, whichever it is, cancels the job
+        answers = _at_once(server, [(alice_token, f"/api/jobs/{job_id}/cancel"),
+                                    (bob_token, f"/api/jobs/{job_id}/cancel")])
+        assert [code for code, _ in answers] == [200, 200], answers
+        assert sorted(body["others"] for _, body in answers) == [0, 1], answers
+        assert json.loads(qf(alice, "status", job_id, "--json", check=True).stdout)["state"] == "cancelled"
+        qf(alice, "retry", job_id, check=True)
+        assert qf(bob, "submit", model, "--awq", "--eval-windows", 1, check=True).stdout.strip() == job_id
+
+    carol = user_env(server, server.token("carol"), tmp_path / "carol")  # never submitted it: nothing to act on
+    assert qf(carol, "cancel", job_id).returncode == 4 and qf(carol, "retry", job_id).returncode == 4
+    assert "Traceback" not in server.log.read_text()
+
+
+def _pending_places(db_url: str, home: str) -> int:
+    engine = create_engine((db_url or f"sqlite:///{home}/catalog.db").replace("postgresql://",
+                                                                            "postgresql+psycopg2://", 1))
+    try:
+        with engine.connect() as conn:
+            return conn.execute(text("SELECT count(*) FROM submissions WHERE job_id IS NULL")).scalar()
+    finally:
+        engine.dispose()
+
+
+def test_a_place_held_by_a_server_killed_mid_submission_is_let_go(factory_env, tmp_path):
+    """`qf serve` is SIGKILLed while a submission of a user with --max-running 1 holds its place (its source, with
+    2 GB to hash, takes a while): the place is let go after FACTORY_PLACE_SECONDS, and the user may submit again."""
+    env = {**factory_env, "FACTORY_PLACE_SECONDS": "4"}
+    slow = Path(env["FACTORY_SERVE_SOURCES"]) / "slow"
+    shutil.copytree(Path(env["FACTORY_SERVE_SOURCES"]) / "tiny", slow)
+    with open(slow / "tokenizer.model", "wb") as f:  # sparse: hashed, but it takes no disk
+        f.truncate(2 << 30)
+    server = Server(env, tmp_path / "server.log", "--workers", "1")
+    token = server.token("dora", "--max-running", "1")
+    dora = user_env(server, token, tmp_path / "dora")
+    submitting = subprocess.Popen([sys.executable, "-m", "factory.cli", "submit", str(slow), "--awq"], env=dora,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while _pending_places(env["FACTORY_DB_URL"], env["FACTORY_HOME"]) == 0:
+        assert submitting.poll() is None and time.monotonic() < deadline, submitting.communicate()
+        time.sleep(0.01)
+    server.proc.send_signal(signal.SIGKILL)
+    server.proc.wait(timeout=30)
+    assert submitting.wait(timeout=60) == 5  # the service went away
+    server = Server(env, tmp_path / "server2.log", "--workers", "1")
+    dora = user_env(server, token, tmp_path / "dora")
+    try:
+        model = Path(env["FACTORY_SERVE_SOURCES"]) / "tiny"
+        held = qf(dora, "submit", model, "--awq", "--eval-windows", 1)
+        assert held.returncode == 5 and "dora has 1 jobs queued or running, at most 1" in held.stderr
+        time.sleep(4.5)
+        again = qf(dora, "submit", model, "--awq", "--eval-windows", 1)
+        assert again.returncode == 0, again.stderr
+        assert _pending_places(env["FACTORY_DB_URL"], env["FACTORY_HOME"]) == 0
+    finally:
+        server.stop()
