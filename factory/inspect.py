@@ -5,11 +5,12 @@ file that factory/files.py has not checked is a regular file of the model. Refus
 a FIFO, socket or device; no or unparsable config.json, an already quantized model, custom code (`auto_map`),
 weights only as pickle, no weights, a truncated or malformed safetensors file, shards that disagree with the index,
 no tokenizer, an architecture no engine converts, config numbers that are not sane integers or disagree with the
-tensors. Every header and config is validated before anything is allocated from it. The numbers the engines need
+tensors, a config or headers larger, deeper or listing more tensors than a real model's (the bounds below). Every
+header and config is validated before anything is allocated from it. The numbers the engines need
 later (input dims of the quantized linears, sizes) come from here.
 
-`read_config` and `read_header` are the one reader of a config.json and of a safetensors header: inspection,
-`qf plan` (factory/vram.py) and the Hub's configs go through them.
+`read_config` and `read_header` are the one reader of a config.json and of a safetensors header (`read_headers` of a
+model's shards): inspection, `qf plan` (factory/vram.py) and the Hub's configs go through them.
 """
 
 from __future__ import annotations
@@ -32,9 +33,17 @@ DTYPE_BYTES = {
     "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
     "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
 }  # fmt: skip
-MAX_HEADER = 100 << 20  # what the safetensors library itself accepts
+# Bounds on what a checkpoint's metadata may be, well above real models and far below what costs a process: the
+# largest real checkpoints (DeepSeek-V3 and Kimi K2 with FP8 scales) list about 100k-150k tensors over 60-160
+# shards, a few MB of header each; parsed, a header costs about 600 bytes a tensor (1.7M empty tensors in 96 MiB
+# took 1.2 GB and 10 s). So: a header of at most 64 MiB, at most 256k tensors a shard (counted before parsing)
+# and 512k a model (300 MB parsed at most).
+MAX_HEADER = 64 << 20
+MAX_TENSORS = 1 << 18
+MAX_MODEL_TENSORS = 1 << 19
 MAX_RANK = 8
-MAX_CONFIG = 16 << 20
+MAX_CONFIG = 1 << 20  # real configs are a few KB; vision-language ones some tens of KB
+MAX_DEPTH = 32  # real configs nest 4 or 5 levels (text_config.rope_scaling.long_factor); headers 3
 # The config numbers the factory sizes a model with: (required, lowest, highest allowed).
 CONFIG_NUMBERS = {
     "hidden_size": (True, 1, 1 << 20),
@@ -87,7 +96,7 @@ def inspect(folder: Path, architectures: Collection[str]) -> ModelInfo:
         raise ModelRefused(f"no safetensors weights in {str(folder)!r}")
     if "tokenizer.json" not in files and "tokenizer.model" not in files:
         raise ModelRefused("no tokenizer (tokenizer.json or tokenizer.model) beside the weights")
-    headers = {name: read_header(files[name], name) for name in weights}
+    headers = read_headers({name: files[name] for name in weights})
     if INDEX in files:
         _check_index(files[INDEX], headers)
     tensors = {k: v for h in headers.values() for k, v in h.items()}
@@ -113,22 +122,39 @@ def inspect(folder: Path, architectures: Collection[str]) -> ModelInfo:
 
 
 def _json(data: bytes, what: str) -> object:
-    """JSON that is UTF-8 and not nested deeper than the parser's recursion limit, or ModelRefused."""
+    """JSON that is UTF-8 and nested at most MAX_DEPTH levels, or ModelRefused: deeper data parses (up to the
+    interpreter's recursion limit) but breaks whatever walks it later."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise ModelRefused(f"{what} is not UTF-8 text") from None
     try:
-        return json.loads(text)
+        found = json.loads(text)
+        too_deep = _deeper_than(found, MAX_DEPTH)
     except RecursionError:
-        raise ModelRefused(f"{what} is nested too deeply to be a model's metadata") from None
+        too_deep = True
+    if too_deep:
+        raise ModelRefused(f"{what} is nested too deeply to be a model's metadata")
+    return found
+
+
+def _deeper_than(value: object, limit: int) -> bool:
+    """Whether lists and objects in `value` nest more than `limit` levels (walked without recursion)."""
+    stack = [(value, 1)] if isinstance(value, dict | list) else []
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = item.values() if isinstance(item, dict) else item
+        stack.extend((v, depth + 1) for v in children if isinstance(v, dict | list))
+    return False
 
 
 def read_config(path: Path, check_numbers: bool = True) -> dict:
     """A config.json as a dict: bounded in size and depth, UTF-8, an object; with `check_numbers`, the numbers the
     factory sizes a model with are checked too (check_config)."""
-    if path.stat().st_size > MAX_CONFIG:
-        raise ModelRefused(f"config.json is {path.stat().st_size} bytes, more than a model config can be")
+    if (size := path.stat().st_size) > MAX_CONFIG:
+        raise ModelRefused(f"config.json is {size} bytes; a model's config is at most {MAX_CONFIG}")
     try:
         config = _json(path.read_bytes(), "config.json")
     except ValueError as e:
@@ -190,6 +216,18 @@ def _tokenizer_auto_map(files: dict[str, Path]) -> bool:
     return isinstance(found, dict) and "auto_map" in found
 
 
+def read_headers(shards: dict[str, Path]) -> dict[str, dict[str, dict]]:
+    """Every shard's tensor table (read_header) by shard name: at most MAX_MODEL_TENSORS tensors in all."""
+    headers, listed = {}, 0
+    for name, path in shards.items():
+        headers[name] = read_header(path, name)
+        listed += len(headers[name])
+        if listed > MAX_MODEL_TENSORS:
+            raise ModelRefused(f"the model's safetensors headers list more than {MAX_MODEL_TENSORS} tensors in all; "
+                               "a real model lists at most a few hundred thousand")
+    return headers
+
+
 def read_header(path: Path, name: str | None = None) -> dict[str, dict]:
     """A safetensors file's tensor table, validated before anything is sized from it: a bounded header of JSON,
     a known dtype, a shape of at most MAX_RANK non-negative integers and integer offsets for every tensor, sizes
@@ -202,9 +240,17 @@ def read_header(path: Path, name: str | None = None) -> dict[str, dict]:
         if len(head) < 8:
             raise ModelRefused(f"{name} is truncated: {size} bytes, not even a safetensors header")
         (n,) = struct.unpack("<Q", head)
-        if n > min(MAX_HEADER, size - 8):
+        if n > size - 8:
             raise ModelRefused(f"{name} is not a safetensors file or is truncated (header of {n} bytes)")
+        if n > MAX_HEADER:
+            raise ModelRefused(f"{name} has a header of {n} bytes; a safetensors shard's header is at most "
+                               f"{MAX_HEADER}")
         raw = f.read(n)
+    # Every tensor's entry is an object, and JSON writes each with a "{" (inside names too: an overcount at most):
+    # counted before parsing, the table of a header that lists too many is never built.
+    if raw.count(b"{") > MAX_TENSORS + 2:  # + the header itself and __metadata__
+        raise ModelRefused(f"{name} lists more than {MAX_TENSORS} tensors in its header; a real model's shard lists "
+                           "at most tens of thousands")
     try:
         header = _json(raw, f"the header of {name}")
     except ValueError:

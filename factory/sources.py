@@ -117,15 +117,15 @@ def fetch_hub(identity: str, cache: Path, progress: Callable[..., None]) -> Path
 def layout(arg: str) -> tuple[dict, dict[str, list[int]]]:
     """config.json and every tensor's shape of a local folder or a Hub repo (`org/name[@rev]`), without reading
     weights: safetensors headers locally, the Hub's safetensors metadata (ranged reads) for a repo."""
-    from factory.inspect import check_against_tensors, check_config, read_config, read_header
+    from factory.inspect import check_against_tensors, check_config, read_config, read_headers
 
     path = Path(arg).expanduser()
     if path.is_dir():
         files = source_files(path)
         if "config.json" not in files:
             raise NotFound(f"{arg!r} has no config.json")
-        weights = [(name, f) for name, f in files.items() if name.endswith(".safetensors")]
-        tensors = {n: i["shape"] for name, f in weights for n, i in read_header(f, name).items()}
+        headers = read_headers({name: f for name, f in files.items() if name.endswith(".safetensors")})
+        tensors = {n: i["shape"] for header in headers.values() for n, i in header.items()}
         config = read_config(files["config.json"])
         check_against_tensors(config, tensors)
         return config, tensors
