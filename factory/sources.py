@@ -16,12 +16,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from factory.errors import ModelRefused, NotFound
+from factory.errors import ModelRefused, NotFound, SpecError
 from factory.files import UPSTREAM_CARD, is_source_file, source_files
 from factory.identity import folder_identity, rev
 
 VERIFIED = ".quantfactory-verified"  # written into a fetched Hub folder once every file matched the Hub
-_HUB_REPO = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?")
+_HUB_PART = r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?"  # the Hub's own grammar (huggingface_hub)
+_HUB_REPO = re.compile(rf"{_HUB_PART}/{_HUB_PART}")
+_HUB_REVISION = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_./-]{0,254}")  # a branch, tag or commit
+NOT_A_HUB_REPO = ("neither a folder here nor a Hub repo owner/name[@revision] (ASCII letters, digits, '-', '_' and "
+                  "'.', at most 96 each, no '--' or '..')")
 
 
 @dataclass(frozen=True)
@@ -52,16 +56,36 @@ def resolve(arg: str, cache_dir: Path) -> Source:
             identity=folder_identity(path, cache_dir),
             base_model=path.name,
         )
-    if is_hub_name(arg):
-        repo, _, revision = arg.partition("@")
-        sha = resolve_hub(repo, revision or None)
-        owner, label = repo.split("/")
-        return Source(path=None, source=repo, label=label, owner=owner, identity=f"{repo}@{sha}", base_model=repo)
-    raise NotFound(f"source {arg!r} does not exist; pass a local folder with config.json and safetensors weights")
+    repo, revision = parse_hub(arg)
+    sha = resolve_hub(repo, revision)
+    owner, label = repo.split("/")
+    return Source(path=None, source=repo, label=label, owner=owner, identity=f"{repo}@{sha}", base_model=repo)
+
+
+def parse_hub(arg: str) -> tuple[str, str | None]:
+    """The Hub repo and revision a source that is not a folder here names, before anything asks the Hub: a path
+    (`/`, `.` or `~` first) that does not exist is NotFound (exit 4), anything else not a Hub repo a SpecError (2)."""
+    if arg.startswith(("/", ".", "~")):
+        raise NotFound(f"source {arg!r} does not exist; pass a local folder with config.json and safetensors weights")
+    if not is_hub_name(arg):
+        raise SpecError(f"source {arg!r} is {NOT_A_HUB_REPO}")
+    repo, _, revision = arg.partition("@")
+    return repo, revision or None
 
 
 def is_hub_name(arg: str) -> bool:
-    return bool(_HUB_REPO.fullmatch(arg)) and not arg.startswith((".", "/", "~"))
+    """Whether `arg` is a Hub repo `owner/name[@revision]`.
+
+    Rules: owner and name are ASCII letters, digits, `-`, `_` and `.`, 1 to 96 characters, beginning and ending
+    with a letter, digit or `_`, with no `--` or `..` and a name not ending in `.git` (the Hub's own rules); a
+    revision (a branch, tag or commit) is ASCII letters, digits, `-`, `_`, `.` and `/`, no `..`.
+    Valid: `meta-llama/Llama-3.1-8B`, `HuggingFaceTB/SmolLM2-135M-Instruct@main`, `org/name@refs/pr/1`.
+    Not valid: `gpt2` (no owner), `alice/..`, `alice/x/y`, `alice/mödel`, `alice/x--y`, `alice/x@../main`.
+    """
+    repo, at, revision = arg.partition("@")
+    if not _HUB_REPO.fullmatch(repo) or "--" in repo or ".." in repo or repo.endswith(".git"):
+        return False
+    return not at or (bool(_HUB_REVISION.fullmatch(revision)) and ".." not in revision)
 
 
 def resolve_hub(repo: str, revision: str | None) -> str:
@@ -129,12 +153,10 @@ def layout(arg: str) -> tuple[dict, dict[str, list[int]]]:
         config = read_config(files["config.json"])
         check_against_tensors(config, tensors)
         return config, tensors
-    if not is_hub_name(arg):
-        raise NotFound(f"source {arg!r} does not exist; pass a local folder or a Hub repo org/name")
+    repo, revision = parse_hub(arg)
     from factory import hubclient as hub
 
-    repo, _, revision = arg.partition("@")
-    sha = resolve_hub(repo, revision or None)
+    sha = resolve_hub(repo, revision)
     with hub.errors(arg):
         config = check_config(hub.config(repo, sha))
         meta = hub.retrying(lambda: hub.client(hub.token()).get_safetensors_metadata(repo, revision=sha))
