@@ -308,7 +308,8 @@ def test_a_pull_killed_half_way_resumes_and_a_corrupt_one_is_refused(finished, t
         (staging / biggest.name).write_bytes(b"\0" * (biggest.stat().st_size // 2))  # a partial download gone wrong
         refused = qf(user, "pull", row["name"], "-o", tmp_path / "bad")
         assert (refused.returncode, refused.stderr) == (1, f"error: {biggest.name} of {row['name']}@{row['rev']} "
-                                                           "does not match its sha256 in the manifest; pull again\n")
+                                                           f"from the factory's service at {server.url} does not "
+                                                           "match its sha256 in the manifest; pull again\n")
         assert not (tmp_path / "bad").exists() and not (staging / biggest.name).exists()
         assert qf(user, "pull", row["name"], "-o", tmp_path / "bad").returncode == 0
     finally:

@@ -4,12 +4,14 @@ HTTP; every refusal comes back as the error class (and so the exit code) the loc
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterator
+from fnmatch import fnmatchcase
 from pathlib import Path
 
 import httpx
 
-from factory import naming
+from factory import engines, naming
 from factory.errors import (
     AccessDenied,
     Conflict,
@@ -22,10 +24,15 @@ from factory.errors import (
     SpecError,
     mask_url,
 )
+from factory.files import COMPANIONS, PUBLISHING
 from factory.identity import file_sha256
+from factory.publish.folder import MANIFEST
 
 _BY_EXIT = {1: JobFailed, 2: SpecError, 3: ModelRefused, 4: NotFound}  # 409 is a Conflict (a SpecError: exit 2)
 Progress = Callable[[int, int], None]  # (bytes done, bytes in all)
+_FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+-]{0,254}")  # plain: no '/', NUL or leading dot; 255 at most
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+MAX_ANSWER = 64 << 20  # the most one JSON answer may take (a catalog of thousands of quants is a few MiB)
 
 
 class Client:
@@ -34,33 +41,43 @@ class Client:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.http = httpx.Client(base_url=self.url, headers=headers, timeout=httpx.Timeout(60.0, connect=10.0))
 
-    def _error(self, response: httpx.Response) -> FactoryError:
+    def _error(self, status: int, body: bytes) -> FactoryError:
         try:
-            body = response.json()
-            message, exit_code = body["error"], int(body.get("exit_code", 5))
+            answer = json.loads(body)
+            message, exit_code = answer["error"], int(answer.get("exit_code", 5))
         except (ValueError, KeyError, TypeError):
             return ServiceUnavailable(f"the factory's service at {mask_url(self.url)} answered HTTP "
-                                      f"{response.status_code} without saying why")
-        if response.status_code == 429:
+                                      f"{status} without saying why")
+        if status == 429:
             return OverQuota(message)
-        if response.status_code == 409:
+        if status == 409:
             return Conflict(message)
-        if response.status_code in (401, 403):
+        if status in (401, 403):
             return AccessDenied(message)
         return _BY_EXIT.get(exit_code, ServiceUnavailable)(message)
+
+    def _read(self, response: httpx.Response, path: str) -> bytes:
+        """An answer's body, up to MAX_ANSWER bytes: an endless one is refused, not kept in memory until it ends."""
+        body = bytearray()
+        for chunk in response.iter_bytes():
+            body += chunk
+            if len(body) > MAX_ANSWER:
+                raise self._refused(f"answered {path} with more than {MAX_ANSWER >> 20} MiB; the rest was not read")
+        return bytes(body)
 
     def _unreachable(self) -> ServiceUnavailable:
         return ServiceUnavailable(f"the factory's service at {mask_url(self.url)} cannot be reached")
 
     def call(self, method: str, path: str, **request) -> dict | list:
         try:
-            response = self.http.request(method, path, **request)
+            with self.http.stream(method, path, **request) as response:
+                body = self._read(response, path)
         except httpx.TransportError:
             raise self._unreachable() from None
         if response.status_code >= 400:
-            raise self._error(response)
+            raise self._error(response.status_code, body)
         try:
-            return response.json()
+            return json.loads(body)
         except ValueError:
             raise ServiceUnavailable(f"{mask_url(self.url)} answered {path} with something other than JSON; is "
                                      "FACTORY_SERVER the factory's service?") from None
@@ -92,8 +109,7 @@ class Client:
             with self.http.stream("GET", f"/api/jobs/{_segment(job_id)}/events",
                                   timeout=httpx.Timeout(60.0, connect=10.0, read=None)) as response:
                 if response.status_code >= 400:
-                    response.read()
-                    raise self._error(response)
+                    raise self._error(response.status_code, self._read(response, "the job's events"))
                 for line in response.iter_lines():
                     if line.startswith("data: "):
                         yield json.loads(line.removeprefix("data: "))
@@ -102,51 +118,105 @@ class Client:
 
     def pull(self, ref: naming.QuantRef, dest: Path, progress: Progress = lambda d, t: None) -> tuple[dict, list]:
         """Download a quant into `dest` (new or empty): each file resumed where an interrupted pull left it (HTTP
-        Range), checked against its sha256 in the manifest, and moved into place only when all of them match."""
+        Range), checked against its size and sha256 in the manifest, and moved into place only when all of them
+        match. Nothing the server says is trusted (see _refusal): a name, revision, size or sha256 that the factory
+        would not make, or a body longer or shorter than the manifest says, is JobFailed (exit 1) naming the
+        server. The only files written or removed are in the client's own staging folder beside `dest` (which then
+        becomes `dest`)."""
         info = self.call("GET", f"/api/quants/{ref.name}/{ref.tag}", params=_tag_rev(ref, tag=False))
+        if (problem := _refusal(ref, info)) is not None:
+            raise self._refused(f"{problem}; nothing was pulled")
         quant, manifest = info["quant"], info["manifest"]
         staging = dest.parent / f".qf-pull-{dest.name}-{quant['rev']}"  # the same pull again resumes here
         staging.mkdir(parents=True, exist_ok=True)
         files = manifest["files"]
         total, before = sum(f["bytes"] for f in files.values()), 0
         for fname, want in files.items():
-            path = staging / fname
+            path = staging / fname  # a plain name (checked): inside the client's own staging folder
             have = path.stat().st_size if path.exists() else 0
             if have > want["bytes"]:
                 path.unlink()
                 have = 0
             progress(before + have, total)
-            if have < want["bytes"]:
-                self._download(quant, fname, path, have, lambda n, at=before + have: progress(at + n, total))
+            if have < want["bytes"] or not path.exists():
+                self._download(quant, fname, path, have, want["bytes"], lambda n, at=before: progress(at + n, total))
             if file_sha256(path) != want["sha256"]:
                 path.unlink()
-                raise JobFailed(f"{fname} of {quant['name']}@{quant['rev']} does not match its sha256 in the "
-                                "manifest; pull again")
+                raise JobFailed(f"{fname} of {quant['name']}@{quant['rev']} from the factory's service at "
+                                f"{mask_url(self.url)} does not match its sha256 in the manifest; pull again")
             before += want["bytes"]
-        (staging / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True))
+        (staging / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
         if dest.exists():
             dest.rmdir()  # empty: checked by the CLI
         staging.rename(dest)
         return quant, [dest / f for f in files]
 
-    def _download(self, quant: dict, fname: str, path: Path, have: int, progress: Callable[[int], None]) -> None:
+    def _download(self, quant: dict, fname: str, path: Path, have: int, size: int,
+                  progress: Callable[[int], None]) -> None:
+        """`path` completed from its byte `have` (or from its start, when the server sends the whole file) to the
+        manifest's `size`, never past it: a longer body is cut off there, a shorter one (a Content-Length that
+        stops early, say) is refused too, and the file goes."""
+        what = f"{fname} of {quant['name']}@{quant['rev']}"
         url = f"/api/quants/{quant['model']}/{quant['tag']}/files/{_segment(fname)}"
         headers = {"Range": f"bytes={have}-"} if have else {}
-        got = 0  # bytes of this response
         try:
             with self.http.stream("GET", url, params={"rev": quant["rev"]}, headers=headers,
                                   timeout=httpx.Timeout(60.0, connect=10.0)) as response:
                 if response.status_code >= 400:
-                    response.read()
-                    raise self._error(response)
-                mode = "ab" if response.status_code == 206 else "wb"  # 200: the server sent the whole file
-                with open(path, mode) as out:
+                    raise self._error(response.status_code, self._read(response, what))
+                if response.status_code not in (200, 206):
+                    raise self._refused(f"answered {what} with HTTP {response.status_code}; nothing was pulled")
+                at = have if response.status_code == 206 else 0  # 200: the whole file again, from its start
+                with open(path, "ab" if at else "wb") as out:
                     for chunk in response.iter_bytes():  # as they arrive: a killed pull keeps what it got
+                        if at + len(chunk) > size:
+                            path.unlink()
+                            raise self._refused(f"sent more than the {size} bytes the manifest gives {what}; the "
+                                                "download was stopped there")
                         out.write(chunk)
-                        got += len(chunk)
-                        progress(got)
+                        at += len(chunk)
+                        progress(at)
         except httpx.TransportError:
             raise self._unreachable() from None
+        if at < size:
+            path.unlink()
+            raise self._refused(f"sent {at} of the {size} bytes the manifest gives {what}; pull again")
+
+    def _refused(self, what: str) -> JobFailed:
+        return JobFailed(f"the factory's service at {mask_url(self.url)} {what}")
+
+
+def _refusal(ref: naming.QuantRef, info) -> str | None:
+    """What is wrong with the service's answer about `ref` (None: nothing), checked against the grammar the factory
+    makes these with: the quant's `model:tag@rev` parses (factory/naming.py) and is the one asked for; its manifest
+    is that quant's; every file name is plain (no `/`, no NUL, no leading dot) and on the list of what publishing
+    lets out (factory/files.py and the engine's `outputs`); every size is a count of bytes, every sha256 64 hex
+    digits."""
+    quant, manifest = (info.get("quant"), info.get("manifest")) if isinstance(info, dict) else (None, None)
+    if not (isinstance(quant, dict) and isinstance(manifest, dict) and isinstance(manifest.get("files"), dict)):
+        return f"answered {ref} with something other than a quant and its manifest"
+    fields = [quant.get(key) for key in ("model", "tag", "rev")]
+    if not all(isinstance(f, str) for f in fields):
+        return f"answered {ref} without the quant's name, tag and revision"
+    text = "{}:{}@{}".format(*fields)
+    try:
+        answered = naming.parse(text, tag_required=True)
+    except SpecError:
+        return f"answered {ref} with the quant {text!r}, which is not a valid quant name"
+    if (str(answered) != text or (answered.name, answered.tag) != (ref.name, ref.tag)
+            or not answered.rev.startswith(ref.rev or "") or quant.get("name") != f"{answered.name}:{answered.tag}"):
+        return f"answered {ref} with the quant {text!r}"
+    if [manifest.get(key) for key in ("name", "tag", "rev")] != fields:
+        return f"answered {ref} with the manifest of another quant"
+    allowed = (*COMPANIONS, *engines.of_tag(answered.tag).outputs, *PUBLISHING)
+    for fname, entry in manifest["files"].items():
+        if not _FILE_NAME.fullmatch(fname) or fname == MANIFEST or not any(fnmatchcase(fname, p) for p in allowed):
+            return f"listed {fname!r} among the files of {text}, a name no quant's file has"
+        if not isinstance(entry, dict) or type(entry.get("bytes")) is not int or entry["bytes"] < 0:
+            return f"gave {fname} of {text} a size that is not a count of bytes"
+        if not isinstance(entry.get("sha256"), str) or not _SHA256.fullmatch(entry["sha256"]):
+            return f"gave {fname} of {text} a sha256 that is not 64 hex digits"
+    return None
 
 
 def _segment(text: str) -> str:
