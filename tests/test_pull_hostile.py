@@ -1,13 +1,16 @@
 """`qf pull` trusts nothing a server says: a hostile factory service (a stdlib HTTP server in a thread of the test)
 answers the real CLI in a subprocess with climbing revisions, absolute and `..` file names, names no quant carries,
 size and sha256 lies, short Content-Lengths and endless bodies. Each pull exits 1 with one sentence naming the server,
-writes nothing outside its staging folder and `-o`, and leaves the victim file where the attack points untouched."""
+writes nothing outside its staging folder and `-o`, and leaves the victim file where the attack points untouched.
+And a local pull copies the registry's files, never hard-links them."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+import stat
 import subprocess
 import sys
 import threading
@@ -16,6 +19,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from factory.publish import folder
 from factory.service.client import MAX_ANSWER
 from tests.test_service import ROOT, user_env
 
@@ -214,4 +218,21 @@ def test_a_200_answer_to_a_range_request_starts_the_file_again(tmp_path):
         assert (tmp_path / "out" / "config.json").read_bytes() == CONFIG
     finally:
         server.stop()
+
+
+def test_a_local_pull_copies_and_never_shares_the_registry_files(finished, tmp_path):
+    qf, _ = finished
+    [row] = qf.json("ls")
+    registry = qf.home / "registry" / row["path"]
+    result = qf("pull", row["name"], "-o", tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    for theirs in registry.iterdir():
+        mine = tmp_path / "out" / theirs.name
+        assert not os.path.samefile(mine, theirs) and mine.stat().st_ino != theirs.stat().st_ino, theirs.name
+        kept = theirs.read_bytes()
+        mine.chmod(mine.stat().st_mode | stat.S_IWUSR)  # the user's to edit
+        with open(mine, "r+b") as f:
+            f.write(b"edited by the user")
+        assert theirs.read_bytes() == kept, theirs.name
+    folder.verify(registry)
 

@@ -5,8 +5,8 @@ and size of every file. Publishing is atomic (a staging folder beside the target
 (the same files again change nothing). A publisher holds a lock on its staging folder (`<stem>.lock`, flock) while
 it works; a publish that was killed leaves its staging behind, and every later publish removes staging folders
 that are older than STALE_SECONDS and not held. Published files are mode 0444 (folders 0755), whatever the engine
-wrote. Pulling checks every sha256; it reflinks or hard-links the files where the target is on the same filesystem
-(registry files are read-only, so a pulled copy cannot change the registry's by accident) and copies otherwise.
+wrote. Pulling checks every sha256; it reflinks the files where the filesystem can (btrfs, XFS) and copies
+otherwise, never hard-links them: a pulled file is the user's to edit, and no edit of it reaches the registry.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ FICLONE = 0x40049409  # linux/fs.h: clone a file's extents (btrfs, XFS)
 STAGING = ".tmp-"  # the prefix of a publisher's staging folder, its `.old` twin and its `.lock`
 STALE_SECONDS = 3600
 FILE_MODE, DIR_MODE = 0o444, 0o755  # of everything in the registry: readable by all, written only by replacing
-# the folder (AutoAWQ writes its weights 0600), so a pull may hard-link the files
+# the folder (AutoAWQ writes its weights 0600)
 
 
 def quant_dir(registry: Path, name: str, tag: str, rev: str) -> Path:
@@ -128,17 +128,15 @@ def remove(dest: Path) -> None:
 
 
 def _share_or_copy(src: str, dst: str) -> None:
-    """A reflink (copy-on-write clone), else a hard link, else a copy: a pull does not double the disk it takes."""
+    """A reflink (a copy-on-write clone: no disk taken until one side changes), else a copy; never a hard link,
+    whose every edit (by root, or after a chmod) would be an edit of the registry's own file."""
     try:
         with open(src, "rb") as s, open(dst, "wb") as d:
             fcntl.ioctl(d.fileno(), FICLONE, s.fileno())
         return
     except OSError:
         Path(dst).unlink(missing_ok=True)
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
+    shutil.copy2(src, dst)
 
 
 def read_manifest(folder: Path) -> dict | None:
