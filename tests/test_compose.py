@@ -1,8 +1,10 @@
 """compose.yaml: every service that runs the factory runs a `qf` command that exists and parses, waits for healthy
-services, restarts, keeps exllamav2's extension on a volume; the image is built without local state."""
+services, restarts, keeps exllamav2's extension on a volume; the image is built without local state and runs as an
+unprivileged user who owns the folders the factory writes."""
 
+import re
 import shlex
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import typer
 import yaml
@@ -76,3 +78,36 @@ def test_beat_keeps_its_schedule_in_factory_home(tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     [argv] = calls
     assert argv[argv.index("--schedule") + 1] == str((tmp_path / "home" / "celerybeat-schedule").resolve())
+
+
+def _dockerfile() -> list[tuple[str, str]]:
+    """The Dockerfile's instructions as (KEYWORD, arguments), continuation lines joined, comments left out."""
+    text = re.sub(r"\\\n", " ", (ROOT / "Dockerfile").read_text())
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
+    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1]) for line in lines]
+
+
+def _commands(runs: list[str]) -> list[list[str]]:
+    """The shell commands of RUN lines (split at &&, ; and |)."""
+    return [shlex.split(part) for run in runs for part in re.split(r"&&|;|\|\|?", run) if part.strip()]
+
+
+def test_the_image_runs_as_an_unprivileged_user_who_owns_what_the_factory_writes():
+    steps = _dockerfile()
+    last_run = max(i for i, (keyword, _) in enumerate(steps) if keyword == "RUN")
+    users = [(i, args.split(":")[0].strip()) for i, (keyword, args) in enumerate(steps) if keyword == "USER"]
+    assert users and users[-1][0] > last_run, "USER must come after the last RUN (which may need root)"
+    user = users[-1][1]
+    assert user not in ("root", "0")
+    commands = _commands([args for keyword, args in steps if keyword == "RUN"])
+    [useradd] = [c for c in commands if c[0] == "useradd"]
+    assert useradd[-1] == user and useradd[useradd.index("--uid") + 1] == "1000"
+    made = {PurePosixPath(p) for c in commands if c[:2] == ["mkdir", "-p"] for p in c[2:]}
+    owned = {PurePosixPath(c[-1]) for c in commands if c[:2] == ["chown", "-R"] and c[2] == f"{user}:{user}"}
+    written = {PurePosixPath(volume.split(":")[1]) for service in FACTORY.values() for volume in service["volumes"]}
+    written |= {PurePosixPath(service["environment"][key]) for service in FACTORY.values()
+                for key in ("FACTORY_HOME", "FACTORY_SERVE_SOURCES") if key in service["environment"]}
+    assert PurePosixPath("/data/factory") in written and len(written) >= 3
+    for folder in written:  # made in the image (so a new named volume copies it, owner included) and owned by user
+        assert any(m == folder or folder in m.parents for m in made), folder
+        assert any(o == folder or o in folder.parents for o in owned), folder
