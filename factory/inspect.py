@@ -43,6 +43,7 @@ MAX_TENSORS = 1 << 18
 MAX_MODEL_TENSORS = 1 << 19
 MAX_RANK = 8
 MAX_CONFIG = 1 << 20  # real configs are a few KB; vision-language ones some tens of KB
+MAX_METADATA = 64 << 20  # a safetensors index or tokenizer_config.json: real ones are at most a few MB
 MAX_DEPTH = 32  # real configs nest 4 or 5 levels (text_config.rope_scaling.long_factor); headers 3
 # The config numbers the factory sizes a model with: (required, lowest, highest allowed).
 CONFIG_NUMBERS = {
@@ -121,6 +122,13 @@ def inspect(folder: Path, architectures: Collection[str]) -> ModelInfo:
     )
 
 
+def _read_at_most(path: Path, most: int, what: str) -> bytes:
+    """The bytes of a metadata file, or ModelRefused when it is larger than `what` (a model's config, ...) can be."""
+    if (size := path.stat().st_size) > most:
+        raise ModelRefused(f"{path.name} is {size} bytes; {what} is at most {most}")
+    return path.read_bytes()
+
+
 def _json(data: bytes, what: str) -> object:
     """JSON that is UTF-8 and nested at most MAX_DEPTH levels, or ModelRefused: deeper data parses (up to the
     interpreter's recursion limit) but breaks whatever walks it later."""
@@ -153,10 +161,8 @@ def _deeper_than(value: object, limit: int) -> bool:
 def read_config(path: Path, check_numbers: bool = True) -> dict:
     """A config.json as a dict: bounded in size and depth, UTF-8, an object; with `check_numbers`, the numbers the
     factory sizes a model with are checked too (check_config)."""
-    if (size := path.stat().st_size) > MAX_CONFIG:
-        raise ModelRefused(f"config.json is {size} bytes; a model's config is at most {MAX_CONFIG}")
     try:
-        config = _json(path.read_bytes(), "config.json")
+        config = _json(_read_at_most(path, MAX_CONFIG, "a model's config"), "config.json")
     except ValueError as e:
         raise ModelRefused(f"config.json is not valid JSON ({e})") from None
     if not isinstance(config, dict):
@@ -210,7 +216,8 @@ def _tokenizer_auto_map(files: dict[str, Path]) -> bool:
     if "tokenizer_config.json" not in files:
         return False
     try:
-        found = _json(files["tokenizer_config.json"].read_bytes(), "tokenizer_config.json")
+        found = _json(_read_at_most(files["tokenizer_config.json"], MAX_METADATA, "a tokenizer's config"),
+                      "tokenizer_config.json")
     except ValueError:
         return False
     return isinstance(found, dict) and "auto_map" in found
@@ -293,7 +300,7 @@ def _integers(value: object) -> bool:
 
 def _check_index(index: Path, headers: dict[str, dict]) -> None:
     try:
-        weight_map = _json(index.read_bytes(), INDEX)["weight_map"]
+        weight_map = _json(_read_at_most(index, MAX_METADATA, "a safetensors index"), INDEX)["weight_map"]
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise TypeError
     except (ValueError, KeyError, TypeError):

@@ -101,6 +101,16 @@ def test_a_config_larger_than_a_config_can_be_is_refused(qf, model_copy):
             f"config.json is {size} bytes; a model's config is at most 1048576")
 
 
+@pytest.mark.parametrize("name, what", [("model.safetensors.index.json", "a safetensors index"),
+                                        ("tokenizer_config.json", "a tokenizer's config")])
+def test_other_metadata_larger_than_real_is_refused_before_a_job(qf, model_copy, name, what):
+    model = model_copy()
+    with open(model / name, "wb") as f:
+        f.truncate((64 << 20) + 1)  # sparse: no disk used
+    refused(qf("run", model, "--awq"), 3, f"{name} is {(64 << 20) + 1} bytes; {what} is at most {64 << 20}")
+    assert qf.json("jobs") == []
+
+
 # --- Hub ids: owner/name in the Hub's own grammar, refused before any Hub call ---
 
 HUB_ID = ("neither a folder here nor a Hub repo owner/name[@revision] (ASCII letters, digits, '-', '_' and '.', "
