@@ -5,14 +5,15 @@
              evaluate:<tag>, gate, publish:<tag>, push:<tag>), several at once where they fit
              (factory/jobs/packing.py)
 
-`qf run` calls both in-process; a worker calls `execute` with a job id. A failed job runs again from where it
-stopped: finished quantize and evaluate steps are reused; steps an earlier attempt left running (it was killed)
-are marked interrupted. Engines and evaluators read the source through a staging folder of its allowlisted files
-(factory/files.py), and a quant is published only when its folder holds nothing else. Factory's mixins hold
-the rest of a job: planning (factory/jobs/planning.py: submit, estimate), the measure and quantize units and their
-claims, and helping with another worker's job (factory/jobs/conversions.py), the evaluation units
-(factory/jobs/evaluations.py); what units cost is factory/jobs/costs.py's. Nothing here prints: progress goes to
-`emit` as events (factory/events.py) that the CLI renders.
+`qf run` calls both in-process; a worker calls `execute` with a job id. A failed job runs again from where it stopped:
+finished quantize and evaluate steps are reused; steps an earlier attempt left running (it was killed) are marked
+interrupted. A job whose every quant is published (and pushed) is succeeded, whatever stops its attempt after that:
+published means succeeded. Engines and evaluators read the source through a staging folder of its allowlisted files
+(factory/files.py), and a quant is published only when its folder holds nothing else. Factory's mixins hold the rest of
+a job: planning (factory/jobs/planning.py: submit, estimate), the measure and quantize units and their claims, and
+helping with another worker's job (factory/jobs/conversions.py), the evaluation units (factory/jobs/evaluations.py);
+what units cost is factory/jobs/costs.py's. Nothing here prints: progress goes to `emit` as events (factory/events.py)
+that the CLI renders.
 """
 
 from __future__ import annotations
@@ -121,6 +122,8 @@ class Factory(Planning, Conversions, Evaluations):
             if made.refused:
                 raise made.refused[next(iter(made.refused))]
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM: failed, so that running it again continues where it stopped
+            if self._published_all(job_id):
+                return self._succeed(job_id)
             self.catalog.transition(job_id, JobState.failed, self.token, INTERRUPTED, 130)
             raise
         except Cancelled:
@@ -132,19 +135,40 @@ class Factory(Planning, Conversions, Evaluations):
             log.warning("job %s: %s", job_id, e.message)
             raise
         except FactoryError as e:
+            if self._published_all(job_id):
+                return self._succeed(job_id)
             self.catalog.transition(job_id, JobState.failed, self.token, e.message, e.exit_code)
             self._result(self.catalog.job(job_id))
             raise
         except Exception as e:
+            if self._published_all(job_id):
+                return self._succeed(job_id)
             message = mask_url(f"internal error: {type(e).__name__}: {e}")
             self.catalog.transition(job_id, JobState.failed, self.token, message, 1)
             self._result(self.catalog.job(job_id))
             raise JobFailed(message) from e
+        return self._succeed(job_id)
+
+    def _succeed(self, job_id: str) -> Job:
         self.catalog.transition(job_id, JobState.succeeded, self.token, only_from=frozenset({JobState.running}))
         shutil.rmtree(self.settings.work / job_id, ignore_errors=True)
         job = self.catalog.job(job_id)
         self._result(job)
         return job
+
+    def _published_all(self, job_id: str) -> bool:
+        """Whether the job has nothing left to do: every quant of it published (and pushed, with FACTORY_HUB_OWNER).
+        Such a job succeeded, whatever stopped this attempt after its last publish (an interrupt that came while a
+        unit in a thread was publishing, an error of a later attempt): published means succeeded."""
+        job = self.catalog.job(job_id)
+        try:
+            tags = {s.tag for s in engines.specs_from_dicts(job.specs)}
+        except ValueError:  # specs not resolved yet: nothing was published
+            return False
+        done = self.catalog.done_steps(job_id)
+        published = {q.tag for q in self.catalog.quants(job_id=job_id)}
+        return bool(tags) and tags <= published and (
+            not self.settings.hub_owner or all(f"push:{tag}" in done for tag in tags))
 
     def _note(self, message: str) -> None:
         self.emit(events.note(message))
@@ -309,6 +333,7 @@ class Factory(Planning, Conversions, Evaluations):
     def _publish(self, job: Job, prepared: Prepared, spec: QuantSpec, out: Path, scores: publishing.Scores) -> None:
         with self._step(job.id, f"publish:{spec.tag}"):
             self.publisher.to_registry(job, spec, out, scores, prepared.upstream, self.token)
+        publishing.moment("ended")
 
     def _push(self, job: Job, prepared: Prepared, spec: QuantSpec) -> None:
         with self._step(job.id, f"push:{spec.tag}"):

@@ -16,6 +16,7 @@ import yaml
 
 from calibration import public_name
 from factory import engines
+from factory.publish import prompt
 from factory.publish.upstream import Upstream
 from factory.published import QuantRow
 
@@ -78,11 +79,15 @@ def _about(up: Upstream) -> str:
 
 
 def _prompt(up: Upstream) -> str:
-    prompt = up.prompt()
-    if prompt is None:
+    """The prompt format: the chat template applied to an example, rendered with bounds (factory/publish/prompt.py);
+    without the example, one line saying why."""
+    if not up.chat_template:
         return ""
-    return (f"\n## Prompt format\n\nThe quants carry the base model's chat template (`chat_template.jinja`); a "
-            f"system and a user message become:\n\n```\n{prompt.strip()}\n```\n")
+    carried = "The quants carry the base model's chat template (`chat_template.jinja`)"
+    shown = prompt.example(up.chat_template)
+    if shown.text is None:
+        return f"\n## Prompt format\n\n{carried}. No example is shown: {shown.why_not}.\n"
+    return f"\n## Prompt format\n\n{carried}; a system and a user message become:\n\n```\n{shown.text.strip()}\n```\n"
 
 
 def render(name: str, upstream: Upstream, this: QuantRow, rows: list[QuantRow], places: dict | None = None) -> str:

@@ -2,13 +2,19 @@
 fenced by the job's lease token, then, with FACTORY_HUB_OWNER, its branch on the Hub and its repo's main (the card
 of every variant there, the plot, the files its engine puts on main). The pipeline calls these in its publish and
 push units; nothing here decides whether a quant passed its gate.
+
+The row is the publication: the folder is put in place inside the row's transaction and taken out again when that
+transaction does not commit. A process killed in the instant between the two leaves a folder that nothing lists
+(`qf ls` and pull read the rows); the job's next attempt publishes the same folder again and records its row.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import math
+import os
 import shutil
+import signal
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -23,6 +29,8 @@ from factory.publish import folder as registry
 from factory.publish.upstream import Upstream
 from factory.published import QuantRow
 from factory.settings import Settings
+
+STOP_AT = "FACTORY_TEST_STOP_AT"  # tests only: see moment()
 
 
 @dataclass(frozen=True)
@@ -85,6 +93,7 @@ class Publisher:
         )
         this = _with_engine_notes(quant.row(), engine, out)
         others = [q.row() for q in self.catalog.quants(name=job.name) if (q.tag, q.rev) != (spec.tag, rev)]
+        moment("card")
         (out / card.FILENAME).write_text(card.render(job.name, upstream, this, [this, *others]))
         manifest = {  # identities, never local paths
             "source_identity": job.source_identity,
@@ -97,8 +106,34 @@ class Publisher:
             "eval": {**quant.eval, "text": calibration.public_name(job.eval), "ppl": scores.ppl,
                      "fp16_ppl": scores.fp16_ppl, "kld": quant.kld, "kld_p99": quant.kld_p99, "top1": quant.top1},
         }
-        self.catalog.put_quant(quant, token, publish=lambda: registry.publish(
-            self.settings.registry, job.name, spec.tag, rev, out, manifest))
+        placed: list[Path] = []  # the folder this publish put in place, where there was none
+
+        def publish() -> None:  # inside the quant row's transaction, once the fence holds
+            dest = registry.quant_dir(self.settings.registry, job.name, spec.tag, rev)
+            new = not dest.is_dir()
+            registry.publish(self.settings.registry, job.name, spec.tag, rev, out, manifest)
+            if new:
+                placed.append(dest)
+            moment("placed")
+
+        try:
+            self.catalog.put_quant(quant, token, publish=publish)
+        except BaseException:
+            self._take_back(placed, quant)
+            raise
+        moment("recorded")
+
+    def _take_back(self, placed: list[Path], quant: Quant) -> None:
+        """The row and its folder are one act: a folder whose row was not recorded goes again (unless the row is
+        there after all: a commit whose answer was lost). A catalog that cannot be read leaves it, unlisted; the
+        job's next attempt adopts it."""
+        try:
+            recorded = any((q.tag, q.rev) == (quant.tag, quant.rev) for q in self.catalog.quants(name=quant.name))
+        except Exception:
+            return
+        if not recorded:
+            for dest in placed:
+                registry.remove(dest)
 
     def to_hub(self, job: Job, spec: QuantSpec, upstream: Upstream, check_ours: Callable[[], None]) -> None:
         """The quant's branch on the Hub, then main of its repo: the card of every variant there with its plot, and
@@ -140,6 +175,15 @@ class Publisher:
         check_ours()  # immediately before the irreversible push
         hub.put_branch(self._hub_writer, here.repo, here.branch, quant_files, message)
         hub.put_branch(self._hub_writer, here.repo, "main", main_files, f"model card of {job.name}")
+
+
+def moment(name: str) -> None:
+    """A named moment of publishing: `card` (before the card is rendered), `placed` (the registry folder is in place,
+    its row not recorded), `recorded` (the row is committed), `ended` (the publish step ended, the job not). With
+    FACTORY_TEST_STOP_AT=<name> the process stops itself there (SIGSTOP), so that a test can kill it at that very
+    point (tests/test_publish_safety.py)."""
+    if os.environ.get(STOP_AT) == name:
+        os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def _with_engine_notes(row: QuantRow, engine, folder: Path) -> QuantRow:

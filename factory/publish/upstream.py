@@ -3,9 +3,9 @@ how the FP16 checkpoint was made when it is not the original release, and the pr
 
 Read from the source folder: its README.md's YAML front matter (the upstream model card; a Hub fetch downloads it
 beside the weights, and it is never part of the source's identity nor published) and the chat template the quant
-carries (`chat_template.jinja`, or `chat_template` in tokenizer_config.json). A front matter key
-`quantfactory_note` describes a checkpoint that is not the original release (tests/smollm2.py writes one: its FP16
-weights are dequantized from a GGUF).
+carries (`chat_template.jinja`, or `chat_template` in tokenizer_config.json), which the card renders with bounds
+(factory/publish/prompt.py). A front matter key `quantfactory_note` describes a checkpoint that is not the original
+release (tests/smollm2.py writes one: its FP16 weights are dequantized from a GGUF).
 """
 
 from __future__ import annotations
@@ -15,9 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
-
-EXAMPLE = [{"role": "system", "content": "You are a helpful assistant."},
-           {"role": "user", "content": "What is the capital of France?"}]
 
 
 @dataclass(frozen=True)
@@ -33,24 +30,6 @@ class Upstream:
     def url(self) -> str | None:
         """The base model's page on the Hub, when base_model is a Hub repo (org/name)."""
         return f"https://huggingface.co/{self.base_model}" if self.base_model.count("/") == 1 else None
-
-    def prompt(self) -> str | None:
-        """The chat template applied to a short example conversation, as a user would see it; None without one."""
-        if not self.chat_template:
-            return None
-        from jinja2.exceptions import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(message: str):
-            raise TemplateError(message)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-        try:
-            return env.from_string(self.chat_template).render(messages=EXAMPLE, add_generation_prompt=True,
-                                                              bos_token="", eos_token="")
-        except Exception:  # a template that needs more than transformers' usual variables: show it as it is
-            return self.chat_template
 
 
 def read(base_model: str, card: str | None, staged: Path) -> Upstream:

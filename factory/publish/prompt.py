@@ -1,0 +1,93 @@
+"""The prompt example of a model card: the source's chat template applied to a short conversation.
+
+A chat template is code from the source (Jinja), and jinja2's sandbox keeps it from reaching anything but does not
+bound its loops: 80 bytes of two nested `range(99999)` loops ran for 272 s inside the publish step and ignored
+SIGTERM. So the template runs in a child process of its own (`python -I -m factory.publish.prompt`, an empty
+environment) that is killed after SECONDS of wall time, may use at most MEMORY bytes of address space and CPU time
+for SECONDS, and whose output stops at MAX_BYTES. Whatever goes wrong, the card goes without the example and says
+why in one line; the publish goes on (tests/test_publish_safety.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import subprocess
+import sys
+from dataclasses import dataclass
+
+SECONDS = 5.0
+MAX_BYTES = 64 << 10
+MEMORY = 512 << 20
+EXAMPLE = [{"role": "system", "content": "You are a helpful assistant."},
+           {"role": "user", "content": "What is the capital of France?"}]
+TOO_LONG, NOT_RENDERED, OUT_OF_MEMORY = 3, 4, 5  # the child's exit codes besides 0
+log = logging.getLogger("quantfactory")
+
+
+@dataclass(frozen=True)
+class Example:
+    """The rendered example (or the template itself, when it needs more than transformers' usual variables), or
+    None and why there is none."""
+
+    text: str | None
+    why_not: str | None = None
+
+
+def example(template: str) -> Example:
+    try:
+        done = subprocess.run([sys.executable, "-I", "-m", __name__], input=template.encode(), capture_output=True,
+                              timeout=SECONDS, env={})
+    except subprocess.TimeoutExpired:  # subprocess.run has killed it (SIGKILL)
+        return _none(f"rendering it took longer than {SECONDS:g} s")
+    if done.returncode == 0:
+        return Example(done.stdout.decode("utf-8", errors="replace"))
+    if done.returncode == NOT_RENDERED:  # shown as it is
+        return Example(template) if len(template.encode()) <= MAX_BYTES else _none("the template is over 64 KiB")
+    why = {TOO_LONG: f"it renders to more than {MAX_BYTES >> 10} KiB",
+           OUT_OF_MEMORY: f"rendering it needed more than {MEMORY >> 20} MiB"}.get(done.returncode)
+    return _none(why or f"rendering it failed (exit {done.returncode})")
+
+
+def _none(why: str) -> Example:
+    log.warning("the model card shows no prompt example: %s", why)
+    return Example(None, why)
+
+
+def _render(template: str) -> bytes:
+    """In the child: the example, at most MAX_BYTES (SystemExit with TOO_LONG beyond)."""
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str):
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    out, size = [], 0
+    for piece in env.from_string(template).generate(messages=EXAMPLE, add_generation_prompt=True, bos_token="",
+                                                     eos_token=""):
+        data = piece.encode("utf-8", errors="replace")
+        size += len(data)
+        if size > MAX_BYTES:
+            raise SystemExit(TOO_LONG)
+        out.append(data)
+    return b"".join(out)
+
+
+def _child() -> None:
+    seconds = int(SECONDS) + 1
+    resource.setrlimit(resource.RLIMIT_AS, (MEMORY, MEMORY))
+    resource.setrlimit(resource.RLIMIT_CPU, (seconds, seconds))  # a second bound, should the parent be gone
+    template = sys.stdin.buffer.read().decode("utf-8", errors="replace")
+    try:
+        out = _render(template)
+    except MemoryError:
+        raise SystemExit(OUT_OF_MEMORY) from None
+    except Exception:  # a template that needs more than transformers' usual variables
+        raise SystemExit(NOT_RENDERED) from None
+    sys.stdout.buffer.write(out)
+
+
+if __name__ == "__main__":
+    _child()

@@ -1,0 +1,183 @@
+"""Publishing cannot be burnt by a chat template, and what it leaves agrees with itself: a job's state, `qf ls` and
+the registry folder tell the same story after an interrupt or a kill at any moment of publishing; what the job
+inspected is what it publishes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from factory.publish import folder as registry
+from factory.publish import prompt
+from factory.publish.publishing import STOP_AT
+from tests.conftest import Qf
+from tests.test_safety import ROOT, qf_process, wait_until
+
+RUN = ("--awq", "--eval-windows", 1)
+BOMB = "{% for a in range(99999) %}{% for b in range(99999) %}x{% endfor %}{% endfor %}"  # 80 bytes, 10^10 x
+SLOW = "{% for a in range(99999) %}{% for b in range(99999) %}{% endfor %}{% endfor %}"  # no output, ~400 s
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _agree(qf: Qf) -> tuple[dict, list[dict]]:
+    """The one job's status and `qf ls`, after checking that they and the registry folder agree: every quant listed
+    has its folder, which matches its manifest; the registry holds no other quant folder; a job with a published
+    quant is not failed nor cancelled (this job has one quant and no push: published means succeeded once it
+    ended)."""
+    [job] = qf.json("jobs")
+    listed = qf.json("ls")
+    folders = {str(p.relative_to(qf.home / "registry")) for p in (qf.home / "registry").glob("*/*")
+               if p.is_dir() and not p.name.startswith(registry.STAGING)}
+    assert folders == {q["path"] for q in listed}, (folders, listed)
+    for q in listed:
+        registry.verify(qf.home / "registry" / q["path"])
+    if listed:
+        assert job["state"] in ("succeeded", "running"), job
+    if job["state"] == "succeeded":
+        assert [q["name"] for q in listed] == ["tiny:awq-w4g128"]
+    return job, listed
+
+
+def steps(job: dict) -> dict[str, str]:
+    """Each step's state in its last attempt."""
+    return {s["name"]: s["state"] for s in job["steps"]}
+
+
+def _card(qf: Qf) -> str:
+    [quant] = qf.json("ls")
+    return (qf.home / "registry" / quant["path"] / "README.md").read_text()
+
+
+# -- a chat template cannot burn the publish step ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("template", "example", "why_not"), [
+    (CHATML, "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nWhat is the capital of "
+     "France?<|im_end|>\n<|im_start|>assistant\n", None),
+    ("{{ tools[0].name }}", "{{ tools[0].name }}", None),  # needs more than the usual variables: shown as it is
+    (BOMB, None, "it renders to more than 64 KiB"),
+    (SLOW, None, "rendering it took longer than 5 s"),
+    ("{{ 'x' * 2000000000 }}", None, "rendering it needed more than 512 MiB"),
+], ids=["chatml", "other-variables", "output-bomb", "loop-bomb", "memory-bomb"])
+def test_the_prompt_example_is_rendered_with_bounds(template, example, why_not):
+    start = time.monotonic()
+    assert prompt.example(template) == prompt.Example(example, why_not)
+    assert time.monotonic() - start < prompt.SECONDS + 2
+
+
+def test_a_chat_template_bomb_leaves_the_card_without_its_example(qf, model_copy):
+    """The 80-byte template that ran 272 s at publish: the run succeeds in well under a minute, and the card says
+    why it shows no example."""
+    model = model_copy("tiny")
+    (model / "chat_template.jinja").write_text(BOMB)
+    proc = qf_process(qf, "run", model, *RUN, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    job, _ = _agree(qf)
+    assert job["state"] == "succeeded"
+    text = _card(qf)
+    assert ("The quants carry the base model's chat template (`chat_template.jinja`). No example is shown: it renders "
+            "to more than 64 KiB.\n") in text
+    assert "xxxx" not in text
+
+
+# -- interrupts and kills at any moment of publishing --------------------------------------------------------------
+
+
+def _events_until(proc: subprocess.Popen, step: str) -> None:
+    for line in proc.stdout:
+        event = json.loads(line)
+        if event["event"] == "step" and event["step"] == step and event["state"] == "running":
+            return
+    raise AssertionError(f"{step} never started")
+
+
+def test_sigterm_while_publishing_leaves_a_state_that_says_what_was_published(qf, model_copy):
+    """SIGTERM while a publish unit (in its thread) renders a slow template: once the quant is published the job is
+    succeeded, and a job that is not succeeded published nothing; running it again ends it succeeded."""
+    model = model_copy("tiny")
+    (model / "chat_template.jinja").write_text(SLOW.replace("99999", "9000"))  # ~3 s in process
+    args = ("run", model, *RUN)
+    proc = qf_process(qf, *args, "--json", stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    _events_until(proc, "publish:awq-w4g128")
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=60)
+    job, listed = _agree(qf)
+    assert (job["state"] == "succeeded") == bool(listed), (job, listed)
+    again = qf(*args)
+    assert again.exit_code == 0, again.output
+    job, listed = _agree(qf)
+    assert job["state"] == "succeeded" and len(listed) == 1
+
+
+def _stopped_at(qf: Qf, moment: str, *args, **env: str) -> subprocess.Popen:
+    """`qf run` stopped at `moment` of publishing (publishing.moment: a SIGSTOP to itself)."""
+    proc = subprocess.Popen([sys.executable, "-m", "factory.cli", "run", *map(str, args)], cwd=ROOT,
+                            env={**os.environ, **qf.env, STOP_AT: moment, **env}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: psutil.Process(proc.pid).status() == psutil.STATUS_STOPPED, 120)
+    except BaseException:
+        proc.kill()
+        raise
+    return proc
+
+
+def _killed_at(qf: Qf, moment: str, *args) -> None:
+    proc = _stopped_at(qf, moment, *args)
+    proc.kill()
+    proc.wait(30)
+
+
+def test_a_kill_at_any_moment_of_publishing_leaves_status_ls_and_registry_agreeing(qf, model_copy):
+    """SIGKILL before the card, with the registry folder in place but its row not recorded, with the row recorded, and
+    with the publish step ended, and SIGTERM with the folder in place: each time `qf status`, `qf ls` and the registry
+    agree (a killed job stays `running` until it runs again; a folder whose row was not recorded is not published: `qf
+    ls` and pull do not see it, and the next attempt adopts it), and the same command then ends the job succeeded."""
+    model = model_copy("tiny")
+    (model / "chat_template.jinja").write_text(CHATML)
+
+    _killed_at(qf, "card", model, *RUN)
+    job, listed = _agree(qf)
+    assert (job["state"], listed, steps(job)["publish:awq-w4g128"]) == ("running", [], "running")
+
+    # SIGTERM inside the row's transaction (units one at a time: in the main thread): the folder goes again
+    proc = _stopped_at(qf, "placed", model, *RUN, FACTORY_MAX_UNITS="1")
+    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGCONT)
+    assert proc.wait(60) == 130
+    job, listed = _agree(qf)
+    assert (job["state"], job["error"].split(" ")[0], listed) == ("failed", "interrupted", [])
+
+    _killed_at(qf, "placed", model, *RUN)
+    [placed] = (qf.home / "registry" / "tiny").glob("awq-w4g128@*")
+    [job] = qf.json("jobs")
+    assert (job["state"], qf.json("ls")) == ("running", [])  # in place, not published
+    registry.verify(placed)
+
+    _killed_at(qf, "recorded", model, *RUN)
+    job, [quant] = _agree(qf)
+    assert (job["state"], quant["path"], steps(job)["publish:awq-w4g128"]) == ("running", f"tiny/{placed.name}",
+                                                                               "running")
+
+    _killed_at(qf, "ended", model, *RUN)
+    job, [_] = _agree(qf)
+    assert (job["state"], steps(job)["publish:awq-w4g128"]) == ("running", "succeeded")
+
+    again = qf("run", model, *RUN)
+    assert again.exit_code == 0, again.output
+    job, [quant] = _agree(qf)
+    assert job["state"] == "succeeded" and quant["path"] == f"tiny/{placed.name}"
+    assert "<|im_start|>user\nWhat is the capital of France?<|im_end|>" in _card(qf)
+    assert not list((qf.home / "registry").glob(f"*/{registry.STAGING}*"))
