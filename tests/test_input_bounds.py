@@ -187,8 +187,8 @@ def test_a_header_of_a_million_tensors_is_refused_without_building_it(qf, model_
 
 def test_more_tensors_over_all_shards_than_a_model_has_are_refused(qf, model_copy):
     model = model_copy()
-    for i in range(3):
-        _empty_tensors_header(model / f"extra-{i}.safetensors", 200_000, prefix=f"s{i}.")
+    for i, count in enumerate([1 << 18, 1 << 18, 1]):  # each shard within its bound, one more than 512k in all
+        _empty_tensors_header(model / f"extra-{i}.safetensors", count, prefix=f"s{i}.")
     refused(qf("plan", model, "--vram", "24GB"), 3,
             "the model's safetensors headers list more than 524288 tensors in all; a real model lists at most a few "
             "hundred thousand")
