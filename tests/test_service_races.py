@@ -10,9 +10,12 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+import httpx
+import redis
 from sqlalchemy import create_engine, text
 
 from tests.test_service import RACER, Server, factory_env, qf, server, user_env  # noqa: F401
@@ -140,3 +143,73 @@ def test_a_place_held_by_a_server_killed_mid_submission_is_let_go(factory_env, t
         assert _pending_places(env["FACTORY_DB_URL"], env["FACTORY_HOME"]) == 0
     finally:
         server.stop()
+
+
+class Follower:
+    """One open `GET /api/jobs/J/events` stream, read in a thread until it is closed."""
+
+    def __init__(self, url: str, token: str, job_id: str):
+        self.http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"},
+                                 timeout=httpx.Timeout(30, read=None))
+        self.response = self.http.send(self.http.build_request("GET", f"/api/jobs/{job_id}/events"), stream=True)
+        self.status = self.response.status_code
+        if self.status == 200:
+            threading.Thread(target=self._drain, daemon=True).start()
+
+    def _drain(self) -> None:
+        try:
+            for _ in self.response.iter_lines():
+                pass
+        except httpx.HTTPError:
+            pass  # closed by the test
+
+    def close(self) -> None:
+        self.response.close()
+        self.http.close()
+
+
+def test_followers_are_bounded_and_let_their_redis_connection_go(factory_env, tmp_path):
+    """8 streams of one user are the most; 64 of one server process; other routes answer meanwhile; once the
+    clients go, every Redis subscription of theirs is gone within a few seconds and new followers are taken."""
+    server = Server(factory_env, tmp_path / "server.log", "--workers", "1")
+    try:
+        _followers_bounded(server, factory_env, tmp_path)
+    finally:
+        server.stop()
+
+
+def _followers_bounded(server: Server, factory_env: dict, tmp_path: Path) -> None:
+    from tests.test_workers import BROKER
+
+    model = Path(factory_env["FACTORY_SERVE_SOURCES"]) / "tiny"
+    tokens = [server.token(f"user{i}") for i in range(9)]
+    job_id = qf(user_env(server, tokens[0], tmp_path / "u0"), "submit", model, "--awq", check=True).stdout.strip()
+    for token in tokens[1:]:  # the same job: each user owns it too, and may follow it
+        qf(user_env(server, token, tmp_path / "u"), "submit", model, "--awq", check=True)
+    followers = [Follower(server.url, tokens[0], job_id) for _ in range(8)]
+    ninth = Follower(server.url, tokens[0], job_id)
+    assert [f.status for f in followers] == [200] * 8 and ninth.status == 429
+    ninth.response.read()
+    assert ninth.response.json() == {"error": "user0 follows 8 jobs at once on this server, the most it allows; "
+                                              "stop one (Ctrl-C its `qf status --follow`) and follow again",
+                                     "exit_code": 5}
+    followers += [Follower(server.url, token, job_id) for token in tokens[1:8] for _ in range(8)]
+    assert [f.status for f in followers] == [200] * 64
+    refused = Follower(server.url, tokens[8], job_id)
+    assert refused.status == 429 and refused.response.read() and refused.response.json()["error"].startswith(
+        "this server has 64 followers, the most it allows")
+    broker = redis.Redis.from_url(BROKER)
+    channel = f"quantfactory:events:{job_id}"
+    assert broker.pubsub_numsub(channel) == [(channel.encode(), 64)]
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {tokens[8]}"}) as api:
+        assert api.get("/api/jobs").status_code == 200 and api.get(f"/api/jobs/{job_id}").status_code == 200
+    for f in followers:
+        f.close()
+    deadline = time.monotonic() + 20
+    while broker.pubsub_numsub(channel) != [(channel.encode(), 0)]:
+        assert time.monotonic() < deadline, broker.pubsub_numsub(channel)
+        time.sleep(0.2)
+    again = Follower(server.url, tokens[8], job_id)
+    assert again.status == 200
+    again.close()
+    assert "Traceback" not in server.log.read_text()

@@ -280,10 +280,12 @@ def _publisher(broker_url: str, job_id: str):
 def follow(catalog, broker_url: str, job_id: str, tick: float = 2.0) -> Iterator[dict | None]:
     """A job's events as its worker publishes them, until its result event or a terminal state; None every `tick`
     seconds without one (a follower over HTTP sends a keep-alive then). NotFound for a job that does not exist."""
+    client = redis.Redis.from_url(broker_url)
     try:
-        channel = redis.Redis.from_url(broker_url).pubsub(ignore_subscribe_messages=True)
+        channel = client.pubsub(ignore_subscribe_messages=True)
         channel.subscribe(EVENTS + job_id)
     except redis.RedisError:
+        client.close()
         raise _broker_unreachable() from None
     try:
         while True:
@@ -302,6 +304,7 @@ def follow(catalog, broker_url: str, job_id: str, tick: float = 2.0) -> Iterator
                 yield None
     finally:
         channel.close()
+        client.close()
 
 
 @app.task(name="quantfactory.reconcile", ignore_result=True)

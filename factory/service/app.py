@@ -22,7 +22,6 @@ manifest; sources are Hub repos or folders under FACTORY_SERVE_SOURCES.
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Annotated
@@ -48,6 +47,7 @@ from factory.errors import (
 )
 from factory.publish import folder
 from factory.service.accounts import PUBLIC, Account, Accounts, Unauthenticated
+from factory.service.followers import Followers
 
 MAX_BODY = 64 * 1024  # a submission is a few hundred bytes; a recipe a few kilobytes
 COOKIE = "qf_token"  # the dashboard's sign-in (service/dashboard.py); the API takes the Authorization header only
@@ -155,6 +155,7 @@ def create_app(config: settings.Settings | None = None) -> FastAPI:
     config = config or settings.load()
     factory = Factory(config)
     accounts = Accounts(factory.catalog)
+    followers = Followers()
     app = FastAPI(title="quantfactory", summary="Submit quantization jobs, follow them, pull finished quants.",
                   version="1")
     app.add_middleware(_BodyLimit)
@@ -230,13 +231,7 @@ def create_app(config: settings.Settings | None = None) -> FastAPI:
 
         who.require("read")
         accounts.check_job(who, job_id)
-        stream = follow(factory.catalog, config.broker_url, job_id)
-
-        def lines():
-            for event in stream:
-                yield ": keep-alive\n\n" if event is None else f"data: {json.dumps(event, default=str)}\n\n"
-
-        return StreamingResponse(lines(), media_type="text/event-stream", headers={"Cache-Control": "no-store"})
+        return followers.response(who.user, follow(factory.catalog, config.broker_url, job_id))
 
     @app.post("/api/jobs/{job_id}/cancel")
     def cancel(job_id: str, who: Who) -> dict:
