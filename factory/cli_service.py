@@ -34,8 +34,29 @@ def serve(
     if public:
         os.environ["FACTORY_SERVE_PUBLIC"] = "1"  # read by each server process (settings.load)
     _catalog()  # a catalog that cannot be reached is exit 5 before the port opens
+    _serve_from_an_empty_folder()
     uvicorn.run("factory.service.app:create_app", factory=True, host=host, port=port,
                 workers=workers or min(4, os.cpu_count() or 1), log_level="info", access_log=True)
+
+
+def _serve_from_an_empty_folder() -> None:
+    """The server processes run in an empty folder of their own: a source a user names by a relative name is a Hub
+    repo, never a file of the server's that happens to lie where `qf serve` was started (service/app.py). The
+    settings that name paths are made absolute first, for the server processes that read them again."""
+    import os
+    from pathlib import Path
+
+    from factory import settings
+
+    config = settings.load()
+    os.environ["FACTORY_HOME"] = str(config.home)
+    if config.db_url.startswith("sqlite:///"):
+        os.environ["FACTORY_DB_URL"] = "sqlite:///" + str(Path(config.db_url.removeprefix("sqlite:///")).resolve())
+    if config.serve_sources:
+        os.environ["FACTORY_SERVE_SOURCES"] = ":".join(str(p) for p in config.serve_sources)
+    empty = config.home / "serve"
+    empty.mkdir(parents=True, exist_ok=True)
+    os.chdir(empty)
 
 
 def _accounts():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -247,6 +248,53 @@ def test_bad_requests_get_one_sentence_and_never_reach_the_filesystem(finished, 
         assert "Traceback" not in server.log.read_text()
     finally:
         server.stop()
+
+
+def test_the_api_tells_a_user_nothing_of_the_server(finished, tmp_path):
+    """One answer for a source that is not allowed and one that is not there; no server path outside the served
+    folders, no database or broker address, to anyone but the admin; eval_windows of 3e9 is one sentence."""
+    qf_finished, _ = finished
+    env = {**os.environ, "FACTORY_HOME": str(qf_finished.home), "FACTORY_DB_URL": qf_finished.db_url,
+           "FACTORY_BROKER_URL": BROKER, "FACTORY_SERVE_SOURCES": str(tmp_path / "models")}
+    (tmp_path / "models").mkdir()
+    server = Server(env, tmp_path / "server.log")
+    try:
+        user, admin = (httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {server.token(name, *a)}"},
+                                    timeout=60) for name, *a in (("mallory",), ("root", "--scope", "admin")))
+
+        def answer(source: str) -> tuple[int, str]:
+            got = user.post("/api/jobs", json={"source": source, "flags": {"awq": True}})
+            return got.status_code, re.sub(r"^source '[^']*'", "source S", got.json()["error"])
+
+        there = [answer(s) for s in ("/etc", "/etc/passwd", "../../../../etc", str(qf_finished.home), "tests")]
+        not_there = [answer(s) for s in ("/etc/nothing-here", "/nothing/at/all", "../../../../nothing", "not-here")]
+        assert len(set(there + not_there)) == 1 and there[0][0] == 403, there + not_there
+        # Hub-shaped, and a path where `qf serve` was started (this repository) or not: the Hub is asked for both
+        assert answer("factory/cli.py") == answer("factory/nothing.py"), answer("factory/cli.py")
+        windows = user.post("/api/jobs", json={"source": "org/model", "flags": {"awq": True},
+                                               "eval_windows": 3_000_000_000})
+        assert windows.status_code == 422 and windows.json()["exit_code"] == 2, windows.text
+        assert "eval_windows: must be between 1 and 100000" in windows.json()["error"]
+        home = str(qf_finished.home)
+        for path in ("/api/quants", "/api/models/tiny", "/api/quants/tiny/awq-w4g128", "/api/jobs?limit=50"):
+            seen = user.get(path)
+            assert seen.status_code == 200 and home not in seen.text and "/tmp/" not in seen.text, (path, seen.text)
+        [quant] = user.get("/api/quants").json()
+        assert quant["source"] == "<server>/tiny" and admin.get("/api/quants").json()[0]["source"].startswith("/")
+    finally:
+        server.stop()
+    unreachable = Server({**env, "FACTORY_BROKER_URL": "redis://:secret@127.0.0.1:1/0"}, tmp_path / "down.log")
+    try:
+        token = unreachable.token("mallory")
+        (tmp_path / "models" / "tiny").mkdir()
+        down = httpx.post(unreachable.url + "/api/jobs", json={"source": str(tmp_path / "models" / "tiny")},
+                          headers={"Authorization": f"Bearer {token}"}, timeout=60)
+        assert down.status_code == 503 and down.json() == {
+            "error": "the factory's service cannot reach its catalog or broker now; try again later (its log says "
+                     "why)", "exit_code": 5}
+        assert "redis://:***@127.0.0.1:1/0 cannot be reached" in (tmp_path / "down.log").read_text()
+    finally:
+        unreachable.stop()
 
 
 class SlowProxy:

@@ -46,6 +46,7 @@ from factory.errors import (
     SpecError,
 )
 from factory.publish import folder
+from factory.service import redact
 from factory.service.accounts import PUBLIC, Account, Accounts, Unauthenticated
 from factory.service.followers import Followers
 
@@ -144,8 +145,14 @@ Who = Annotated[Account, Depends(account)]
 
 
 def visible_jobs(config: settings.Settings, who: Account, **query) -> list[dict]:
-    """status.job_rows of the jobs `who` may see: their own, or every job (admin, the public dashboard)."""
-    return status.job_rows(config.db_url, user=None if who.sees_every_job else who.user, **query)
+    """status.job_rows of the jobs `who` may see: their own, or every job (admin, the public dashboard); server
+    paths masked for all but the admin."""
+    return shown(status.job_rows(config.db_url, user=None if who.sees_every_job else who.user, **query), who, config)
+
+
+def shown(value, who: Account, config: settings.Settings):
+    """`value` as `who` may see it: whole for the admin, without the server's own paths for others."""
+    return value if who.admin else redact.paths(value, config)
 
 
 def create_app(config: settings.Settings | None = None) -> FastAPI:
@@ -163,9 +170,13 @@ def create_app(config: settings.Settings | None = None) -> FastAPI:
 
     @app.exception_handler(FactoryError)
     async def _factory_error(request: Request, e: FactoryError):
+        message = e.message if isinstance(e, _NotServed) else redact.paths(e.message, config)  # the log has it whole
+        if isinstance(e, ServiceUnavailable):  # which database or broker, where: the admin's business
+            log.warning("%s %s: %s", request.method, request.url.path, e.message)
+            message = "the factory's service cannot reach its catalog or broker now; try again later (its log says why)"
         if not request.url.path.startswith("/api/") and "text/html" in request.headers.get("accept", ""):
-            return dashboard.error_page(http_status(e), e.message)  # a person at a browser
-        return refusal(http_status(e), e.message, e.exit_code)
+            return dashboard.error_page(http_status(e), message)  # a person at a browser
+        return refusal(http_status(e), message, e.exit_code)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError):
@@ -256,14 +267,15 @@ def create_app(config: settings.Settings | None = None) -> FastAPI:
     @app.get("/api/quants")
     def quants(who: Who) -> list[dict]:
         who.require("read")
-        return [q.row().to_json() for q in factory.catalog.quants()]
+        return shown([q.row().to_json() for q in factory.catalog.quants()], who, config)
 
     @app.get("/api/models/{name}")
     def model(name: str, who: Who, tag: str | None = None, rev: str | None = None) -> dict:
         """`qf show NAME[:TAG]`: the model's quants (with what fits each GPU) and the user's jobs of it."""
         who.require("read")
         ref = _ref(name, tag, rev, tag_required=False)
-        return {"quants": [r.to_json() for r in lookup.with_fits(factory.catalog, config.registry, ref)],
+        return {"quants": shown([r.to_json() for r in lookup.with_fits(factory.catalog, config.registry, ref)], who,
+                                config),
                 "jobs": visible_jobs(config, who, limit=50, name=ref.name)}
 
     @app.get("/api/quants/{name}/{tag}")
@@ -271,7 +283,7 @@ def create_app(config: settings.Settings | None = None) -> FastAPI:
         """One quant (the newest revision, or `rev`) with its manifest: what `qf pull` downloads and checks."""
         who.require("read")
         found, manifest = _quant(name, tag, rev)
-        return {"quant": found.row().to_json(), "manifest": manifest}
+        return shown({"quant": found.row().to_json(), "manifest": manifest}, who, config)
 
     @app.get("/api/quants/{name}/{tag}/files/{fname}")
     def quant_file(name: str, tag: str, fname: str, who: Who, rev: str | None = None) -> FileResponse:
@@ -335,19 +347,22 @@ def _ref(name: str, tag: str | None, rev: str | None, tag_required: bool) -> nam
     return naming.parse(text, tag_required=tag_required)
 
 
+class _NotServed(AccessDenied):
+    """A source or text the user named that this factory does not serve: the sentence echoes what they sent."""
+
+
 def _check_source(source: str, config: settings.Settings) -> None:
-    """A source a service's user may name: a Hub repo, or a folder under FACTORY_SERVE_SOURCES (after following
-    links); never another path of the server's."""
-    path = Path(source).expanduser()
-    if path.is_absolute() or path.exists():
-        resolved = path.resolve()
-        if not any(resolved.is_relative_to(root) for root in config.serve_sources):
-            raise AccessDenied(f"source {source!r} is not in a folder this factory serves models from "
-                               "(FACTORY_SERVE_SOURCES); name a Hub repo org/name[@revision]")
-        return
-    if not sources.is_hub_name(source):
-        raise SpecError(f"source {source!r} is neither a Hub repo org/name[@revision] nor a folder this factory "
-                        "serves models from")
+    """A source a service's user may name: a Hub repo, or a folder under FACTORY_SERVE_SOURCES named by its
+    absolute path (after following links). Anything else gets one answer, whether or not it exists on the server:
+    the answer never tells a user what the server holds."""
+    path = Path(source)
+    if path.is_absolute():
+        allowed = any(path.resolve().is_relative_to(root) for root in config.serve_sources)
+    else:  # a Hub repo, as `qf serve` runs in an empty folder (cli_service.serve): no relative name is found there
+        allowed = sources.is_hub_name(source) and not path.exists()
+    if not allowed:
+        raise _NotServed(f"source {source!r} is neither a Hub repo org/name[@revision] nor a folder this factory "
+                           "serves models from (FACTORY_SERVE_SOURCES, by its absolute path)")
 
 
 def _check_text(text: str | None, config: settings.Settings) -> None:
@@ -355,6 +370,6 @@ def _check_text(text: str | None, config: settings.Settings) -> None:
     if text and text.startswith("file:"):
         _check_source(text.removeprefix("file:"), config)
         if not Path(text.removeprefix("file:")).is_absolute():
-            raise AccessDenied(f"{text!r}: a text file must be named by its absolute path in a folder this factory "
+            raise _NotServed(f"{text!r}: a text file must be named by its absolute path in a folder this factory "
                                "serves (FACTORY_SERVE_SOURCES)")
 
