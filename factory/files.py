@@ -2,16 +2,18 @@
 
 A source folder contributes its safetensors weights (and their index) and the companion files below, nothing else:
 the source identity hashes them, the Hub fetch downloads them, the engines see a staging folder that holds only
-them, and a quant carries them beside its engine's own outputs. A source file is read only when it is a regular
-file; a symlink is followed only when its target lies inside the source folder or inside the same Hugging Face
-cache repository (`models--ORG--NAME/`, whose snapshots link into `blobs/`). Anything else (a link leaving the
-folder, a FIFO, socket or device) is refused (ModelRefused, exit 3), before any of it is opened.
+them (the companions copied there at inspect, the weights linked), and a quant carries them beside its engine's own
+outputs. A source file is read only when it is a regular file; a symlink is followed only when its target lies inside
+the source folder or inside the same Hugging Face cache repository (`models--ORG--NAME/`, whose snapshots link into
+`blobs/`). Anything else (a link leaving the folder, a FIFO, socket or device) is refused (ModelRefused, exit 3),
+before any of it is opened.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import os
+import shutil
 import stat
 import tempfile
 from pathlib import Path
@@ -97,15 +99,42 @@ def upstream_card(folder: Path) -> str | None:
 
 
 def stage(folder: Path, dest: Path) -> Path:
-    """A folder of links to the checked source files only: what every engine and evaluator reads, so a tool that
-    copies "everything beside the weights" finds nothing else to copy."""
+    """The job's own copy of the source: every engine and evaluator reads this folder, and a quant's companions come
+    from it, so a tool that copies "everything beside the weights" finds nothing else to copy, and what the job
+    inspected is what it publishes, whatever becomes of the source folder later. The companions are copied, each
+    read through one descriptor opened without following a link (a file swapped for a link since it was checked is
+    refused, not read); the weights, too large to copy, are links that staged_files checks again."""
     files = source_files(folder)
     dest.mkdir(parents=True, exist_ok=True)
     for old in dest.iterdir():
         old.unlink()
     for name, path in files.items():
-        (dest / name).symlink_to(path)
+        if name in COMPANIONS:
+            _copy(path, dest / name)
+        else:
+            (dest / name).symlink_to(path)
     return dest
+
+
+def _copy(path: Path, dest: Path) -> None:
+    try:  # O_NONBLOCK: a FIFO swapped in does not make the open wait
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as e:
+        raise ModelRefused(f"{path.name} changed while it was read ({e.strerror}); the factory reads only regular "
+                           "files") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ModelRefused(f"{path.name} changed while it was read (it is not a regular file now); the factory "
+                               "reads only regular files")
+        with open(dest, "wb") as out:
+            shutil.copyfileobj(f, out)
+
+
+def staged_files(dest: Path, folder: Path) -> dict[str, Path]:
+    """What the staging folder `dest` of `folder` stands for: its companion copies, and the source files its weight
+    links reach, checked as source_files checks them (a weight swapped for a link out of the folder is refused)."""
+    roots = _roots(folder.resolve())
+    return {p.name: _checked(p, roots) if p.is_symlink() else p for p in sorted(dest.iterdir())}
 
 
 def check_publishable(folder: Path, outputs: tuple[str, ...]) -> None:

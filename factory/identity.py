@@ -2,7 +2,8 @@
 sha256 of a file, and the keys that decide when a job or a measurement is the same as an earlier one.
 
     source identity   `org/name@<commit sha>` for a Hub model; `sha256:<hex>` over a local folder's allowlisted
-                      files (factory/files.py), cached by path, size and mtime
+                      files (factory/files.py), cached by path, size and mtime; a job checks its staging folder
+                      against it at inspect and again before it publishes
     job key           hash(source identity, specs as written, calibration and eval sha256, windows, engine
                       versions, device)
     measurement key   hash(source identity, calibration sha256, rows, length, tool version)
@@ -18,7 +19,7 @@ import os
 import socket
 from pathlib import Path
 
-from factory.files import source_files, write_atomic
+from factory.files import source_files, staged_files, write_atomic
 
 
 def is_hub(identity: str) -> bool:
@@ -38,14 +39,22 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def folder_identity(folder: Path, cache_dir: Path) -> str:
+def folder_identity(folder: Path, cache_dir: Path, staged: Path | None = None) -> str:
+    """The identity of a local folder, over its source files (each file's sha256 cached by path, size and mtime).
+    With `staged` (the job's staging folder of `folder`, files.stage): the identity of what the job reads, its
+    companion copies hashed there (each time: they are small, and their paths are the job's) and its weights where
+    their links lead."""
     cache_file = cache_dir / "file-sha256.json"
     try:
         cache = json.loads(cache_file.read_text())
     except (OSError, ValueError):
         cache = {}
     entries, hashed = [], False
-    for name, f in source_files(folder).items():  # regular files only: a bad link or a FIFO is refused here
+    found = staged_files(staged, folder) if staged else source_files(folder)
+    for name, f in found.items():  # regular files only: a bad link or a FIFO is refused here
+        if staged and f.parent == staged:
+            entries.append(f"{name}:{file_sha256(f)}")
+            continue
         st = f.stat()
         stamp = f"{st.st_size}:{st.st_mtime_ns}"
         hit = cache.get(str(f))

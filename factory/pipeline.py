@@ -285,12 +285,13 @@ class Factory(Planning, Conversions, Evaluations):
     def _read(self, job: Job, fetched: Path | None, where: Path) -> Prepared:
         """Check the source, stage it under `where`, resolve the specs against it and read the calibration and
         eval texts' token ids (tokenized once, then from cache/tokens/): what every unit works from. Writes nothing
-        to the catalog (a helping worker reads a job this way, into a folder of its own: staging replaces the links
+        to the catalog (a helping worker reads a job this way, into a folder of its own: staging replaces the files
         the job's own units read)."""
         source_folder = fetched or self._local_folder(job)
         specs = engines.specs_from_dicts(job.specs)
         info = inspect(source_folder, engines.architectures(specs))
         folder = files.stage(source_folder, where / "source")
+        self._check_staged(job, source_folder, folder, "since the job was submitted", "submit it again")
         specs = [engines.resolve(spec, info, job.device) for spec in specs]
         cal = _text(job.calibration, job.calibration_sha)
         cal_ids = self._tokens(job, folder, cal)
@@ -330,8 +331,22 @@ class Factory(Planning, Conversions, Evaluations):
                     refused[tag] = QualityGateRefused.divergence(tag, divergence.mean, job.max_kld)
         return refused
 
+    def _check_staged(self, job: Job, source_folder: Path, staged: Path, since: str, then: str) -> None:
+        """What the job reads, its staging of a local folder, is what was submitted (a Hub commit was checked by its
+        fetch): ModelRefused says that the source changed `since`, and `then` what to do."""
+        if identity.is_hub(job.source_identity):
+            return
+        try:
+            same, why = identity.folder_identity(source_folder, self.settings.cache, staged) == job.source_identity, ""
+        except ModelRefused as e:  # a file became a link out of the folder, a FIFO, ...
+            same, why = False, f" ({e.message})"
+        if not same:
+            raise ModelRefused(f"source folder {job.source!r} changed {since}{why}; {then}")
+
     def _publish(self, job: Job, prepared: Prepared, spec: QuantSpec, out: Path, scores: publishing.Scores) -> None:
         with self._step(job.id, f"publish:{spec.tag}"):
+            source = Path(job.source)
+            self._check_staged(job, source, prepared.folder, "since it was inspected", "nothing was published")
             self.publisher.to_registry(job, spec, out, scores, prepared.upstream, self.token)
         publishing.moment("ended")
 

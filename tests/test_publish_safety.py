@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -181,3 +182,53 @@ def test_a_kill_at_any_moment_of_publishing_leaves_status_ls_and_registry_agreei
     assert job["state"] == "succeeded" and quant["path"] == f"tiny/{placed.name}"
     assert "<|im_start|>user\nWhat is the capital of France?<|im_end|>" in _card(qf)
     assert not list((qf.home / "registry").glob(f"*/{registry.STAGING}*"))
+
+
+# -- what was inspected is what is published -----------------------------------------------------------------------
+
+
+def _swapped_after(qf: Qf, model, step: str, name: str, secret) -> subprocess.CompletedProcess:
+    """`qf run` of `model`, whose `name` becomes a link to `secret` (outside the folder) once `step` has started."""
+    proc = qf_process(qf, "run", model, *RUN, "--json", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        _events_until(proc, step)
+        (model / name).unlink()
+        (model / name).symlink_to(secret)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _holds(qf: Qf, data: bytes) -> list:
+    return [p for p in qf.home.rglob("*") if p.is_file() and not p.is_symlink() and data in p.read_bytes()]
+
+
+def test_a_companion_swapped_for_a_link_after_inspect_publishes_the_inspected_bytes(qf, model_copy, tmp_path):
+    """tokenizer_config.json becomes a link to a secret outside the folder while the quant is made (after inspect
+    staged the source): the quant carries the bytes inspect hashed, and no file under FACTORY_HOME holds the
+    secret."""
+    model = model_copy("tiny")
+    inspected = (model / "tokenizer_config.json").read_bytes()
+    secret = tmp_path / "id_rsa"
+    secret.write_text('{"secret": "-----BEGIN OPENSSH PRIVATE KEY----- s3cret"}')
+    done = _swapped_after(qf, model, "quantize:awq-w4g128", "tokenizer_config.json", secret)
+    assert done.returncode == 0, done.stderr
+    [quant] = qf.json("ls")
+    assert (qf.home / "registry" / quant["path"] / "tokenizer_config.json").read_bytes() == inspected
+    assert _holds(qf, b"s3cret") == []
+
+
+def test_weights_swapped_for_a_link_after_inspect_are_refused_at_publish(qf, model_copy, tmp_path):
+    """model.safetensors becomes a link to another checkpoint's weights outside the folder before publishing: the
+    job fails with one sentence, exit 3, and publishes nothing."""
+    model = model_copy("tiny")
+    other = tmp_path / "private.safetensors"
+    shutil.copyfile(model / "model.safetensors", other)
+    done = _swapped_after(qf, model, "publish:awq-w4g128", "model.safetensors", other)
+    assert done.returncode == 3
+    assert done.stderr.splitlines()[-1] == (
+        f"error: source folder {str(model)!r} changed since it was inspected (model.safetensors is a link to "
+        f"'{other}', outside the model folder; copy the file into the folder if it belongs to the model); nothing "
+        "was published")
+    assert qf.json("ls") == [] and not (qf.home / "registry" / "tiny").exists()
