@@ -368,9 +368,12 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 DOCS = ROOT / "docs"
 
 
-def _browse(url: str, screenshot: Path | None = None) -> str:
-    """The page's DOM after Chromium rendered it (and, where asked, a screenshot of it)."""
+def _browse(url: str, screenshot: Path | None = None, wait_ms: int = 0) -> str:
+    """The page's DOM after Chromium rendered it (and, where asked, a screenshot of it); `wait_ms` of (virtual)
+    time for a page's scripts to finish first. No network but this machine's (Chromium's own is switched off)."""
     flags = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--window-size=1280,900",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync", "--no-first-run",
+             *([f"--virtual-time-budget={wait_ms}"] if wait_ms else []),
              f"--user-data-dir={Path(os.environ.get('TMPDIR', '/tmp')) / 'qf-chromium'}"]
     if screenshot is not None:
         subprocess.run([*flags, f"--screenshot={screenshot}", url], capture_output=True, timeout=120, check=True)
@@ -405,6 +408,11 @@ def test_the_dashboard_in_a_browser(finished, tmp_path):
         assert 'class="step"' in job and "quantize:awq-w4g128" in job
         missing = _browse(server.url + "/models/nosuchmodel")
         assert "no model named 'nosuchmodel'" in missing
+        docs_page = httpx.get(server.url + "/docs").text  # the API's docs work without internet: every asset is ours
+        assets = re.findall(r'(?:src|href)="([^"]+)"', docs_page) + re.findall(r"url: '([^']+)'", docs_page)
+        assert assets and all(a.startswith("/") and httpx.get(server.url + a).status_code == 200 for a in assets)
+        docs = _browse(server.url + "/docs", shots / "api-docs.png", wait_ms=8000)
+        assert "/api/jobs/{job_id}/events" in docs and "opblock" in docs  # Swagger UI rendered our API
     finally:
         server.stop()
 

@@ -29,6 +29,7 @@ from typing import Annotated
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+from fastapi_offline import FastAPIOffline
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
@@ -163,8 +164,9 @@ def create_app(config: settings.Settings | None = None) -> FastAPI:
     factory = Factory(config)
     accounts = Accounts(factory.catalog)
     followers = Followers()
-    app = FastAPI(title="quantfactory", summary="Submit quantization jobs, follow them, pull finished quants.",
-                  version="1")
+    # The API's docs (/docs, /redoc) from files in the fastapi-offline wheel: a factory without internet shows them too.
+    app = FastAPIOffline(title="quantfactory", summary="Submit quantization jobs, follow them, pull finished quants.",
+                         version="1")
     app.add_middleware(_BodyLimit)
     app.state.config, app.state.factory, app.state.accounts = config, factory, accounts
 
