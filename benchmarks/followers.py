@@ -6,8 +6,8 @@
 Starts `qf serve` (its default processes) on a fresh catalog with one queued job of the tiny model; times 50
 `GET /api/jobs` and 50 `GET /api/jobs/J` (target: well under a second each) with no followers, then with
 `--followers` streams open from 32 users (past the bound most are refused with 429), then counts the server's Redis
-connections (CLIENT LIST, by the server's client name) 10 s after every client left. Writes
-benchmarks/results/followers.json.
+connections (CLIENT LIST: those opened since it started) 10 s after every client left. Adds its run to
+benchmarks/results/followers.json (one per commit; the first is the code before the bound, at 2f361d2).
 """
 
 from __future__ import annotations
@@ -118,7 +118,9 @@ def main() -> None:
         finally:
             server.terminate()
             server.wait(timeout=30)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     result = {
+        "commit": commit.stdout.strip(),
         "command": "benchmarks/followers.py " + " ".join(sys.argv[1:]),
         "cpu_cores": os.cpu_count(),
         "followers_asked": args.followers,
@@ -129,8 +131,9 @@ def main() -> None:
         "redis_connections_while_following": during,
         "redis_connections_10s_after_clients_left": after,
     }
-    out = ROOT / "benchmarks" / "results" / "followers.json"
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    out = ROOT / "benchmarks" / "results" / "followers.json"  # one run per commit: the code before a fix stays
+    runs = [r for r in (json.loads(out.read_text()) if out.exists() else []) if r["commit"] != result["commit"]]
+    out.write_text(json.dumps([*runs, result], indent=2) + "\n")
     print(json.dumps(result, indent=2))
 
 
