@@ -47,7 +47,7 @@ def _agree(qf: Qf) -> tuple[dict, list[dict]]:
     return job, listed
 
 
-def steps(job: dict) -> dict[str, str]:
+def _steps(job: dict) -> dict[str, str]:
     """Each step's state in its last attempt."""
     return {s["name"]: s["state"] for s in job["steps"]}
 
@@ -151,7 +151,7 @@ def test_a_kill_at_any_moment_of_publishing_leaves_status_ls_and_registry_agreei
 
     _killed_at(qf, "card", model, *RUN)
     job, listed = _agree(qf)
-    assert (job["state"], listed, steps(job)["publish:awq-w4g128"]) == ("running", [], "running")
+    assert (job["state"], listed, _steps(job)["publish:awq-w4g128"]) == ("running", [], "running")
 
     # SIGTERM inside the row's transaction (units one at a time: in the main thread): the folder goes again
     proc = _stopped_at(qf, "placed", model, *RUN, FACTORY_MAX_UNITS="1")
@@ -169,12 +169,12 @@ def test_a_kill_at_any_moment_of_publishing_leaves_status_ls_and_registry_agreei
 
     _killed_at(qf, "recorded", model, *RUN)
     job, [quant] = _agree(qf)
-    assert (job["state"], quant["path"], steps(job)["publish:awq-w4g128"]) == ("running", f"tiny/{placed.name}",
+    assert (job["state"], quant["path"], _steps(job)["publish:awq-w4g128"]) == ("running", f"tiny/{placed.name}",
                                                                                "running")
 
     _killed_at(qf, "ended", model, *RUN)
     job, [_] = _agree(qf)
-    assert (job["state"], steps(job)["publish:awq-w4g128"]) == ("running", "succeeded")
+    assert (job["state"], _steps(job)["publish:awq-w4g128"]) == ("running", "succeeded")
 
     again = qf("run", model, *RUN)
     assert again.exit_code == 0, again.output

@@ -2,10 +2,10 @@
 
 A chat template is code from the source (Jinja), and jinja2's sandbox keeps it from reaching anything but does not
 bound its loops: 80 bytes of two nested `range(99999)` loops ran for 272 s inside the publish step and ignored
-SIGTERM. So the template runs in a child process of its own (`python -I -m factory.publish.prompt`, an empty
-environment) that is killed after SECONDS of wall time, may use at most MEMORY bytes of address space and CPU time
-for SECONDS, and whose output stops at MAX_BYTES. Whatever goes wrong, the card goes without the example and says
-why in one line; the publish goes on (tests/test_publish_safety.py).
+SIGTERM. So the template runs in a child process of its own (`python -I`, an empty environment) that is killed after
+SECONDS of wall time, may use at most MEMORY bytes of address space and CPU time for SECONDS, and whose output stops
+at MAX_BYTES. Whatever goes wrong, the card goes without the example and says why in one line; the publish goes on
+(tests/test_publish_safety.py).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import resource
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 SECONDS = 5.0
 MAX_BYTES = 64 << 10
@@ -23,6 +24,9 @@ EXAMPLE = [{"role": "system", "content": "You are a helpful assistant."},
            {"role": "user", "content": "What is the capital of France?"}]
 TOO_LONG, NOT_RENDERED, OUT_OF_MEMORY = 3, 4, 5  # the child's exit codes besides 0
 log = logging.getLogger("quantfactory")
+# this very module, wherever it was imported from (-I: no environment, no current folder, no user site)
+CHILD = f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r}); " \
+        "from factory.publish.prompt import _child; _child()"
 
 
 @dataclass(frozen=True)
@@ -36,7 +40,7 @@ class Example:
 
 def example(template: str) -> Example:
     try:
-        done = subprocess.run([sys.executable, "-I", "-m", __name__], input=template.encode(), capture_output=True,
+        done = subprocess.run([sys.executable, "-I", "-c", CHILD], input=template.encode(), capture_output=True,
                               timeout=SECONDS, env={})
     except subprocess.TimeoutExpired:  # subprocess.run has killed it (SIGKILL)
         return _none(f"rendering it took longer than {SECONDS:g} s")
@@ -87,7 +91,3 @@ def _child() -> None:
     except Exception:  # a template that needs more than transformers' usual variables
         raise SystemExit(NOT_RENDERED) from None
     sys.stdout.buffer.write(out)
-
-
-if __name__ == "__main__":
-    _child()
