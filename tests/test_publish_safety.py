@@ -74,25 +74,6 @@ def test_the_prompt_example_is_rendered_with_bounds(template, example, why_not):
     assert time.monotonic() - start < prompt.SECONDS + 2
 
 
-def test_a_chat_template_bomb_leaves_the_card_without_its_example(qf, model_copy):
-    """The 80-byte template that ran 272 s at publish: the run succeeds in well under a minute, and the card says
-    why it shows no example."""
-    model = model_copy("tiny")
-    (model / "chat_template.jinja").write_text(BOMB)
-    proc = qf_process(qf, "run", model, *RUN, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        _, err = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
-    assert proc.returncode == 0, err
-    job, _ = _agree(qf)
-    assert job["state"] == "succeeded"
-    text = _card(qf)
-    assert ("The quants carry the base model's chat template (`chat_template.jinja`). No example is shown: it renders "
-            "to more than 64 KiB.\n") in text
-    assert "xxxx" not in text
-
-
 # -- interrupts and kills at any moment of publishing --------------------------------------------------------------
 
 
@@ -184,17 +165,17 @@ def test_a_kill_at_any_moment_of_publishing_leaves_status_ls_and_registry_agreei
     assert not list((qf.home / "registry").glob(f"*/{registry.STAGING}*"))
 
 
-# -- what was inspected is what is published -----------------------------------------------------------------------
+# -- a hostile source: a template bomb, files swapped after inspect ------------------------------------------------
 
 
-def _swapped_after(qf: Qf, model, step: str, name: str, secret) -> subprocess.CompletedProcess:
+def _swapped_after(qf: Qf, model, step: str, name: str, secret, timeout: float = 120) -> subprocess.CompletedProcess:
     """`qf run` of `model`, whose `name` becomes a link to `secret` (outside the folder) once `step` has started."""
     proc = qf_process(qf, "run", model, *RUN, "--json", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         _events_until(proc, step)
         (model / name).unlink()
         (model / name).symlink_to(secret)
-        out, err = proc.communicate(timeout=120)
+        out, err = proc.communicate(timeout=timeout)
     finally:
         proc.kill()
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
@@ -204,17 +185,25 @@ def _holds(qf: Qf, data: bytes) -> list:
     return [p for p in qf.home.rglob("*") if p.is_file() and not p.is_symlink() and data in p.read_bytes()]
 
 
-def test_a_companion_swapped_for_a_link_after_inspect_publishes_the_inspected_bytes(qf, model_copy, tmp_path):
-    """tokenizer_config.json becomes a link to a secret outside the folder while the quant is made (after inspect
-    staged the source): the quant carries the bytes inspect hashed, and no file under FACTORY_HOME holds the
-    secret."""
+def test_a_template_bomb_and_a_companion_swapped_after_inspect(qf, model_copy, tmp_path):
+    """Two attacks of one hostile source folder in one run (CI's time is short): its chat_template.jinja is the
+    80-byte template that ran 272 s at publish, and its tokenizer_config.json becomes a link to a secret outside the
+    folder while the quant is made (after inspect staged the source). The run succeeds in well under a minute; the
+    card says why it shows no prompt example; the quant carries the tokenizer_config.json that inspect hashed, and
+    no file under FACTORY_HOME holds the secret."""
     model = model_copy("tiny")
+    (model / "chat_template.jinja").write_text(BOMB)
     inspected = (model / "tokenizer_config.json").read_bytes()
     secret = tmp_path / "id_rsa"
     secret.write_text('{"secret": "-----BEGIN OPENSSH PRIVATE KEY----- s3cret"}')
-    done = _swapped_after(qf, model, "quantize:awq-w4g128", "tokenizer_config.json", secret)
+    done = _swapped_after(qf, model, "quantize:awq-w4g128", "tokenizer_config.json", secret, timeout=60)
     assert done.returncode == 0, done.stderr
-    [quant] = qf.json("ls")
+    job, [quant] = _agree(qf)
+    assert job["state"] == "succeeded"
+    text = _card(qf)
+    assert ("The quants carry the base model's chat template (`chat_template.jinja`). No example is shown: it renders "
+            "to more than 64 KiB.\n") in text
+    assert "xxxx" not in text
     assert (qf.home / "registry" / quant["path"] / "tokenizer_config.json").read_bytes() == inspected
     assert _holds(qf, b"s3cret") == []
 
