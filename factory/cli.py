@@ -561,9 +561,26 @@ def _options(server: Annotated[str | None, typer.Option(
         os.environ["FACTORY_SERVER"] = server
 
 
+def command() -> typer.core.TyperGroup:
+    """The click command `qf` runs, with typer's rich help mended once for every command: a group's Commands panel
+    keeps the line breaks of each command's docstring (sentences broke mid-line at any width; paragraphs stay),
+    and --help, a flag, showed the metavar <bool> (the factory's flags set metavar="" for the same reason)."""
+    group = typer.main.get_command(app)
+    todo = [group]
+    while todo:
+        each = todo.pop()
+        if each.help:
+            each.help = "\n\n".join(p if p.startswith("\b") else p.replace("\n", " ") for p in each.help.split("\n\n"))
+        help_option = each.get_help_option(typer.Context(each))
+        if help_option is not None:
+            help_option.metavar = ""
+        todo.extend(getattr(each, "commands", {}).values())
+    return group
+
+
 def main() -> None:
     try:
-        app(standalone_mode=True)
+        command()(standalone_mode=True)
     except SpecError as e:  # raised while typer parses options
         err.print(f"error: {e.message}", markup=False)
         sys.exit(e.exit_code)

@@ -46,7 +46,7 @@ def worker(
     queues: Annotated[str, typer.Option("--queues", help="Queues to take jobs from.")] = "gpu,cpu",
     max_units: UnitsOpt = None,
     slots: Annotated[int, typer.Option("--slots", min=1, help="Jobs run at once on this worker's GPU, each packing "
-                                       "its units into its share of the card (default 1).")] = 1,
+                                       "its units into its share of the card.")] = 1,
 ) -> None:
     """Start a Celery worker with the factory's settings: one job at a time (per slot), acknowledged when done. A
     catalog or broker that cannot be reached is exit 5 before it takes any message."""
