@@ -22,7 +22,6 @@ import typer
 from rich.console import Console
 from rich.progress import (
     BarColumn,
-    MofNCompleteColumn,
     Progress,
     SpinnerColumn,
     TextColumn,
@@ -106,8 +105,7 @@ class Renderer:
             SpinnerColumn(),
             TextColumn("{task.description}"),
             BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("{task.fields[unit]}"),
+            TextColumn("{task.fields[count]}"),
             TimeElapsedColumn(),
             console=err,
         )
@@ -144,22 +142,23 @@ class Renderer:
             self._step(event)
         elif kind == "progress":
             if self.live and event["step"] not in self.tasks:  # following a step that started before we looked
-                self.tasks[event["step"]] = self.progress.add_task(event["step"], total=None, unit="")
+                self.tasks[event["step"]] = self.progress.add_task(event["step"], total=None, count="")
             task = self.tasks.get(event["step"])
             if task is not None and "total" in event:
-                self.progress.update(task, total=event["total"], completed=event["done"], unit=event.get("unit", ""))
+                self.progress.update(task, total=event["total"], completed=event["done"], count=_count(event))
             elif not self.live and "total" in event and time.monotonic() - self.last_line > HEARTBEAT_SECONDS:
-                self._line(f"{event['step']}: {event['done']:g} of {event['total']:g} {event.get('unit', '')}".rstrip())
+                self._line(f"{event['step']}: {_count(event)}")
         elif kind == "evaluation":
-            divergence = (f", KL divergence from FP16 {event['kld']:.4f} (p99 {event['kld_p99']:.3f}), top-1 "
-                          f"{event['top1'] * 100:.1f}%" if "kld" in event else "")
+            divergence = (f", KL divergence from FP16 {tables.kld(event['kld'])} (p99 "
+                          f"{tables.kld(event['kld_p99'], 3)}), top-1 {event['top1'] * 100:.1f}%"
+                          if "kld" in event else "")
             self._line(f"perplexity {event['subject']}: {event['ppl']:.4f}{divergence}")
 
     def _step(self, event: dict) -> None:
         name, state = event["step"], event["state"]
         if state == "running":
             if self.live:
-                self.tasks[name] = self.progress.add_task(name, total=None, unit="")
+                self.tasks[name] = self.progress.add_task(name, total=None, count="")
             else:
                 self._line(f"{name} ...")
             return
@@ -178,6 +177,16 @@ class Renderer:
     def _line(self, text: str) -> None:
         self.last_line = time.monotonic()
         (self.progress.console if self.live else err).print(text, markup=False, highlight=False)
+
+
+def _count(event: dict) -> str:
+    """A progress event's count as people say it: "layer 3 of 30", "window 5 of 48", "37.5%", "1.2 MiB of 4.0 MiB"."""
+    done, total, unit = event["done"], event["total"], event.get("unit", "")
+    if unit == "%":
+        return f"{100 * done / total:.3g}%" if total else f"{done:g}%"
+    if unit == "B":
+        return f"{tables.size(done)} of {tables.size(total)}"
+    return f"{unit} {done:g} of {total:g}".strip()
 
 
 def _factory(emit=lambda e: None, max_units: int | None = None):

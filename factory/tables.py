@@ -58,6 +58,13 @@ def size(n: float) -> str:
     return f"{n:.2f} GiB"
 
 
+def kld(value: float, digits: int = 4) -> str:
+    """A KL divergence as people read it. Its estimator's sampled tail term can dip a hair below zero for a quant
+    that is almost FP16 (factory/kld.py); a divergence is never negative, so the shown value stops at 0 (never
+    "-0.0000"), and the raw one stays in --json."""
+    return f"{max(value, 0.0):.{digits}f}"
+
+
 def duration(seconds: float) -> str:
     """12 s, 4 min, 1.5 h."""
     if seconds < 90:
@@ -76,7 +83,7 @@ def quants(rows: list, width: int, title: str | None = None) -> Table:
         Col("SIZE", [size(r.bytes) for r in rows], right=True),
         Col("PPL", [f"{r.ppl:.4f}" for r in rows], right=True),
         Col("VS FP16", [f"{r.change * 100:+.2f}%" for r in rows], right=True),
-        Col("KLD", ["-" if r.kld is None else f"{r.kld:.4f}" for r in rows], priority=1, right=True),
+        Col("KLD", ["-" if r.kld is None else kld(r.kld) for r in rows], priority=1, right=True),
         Col("TOP-1", ["-" if r.top1 is None else f"{r.top1 * 100:.1f}%" for r in rows], priority=1, right=True),
         Col("SOURCE", [r.source_identity[:19] for r in rows], priority=3),
     ], width, title)

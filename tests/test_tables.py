@@ -88,7 +88,7 @@ def test_piped_progress_prints_a_heartbeat(monkeypatch, capsys):
     with cli.Renderer(as_json=False) as render:
         render({"event": "step", "step": "quantize:exl2-4.0bpw", "state": "running"})
         render({"event": "progress", "step": "quantize:exl2-4.0bpw", "done": 37.5, "total": 100, "unit": "%"})
-    assert capsys.readouterr().err.splitlines() == ["quantize:exl2-4.0bpw ...", "quantize:exl2-4.0bpw: 37.5 of 100 %"]
+    assert capsys.readouterr().err.splitlines() == ["quantize:exl2-4.0bpw ...", "quantize:exl2-4.0bpw: 37.5%"]
 
 
 def test_the_readmes_sample_output_is_what_qf_prints():

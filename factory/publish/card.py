@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 
 from calibration import public_name
-from factory import engines
+from factory import engines, tables
 from factory.publish import prompt
 from factory.publish.upstream import Upstream
 from factory.published import QuantRow
@@ -45,7 +45,7 @@ def _how_to_load(row: QuantRow, place=None) -> str:
 
 
 def _kld(r: QuantRow) -> str:
-    return "n/a" if r.kld is None else f"{r.kld:.4f}"
+    return "n/a" if r.kld is None else tables.kld(r.kld)
 
 
 def _top1(r: QuantRow) -> str:
