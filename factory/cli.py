@@ -481,17 +481,20 @@ def plan(
     as_json: JsonOpt = False,
 ) -> None:
     """What fits a GPU with its context and KV cache, as each engine's memory model says (every size and the
-    highest that fits, or an estimate for its server); reads only the config and safetensors headers. --json: the
-    numbers by engine."""
+    highest that fits, or an estimate for its server); an engine that cannot convert the model says why instead.
+    Reads only the config and safetensors headers. --json: the numbers by engine ({"refused": why} for those)."""
     from factory import vram as memory
 
     budget = memory.parse_size(vram)
-    shape, params = memory.source_shape(source)
-    plans = {e.name: p for e in engines.all_engines()
-             if (p := e.memory_plan(shape, params, budget, ctx, kv_cache, gpus)) is not None}
+    shape, params, info = memory.source_model(source)
+    refused = {e.name: why for e in engines.all_engines() if (why := e.refuse(info)) is not None}
+    plans = {e.name: p for e in engines.all_engines() if e.name not in refused
+             and (p := e.memory_plan(shape, params, budget, ctx, kv_cache, gpus)) is not None}
     times = _conversion_times(list(plans), params.total)
     if as_json:
-        print(json.dumps({name: {**p.data, "expected_seconds": times[name]} for name, p in plans.items()}, indent=2))
+        answers = {name: {**p.data, "expected_seconds": times[name]} for name, p in plans.items()}
+        answers.update({name: {"refused": why} for name, why in refused.items()})
+        print(json.dumps(dict(sorted(answers.items())), indent=2))
         return
     for plan_ in sorted(plans.values(), key=lambda p: not p.rows):  # tables first
         if plan_.rows:
@@ -515,6 +518,8 @@ def _conversion_times(names: list[str], parameters: int) -> dict[str, dict]:
     read, else the engines' estimates."""
     from factory.jobs import eta
 
+    for why in refused.values():
+        out.print(why, markup=False, highlight=False)
     url = settings.load().db_url
     catalog = None
     if settings.database_kind(url) != "sqlite" or Path(url.removeprefix("sqlite:///")).is_file():  # none: none made

@@ -102,13 +102,7 @@ def inspect(folder: Path, architectures: Collection[str]) -> ModelInfo:
         _check_index(files[INDEX], headers)
     tensors = {k: v for h in headers.values() for k, v in h.items()}
     check_against_tensors(config, {name: info["shape"] for name, info in tensors.items()})
-    in_features = sorted(
-        {
-            info["shape"][1]
-            for key, info in tensors.items()
-            if len(info["shape"]) == 2 and key.endswith(".weight") and key.split(".")[-2] in QUANTIZED_LINEARS
-        }
-    )
+    in_features = _in_features({name: info["shape"] for name, info in tensors.items()})
     if not in_features:
         raise ModelRefused(f"no quantizable linear layers ({', '.join(QUANTIZED_LINEARS)}) in the weights")
     return ModelInfo(
@@ -120,6 +114,27 @@ def inspect(folder: Path, architectures: Collection[str]) -> ModelInfo:
         in_features=in_features,
         max_positions=config.get("max_position_embeddings"),
     )
+
+
+def layout_info(config: dict, shapes: dict[str, list[int]]) -> ModelInfo:
+    """What the engines' `refuse` reads of a checkpoint known by its config and tensor shapes only (`qf plan` of a
+    folder or a Hub repo, sources.layout): no files, so no weight files or bytes."""
+    arches = config.get("architectures")
+    return ModelInfo(
+        architecture=str(arches[0]) if isinstance(arches, list) and arches else str(arches),
+        model_type=str(config.get("model_type", "")),
+        config=config,
+        weight_files=[],
+        weight_bytes=0,
+        in_features=_in_features(shapes),
+        max_positions=config.get("max_position_embeddings"),
+    )
+
+
+def _in_features(shapes: dict[str, list[int]]) -> list[int]:
+    """Input dims of the linears the engines quantize."""
+    return sorted({dims[1] for name, dims in shapes.items()
+                   if len(dims) == 2 and name.endswith(".weight") and name.split(".")[-2] in QUANTIZED_LINEARS})
 
 
 def _read_at_most(path: Path, most: int, what: str) -> bytes:

@@ -11,8 +11,12 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from factory.errors import SpecError
+
+if TYPE_CHECKING:
+    from factory.inspect import ModelInfo
 
 GiB, MiB = 2**30, 2**20
 # The CUDA context, cuBLAS and the kernels a runtime loads: what a process holds outside PyTorch's allocator,
@@ -127,8 +131,16 @@ def tensor_bytes(folder: Path) -> dict[str, int]:
 
 def source_shape(source: str) -> tuple[Shape, Params]:
     """Shape and parameter counts of an FP16 checkpoint, a local folder or a Hub repo (config and headers only)."""
+    shape, params, _ = source_model(source)
+    return shape, params
+
+
+def source_model(source: str) -> tuple[Shape, Params, ModelInfo]:
+    """source_shape, and what the engines' `refuse` reads of the checkpoint (`qf plan` leaves out the engines that
+    refuse it, with their reason)."""
     from factory import sources
+    from factory.inspect import layout_info
 
     config, tensors = sources.layout(source)
     shape = Shape.of(config)
-    return shape, Params.of(tensors, shape)
+    return shape, Params.of(tensors, shape), layout_info(config, tensors)

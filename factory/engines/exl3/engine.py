@@ -193,7 +193,10 @@ class Exl3Engine(Engine):
         result, h = memory.plan(shape, params, budget, ctx, cache), human
         title = (f"EXL3 with exllamav3: {h(budget)}, {result['ctx']} tokens, {cache} cache, "
                  f"{h(result['headroom'])} left free")
-        return MemoryPlan.by_bpw(result, title, "EXL3", per_gpu=False)
+        plan = MemoryPlan.by_bpw(result, title, "EXL3", per_gpu=False)
+        if note := memory.same_weights(result):
+            plan.lines.append(note)
+        return plan
 
     def how_to_load(self, folder: str) -> str:
         return card.how_to_load(folder)

@@ -96,6 +96,16 @@ def exllamav3(shape: Shape, weights: int, ctx: int, cache: str) -> dict[str, int
     return parts
 
 
+def same_weights(result: dict) -> str | None:
+    """Why a plan's weights do not grow with the bits, where they do not: a model whose tensors are all up to
+    SLAB_MAX_TENSOR and weigh less than a block at 8.0 bpw takes the same blocks at every size (Gemma-3-270M peaked
+    the same at 2.0 to 6.0 bpw, benchmarks/results/h200-2026-12-02). Not a flaw of the model: exllamav3 does that."""
+    if len({r["weights"] for r in result["rows"]}) != 1:
+        return None
+    return (f"EXL3 weights are the same at every size: exllamav3 loads tensors of up to {SLAB_MAX_TENSOR // MiB} MiB "
+            f"into {SLAB // MiB} MiB blocks, and this model's fill the same blocks at 1.0 and 8.0 bpw")
+
+
 def plan(shape: Shape, params: Params, budget: int, ctx: int | None = None, cache: str = "fp16", gpus: int = 1,
          headroom: int = HEADROOM, head_bits: int = 6) -> dict:
     """Predicted use for every bpw in [1.0, 8.0] and the highest that fits `budget` with `headroom` left (one GPU:
