@@ -33,7 +33,7 @@ def _agree(qf: Qf) -> tuple[dict, list[dict]]:
     has its folder, which matches its manifest; the registry holds no other quant folder; a job with a published
     quant is not failed nor cancelled (this job has one quant and no push: published means succeeded once it
     ended)."""
-    [job] = qf.json("jobs")
+    [job] = qf.json("status")  # the recent jobs, this one alone
     listed = qf.json("ls")
     folders = {str(p.relative_to(qf.home / "registry")) for p in (qf.home / "registry").glob("*/*")
                if p.is_dir() and not p.name.startswith(registry.STAGING)}
@@ -144,7 +144,7 @@ def test_a_kill_at_any_moment_of_publishing_leaves_status_ls_and_registry_agreei
 
     _killed_at(qf, "placed", model, *RUN)
     [placed] = (qf.home / "registry" / "tiny").glob("awq-w4g128@*")
-    [job] = qf.json("jobs")
+    [job] = qf.json("status")
     assert (job["state"], qf.json("ls")) == ("running", [])  # in place, not published
     registry.verify(placed)
 
