@@ -1,4 +1,4 @@
-"""How a job's cost grows with the model (CUDA): the EXL2 measurement and one quant pass of GPU.md's random 1.1B
+"""How a job's cost grows with the model (CUDA): the EXL2 measurement and one quant pass of the random 1.1B
 Llama, then of the same Llama scaled to a 3B shape (hidden 3072, 28 layers, 24 heads), in one FACTORY_HOME one
 after the other. A shape within jobs/eta.py's BUCKET (2x in parameters) of an earlier one would be predicted from its
 history, as a fleet's would; the 3B has 2.73x the 1.1B's parameters, so each shape's expected seconds are the
@@ -10,7 +10,7 @@ can therefore run in different sittings (`--shapes 3b`) without changing what is
 Records for each shape: its parameters, each step's seconds, peak GPU memory and what the ETA expected of it
 (`expected_seconds`, from the step's running event), and the ratio of actual to expected for the measurement and
 the pass. A shape already in OUT from an earlier sitting is kept (a run replaces only the shapes it runs).
-Results in GPU.md's shape (default benchmarks/results/cost_growth.json).
+Results in the shape of docs/measured.md (default benchmarks/results/cost_growth.json).
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """What the factory costs over running convert_exl2 by hand, and what reusing one measurement saves (CUDA only).
 
-    python benchmarks/exl2_speed.py model DIR           # makes GPU.md's random 1.1B Llama in DIR (seconds)
+    python benchmarks/exl2_speed.py model DIR           # makes the random 1.1B Llama in DIR (seconds)
     python benchmarks/exl2_speed.py raw-measure DIR     # convert_exl2 -om: the raw measurement M
     python benchmarks/exl2_speed.py raw-quant DIR       # convert_exl2 -m M.json -b 4.0 -cf: one raw pass Q
     python benchmarks/exl2_speed.py factory DIR         # qf run --exl2 3.0,4.0,5.0: one measurement, three passes
 
 Each part is a fresh process (two may run at once, each on its own GPU: scripts/gpu_bench does so), runs in
-under 10 minutes on an H200, and merges its numbers into benchmarks/results/exl2_speed.json (GPU.md's shape).
+under 10 minutes on an H200, and merges its numbers into benchmarks/results/exl2_speed.json (docs/measured.md's shape).
 Only quantize work counts: for the factory, its measure and quantize steps (its evaluation and publishing are
 left out). Once all three parts are in:
     speed.exl2_overhead_ratio      = factory (measure + first pass) / (M + Q)      target <= 1.03

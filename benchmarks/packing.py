@@ -1,4 +1,4 @@
-"""What packing a job's units onto one GPU buys (CUDA only): the same job, `qf run` of GPU.md's random 1.1B Llama at
+"""What packing a job's units onto one GPU buys (CUDA only): the same job, `qf run` of the random 1.1B Llama at
 EXL2 sizes, once with `--max-units 1` (one unit after another, as before packing) and once with the default (as
 many units at once as fit), in fresh homes on the same card, one after the other.
 
@@ -8,8 +8,8 @@ Records for each side: wall seconds, each step's seconds and peak GPU memory, th
 (nvidia-smi dmon every 2 s: mean and max), and the quants' sizes and perplexities (random weights: only their
 agreement between the sides means something). speed.packing_ratio = one-at-a-time wall / packed wall (target >=
 2.5 at 4 sizes); speed.conversion_ratio the same for the conversions alone, from the first quantize unit's start to
-the last one's end (the measurement before them runs alone on both sides; raw passes reached 3.3x, GPU.md).
-Results in GPU.md's shape (default benchmarks/results/packing.json).
+the last one's end (the measurement before them runs alone on both sides; raw passes reached 3.3x, docs/measured.md).
+Results in the shape of docs/measured.md (default benchmarks/results/packing.json).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Perplexity on one fixed token stream, the same for the FP16 source and every quant, and each quant's KL
 divergence from FP16 and top-1 agreement on the same positions (factory/kld.py).
 
-Protocol (DESIGN.md): the eval text is tokenized once with the source's tokenizer, no BOS added, and cut into
+Protocol: the eval text is tokenized once with the source's tokenizer, no BOS added, and cut into
 non-overlapping windows of 2048 tokens (fewer if the model's max positions are fewer) from the start; the
 first N windows are scored. CPU computes in fp32, CUDA in fp16. The FP16 source is scored with transformers, a
 quant through its engine's loader (`Engine.load`: its own runtime, or a dequantization into transformers). The

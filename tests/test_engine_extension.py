@@ -48,7 +48,7 @@ def test_an_unknown_engine_key_lists_the_registered_ones(qf, tiny, tmp_path, rou
 
 
 # -- layers -------------------------------------------------------------------------------------------------------
-# Direction of knowledge (DESIGN.md): a module imports only modules of its own layer or a lower one, at module level
+# Direction of knowledge: a module imports only modules of its own layer or a lower one, at module level
 # or inside a function alike. The leaves import nothing but errors; engines never see the catalog or publishing.
 LAYERS = [
     ["factory.errors"],

@@ -3,7 +3,7 @@
 EXL2 at 3.0/4.0/5.0/6.0 bpw and AWQ on the tiny model and SmolLM2-135M-Instruct (one measurement, four passes),
 measurement reuse (4.31 bpw with an 8-bit head, the size of AWQ w4g64), resume after a killed conversion child
 and a killed `qf`, a corrupt work folder, and the guard that exllamav2's FP16 perplexity matches transformers'.
-Results go to $QF_GPU_RESULTS (default benchmarks/results/gpu_suite.json) in the shape of ../shared/GPU.md; the
+Results go to $QF_GPU_RESULTS (default benchmarks/results/gpu_suite.json) in the shape docs/measured.md gives; the
 raw status output of one conversion goes to $QF_GPU_TRANSCRIPTS (for the CPU parsing tests' fixture).
 """
 

@@ -120,7 +120,7 @@ def test_gemma_fp16_through_exllamav3_agrees_with_transformers(gemma):
 
 
 def test_exl3_against_exl2_at_equal_bits_on_the_random_1b_llama(tmp_path):
-    """GPU.md's random 1.1B Llama, which both engines convert, at 4.0 bpw each in one job: sizes and seconds (its
+    """The random 1.1B Llama (LLAMA_1B), which both engines convert, at 4.0 bpw each in one job: sizes and seconds (its
     perplexity says nothing, the weights being random; the distance from FP16 will)."""
     model = make_tiny_llama(tmp_path / "llama-1.1b", device="cuda", **LLAMA_1B)
     qf = Qf(home=tmp_path / "home")

@@ -131,7 +131,7 @@ def test_plan_on_the_cli(qf, tiny):
     assert result["best_bpw"] == 8.0 and all(r["fits"] for r in result["rows"])
     assert result["rows"][0]["total"] < result["rows"][-1]["total"]
     assert set(plans["awq"]) == {"fp16", "fp8", "expected_seconds"}
-    # how long converting takes: no history in a new home, so the engines' estimates (H200 timings, GPU.md)
+    # how long converting takes: no history in a new home, so the engines' estimates (H200 timings, docs/measured.md)
     assert set(result["expected_seconds"]) == {"measure", "quantize"}
     assert result["expected_seconds"]["quantize"]["basis"] == "estimate"
     assert 60 <= result["expected_seconds"]["measure"]["seconds"] <= 90  # a tiny model: the fixed costs

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from calibration import builtin_text
 
-# GPU.md's random 1.1B Llama for speed work (make_tiny_llama(out, device="cuda", **LLAMA_1B): seconds on a GPU).
+# The random 1.1B Llama of docs/measured.md (make_tiny_llama(out, device="cuda", **LLAMA_1B): seconds on a GPU).
 LLAMA_1B = dict(hidden=2048, layers=16, heads=32, kv_heads=8, intermediate=8192, vocab=32000, max_positions=32768,
                 rope_theta=500000.0)
 

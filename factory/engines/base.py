@@ -251,14 +251,14 @@ class Engine:
         """Peak GPU memory torch allocates in a `measure` or `quantize` unit, before the catalog has recorded one of
         the same source. A layer-by-layer conversion holds the calibration rows' hidden states going in and out of
         a layer (fp16) and about three fp16 copies of the largest of one decoder layer and the head (weights,
-        quantized weights, working space). Measured on an H200 (GPU.md's 1.1B Llama): EXL2 pass 2.0 GiB against
+        quantized weights, working space). Measured on an H200 (the random 1.1B Llama): EXL2 pass 2.0 GiB against
         2.0 predicted, EXL3 4.2 GiB against 4.3."""
         rows, length = max(self.calibration_lengths(spec), key=lambda rl: rl[0] * rl[1], default=(128, 2048))
         states = 2 * rows * length * shape.hidden * 2
         largest = max(params.linear // max(shape.layers, 1), params.head)
         return int(states + 3 * largest * 2)
 
-    # (fixed seconds, seconds per billion parameters) of one measure or quantize unit on an H200 (GPU.md);
+    # (fixed seconds, seconds per billion parameters) of one measure or quantize unit on an H200 (docs/measured.md);
     # on a CPU, core-seconds per billion parameters
     UNIT_SECONDS: ClassVar[dict[str, tuple[float, float]]] = {"quantize": (60.0, 100.0)}
     CPU_CORE_SECONDS_PER_B: ClassVar[float] = 4400.0  # AWQ on 2 cores: SmolLM2-135M in 296 s

@@ -16,7 +16,7 @@ from factory.jobs.graph import Unit
 from factory.jobs.packing import Need, Packer
 from factory.vram import CONTEXT_BYTES, HEADROOM, Params, Shape
 
-AUTOMATIC_MAX_UNITS = 8  # on a GPU without --max-units: beyond 8 conversion passes an H200's SMs are busy (GPU.md)
+AUTOMATIC_MAX_UNITS = 8  # on a GPU without --max-units: beyond 8 conversion passes an H200's SMs are busy (8: 80%)
 HISTORY_MARGIN = 1.1  # over the highest peak the catalog recorded for a unit of the same source
 HISTORY_SECONDS = 30.0  # how old the unit history an ETA uses may be: a service submitting many jobs reads it once
 

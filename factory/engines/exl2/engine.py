@@ -93,7 +93,7 @@ class Exl2Engine(Engine):
     architectures = ARCHITECTURES
     requires_cuda = True
     needs_measurement = True
-    # H200 (GPU.md): measurement 184-222 s and a pass 129-149 s at 1.1B; 84 s and 105 s at SmolLM2-135M
+    # H200 (docs/measured.md): measurement 184-222 s and a pass 129-149 s at 1.1B; 84 s and 105 s at SmolLM2-135M
     UNIT_SECONDS = {"measure": (60.0, 130.0), "quantize": (90.0, 50.0)}
     default_calibration = "builtin:mix"  # 100 x 2048 rows need ~205k tokens; c4 alone has ~80k
     outputs = ("output*.safetensors", "measurement.json")
