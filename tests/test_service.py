@@ -290,8 +290,8 @@ def test_the_api_tells_a_user_nothing_of_the_server(finished, tmp_path):
         down = httpx.post(unreachable.url + "/api/jobs", json={"source": str(tmp_path / "models" / "tiny")},
                           headers={"Authorization": f"Bearer {token}"}, timeout=60)
         assert down.status_code == 503 and down.json() == {
-            "error": "the factory's service cannot reach its catalog or broker now; try again later (its log says "
-                     "why)", "exit_code": 5}
+            "error": "the factory's service cannot reach a service it needs (its catalog, broker or the Hub) now; try "
+                     "again later (its log says which)", "exit_code": 5}
         assert "redis://:***@127.0.0.1:1/0 cannot be reached" in (tmp_path / "down.log").read_text()
     finally:
         unreachable.stop()
