@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import os
 import signal
 import sys
 import threading
@@ -27,7 +28,6 @@ from rich.progress import (
     TextColumn,
     TimeElapsedColumn,
 )
-from rich.table import Table
 
 from factory import engines, settings, tables
 from factory.errors import FactoryError, JobFailed, NotFound, SpecError
@@ -41,9 +41,10 @@ app = typer.Typer(
     help=f"quantfactory: {', '.join(e.label for e in engines.all_engines())} quants of FP16 checkpoints, evaluated "
     "and published by name.",
 )
-out = Console()
-if not out.is_terminal:
-    out = Console(width=200)  # tables piped to a file keep their full names
+# soft wrap: a line wider than the terminal (a table whose names alone are) wraps there, never cropped or cut by rich
+out = Console(soft_wrap=True)
+if not out.is_terminal and "COLUMNS" not in os.environ:
+    out = Console(width=200, soft_wrap=True)  # tables piped to a file keep their columns; COLUMNS=80 says otherwise
 err = Console(stderr=True, soft_wrap=True)
 
 
@@ -221,6 +222,7 @@ WindowsOpt = Annotated[int | None, typer.Option("--eval-windows", min=1, help="2
 NameOpt = Annotated[str | None, typer.Option("--name", help="The quant name (default: the folder's name).")]
 BaseOpt = Annotated[str | None, typer.Option("--base-model", help="The Hub repo the card names as base_model.")]
 JsonOpt = Annotated[bool, typer.Option("--json", metavar="", help="JSON instead of tables and progress bars.")]
+WideOpt = Annotated[bool, typer.Option("--wide", metavar="", help="Show every column, whatever the terminal's width.")]
 FitOpt = Annotated[str | None, typer.Option("--fit", help=f"VRAM budgets, e.g. 24GB,16GB: {sizer().label} at the "
                                             "highest bpw that fits each with --ctx and --kv-cache (see qf plan).")]
 CtxOpt = Annotated[int | None, typer.Option("--ctx", min=1, help="Context in tokens (default: the model's max).")]
@@ -286,7 +288,7 @@ def run(source: SourceArg, flags: dict, recipe: RecipeOpt = None,
         job = _run_held(factory, job)
     if not as_json:
         rows = [q.row() for q in factory.catalog.quants(job_id=job.id)]
-        out.print(tables.quants(rows, out.width, title=f"job {job.id} {job.state}"))
+        out.print(tables.quants(rows, out.width, title=f"job {job.id} {job.state}", shows="qf ls --wide"))
 
 
 def _run_held(factory, job):
@@ -478,6 +480,7 @@ def plan(
     ctx: CtxOpt = None,
     kv_cache: KvOpt = "fp16",
     gpus: Annotated[int, typer.Option("--gpus", min=1, help="Split the layers over N such GPUs (estimate).")] = 1,
+    engine: Annotated[str | None, typer.Option("--engine", metavar="NAME", help="Only this engine's plan.")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """What fits a GPU with its context and KV cache, as each engine's memory model says (every size and the
@@ -486,9 +489,10 @@ def plan(
     from factory import vram as memory
 
     budget = memory.parse_size(vram)
+    asked = [engines.get(engine)] if engine else engines.all_engines()
     shape, params, info = memory.source_model(source)
-    refused = {e.name: why for e in engines.all_engines() if (why := e.refuse(info)) is not None}
-    plans = {e.name: p for e in engines.all_engines() if e.name not in refused
+    refused = {e.name: why for e in asked if (why := e.refuse(info)) is not None}
+    plans = {e.name: p for e in asked if e.name not in refused
              and (p := e.memory_plan(shape, params, budget, ctx, kv_cache, gpus)) is not None}
     times = _conversion_times(list(plans), params.total)
     if as_json:
@@ -496,21 +500,28 @@ def plan(
         answers.update({name: {"refused": why} for name, why in refused.items()})
         print(json.dumps(dict(sorted(answers.items())), indent=2))
         return
-    for plan_ in sorted(plans.values(), key=lambda p: not p.rows):  # tables first
+    for name, plan_ in sorted(plans.items(), key=lambda item: not item[1].rows):  # tables first
         if plan_.rows:
-            table = Table(title=plan_.title, title_justify="left")
-            for col in plan_.columns:
-                table.add_column(col, justify="right")
-            for row in plan_.rows:
-                table.add_row(*row)
-            out.print(table)
-        for line in plan_.lines:
-            out.print(line)
-    for name, kinds in times.items():
+            out.print(_plan_table(plan_))
         parts = [f"{'the measurement' if kind == 'measure' else 'each size'} about "
-                 f"{tables.duration(t['seconds'])} ({t['basis']})" for kind, t in kinds.items()]
-        out.print(f"converting with {engines.get(name).label} on a GPU: {', then '.join(parts)}",
-                  markup=False, highlight=False)
+                 f"{tables.duration(t['seconds'])} ({t['basis']})" for kind, t in times[name].items()]
+        for line in [*plan_.lines, f"converting with {engines.get(name).label} on a GPU: {', then '.join(parts)}"]:
+            out.print(line, markup=False, highlight=False)
+    for why in refused.values():
+        out.print(why, markup=False, highlight=False)
+
+
+def _plan_table(plan_) -> tables.Table:
+    """A memory plan's table, the sizes that need the same (as shown) in one row ("1.0-8.0" where all do), so that
+    `qf plan` fits a 40-line screen."""
+    rows: list[list[str]] = []
+    for row in plan_.rows:
+        if rows and rows[-1][1:] == list(row[1:]):
+            rows[-1][0] = f"{rows[-1][0].split('-')[0]}-{row[0]}"
+        else:
+            rows.append(list(row))
+    columns = [tables.Col(header, [r[i] for r in rows], right=True) for i, header in enumerate(plan_.columns)]
+    return tables.layout(columns, out.width, plan_.title)
 
 
 def _conversion_times(names: list[str], parameters: int) -> dict[str, dict]:
@@ -518,8 +529,6 @@ def _conversion_times(names: list[str], parameters: int) -> dict[str, dict]:
     read, else the engines' estimates."""
     from factory.jobs import eta
 
-    for why in refused.values():
-        out.print(why, markup=False, highlight=False)
     url = settings.load().db_url
     catalog = None
     if settings.database_kind(url) != "sqlite" or Path(url.removeprefix("sqlite:///")).is_file():  # none: none made
@@ -553,12 +562,9 @@ def calib_ls(as_json: JsonOpt = False) -> None:
     if as_json:
         print(json.dumps(rows, indent=2))
         return
-    table = Table()
-    for col in ("NAME", "CHARS", "SHA256"):
-        table.add_column(col, justify="right" if col == "CHARS" else "left")
-    for r in rows:
-        table.add_row(r["name"], f"{r['chars']:,}", r["sha256"][:16])
-    out.print(table)
+    out.print(tables.layout([tables.Col("NAME", [r["name"] for r in rows]),
+                             tables.Col("CHARS", [f"{r['chars']:,}" for r in rows], right=True),
+                             tables.Col("SHA256", [r["sha256"][:16] for r in rows])], out.width))
     err.print('also: file:<path> to any .txt, .jsonl (a "text" field per line) or .parquet (a "text" column)')
 
 

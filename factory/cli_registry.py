@@ -9,11 +9,11 @@ from typing import Annotated
 
 import typer
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
-from rich.table import Column, Table
 
 from factory import engines, naming, settings, tables
 from factory.cli import (
     JsonOpt,
+    WideOpt,
     _catalog,
     _handled,
     _job_rows,
@@ -31,6 +31,7 @@ def ls(
     as_json: JsonOpt = False,
     remote: Annotated[str | None, typer.Option("--remote", metavar="OWNER", help="List what OWNER published on the "
                                                 "Hub instead of the catalog.")] = None,
+    wide: WideOpt = False,
 ) -> None:
     """List finished quants."""
     if remote:
@@ -40,12 +41,10 @@ def ls(
         if as_json:
             print(json.dumps(found, indent=2))
             return
-        table = Table(title=f"published by {remote} on the Hub", title_justify="left")
-        for col in ("QUANT", "REPO", "BRANCH", "COMMIT"):
-            table.add_column(col)
-        for r in found:
-            table.add_row(r["name"], r["repo"], r["branch"], r["commit"][:7])
-        out.print(table)
+        out.print(tables.layout([
+            tables.Col("QUANT", [r["name"] for r in found]), tables.Col("REPO", [r["repo"] for r in found]),
+            tables.Col("BRANCH", [r["branch"] for r in found]), tables.Col("COMMIT", [r["commit"][:7] for r in found]),
+        ], None if wide else out.width, f"published by {remote} on the Hub"))
         return
     if (client := _remote()) is not None:
         from factory.published import QuantRow
@@ -58,7 +57,7 @@ def ls(
     elif not rows:
         err.print("no quants yet: qf run SOURCE makes some")
     else:
-        out.print(tables.quants(rows, out.width))
+        out.print(tables.quants(rows, None if wide else out.width))
 
 
 @app.command()
@@ -66,39 +65,41 @@ def ls(
 def show(
     ref: Annotated[str, typer.Argument(metavar="NAME[:TAG]")],
     as_json: JsonOpt = False,
+    wide: WideOpt = False,
 ) -> None:
     """One model's quants and job history."""
     parsed = naming.parse(ref)
+    width = None if wide else out.width
     if (remote := _remote()) is not None:
         from factory.published import QuantRow
 
         found = remote.model(parsed)
-        return _show(parsed, [QuantRow.from_json(r) for r in found["quants"]], found["jobs"], as_json)
+        return _show(parsed, [QuantRow.from_json(r) for r in found["quants"]], found["jobs"], as_json, width)
     from factory import lookup
 
     rows = lookup.with_fits(_catalog(), settings.load().registry, parsed)
-    _show(parsed, rows, _job_rows(limit=50, name=parsed.name), as_json)
+    _show(parsed, rows, _job_rows(limit=50, name=parsed.name), as_json, width)
 
 
-def _show(parsed: naming.QuantRef, rows: list, job_rows: list[dict], as_json: bool) -> None:
+def _show(parsed: naming.QuantRef, rows: list, job_rows: list[dict], as_json: bool, width: int | None) -> None:
     from factory import vram
 
     if as_json:
         print(json.dumps({"quants": [r.to_json() for r in rows], "jobs": job_rows}, indent=2))
         return
-    out.print(tables.quants(rows, out.width, title=f"quants of {parsed.name}"))
+    out.print(tables.quants(rows, width, title=f"quants of {parsed.name}"))
     for r in rows:
         engine = engines.get(r.method)
         if r.fits:
-            out.print(f"{r.ref}@{r.rev}: the longest context that fits each GPU with {engine.evaluator}, "
-                      f"{vram.human(vram.HEADROOM)} left free")
-            table = Table(*(Column(c, justify="right") for c in ("GPU", "FP16 CACHE", "Q4 CACHE")))
-            for f in r.fits:
-                table.add_row(f"{f['budget'] / 2**30:.0f} GB", *(f"{f[c]:,}" if f[c] else "-" for c in ("fp16", "q4")))
-            out.print(table)
+            title = (f"{r.ref}@{r.rev}: the longest context that fits each GPU with {engine.evaluator}, "
+                     f"{vram.human(vram.HEADROOM)} left free")
+            cells = [(f"{f['budget'] / 2**30:.0f} GB", *(f"{f[c]:,}" if f[c] else "-" for c in ("fp16", "q4")))
+                     for f in r.fits]
+            out.print(tables.layout([tables.Col(header, [c[i] for c in cells], right=True)
+                                     for i, header in enumerate(("GPU", "FP16 CACHE", "Q4 CACHE"))], width, title))
         for line in engine.describe_scores(r):
-            out.print(line)
-    out.print(tables.jobs(job_rows, out.width, title="jobs"))
+            out.print(line, markup=False, highlight=False)
+    out.print(tables.jobs(job_rows, width, title="jobs", shows=tables.WIDE))
 
 
 @app.command()

@@ -7,9 +7,9 @@ import json
 from typing import Annotated
 
 import typer
-from rich.table import Table
 
-from factory.cli import _catalog, _handled, app, err, out
+from factory import tables
+from factory.cli import WideOpt, _catalog, _handled, app, err, out
 
 token_app = typer.Typer(help="Tokens of the factory's service (`qf serve`): one per person, only its hash is kept.",
                         no_args_is_help=True)
@@ -91,7 +91,7 @@ def token_create(
 
 @token_app.command("ls")
 @_handled
-def token_ls(as_json: Annotated[bool, typer.Option("--json", metavar="")] = False) -> None:
+def token_ls(as_json: Annotated[bool, typer.Option("--json", metavar="")] = False, wide: WideOpt = False) -> None:
     """Every token: its id, user, scopes, quotas and whether it was revoked (never the token)."""
     rows = [{"id": t.id, "user": t.username, "scopes": t.scopes, "quota_jobs_per_day": t.quota_jobs_per_day,
              "max_running": t.max_running, "created_at": t.created_at.isoformat(timespec="seconds"),
@@ -101,13 +101,15 @@ def token_ls(as_json: Annotated[bool, typer.Option("--json", metavar="")] = Fals
     if as_json:
         print(json.dumps(rows, indent=2))
         return
-    table = Table(box=None, header_style="bold")
-    for col in ("ID", "USER", "SCOPES", "JOBS/DAY", "RUNNING", "CREATED", "REVOKED"):
-        table.add_column(col)
-    for r in rows:
-        table.add_row(r["id"], r["user"], ",".join(r["scopes"]), str(r["quota_jobs_per_day"] or "-"),
-                      str(r["max_running"] or "-"), r["created_at"], r["revoked_at"] or "-")
-    out.print(table)
+    out.print(tables.layout([
+        tables.Col("ID", [r["id"] for r in rows]),
+        tables.Col("USER", [r["user"] for r in rows]),
+        tables.Col("SCOPES", [",".join(r["scopes"]) for r in rows]),
+        tables.Col("JOBS/DAY", [str(r["quota_jobs_per_day"] or "-") for r in rows], priority=2, right=True),
+        tables.Col("RUNNING", [str(r["max_running"] or "-") for r in rows], priority=2, right=True),
+        tables.Col("CREATED", [r["created_at"].replace("T", " ") for r in rows], priority=3),
+        tables.Col("REVOKED", [(r["revoked_at"] or "-").replace("T", " ") for r in rows], priority=1),
+    ], None if wide else out.width, shows=tables.WIDE))
 
 
 @token_app.command("revoke")

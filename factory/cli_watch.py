@@ -8,12 +8,12 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.table import Table
 
-from factory import engines
+from factory import engines, tables
 from factory.cli import (
     JsonOpt,
     RecipeOpt,
+    WideOpt,
     _catalog,
     _handled,
     _remote,
@@ -22,7 +22,7 @@ from factory.cli import (
     err,
     out,
 )
-from factory.errors import NotFound, SpecError
+from factory.errors import FactoryError, NotFound, SpecError
 
 watch_app = typer.Typer(help="The watchlist: upstream repos re-quantized when they get a new commit.",
                         no_args_is_help=True)
@@ -75,8 +75,8 @@ def watch_rm(target: Annotated[str, typer.Argument(metavar="TARGET")]) -> None:
 
 @watch_app.command("ls")
 @_handled
-def watch_ls(as_json: JsonOpt = False) -> None:
-    """The watchlist, and what each watch last did."""
+def watch_ls(as_json: JsonOpt = False, wide: WideOpt = False) -> None:
+    """The watchlist, and what each watch last did (the recipe as the tags it makes; --json has all of it)."""
     from factory import schedule
 
     remote = _remote()
@@ -84,15 +84,41 @@ def watch_ls(as_json: JsonOpt = False) -> None:
     if as_json:
         print(json.dumps(rows, indent=2))
         return
-    table = Table(title="watchlist", title_justify="left")
-    for col in ("TARGET", "RECIPE", "FILTER", "LAST"):
-        table.add_column(col)
-    for r in rows:
-        last = r["seen"][-1] if r["seen"] else None
-        what = "" if last is None else f"{last['repo']}@{last['sha'][:7]} " + (
-            f"job {last['job']}" if last["job"] else f"skipped: {last['skipped']}")
-        table.add_row(r["target"], json.dumps(r["recipe"]), json.dumps(r["filter"]), what)
-    out.print(table)
+    last = [r["seen"][-1] if r["seen"] else {} for r in rows]
+    out.print(tables.layout([
+        tables.Col("TARGET", [r["target"] for r in rows]),
+        tables.Col("RECIPE", [_recipe_text(r["recipe"]) for r in rows], priority=1, flex=True),
+        tables.Col("FILTER", [_filter_text(r["filter"]) for r in rows], priority=2, flex=True),
+        tables.Col("LAST SEEN", [f"{s['repo']}@{s['sha'][:7]}" if s else "-" for s in last]),
+        tables.Col("JOB", [s.get("job") or "-" for s in last]),
+        tables.Col("SKIPPED", [s.get("skipped") or "" for s in last], priority=3, flex=True),
+    ], None if wide else out.width, "watchlist", tables.WIDE))
+
+
+def _recipe_text(recipe: dict) -> str:
+    """A watch's recipe as the tags it makes (`exl2-3.0bpw, exl2-4.0bpw`), or its engine's name where the tag waits
+    for the model (AWQ's group size)."""
+    from factory.recipes import recipe_from_dict
+
+    try:
+        specs = recipe_from_dict(recipe, "the watch's recipe").specs()
+    except FactoryError:  # an engine this process does not have: the recipe as it is, on one line
+        return json.dumps(recipe, separators=(",", ":"))
+    return ", ".join(dict.fromkeys(_tag_or_method(s) for s in specs))
+
+
+def _tag_or_method(spec) -> str:
+    try:
+        return spec.tag
+    except ValueError:  # named once resolved against the model
+        return spec.method
+
+
+def _filter_text(filter: dict) -> str:
+    parts = [" or ".join(filter["architectures"])] if filter.get("architectures") else []
+    if most := filter.get("max_params"):
+        parts.append(f"at most {most / 1e9:g}B parameters" if most >= 1e9 else f"at most {most / 1e6:g}M parameters")
+    return ", ".join(parts) or "-"
 
 
 @watch_app.command("check")

@@ -1,25 +1,30 @@
-"""The CLI's tables, laid out for the terminal they are printed on.
+"""The CLI's tables, laid out for the terminal they are printed on: every table `qf` prints is made here.
 
-A table is a list of columns, each with a header, its cells and a priority: 0 is never dropped nor cut (the
-`name:tag` a user copies, a job id); when the table is wider than the terminal, the column with the highest
-priority goes first, until the rest fits; a column marked `flex` (an error message) takes what width is left and is
-cut with an ellipsis. No box: columns are two spaces apart, as in `docker ps` or `ollama list`.
+A table is a list of columns, each with a header, its cells and a priority: 0 is an identifier a user copies or types
+again (a `name:tag@rev`, a job id, a watch's target, a token id), never dropped nor cut; when the table is wider than
+the terminal, the column with the highest priority goes first, until the rest fits, and one line under the table
+names the columns that went and what shows them (`--wide`, `--json`). A column marked `flex` (an error message, a
+recipe) takes the width left and is cut with an ellipsis. When the identifiers alone are wider than the terminal,
+the lines are longer than it and the terminal wraps them: nothing is cut (the CLI's console prints with soft wrap,
+so rich crops nothing either). No box: columns are two spaces apart, as in `docker ps` or `ollama list`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rich.table import Table
+from rich.text import Text
 
 GAP = 2
+FLEX_MIN = 12  # a flex column keeps this much (or all it has) before another column is dropped to make room
+WIDE = "--wide or --json"  # what shows the hidden columns of a command that has --wide
 
 
 @dataclass
 class Col:
     header: str
     cells: list[str] = field(default_factory=list)
-    priority: int = 0  # 0: always shown; higher: dropped earlier when the terminal is narrow
+    priority: int = 0  # 0: an identifier, always shown whole; higher: dropped earlier when the terminal is narrow
     right: bool = False
     flex: bool = False  # takes the width left, cut with an ellipsis
 
@@ -28,25 +33,66 @@ class Col:
         return max([len(self.header), *map(len, self.cells)])
 
 
-def layout(columns: list[Col], width: int, title: str | None = None) -> Table:
-    shown = list(columns)
+@dataclass(frozen=True)
+class Table:
+    """A table laid out for a width: its lines, and the one that says which columns it left out."""
 
-    def needed(cols: list[Col]) -> int:
-        return sum(min(c.width, 12) if c.flex else c.width for c in cols) + GAP * (len(cols) - 1)
+    title: str | None
+    header: str
+    rows: list[str]
+    note: str | None = None
 
-    while needed(shown) > width and any(c.priority for c in shown):
-        shown.remove(max((c for c in shown if c.priority), key=lambda c: c.priority))
-    table = Table(title=title, title_justify="left", box=None, pad_edge=False, padding=(0, GAP // 2),
-                  header_style="bold")
-    rest = width - sum(c.width for c in shown if not c.flex) - GAP * (len(shown) - 1)
-    for c in shown:
-        if c.flex:
-            table.add_column(c.header, no_wrap=True, overflow="ellipsis", max_width=max(rest, len(c.header)))
-        else:
-            table.add_column(c.header, no_wrap=True, min_width=c.width, justify="right" if c.right else "left")
-    for row in zip(*(c.cells for c in shown), strict=True):
-        table.add_row(*row)
-    return table
+    def __rich_console__(self, console, options):
+        for line, style in [(self.title, ""), (self.header, "bold"), *((r, "") for r in self.rows), (self.note, "")]:
+            if line is not None:
+                yield Text(line, style=style, no_wrap=True, overflow="ignore")
+
+
+def layout(columns: list[Col], width: int | None, title: str | None = None, shows: str = "--json") -> Table:
+    """`columns` laid out for `width` characters (None: as wide as they are, nothing left out); `shows`: what the
+    note under the table names for the columns it left out."""
+    shown = list(range(len(columns)))
+    if width is not None:
+        while _needed([columns[i] for i in shown]) > width and any(columns[i].priority for i in shown):
+            shown.remove(max((i for i in shown if columns[i].priority), key=lambda i: columns[i].priority))
+    cols = [columns[i] for i in shown]
+    widths = _widths(cols, width)
+
+    def line(cells: tuple[str, ...] | list[str]) -> str:
+        return (" " * GAP).join(_fit(cell, w, c) for cell, w, c in zip(cells, widths, cols, strict=True)).rstrip()
+
+    hidden = [c.header for i, c in enumerate(columns) if i not in shown]
+    note = None
+    if hidden:
+        note = f"{', '.join(hidden)} hidden at {width} columns: see {shows}"
+    rows = [line(cells) for cells in zip(*(c.cells for c in cols), strict=True)] if cols else []
+    return Table(title, line([c.header for c in cols]), rows, note)
+
+
+def _needed(cols: list[Col]) -> int:
+    return sum(min(c.width, FLEX_MIN) if c.flex else c.width for c in cols) + GAP * (len(cols) - 1)
+
+
+def _widths(cols: list[Col], width: int | None) -> list[int]:
+    """Each column's width: its own, and for the flex ones a share of what the others leave (the narrowest first,
+    so that what one does not need goes to the next)."""
+    widths = [c.width for c in cols]
+    if width is None:
+        return widths
+    flex = sorted((i for i, c in enumerate(cols) if c.flex), key=lambda i: cols[i].width)
+    rest = width - sum(w for i, w in enumerate(widths) if i not in flex) - GAP * (len(cols) - 1)
+    for n, i in enumerate(flex):
+        widths[i] = min(cols[i].width, max(rest // (len(flex) - n), len(cols[i].header)))
+        rest -= widths[i]
+    return widths
+
+
+def _fit(cell: str, width: int, col: Col) -> str:
+    if col.flex:
+        cell = " ".join(cell.split())  # an error message's own line breaks would break the table's
+        if len(cell) > width:
+            cell = cell[: width - 1] + "…"
+    return cell.rjust(width) if col.right else cell.ljust(width)
 
 
 def size(n: float) -> str:
@@ -74,19 +120,20 @@ def duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
-def quants(rows: list, width: int, title: str | None = None) -> Table:
-    """`rows`: the catalog's QuantRows."""
+def quants(rows: list, width: int | None, title: str | None = None, shows: str = WIDE) -> Table:
+    """`rows`: the catalog's QuantRows. The method and the bits are in the tag, so they give way first (after the
+    source); then top-1 agreement, then the KL divergence."""
     return layout([
         Col("NAME:TAG", [f"{r.ref}@{r.rev}" for r in rows]),
-        Col("METHOD", [r.method for r in rows], priority=2),
-        Col("BITS", [f"{r.bits:g}" for r in rows], right=True),
+        Col("METHOD", [r.method for r in rows], priority=4),
+        Col("BITS", [f"{r.bits:g}" for r in rows], priority=3, right=True),
         Col("SIZE", [size(r.bytes) for r in rows], right=True),
         Col("PPL", [f"{r.ppl:.4f}" for r in rows], right=True),
         Col("VS FP16", [f"{r.change * 100:+.2f}%" for r in rows], right=True),
         Col("KLD", ["-" if r.kld is None else kld(r.kld) for r in rows], priority=1, right=True),
-        Col("TOP-1", ["-" if r.top1 is None else f"{r.top1 * 100:.1f}%" for r in rows], priority=1, right=True),
-        Col("SOURCE", [r.source_identity[:19] for r in rows], priority=3),
-    ], width, title)
+        Col("TOP-1", ["-" if r.top1 is None else f"{r.top1 * 100:.1f}%" for r in rows], priority=2, right=True),
+        Col("SOURCE", [r.source_identity[:19] for r in rows], priority=5),
+    ], width, title, shows)
 
 
 def _steps(steps: list[dict]) -> str:
@@ -99,7 +146,7 @@ def _steps(steps: list[dict]) -> str:
     return f"{done}/{len(steps)} done, {seconds:.0f}s" if steps else "-"
 
 
-def jobs(rows: list[dict], width: int, title: str | None = None) -> Table:
+def jobs(rows: list[dict], width: int | None, title: str | None = None, shows: str = "--json") -> Table:
     return layout([
         Col("JOB", [r["id"] for r in rows]),
         Col("NAME", [r["name"] for r in rows]),
@@ -107,10 +154,10 @@ def jobs(rows: list[dict], width: int, title: str | None = None) -> Table:
         Col("STEPS", [_steps(r["steps"]) for r in rows], priority=2),
         Col("CREATED", [r["created_at"].replace("T", " ") for r in rows], priority=3),
         Col("ERROR", [r["error"] or "" for r in rows], priority=1, flex=True),
-    ], width, title)
+    ], width, title, shows)
 
 
-def steps(row: dict, width: int) -> Table:
+def steps(row: dict, width: int | None, shows: str = "--json") -> Table:
     """One job's steps (`qf status JOB`): each with its state, seconds, peak GPU memory and error."""
     s = row["steps"]
     return layout([
@@ -122,4 +169,4 @@ def steps(row: dict, width: int) -> Table:
         Col("PEAK GPU", [size(x["peak_gpu_bytes"]) if x.get("peak_gpu_bytes") else "" for x in s], priority=2,
             right=True),
         Col("ERROR", [x["error"] or "" for x in s], priority=1, flex=True),
-    ], width, title=f"job {row['id']} ({row['name']}): {row['state']}")
+    ], width, f"job {row['id']} ({row['name']}): {row['state']}", shows)

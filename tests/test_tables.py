@@ -45,17 +45,19 @@ def render(table, width: int = 80) -> list[str]:
 @pytest.mark.parametrize("width", [80, 200])
 def test_quant_table(width):
     lines = render(tables.quants(QUANTS, width), width)
-    assert len(lines) == 1 + len(QUANTS) and all(len(line) <= width for line in lines)
-    for line, q in zip(lines[1:], QUANTS, strict=True):
+    note = [] if width == 200 else ["METHOD, BITS, KLD, TOP-1, SOURCE hidden at 80 columns: see --wide or --json"]
+    assert lines[1 + len(QUANTS):] == note and all(len(line) <= width for line in lines)
+    for line, q in zip(lines[1:1 + len(QUANTS)], QUANTS, strict=True):
         assert line.startswith(f"{q.ref}@{q.rev}  ")
     assert "166.1 MiB" in lines[1] and "+14.67%" in lines[1] and "14.1926" in lines[1]
-    assert ("SOURCE" in lines[0]) == (width == 200)  # the source gives way first, then the divergence
+    assert ("SOURCE" in lines[0]) == (width == 200)  # the source gives way first, then what the tag says
     assert ("0.0500" in lines[1] and "90.0%" in lines[1]) == (width == 200)
 
 
 def test_job_table_at_80_columns():
     lines = render(tables.jobs(JOBS, 80))
-    assert len(lines) == 1 + len(JOBS) and all(len(line) <= 80 for line in lines)
+    assert len(lines) == 2 + len(JOBS) and all(len(line) <= 80 for line in lines)
+    assert lines[-1] == "STEPS, CREATED hidden at 80 columns: see --json"
     assert lines[1].startswith("5afb7b31dd95  smollm2-135m-instruct  failed   quality gate refused")
     assert lines[1].endswith("…")
     assert lines[2].startswith("a1b2c3d4e5f6  qwen2.5-7b-instruct    running")

@@ -102,8 +102,8 @@ def same_weights(result: dict) -> str | None:
     the same at 2.0 to 6.0 bpw, benchmarks/results/h200-2026-12-02). Not a flaw of the model: exllamav3 does that."""
     if len({r["weights"] for r in result["rows"]}) != 1:
         return None
-    return (f"EXL3 weights are the same at every size: exllamav3 loads tensors of up to {SLAB_MAX_TENSOR // MiB} MiB "
-            f"into {SLAB // MiB} MiB blocks, and this model's fill the same blocks at 1.0 and 8.0 bpw")
+    return (f"EXL3 weights the same at every size: exllamav3 loads tensors of up to {SLAB_MAX_TENSOR // MiB} MiB into "
+            f"{SLAB // MiB} MiB blocks")
 
 
 def plan(shape: Shape, params: Params, budget: int, ctx: int | None = None, cache: str = "fp16", gpus: int = 1,
