@@ -1,7 +1,7 @@
 """`qf`: the command line. Renders the pipeline's events; maps every FactoryError to its exit code.
 
 Exit codes (factory/errors.py): 0 ok, 1 job failed or refused by the quality gate, 2 bad usage or spec,
-3 model refused by inspection, 4 not found, 5 a service unavailable.
+3 model refused by inspection, 4 not found, 5 a service unavailable; `qf status JOB`: 1 failed, 6 cancelled.
 """
 
 from __future__ import annotations
@@ -370,7 +370,8 @@ def _job_rows(**query) -> list[dict]:
         return remote.jobs(limit=query.get("limit", 20), name=query.get("name"))
     from factory import status
 
-    return status.job_rows(settings.load().db_url, **query)
+    config = settings.load()
+    return status.job_rows(config.db_url, broker_url=config.broker_url, **query)
 
 
 @app.command()
@@ -387,6 +388,10 @@ def jobs(
         out.print(tables.jobs(rows, out.width))
 
 
+# `qf status JOB` of a job that ended so (errors.py); with --json 0, as its `state` says it to the scripts that read it
+STATUS_EXIT = {"failed": JobFailed.exit_code, "cancelled": 6}
+
+
 @app.command()
 @_handled
 def status(
@@ -395,35 +400,43 @@ def status(
     follow: Annotated[bool, typer.Option("--follow", metavar="",
                                          help="Show the job's progress live until it ends.")] = False,
 ) -> None:
-    """A job's state and steps; without JOB, the recent jobs."""
+    """A job's state and steps; without JOB, the recent jobs. With JOB it exits 1 when the job failed and 6 when
+    it was cancelled (0 while it is queued or running, when it succeeded, and with --json, whose `state` says)."""
     if follow and job_id is None:
         raise SpecError("--follow needs a JOB to follow; `qf status` lists the recent ones")
     if follow and job_id is not None:
         _follow(job_id, as_json)
-        if as_json:
-            return  # the events were the output
     rows = _job_rows(job_id=job_id) if job_id else _job_rows(limit=20)
     if job_id is not None and not rows:
         raise NotFound(f"no job {job_id!r}; `qf status` lists the recent ones")
-    if as_json:
+    if as_json and not follow:
         print(json.dumps(rows if job_id is None else rows[0], indent=2))
     elif job_id is None:
         out.print(tables.jobs(rows, out.width))
-    else:
-        out.print(tables.steps(rows[0], out.width))
-        if rows[0].get("eta_seconds") is not None:
-            left = rows[0]["eta_seconds"]
-            when = (f"about {tables.duration(left)} from now" if left >= 0
-                    else f"{tables.duration(-left)} later than expected")
-            out.print(f"expected to end at {rows[0]['expected_end'].replace('T', ' ')} UTC ({when})",
-                      markup=False, highlight=False)
-        if rows[0]["holder"]:
-            from factory.leases import describe_holder
+    elif not as_json:  # with --follow --json, the events were the output
+        _print_job(rows[0])
+    if job_id is not None and not as_json and rows[0]["state"] in STATUS_EXIT:
+        raise typer.Exit(STATUS_EXIT[rows[0]["state"]])
 
-            out.print(f"held by {describe_holder(rows[0]['holder'])} (attempt {rows[0]['attempts']})",
-                      markup=False, highlight=False)
-        if rows[0]["error"]:
-            out.print(f"error: {rows[0]['error']}", markup=False, highlight=False)
+
+def _print_job(row: dict) -> None:
+    """One job as `qf status JOB` prints it: its steps, why it waits, when it should end, its holder, its error."""
+    out.print(tables.steps(row, out.width))
+    if row.get("waiting"):
+        out.print(f"queued: {row['waiting']}", markup=False, highlight=False)
+    if row.get("eta_seconds") is not None:
+        left = row["eta_seconds"]
+        when = (f"about {tables.duration(left)} from now" if left >= 0
+                else f"{tables.duration(-left)} later than expected")
+        out.print(f"expected to end at {row['expected_end'].replace('T', ' ')} UTC ({when})", markup=False,
+                  highlight=False)
+    if row["holder"]:
+        from factory.leases import describe_holder
+
+        out.print(f"held by {describe_holder(row['holder'])} (attempt {row['attempts']})", markup=False,
+                  highlight=False)
+    if row["error"]:
+        out.print(f"error: {row['error']}", markup=False, highlight=False)
 
 
 def _follow(job_id: str, as_json: bool) -> None:

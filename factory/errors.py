@@ -10,6 +10,7 @@
 | 5    | ServiceUnavailable | database, broker, Hub or the factory's service unreachable      |
 | 5    | AccessDenied       | the service refused the token, its scope, or another user's job |
 | 5    | OverQuota          | the service's quota for this user is used up (until it resets)  |
+| 6    |                    | `qf status JOB` of a cancelled job (a failed one: 1; --json: 0) |
 
 Messages are one sentence saying what was wrong and what is allowed; the CLI prints them as they are.
 """

@@ -7,7 +7,11 @@ FACTORY_BROKER_URL  the Celery broker and result backend for `qf submit` and wor
                   redis://127.0.0.1:6379/0)
 FACTORY_VISIBILITY_TIMEOUT  seconds Redis waits before handing an unacknowledged job to another worker; longer
                   than the longest job (default 43200)
-FACTORY_WORKER_DEVICE  the device `qf submit` plans jobs for: cuda (default) or cpu
+FACTORY_WORKER_DEVICE  the device `qf submit`, the service and the watchlist plan a job for, and so its queue
+                  (DEVICE_QUEUES: a CUDA job goes to the `gpu` queue, a CPU job to `cpu`): cuda (default: GPU
+                  workers run every job), cpu (CPU workers only: engines that need CUDA are refused at submit) or
+                  auto (both kinds: CUDA when one of the job's engines needs it, EXL2 or EXL3, else the CPU, so an
+                  AWQ-only job runs on a CPU worker with the CPU's evaluation protocol; workers/tasks.py)
 FACTORY_LEASE_SECONDS  how long a running job's lease lasts without a heartbeat (default 120; renewed every third)
 FACTORY_STALL_SECONDS  how long a job may go without progress (an event: a step, a layer, a window) before its
                   holder stops renewing the lease and kills it, so that it continues elsewhere (default 1800: the
@@ -42,6 +46,10 @@ from pathlib import Path
 
 from factory.errors import SpecError, mask_url
 
+WORKER_DEVICES = ("cuda", "cpu", "auto")
+DEVICE_QUEUES = {"cuda": "gpu", "cpu": "cpu"}  # the queue a job planned for the device goes to (workers/tasks.py)
+WORKERS_KEY = "quantfactory:workers:"  # + queue: the workers taking it (a Redis sorted set, scored by their beat)
+WORKER_BEAT_SECONDS = 10.0  # how often a worker says it is up; one silent for 3 beats is taken to be down
 POSTGRES_URL = re.compile(r"^postgres(ql)?(\+psycopg2)?://")  # the URL forms users and SQLAlchemy write
 HUB_REPO_VARIABLE = re.compile(r"FACTORY_HUB_([A-Z0-9]+)_REPO")
 
@@ -99,7 +107,7 @@ class Settings:  # a plain dataclass: `qf status` must start fast, and pydantic'
 _FROM_ENV = {  # field -> (variable, type); an unset or empty variable leaves the field's default
     "broker_url": ("FACTORY_BROKER_URL", str),
     "visibility_timeout": ("FACTORY_VISIBILITY_TIMEOUT", int),
-    "worker_device": ("FACTORY_WORKER_DEVICE", str),
+    "worker_device": ("FACTORY_WORKER_DEVICE", lambda v: _one_of("FACTORY_WORKER_DEVICE", v, WORKER_DEVICES)),
     "lease_seconds": ("FACTORY_LEASE_SECONDS", float),
     "max_attempts": ("FACTORY_MAX_ATTEMPTS", int),
     "stall_seconds": ("FACTORY_STALL_SECONDS", float),
@@ -128,6 +136,12 @@ def load() -> Settings:
     found = {field: kind(os.environ[var]) for field, (var, kind) in _FROM_ENV.items() if os.environ.get(var)}
     repos = {m[1].lower(): v for k, v in os.environ.items() if (m := HUB_REPO_VARIABLE.fullmatch(k)) and v}
     return Settings(home=home, db_url=db_url, hub_repos=repos, **found)
+
+
+def _one_of(variable: str, value: str, allowed: tuple[str, ...]) -> str:
+    if value.lower() not in allowed:
+        raise SpecError(f"{variable}={value!r} is not one of {', '.join(allowed)}")
+    return value.lower()
 
 
 def database_kind(url: str) -> str:

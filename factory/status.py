@@ -3,27 +3,33 @@
 The catalog (factory/catalog.py) owns the schema and every write. This module only reads, through sqlite3 or
 psycopg2, because importing SQLAlchemy alone takes 0.4 s on a 2-core machine and `qf status` has half a second
 (benchmarks/queue_costs.py). tests/test_status.py checks that both read the same rows.
+
+A queued job says why it waits when no worker takes its queue (`waiting`): each worker
+keeps its name in a sorted set per queue in Redis (settings.WORKERS_KEY, workers/tasks.py), so the answer is one
+ZCOUNT per queue (tests/test_fleet_cpu.py).
 """
 
 from __future__ import annotations
 
 import json
 import sqlite3
+import time
 from datetime import UTC, datetime
 
 from factory.errors import ServiceUnavailable, database_error, mask_url
-from factory.settings import POSTGRES_URL, database_kind
+from factory.settings import DEVICE_QUEUES, POSTGRES_URL, WORKER_BEAT_SECONDS, WORKERS_KEY, database_kind
 
 _JOBS = ("SELECT id, name, state, error, exit_code, source, source_identity, specs, created_at, worker, lease_until, "
-         "attempts, expected_end FROM jobs")
+         "attempts, expected_end, device FROM jobs")
 _STEPS = ("SELECT job_id, name, state, started_at, ended_at, error, peak_gpu_bytes, expected_seconds, holder "
           "FROM steps")
 
 
 def job_rows(url: str, job_id: str | None = None, name: str | None = None, limit: int = 20,
-             user: str | None = None) -> list[dict]:
+             user: str | None = None, broker_url: str | None = None) -> list[dict]:
     """The newest `limit` jobs (of model `name`, or the one job `job_id`; of those, the ones `user` submitted
-    through the service), newest first; [] for a new catalog."""
+    through the service), newest first; [] for a new catalog. With `broker_url`, a queued job that no worker
+    would take now says why in `waiting` (else None)."""
     clauses, args = [], []
     for clause, value in (("id = ?", job_id), ("name = ?", name),
                           ("id IN (SELECT job_id FROM submissions WHERE username = ?)", user)):
@@ -52,14 +58,45 @@ def job_rows(url: str, job_id: str | None = None, name: str | None = None, limit
                             "expected_seconds": expected, "error": error, "peak_gpu_bytes": peak,
                             "holder": holder})
     now = datetime.now(UTC).replace(tzinfo=None)  # the catalog's clock: naive UTC
-    return [
+    rows = [
         {"id": i, "name": n, "state": s, "error": e, "exit_code": code, "source": src, "source_identity": ident,
-         "specs": json.loads(specs) if isinstance(specs, str) else specs,
+         "specs": json.loads(specs) if isinstance(specs, str) else specs, "device": device,
          "created_at": _time(created).isoformat(timespec="seconds"), "steps": by_job[i],
          "holder": worker if until is not None and _time(until) > now else None, "attempts": attempts,
-         **_eta(s, end, now)}
-        for i, n, s, e, code, src, ident, specs, created, worker, until, attempts, end in jobs
+         **_eta(s, end, now), "waiting": None}
+        for i, n, s, e, code, src, ident, specs, created, worker, until, attempts, end, device in jobs
     ]
+    if broker_url is not None:
+        _say_why_queued([r for r in rows if r["state"] == "queued"], broker_url)
+    return rows
+
+
+def _queue(row: dict) -> str:
+    """The queue a queued job waits on: its device's, or the cpu queue's once its gate passed (its publishing)."""
+    if any(s["name"] == "gate" and s["state"] == "succeeded" for s in row["steps"]):
+        return DEVICE_QUEUES["cpu"]
+    return DEVICE_QUEUES[row["device"]]
+
+
+def _say_why_queued(rows: list[dict], broker_url: str) -> None:
+    """`waiting` for each queued row whose queue no worker said it takes within three beats."""
+    if not rows:
+        return
+    import redis
+
+    since = time.time() - 3 * WORKER_BEAT_SECONDS
+    client = redis.Redis.from_url(broker_url, socket_connect_timeout=2, socket_timeout=2)
+    try:
+        up = {q: client.zcount(WORKERS_KEY + q, since, "+inf") for q in {_queue(r) for r in rows}}
+    except redis.RedisError:
+        for row in rows:
+            row["waiting"] = "the broker cannot be reached"
+        return
+    finally:
+        client.close()
+    for row in rows:
+        if not up[_queue(row)]:
+            row["waiting"] = f"no worker on the {_queue(row)} queue is up"
 
 
 def _eta(state: str, end, now: datetime) -> dict:

@@ -74,7 +74,7 @@ CATALOG_FIXTURES = {"db_url", "finished"}  # every test that writes or reads a c
 # housekeeping's writes, the service's quotas and plain SQL. The other catalog tests go through the same SQLAlchemy
 # code and ran on SQLite.
 DATABASE_MODULES = {"test_workers", "test_leases", "test_packing", "test_safety", "test_status", "test_schedule",
-                    "test_housekeeping", "test_service", "test_service_races"}
+                    "test_housekeeping", "test_service", "test_service_races", "test_fleet_cpu"}
 
 
 def pytest_collection_modifyitems(config, items):

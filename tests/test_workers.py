@@ -209,7 +209,7 @@ def test_concurrent_submissions(env, tiny):
     assert len(lines) == 50 and len(ids) == 40 and len(set(ids.values())) == 40
     jobs = json.loads(qf(env, "jobs", "--json", "--limit", 100, check=True).stdout)
     assert len(jobs) == 40 and {j["state"] for j in jobs} == {"queued"}
-    assert redis.Redis.from_url(BROKER).llen("gpu") == 40
+    assert redis.Redis.from_url(BROKER).llen("cpu") == 40
 
 
 class OwnRedis:
@@ -249,7 +249,7 @@ def test_queued_jobs_survive_a_redis_restart(env, tiny, tmp_path):
         ids = [qf(env, "submit", tiny, "--awq", "--eval-windows", w, check=True).stdout.strip() for w in (1, 2, 3)]
         server.stop()
         server.start()
-        assert redis.Redis.from_url(server.url).llen("gpu") == 3
+        assert redis.Redis.from_url(server.url).llen("cpu") == 3
         log = open(tmp_path / "worker.log", "w")
         worker = subprocess.Popen([sys.executable, "-m", "factory.cli", "worker"], env=env, cwd=ROOT, stdout=log,
                                   stderr=subprocess.STDOUT)
@@ -296,10 +296,10 @@ def _queued_long_ago(env, job_id: str) -> None:
 
 def test_reconcile_requeues_a_job_the_broker_lost(env, tiny):
     job_id = qf(env, "submit", tiny, "--awq", "--eval-windows", 1, check=True).stdout.strip()
-    redis.Redis.from_url(BROKER).delete("gpu")  # the message is gone
+    redis.Redis.from_url(BROKER).delete("cpu")  # the message is gone
     _queued_long_ago(env, job_id)
     assert qf(env, "reconcile", check=True).stdout.split() == [job_id]
-    assert redis.Redis.from_url(BROKER).llen("gpu") == 1
+    assert redis.Redis.from_url(BROKER).llen("cpu") == 1
     assert qf(env, "reconcile", check=True).stdout.split() == []  # now the broker holds it
 
 
@@ -321,16 +321,19 @@ def test_status_follow_streams_the_workers_events(env, tiny, tmp_path):
     assert [e["step"] for e in events if e["event"] == "step" and e["state"] == "succeeded"][0] == "inspect"
 
 
-def test_gpu_worker_quantizes_cpu_worker_publishes(env, tiny, tmp_path):
+def test_a_gpu_worker_leaves_a_cpu_job_to_the_cpu_worker(env, tiny, tmp_path):
+    """A job planned for the CPU (FACTORY_WORKER_DEVICE=cpu) goes to the cpu queue: a worker of the gpu queue takes
+    none of it, and a cpu worker runs it through publishing. (Quantizing on the gpu queue and publishing on the cpu
+    queue is a CUDA job's way, which needs a GPU: tests/test_fleet_cpu.py checks the routing of one.)"""
     job_id = qf(env, "submit", tiny, "--awq", "--eval-windows", 1, check=True).stdout.strip()
     gpu = _start_worker(env, tmp_path / "gpu.log", "gpu")
     try:
-        status = wait_until(env, job_id, lambda st: st["state"] == "queued" and any(
-            s["name"] == "gate" and s["state"] == "succeeded" for s in st["steps"]), 180, "gated and queued")
+        time.sleep(2)
+        status = json.loads(qf(env, "status", job_id, "--json", check=True).stdout)
     finally:
         gpu.terminate()
         gpu.wait(timeout=30)
-    assert not any(s["name"].startswith("publish:") for s in status["steps"])
+    assert (status["state"], status["steps"]) == ("queued", [])
     assert redis.Redis.from_url(BROKER).llen("cpu") == 1
     status = run_worker_until_done(env, job_id, tmp_path / "cpu.log", "cpu")
     assert status["state"] == "succeeded"
@@ -471,17 +474,17 @@ def test_reconcile_skips_a_malformed_message(env, tiny):
     and a job the broker lost is queued again all the same."""
     job_id = qf(env, "submit", tiny, "--awq", "--eval-windows", 1, check=True).stdout.strip()
     client = redis.Redis.from_url(BROKER)
-    client.delete("gpu")  # the job's message is lost
-    client.lpush("gpu", b"not a message", json.dumps({"headers": {"task": "quantfactory.run_job",
+    client.delete("cpu")  # the job's message is lost
+    client.lpush("cpu", b"not a message", json.dumps({"headers": {"task": "quantfactory.run_job",
                                                                   "argsrepr": "(oops"}}))
     client.hset("unacked", mapping={"t1": "not json", "t2": json.dumps({"a": 1}), "t3": "[]", "t4": "[1, 2]",
                                     "t5": json.dumps([{"headers": {"task": "quantfactory.run_job",
-                                                                   "argsrepr": "(oops"}}, "", "gpu"])})
+                                                                   "argsrepr": "(oops"}}, "", "cpu"])})
     _queued_long_ago(env, job_id)
     result = qf(env, "reconcile")
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
     assert result.stdout.split() == [job_id] and result.stderr.count("skipped a malformed message") == 6
-    assert client.llen("gpu") == 3
+    assert client.llen("cpu") == 3
 
 
 # One job's conversions on two workers (the round engine of tests/round_engine.py, in every process through

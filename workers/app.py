@@ -4,7 +4,11 @@
   at a time; a worker that dies is noticed through its lease in the catalog (workers/tasks.py), not the broker;
 - the Redis visibility timeout (broker and result backend) is longer than the longest job
   (FACTORY_VISIBILITY_TIMEOUT seconds, default 12 hours), so a slow job is not handed to a second worker;
-- queues: `gpu` (quantization and evaluation, up to the quality gate), `cpu` (publishing).
+- queues: a job's units up to its quality gate go to the queue of the device it was planned for (`gpu` for CUDA,
+  `cpu` for the CPU: settings.DEVICE_QUEUES; FACTORY_WORKER_DEVICE says how a submission picks the device,
+  workers/tasks.py `job_device`), and so does the help with its conversions; publishing, the reconciler and the
+  watchlist check go to `cpu`. A worker takes the queues it is started with (`qf worker --queues`) and says so
+  in Redis every few seconds (settings.WORKERS_KEY), so that `qf status` can tell why a job waits.
 The worker's own process only takes messages and holds leases (solo pool); each job runs in a fresh process started
 with the `spawn` method (workers/tasks.py), and its engines in their own children: nothing that may hold CUDA is ever
 forked, and a job's GPU memory, or its crash, ends with its process.
@@ -24,9 +28,9 @@ app.conf.update(
     worker_prefetch_multiplier=1,
     worker_concurrency=1,
     task_track_started=True,
-    task_default_queue="gpu",
-    task_routes={"quantfactory.run_job": {"queue": "gpu"}, "quantfactory.publish_job": {"queue": "cpu"},
-                 "quantfactory.reconcile": {"queue": "cpu"}, "quantfactory.check_watchlist": {"queue": "cpu"}},
+    task_default_queue="cpu",  # run_job and help_job name their job's queue when they are sent (tasks.enqueue)
+    task_routes={"quantfactory.publish_job": {"queue": "cpu"}, "quantfactory.reconcile": {"queue": "cpu"},
+                 "quantfactory.check_watchlist": {"queue": "cpu"}},
     broker_transport_options={"visibility_timeout": _settings.visibility_timeout},
     result_backend_transport_options={"visibility_timeout": _settings.visibility_timeout},
     broker_connection_retry_on_startup=True,

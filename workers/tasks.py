@@ -1,7 +1,17 @@
 """Tasks are thin: they take a job id, re-read the job from the catalog and run the steps not done yet.
 
-A job runs on the gpu queue up to its quality gate (`run_job`), then a task on the cpu queue publishes it
-(`publish_job`); both go through `Factory.execute`, which reuses every finished step. Crash recovery does not wait
+A job runs on its device's queue up to its quality gate (`run_job`), then a task on the cpu queue publishes it
+(`publish_job`); both go through `Factory.execute`, which reuses every finished step.
+
+Which device, and so which queue: a submission to the fleet (`qf submit`, the service, the watchlist) plans its job
+for FACTORY_WORKER_DEVICE: `cuda` or `cpu` as it says, or with `auto` (a fleet of both kinds, as compose.yaml runs
+it) for CUDA when one of the job's engines needs it (the engine's `requires_cuda`) and for the CPU otherwise
+(`job_device`). A CUDA job goes to the `gpu` queue, a CPU job to `cpu` (settings.DEVICE_QUEUES). A job planned for
+CUDA that reaches a worker without it (a `qf worker` taking the gpu queue on a machine without a GPU) fails with
+one sentence that says so, before any step. Each worker says every WORKER_BEAT_SECONDS in Redis which queues it
+takes (settings.WORKERS_KEY), so that `qf status` of a queued job can say that no worker takes its queue.
+
+Crash recovery does not wait
 for the broker: a running job holds a lease in the catalog that a heartbeat thread renews while the job's process
 is alive and makes progress (factory/leases.py); `reconcile` (beat, every FACTORY_RECONCILE_SECONDS) puts jobs
 whose lease expired back on the queue, and queued jobs the broker lost. The lease's fencing token goes to the job
@@ -36,24 +46,24 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import NoReturn
 
 import redis
 from celery.exceptions import Reject
-from celery.signals import worker_ready
+from celery.signals import worker_ready, worker_shutdown
 from kombu.exceptions import OperationalError
 
-from factory import engines, identity, leases, schedule, settings
+from factory import engines, evaluate, identity, leases, schedule, settings
 from factory.catalog import RETRYABLE, TERMINAL, Job, JobState, Lease
 from factory.engines import child
-from factory.errors import Conflict, FactoryError, LeaseLost, NotFound, ServiceUnavailable, mask_url
+from factory.errors import Conflict, FactoryError, LeaseLost, NotFound, ServiceUnavailable, SpecError, mask_url
 from factory.jobs.planning import Request
 from factory.pipeline import Factory
 from factory.recipes import recipe_from_dict
 from workers.app import app
 
-QUEUE = "gpu"
-QUEUES = ("gpu", "cpu")
+QUEUES = tuple(sorted(set(settings.DEVICE_QUEUES.values())))
 _SPAWN = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA
 log = logging.getLogger("quantfactory")
 WATCH_LOCK = "quantfactory:watch-lock"
@@ -62,7 +72,8 @@ EVENTS = "quantfactory:events:"  # + job id: the pipeline's events, published fo
 
 @app.task(name="quantfactory.run_job", ignore_result=True)  # outcomes live in the catalog
 def run_job(job_id: str) -> None:
-    """gpu queue: everything up to the quality gate, then the publishing step goes to the cpu queue."""
+    """The job's device's queue: everything up to the quality gate, then the publishing step goes to the cpu
+    queue."""
     with _not_done_without_catalog(job_id):
         if _run(job_id, publish=False):
             publish_job.apply_async(args=[job_id], queue="cpu")
@@ -70,8 +81,8 @@ def run_job(job_id: str) -> None:
 
 @app.task(name="quantfactory.help_job", ignore_result=True)
 def help_job(job_id: str) -> None:
-    """gpu queue: convert some of a running job's sizes beside its holder (Factory.help), in a job process of its
-    own; a job that is not running, or has nothing left to take, is nothing to do."""
+    """The job's device's queue: convert some of a running job's sizes beside its holder (Factory.help), in a job
+    process of its own; a job that is not running, or has nothing left to take, is nothing to do."""
     with _not_done_without_catalog(job_id):
         config = settings.load()
         job = Factory(config).catalog.job(job_id)
@@ -128,12 +139,12 @@ LOST = "lost"  # what _execute returns when the lease was lost or given up
 
 
 def _call_helpers(job: Job) -> None:
-    """One help_job per target beyond the first: GPU workers with nothing else to do take some of the job's
-    conversions (those that find the job done, or nothing left, do nothing). Helping is optional: a broker that
-    cannot take them leaves the job to its holder."""
+    """One help_job per target beyond the first, on the job's queue: workers of its device with nothing else to do
+    take some of the job's conversions (those that find the job done, or nothing left, do nothing). Helping is
+    optional: a broker that cannot take them leaves the job to its holder."""
     for _ in range(len(job.specs) - 1):
         try:
-            help_job.apply_async(args=[job.id], queue=QUEUE, retry=False)
+            help_job.apply_async(args=[job.id], queue=settings.DEVICE_QUEUES[job.device], retry=False)
         except OperationalError:
             return
 
@@ -232,19 +243,37 @@ def _job_process(conn, parent: int, progress) -> None:
         publish_event(event)
 
     if kind == "help":
-        try:
-            Factory(config, emit).help(job_id)
+        try:  # a helper helps a job planned for the device its machine has (the job's queue sent it here)
+            Factory(replace(config, worker_device=evaluate.device()), emit).help(job_id)
         except FactoryError as e:  # the job's holder meets the same problem and records it
             log.warning("job %s: a helper stops: %s", job_id, e.message)
         _end_without_teardown()
     lease, publish = args
+    factory = Factory(config, emit)
+    if not publish and _refused_for_its_device(factory, lease):
+        conn.send(JobState.failed)
+        _end_without_teardown()
     try:
-        conn.send(Factory(config, emit).execute(lease.job_id, publish=publish, lease=lease).state)
+        conn.send(factory.execute(lease.job_id, publish=publish, lease=lease).state)
     except LeaseLost:
         conn.send(LOST)
     except FactoryError:
         conn.send(JobState.failed)  # marked failed in the catalog, unless the catalog was what failed
     _end_without_teardown()
+
+
+def _refused_for_its_device(factory: Factory, lease: Lease) -> bool:
+    """A job planned for CUDA that reached a worker without it fails with one sentence before any step, rather than
+    with torch's "Torch not compiled with CUDA enabled" from its first unit. True when it did (its publishing
+    step, which needs no GPU, is never refused)."""
+    job = factory.catalog.job(lease.job_id)
+    if job.device != "cuda" or evaluate.device() == "cuda":
+        return False
+    message = (f"job {job.id} needs a CUDA GPU and the worker on {socket.gethostname()} that took it from the gpu "
+               f"queue has none; start workers without one with `qf worker --queues cpu`, then `qf retry {job.id}`")
+    factory.catalog.transition(job.id, JobState.failed, lease.token, message, SpecError.exit_code,
+                               only_from=frozenset({JobState.queued, JobState.running}))
+    return True
 
 
 def _end_without_teardown() -> NoReturn:
@@ -259,9 +288,48 @@ def _end_without_teardown() -> NoReturn:
 
 
 @worker_ready.connect
-def _warm_up(**_) -> None:
-    global _spare
+def _warm_up(sender, **_) -> None:
+    global _spare, _up
     _spare = _spare or _spawn()
+    _up = (sender.hostname, sorted(q.name for q in sender.task_consumer.queues))
+    threading.Thread(target=_say_up, args=_up, name="qf-worker-up", daemon=True).start()
+
+
+_up: tuple[str, list[str]] | None = None  # (this worker's node name, the queues it takes), once it is ready
+_going = threading.Event()  # set as the worker shuts down: it no longer says it is up
+
+
+def _say_up(node: str, queues: list[str]) -> None:
+    """Every WORKER_BEAT_SECONDS, in the sorted set of each queue this worker takes: its node name, scored by the
+    time (what factory/status.py reads); members three beats old are dropped. A broker that is away is tried
+    again at the next beat."""
+    client, beat = redis.Redis.from_url(settings.load().broker_url), settings.WORKER_BEAT_SECONDS
+    while not _going.is_set():
+        now = time.time()
+        try:
+            with client.pipeline() as pipe:
+                for queue in queues:
+                    pipe.zadd(settings.WORKERS_KEY + queue, {node: now})
+                    pipe.zremrangebyscore(settings.WORKERS_KEY + queue, "-inf", now - 3 * beat)
+                pipe.execute()
+        except redis.RedisError:
+            pass
+        _going.wait(beat)
+
+
+@worker_shutdown.connect
+def _say_down(**_) -> None:
+    """A worker that stops is no longer up at once, not three beats later."""
+    _going.set()
+    if _up is None:
+        return
+    node, queues = _up
+    try:
+        client = redis.Redis.from_url(settings.load().broker_url, socket_timeout=2)
+        for queue in queues:
+            client.zrem(settings.WORKERS_KEY + queue, node)
+    except redis.RedisError:
+        pass
 
 
 def _publisher(broker_url: str, job_id: str):
@@ -357,11 +425,20 @@ def check_broker() -> None:
         raise _broker_unreachable() from None
 
 
+def job_device(request: Request) -> str:
+    """The device a fleet's job is planned for, from `request.device` (FACTORY_WORKER_DEVICE): cuda or cpu as it
+    says; auto: cuda when one of the recipe's engines needs CUDA, else cpu."""
+    if request.device != "auto":
+        return request.device
+    return "cuda" if any(engines.get(s.method).requires_cuda for s in request.recipe.specs()) else "cpu"
+
+
 def submit(factory: Factory, request: Request) -> Job:
     """Create the job (or find the same one) and queue it unless it is queued, running or done already: what
-    `qf submit` and the watchlist check do. A broker that cannot be reached is found before any job exists."""
+    `qf submit`, the service and the watchlist check do. A broker that cannot be reached is found before any job
+    exists."""
     check_broker()
-    job, created = factory.submit(request)
+    job, created = factory.submit(replace(request, device=job_device(request)))
     if created or job.state in (JobState.failed, JobState.cancelled):
         enqueue(factory, job.id)
     return job
@@ -380,12 +457,13 @@ def retry(factory: Factory, job_id: str) -> Job:
 
 
 def enqueue(factory: Factory, job_id: str) -> None:
-    """Queue `job_id` (queued, failed or cancelled) on the gpu queue; a broker that cannot be reached fails the job
-    and raises (exit 5). A job that moved on meanwhile (a worker started it) is left alone."""
+    """Queue `job_id` (queued, failed or cancelled) on its device's queue; a broker that cannot be reached fails
+    the job and raises (exit 5). A job that moved on meanwhile (a worker started it) is left alone."""
     if not factory.catalog.transition(job_id, JobState.queued, only_from=frozenset({JobState.queued, *RETRYABLE})):
         return
     try:
-        run_job.apply_async(args=[job_id], queue=QUEUE, retry=False)
+        run_job.apply_async(args=[job_id], queue=settings.DEVICE_QUEUES[factory.catalog.job(job_id).device],
+                            retry=False)
     except OperationalError:
         unreachable = _broker_unreachable()
         factory.catalog.transition(job_id, JobState.failed, error=unreachable.message,

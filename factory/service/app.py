@@ -148,7 +148,9 @@ Who = Annotated[Account, Depends(account)]
 def visible_jobs(config: settings.Settings, who: Account, **query) -> list[dict]:
     """status.job_rows of the jobs `who` may see: their own, or every job (admin, the public dashboard); server
     paths masked for all but the admin."""
-    return shown(status.job_rows(config.db_url, user=None if who.sees_every_job else who.user, **query), who, config)
+    rows = status.job_rows(config.db_url, user=None if who.sees_every_job else who.user, broker_url=config.broker_url,
+                           **query)
+    return shown(rows, who, config)
 
 
 def shown(value, who: Account, config: settings.Settings):
