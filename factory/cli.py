@@ -360,7 +360,8 @@ def submit(source: SourceArg, flags: dict, recipe: RecipeOpt = None,
 
 
 def _job_rows(**query) -> list[dict]:
-    """Jobs as `qf status` and `qf jobs` print them: from the catalog, or the service's (the user's own)."""
+    """Jobs as `qf status` and `qf jobs` print them: from the catalog, or the service's (the user's own); every
+    attempt at each step (`--json`), of which the tables show the latest (`_latest`)."""
     if (remote := _remote()) is not None:
         if query.get("job_id"):
             try:
@@ -385,7 +386,7 @@ def jobs(
     if as_json:
         print(json.dumps(rows, indent=2))
     else:
-        out.print(tables.jobs(rows, out.width))
+        out.print(tables.jobs(_latest(rows), out.width))
 
 
 # `qf status JOB` of a job that ended so (errors.py); with --json 0, as its `state` says it to the scripts that read it
@@ -412,16 +413,23 @@ def status(
     if as_json and not follow:
         print(json.dumps(rows if job_id is None else rows[0], indent=2))
     elif job_id is None:
-        out.print(tables.jobs(rows, out.width))
+        out.print(tables.jobs(_latest(rows), out.width))
     elif not as_json:  # with --follow --json, the events were the output
         _print_job(rows[0])
     if job_id is not None and not as_json and rows[0]["state"] in STATUS_EXIT:
         raise typer.Exit(STATUS_EXIT[rows[0]["state"]])
 
 
+def _latest(rows: list[dict]) -> list[dict]:
+    """The rows with each step once, its latest record (a worker's job records inspect and gate in both passes)."""
+    from factory.status import latest_steps
+
+    return [{**row, "steps": latest_steps(row["steps"])} for row in rows]
+
+
 def _print_job(row: dict) -> None:
     """One job as `qf status JOB` prints it: its steps, why it waits, when it should end, its holder, its error."""
-    out.print(tables.steps(row, out.width))
+    out.print(tables.steps(_latest([row])[0], out.width))
     if row.get("waiting"):
         out.print(f"queued: {row['waiting']}", markup=False, highlight=False)
     if row.get("eta_seconds") is not None:

@@ -4,7 +4,10 @@ The catalog (factory/catalog.py) owns the schema and every write. This module on
 psycopg2, because importing SQLAlchemy alone takes 0.4 s on a 2-core machine and `qf status` has half a second
 (benchmarks/queue_costs.py). tests/test_status.py checks that both read the same rows.
 
-A queued job says why it waits when no worker takes its queue (`waiting`): each worker
+A row's `steps` are every attempt at each step, in order; the tables show each step once, its latest record
+(`latest_steps`): a job that ran on workers records two steps again in its publishing pass (`inspect`, which every
+pass needs, and `gate`, which decides what is published), and a job taken over or retried records again the steps
+it runs again. A queued job says why it waits when no worker takes its queue (`waiting`): each worker
 keeps its name in a sorted set per queue in Redis (settings.WORKERS_KEY, workers/tasks.py), so the answer is one
 ZCOUNT per queue (tests/test_fleet_cpu.py).
 """
@@ -69,6 +72,14 @@ def job_rows(url: str, job_id: str | None = None, name: str | None = None, limit
     if broker_url is not None:
         _say_why_queued([r for r in rows if r["state"] == "queued"], broker_url)
     return rows
+
+
+def latest_steps(steps: list[dict]) -> list[dict]:
+    """Each step once: its latest record, in the place of its first (what `qf status` and `qf jobs` show)."""
+    latest: dict[str, dict] = {}
+    for step in steps:
+        latest[step["name"]] = step
+    return list(latest.values())
 
 
 def _queue(row: dict) -> str:

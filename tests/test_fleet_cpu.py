@@ -1,8 +1,8 @@
-"""The fleet as compose.yaml runs it (issue 31, item 1): `qf serve` and the CPU worker with compose's own
+"""The fleet as compose.yaml runs it (issue 31, items 1 and 6): `qf serve` and the CPU worker with compose's own
 commands and environment (the test's catalog, broker and folders in place of the containers'), driven through the
 HTTP API. An AWQ job is planned for the CPU and runs on the CPU worker; an EXL2 job waits on the gpu queue and says
 why; one that reaches a worker without CUDA fails with one sentence; `qf status JOB` exits 1 for a failed job and 6
-for a cancelled one.
+for a cancelled one, and lists each step of a worker's job once.
 
 The PostgreSQL pass only (compose's catalog is PostgreSQL; a server and two workers take about a minute)."""
 
@@ -92,8 +92,13 @@ def test_the_service_and_cpu_worker_of_compose_run_what_they_can(factory_env, tm
         workers.append(_start_worker(worker_env, worker_args, tmp_path / "worker-cpu.log"))
         done = _until(api, awq, lambda j: j["state"] in ("succeeded", "failed", "cancelled"))
         assert (done["state"], done["device"], done["error"]) == ("succeeded", "cpu", None)
-        assert done["steps"][-1]["name"] == "publish:awq-w4g128"
-        assert qf(alice, "status", awq).returncode == 0
+        names = list(dict.fromkeys(s["name"] for s in done["steps"]))  # the history has every attempt
+        assert names[0] == "inspect" and names[-1] == "publish:awq-w4g128" and "gate" in names
+        shown = qf(alice, "status", awq)
+        assert shown.returncode == 0, shown.stderr
+        listed = [line.split()[0] for line in shown.stdout.splitlines() if line.split()[:1] in ([n] for n in names)]
+        assert listed == names, shown.stdout  # each step once, inspect and gate too: their latest records
+        assert all(line.split()[1] == "succeeded" for line in shown.stdout.splitlines() if line.split()[:1] == ["gate"])
 
         waiting = api.get(f"/api/jobs/{exl2}").json()
         assert (waiting["state"], waiting["device"]) == ("queued", "cuda")
@@ -111,6 +116,9 @@ def test_the_service_and_cpu_worker_of_compose_run_what_they_can(factory_env, tm
         assert (failed["state"], failed["exit_code"], failed["steps"]) == ("failed", 2, [])
         status = qf(alice, "status", exl2)
         assert status.returncode == 1 and f"error: {failed['error']}\n" in status.stdout, status
+        jobs = qf(alice, "jobs")
+        assert re.search(rf"{exl2} +tiny +failed +failed after 0 steps", jobs.stdout), jobs.stdout
+        assert re.search(rf"{awq} +tiny +succeeded +{len(names)}/{len(names)} done", jobs.stdout), jobs.stdout
     finally:
         for worker in workers:
             _stop(worker)
