@@ -67,7 +67,9 @@ TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     JobState.running: frozenset({JobState.queued, JobState.succeeded, JobState.failed, JobState.cancelled}),
     JobState.failed: frozenset({JobState.queued, JobState.running}),  # retried; `qf run` continues it
     JobState.cancelled: frozenset({JobState.queued}),  # retried
-    JobState.succeeded: frozenset(),
+    # queued again only when a quant it published was removed (`qf rm`) and the same job is asked for again
+    # (Catalog.reopen, with only_from={succeeded}): it makes that quant again
+    JobState.succeeded: frozenset({JobState.queued}),
 }
 
 
@@ -77,6 +79,7 @@ class StepState(enum.StrEnum):
     failed = "failed"
     skipped = "skipped"
     interrupted = "interrupted"  # stopped by Ctrl-C or SIGTERM, or left running by an attempt that was killed
+    superseded = "superseded"  # succeeded once, but what it made was removed (`qf rm`): made again, not done
 
 
 def now() -> datetime:
@@ -87,15 +90,19 @@ class Base(DeclarativeBase):
     type_annotation_map = {dict: JSON, list: JSON}
 
 
-SCHEMA_VERSION = 7  # 2: jobs.lease_token; 3: steps.lease_token and expected_seconds, jobs.parameters, expected_end;
+SCHEMA_VERSION = 8  # 2: jobs.lease_token; 3: steps.lease_token and expected_seconds, jobs.parameters, expected_end;
 #                    4: claims.holder (was job_id), steps.holder; 5: kld, kld_p99, top1 of evaluations and quants,
 #                    jobs.max_kld (a schema 4 catalog gains them in place: MIGRATIONS); 6: tokens, submissions;
-#                    7: submissions.withdrawn_at
+#                    7: submissions.withdrawn_at; 8: quants.weights_key, files_sha, removed_at,
+#                    evaluations.weights_key, steps.note
 MIGRATIONS = {  # version -> the columns (table, column, SQL type) that bring a catalog of that version to the next
     "4": [(table, column, "FLOAT") for table in ("evaluations", "quants") for column in ("kld", "kld_p99", "top1")]
     + [("jobs", "max_kld", "FLOAT")],
     "5": [],  # new tables only: create_all makes them
     "6": [("submissions", "withdrawn_at", "TIMESTAMP")],
+    "7": [("quants", "weights_key", "VARCHAR(64)"), ("quants", "files_sha", "VARCHAR(64)"),
+          ("quants", "removed_at", "TIMESTAMP"), ("evaluations", "weights_key", "VARCHAR(64)"),
+          ("steps", "note", "TEXT")],
 }  # a column that create_all made already (its table was new) is left as it is
 _SCHEMA_LOCK_KEY = 0x71F4C7  # pg_advisory_lock key for creating the tables
 
@@ -175,6 +182,7 @@ class Step(Base):
     lease_token: Mapped[int | None] = mapped_column(Integer)  # the fencing token of the holder that ran it
     holder: Mapped[str | None] = mapped_column(String(160))  # the process that ran it (host:pid)
     expected_seconds: Mapped[float | None] = mapped_column(Float)  # what it was expected to take (jobs/eta.py)
+    note: Mapped[str | None] = mapped_column(Text)  # what a succeeded step did instead of its work ("reused ...")
     job: Mapped[Job] = relationship(back_populates="steps")
 
     @property
@@ -183,7 +191,11 @@ class Step(Base):
 
 
 class Quant(Base):
-    """A published quant: `name:tag@rev` and where its files are."""
+    """A published quant: `name:tag@rev` and where its files are. `name:tag@rev` names one set of files for ever
+    (`files_sha`): a row is never deleted nor given other files; `qf rm` leaves it as a tombstone (`removed_at`),
+    which no listing or lookup shows and whose name only the same files can take again. Its scores are those of
+    the evaluation it was published with; later evaluations of the same weights are rows of `evaluations` with its
+    `weights_key` (Catalog.quant_evaluations)."""
 
     __tablename__ = "quants"
     __table_args__ = (UniqueConstraint("name", "tag", "rev"),)
@@ -208,6 +220,9 @@ class Quant(Base):
     kld: Mapped[float | None] = mapped_column(Float)  # mean KL(FP16 || quant) per token, on the eval windows
     kld_p99: Mapped[float | None] = mapped_column(Float)
     top1: Mapped[float | None] = mapped_column(Float)  # share of positions where both pick the same next token
+    weights_key: Mapped[str | None] = mapped_column(String(64), index=True)  # identity.weights_key; None: schema 7
+    files_sha: Mapped[str | None] = mapped_column(String(64))  # identity.files_sha; None: published before schema 8
+    removed_at: Mapped[datetime | None] = mapped_column()  # `qf rm`: a tombstone
     created_at: Mapped[datetime] = mapped_column(default=now)
 
     def row(self) -> QuantRow:
@@ -259,6 +274,7 @@ class Evaluation(Base):
     kld: Mapped[float | None] = mapped_column(Float)
     kld_p99: Mapped[float | None] = mapped_column(Float)
     top1: Mapped[float | None] = mapped_column(Float)
+    weights_key: Mapped[str | None] = mapped_column(String(64), index=True)  # a quant's: which weights were scored
     seconds: Mapped[float] = mapped_column(Float)
     created_at: Mapped[datetime] = mapped_column(default=now)
 
@@ -524,7 +540,8 @@ class Catalog:
         with self.session() as s:
             candidates = list(s.scalars(select(Job.id).where(Job.state == JobState.running,
                                                              Job.lease_until < now())))
-        return [job_id for job_id in candidates if self.transition(job_id, JobState.queued, lease_expired=True)]
+        return [job_id for job_id in candidates if self.transition(job_id, JobState.queued, lease_expired=True,
+                                                                     only_from=frozenset({JobState.running}))]
 
     def queued_jobs(self, older_than: float) -> list[str]:
         """Jobs queued for more than `older_than` seconds (younger ones may be on their way to the broker)."""
@@ -605,6 +622,13 @@ class Catalog:
                              .group_by(Step.name))
             return {name: int(peak) for name, peak in rows}
 
+    def reuse_step(self, job_id: str, name: str, note: str, token: int | None = None) -> None:
+        """A step that succeeded without its work: what it used instead (`note`)."""
+        with self.session() as s:
+            self._fence(s, job_id, token)
+            s.add(Step(job_id=job_id, name=name, state=StepState.succeeded, note=note, lease_token=token,
+                       ended_at=now()))
+
     def done_steps(self, job_id: str) -> set[str]:
         with self.session() as s:
             rows = s.scalars(select(Step.name).where(Step.job_id == job_id, Step.state == StepState.succeeded))
@@ -641,38 +665,93 @@ class Catalog:
 
     # quants
     def put_quant(self, quant: Quant, token: int | None = None, publish=None) -> Quant:
-        """Record a published quant (publishing the same name:tag@rev again replaces the row). `publish()`, the
-        registry's act, runs inside the same transaction, after the fence: while the job is running and `token`
-        holds it, so a cancel or a new holder either comes first (nothing is published) or waits for it."""
+        """Record a published quant; `publish()`, the registry's act, runs inside the same transaction, after the
+        fence: while the job is running and `token` holds it, so a cancel or a new holder either comes first
+        (nothing is published) or waits for it. A row of name:tag@rev is never replaced: one with the same files
+        (quant.files_sha) is kept as it is, a tombstone with them is restored (its new row's scores: the job that
+        made it again); one with other files raises RevTaken (the publisher takes another rev). A concurrent insert
+        of the same name:tag@rev (a publisher that raced this one) is looked at again as it commits."""
+        try:
+            return self._put_quant(quant, token, publish)
+        except IntegrityError:
+            won = self.quant_at(quant.name, quant.tag, quant.rev)
+            if won is None or won.files_sha != quant.files_sha:
+                raise RevTaken(f"{quant.name}:{quant.tag}@{quant.rev} holds other files") from None
+            return won
+
+    def _put_quant(self, quant: Quant, token: int | None, publish) -> Quant:
         with self.session() as s:
             self._fence(s, quant.job_id, token, running=publish is not None)
-            if publish is not None:
-                publish()
             old = s.scalars(
                 select(Quant).where(Quant.name == quant.name, Quant.tag == quant.tag, Quant.rev == quant.rev)
             ).one_or_none()
-            if old is not None:
-                s.delete(old)
-                s.flush()
-            s.add(quant)
-            return quant
+            if old is not None and old.files_sha != quant.files_sha:
+                raise RevTaken(f"{quant.name}:{quant.tag}@{quant.rev} holds other files")
+            if publish is not None:
+                publish()
+            if old is None:
+                s.add(quant)
+                return quant
+            if old.removed_at is not None:  # the same files made again after `qf rm`
+                for column in Quant.__table__.columns.keys():
+                    if column not in ("id", "created_at"):
+                        setattr(old, column, getattr(quant, column))
+                old.removed_at = None
+            return old
+
+    def quant_at(self, name: str, tag: str, rev: str) -> Quant | None:
+        """The row of name:tag@rev, a tombstone too (what decides whether that rev is free for some files)."""
+        with self.session() as s:
+            return s.scalars(select(Quant).where(Quant.name == name, Quant.tag == tag, Quant.rev == rev)).one_or_none()
 
     def quants(self, name: str | None = None, job_id: str | None = None) -> list[Quant]:
+        """The live quants (never tombstones); `job_id`: those the job published or evaluated (a quant it reused)."""
         with self.session() as s:
-            query = select(Quant).order_by(Quant.name, Quant.method, Quant.bits, Quant.created_at.desc())
+            query = select(Quant).where(Quant.removed_at.is_(None))
+            query = query.order_by(Quant.name, Quant.method, Quant.bits, Quant.created_at.desc())
             if name is not None:
                 query = query.where(Quant.name == name)
             if job_id is not None:
-                query = query.where(Quant.job_id == job_id)
+                evaluated = select(Evaluation.weights_key).where(Evaluation.job_id == job_id,
+                                                                 Evaluation.weights_key.is_not(None))
+                query = query.where((Quant.job_id == job_id) | Quant.weights_key.in_(evaluated))
             return list(s.scalars(query))
 
-    def remove_quant(self, name: str, tag: str, rev: str) -> bool:
-        """Forget the published quant name:tag@rev (`qf rm`); False when there was none."""
+    def quant_with_weights(self, weights_key: str) -> Quant | None:
+        """The live quant whose weights this key makes (the oldest, should there be two: they race to publish)."""
         with self.session() as s:
-            found = s.scalars(select(Quant).where(Quant.name == name, Quant.tag == tag, Quant.rev == rev)).all()
-            for quant in found:
-                s.delete(quant)
-            return bool(found)
+            return s.scalars(select(Quant).where(Quant.weights_key == weights_key, Quant.removed_at.is_(None))
+                             .order_by(Quant.id).limit(1)).one_or_none()
+
+    def removed_quants(self, job_id: str) -> list[Quant]:
+        """The tombstones of quants the job published or evaluated whose weights are not published any more."""
+        with self.session() as s:
+            evaluated = select(Evaluation.weights_key).where(Evaluation.job_id == job_id,
+                                                             Evaluation.weights_key.is_not(None))
+            live = select(Quant.weights_key).where(Quant.removed_at.is_(None), Quant.weights_key.is_not(None))
+            query = select(Quant).where(Quant.removed_at.is_not(None),
+                                        (Quant.job_id == job_id) | Quant.weights_key.in_(evaluated),
+                                        Quant.weights_key.not_in(live) | Quant.weights_key.is_(None))
+            return list(s.scalars(query.order_by(Quant.id)))
+
+    def remove_quant(self, name: str, tag: str, rev: str) -> bool:
+        """Take the published quant name:tag@rev out of every listing (`qf rm`), leaving its row as a tombstone so
+        that the name never names other files; False when there was none."""
+        with self.session() as s:
+            return s.execute(update(Quant).where(Quant.name == name, Quant.tag == tag, Quant.rev == rev,
+                                                 Quant.removed_at.is_(None)).values(removed_at=now())).rowcount > 0
+
+    def reopen(self, job_id: str, tags: list[str]) -> bool:
+        """A succeeded job queued again to make the quants of `tags` again (they were removed): their quantize,
+        evaluate, gate, publish and push steps are superseded. False when the job is not succeeded (any more)."""
+        with self.session() as s:
+            if not self.transition(job_id, JobState.queued, only_from=frozenset({JobState.succeeded}), session=s):
+                return False
+            names = {"gate"} | {f"{kind}:{tag}" for tag in tags for kind in ("quantize", "evaluate", "publish", "push")}
+            for step in s.scalars(select(Step).where(Step.job_id == job_id, Step.state == StepState.succeeded)):
+                if step.name in names or any(step.name.startswith(f"evaluate:{tag}:") for tag in tags):
+                    step.state = StepState.superseded
+            return True
 
     def job_states(self) -> dict[str, tuple[JobState, str]]:
         """Every job's (state, source identity), for `qf gc`."""
@@ -767,9 +846,24 @@ class Catalog:
                 .limit(1)
             )
 
+    def quant_evaluations(self, weights_key: str, tag: str) -> list[dict]:
+        """Every evaluation of these weights (the one a quant was published with and those of later jobs that
+        reused it), oldest first: job, text, windows, window_length, device, ppl, kld, kld_p99, top1, created_at."""
+        with self.session() as s:
+            rows = s.execute(select(Evaluation, Job.eval).join(Job, Job.id == Evaluation.job_id)
+                             .where(Evaluation.weights_key == weights_key, Evaluation.subject == tag)
+                             .order_by(Evaluation.id))
+            return [{"job": e.job_id, "text": text_name, "windows": e.windows, "window_length": e.window_length,
+                     "device": e.device, "ppl": e.ppl, "kld": e.kld, "kld_p99": e.kld_p99, "top1": e.top1,
+                     "created_at": e.created_at.isoformat(timespec="seconds")} for e, text_name in rows]
+
     def evaluations(self, job_id: str) -> list[Evaluation]:
         with self.session() as s:
             return list(s.scalars(select(Evaluation).where(Evaluation.job_id == job_id).order_by(Evaluation.id)))
+
+
+class RevTaken(Exception):
+    """name:tag@rev names other files (a row or a registry folder): publish under another rev."""
 
 
 @dataclass(frozen=True)

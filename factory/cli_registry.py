@@ -99,7 +99,23 @@ def _show(parsed: naming.QuantRef, rows: list, job_rows: list[dict], as_json: bo
                                      for i, header in enumerate(("GPU", "FP16 CACHE", "Q4 CACHE"))], width, title))
         for line in engine.describe_scores(r):
             out.print(line, markup=False, highlight=False)
+        for line in _evaluations(r):
+            out.print(line, markup=False, highlight=False)
     out.print(tables.jobs(job_rows, width, title="jobs", shows=tables.WIDE))
+
+
+def _evaluations(r) -> list[str]:
+    """Each evaluation of a quant's files, one line each: its own and those of later jobs that reused it."""
+    lines = [f"{r.ref}@{r.rev} evaluated {len(r.evaluations)} times:"] if r.evaluations else []
+    for e in r.evaluations or []:
+        scores = f"ppl {e['ppl']:.4f}"
+        if e["kld"] is not None:
+            scores += f", KLD {tables.kld(e['kld'])}"
+        if e["top1"] is not None:
+            scores += f", top-1 {e['top1'] * 100:.1f}%"
+        lines.append(f"  {e['text']} {e['windows']} x {e['window_length']} on {e['device']}: {scores} "
+                     f"(job {e['job']})")
+    return lines
 
 
 @app.command()
@@ -139,7 +155,8 @@ def rm(ref: Annotated[str, typer.Argument(metavar="NAME:TAG[@REV]")]) -> None:
     parsed = naming.parse(ref, tag_required=True)
     catalog = _catalog()
     quant, freed = housekeeping.remove_quant(settings.load(), catalog, lookup.find(catalog, parsed))
-    err.print(f"removed {quant.name}:{quant.tag}@{quant.rev} ({tables.size(freed)} freed)")
+    err.print(f"removed {quant.name}:{quant.tag}@{quant.rev} ({tables.size(freed)} freed); the same `qf run` "
+              "makes it again")
 
 
 @app.command()

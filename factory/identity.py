@@ -6,6 +6,11 @@ sha256 of a file, and the keys that decide when a job or a measurement is the sa
                       against it at inspect and again before it publishes
     job key           hash(source identity, specs as written, calibration and eval sha256, windows, engine
                       versions, device)
+    weights key       hash(source identity, the resolved spec, calibration sha256, the engine's version, device):
+                      two jobs with the same weights key make the same quant, so a later job reuses a published
+                      one (its evaluation windows and text may differ) instead of converting again
+    files sha         sha256 of a quant's file table (every file's name, sha256 and size) but its card and
+                      manifest: what a registry entry `name:tag@rev` names, for ever
     measurement key   hash(source identity, calibration sha256, rows, length, tool version)
     tokens key        hash(source identity, text sha256, tokenizers version)
     holder            `host:pid` of a process that holds a lease or a claim
@@ -82,6 +87,17 @@ def job_key(
 ) -> str:
     """Specs as the user wrote them; with the device they resolve to the same concrete specs every time."""
     return digest([source_identity, specs, calibration_sha, eval_sha, eval_windows, versions, device])
+
+
+def weights_key(source_identity: str, spec: dict, calibration_sha: str, engine_version: str | None,
+                device: str) -> str:
+    """What decides a quant's weights: the evaluation (text, windows) does not."""
+    return digest(["weights", source_identity, spec, calibration_sha, engine_version, device])
+
+
+def files_sha(table: dict[str, dict]) -> str:
+    """A quant's file table (name -> sha256, bytes) as one hash; the caller leaves out its card and manifest."""
+    return digest(table)
 
 
 def measurement_key(source_identity: str, calibration_sha: str, rows: int, length: int, tool_version: str) -> str:

@@ -344,6 +344,15 @@ class Factory(Planning, Conversions, Evaluations):
             raise ModelRefused(f"source folder {job.source!r} changed {since}{why}; {then}")
 
     def _publish(self, job: Job, prepared: Prepared, spec: QuantSpec, out: Path, scores: publishing.Scores) -> None:
+        if out.is_relative_to(self.settings.registry):  # a published quant reused: its evaluation is added to it
+            twin = self.catalog.quant_with_weights(publishing.weights_key(job, spec))
+            if twin is None:
+                raise JobFailed(f"{job.name}:{spec.tag} was removed while this job evaluated it; run the same "
+                                "command again to make it")
+            note = f"{twin.name}:{twin.tag}@{twin.rev} is published (job {twin.job_id}); this evaluation is added to it"
+            self.catalog.reuse_step(job.id, f"publish:{spec.tag}", note, self.token)
+            self.emit(events.note(f"publish:{spec.tag}: {note}"))
+            return
         with self._step(job.id, f"publish:{spec.tag}"):
             source = Path(job.source)
             self._check_staged(job, source, prepared.folder, "since it was inspected", "nothing was published")

@@ -34,6 +34,8 @@ class QuantRow:
     created_at: str
     fits: list[dict] | None = None  # the longest context that fits each budget (engines with a memory model)
     load_note: str | None = None
+    # every evaluation of its weights (Catalog.quant_evaluations), where `qf show` or the Hub's main card wants them
+    evaluations: list[dict] | None = None
 
     @property
     def ref(self) -> str:
@@ -57,7 +59,8 @@ class QuantRow:
                "calibration": self.calibration, "eval": self.eval, "versions": self.versions, "job": self.job,
                "path": self.path, "spec": self.spec, "fit": self.fit, "created_at": self.created_at}
         return {**row, **({"fits": self.fits} if self.fits else {}),
-                **({"load_note": self.load_note} if self.load_note else {})}
+                **({"load_note": self.load_note} if self.load_note else {}),
+                **({"evaluations": self.evaluations} if self.evaluations is not None else {})}
 
     @classmethod
     def from_json(cls, row: dict) -> QuantRow:

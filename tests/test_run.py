@@ -370,7 +370,7 @@ def test_catalog_of_another_schema_is_refused(tmp_path):
 
 def test_a_catalog_of_schema_4_gains_the_divergence_columns_in_place(finished):
     """A catalog made before KL divergence (schema 4): its quants list with `kld` unknown, and new ones get it; it
-    gains the service's tables (schema 6) and their later columns (7) too."""
+    gains the service's tables (schema 6) and their later columns (7, 8) too."""
     import sqlite3
 
     from factory.catalog import MIGRATIONS, SCHEMA_VERSION
@@ -385,11 +385,11 @@ def test_a_catalog_of_schema_4_gains_the_divergence_columns_in_place(finished):
         db.execute("DROP TABLE tokens")
         db.execute("DROP TABLE submissions")
         db.execute("UPDATE meta SET value = '4' WHERE key = 'schema'")
-    assert "4" in MIGRATIONS and SCHEMA_VERSION == 7
+    assert "4" in MIGRATIONS and SCHEMA_VERSION == 8
     [row] = Qf(home=home).json("ls")
     assert row["kld"] is None and row["ppl"] > 0
     with sqlite3.connect(home / "catalog.db") as db:
-        assert db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone() == ("7",)
+        assert db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone() == ("8",)
         assert db.execute("SELECT count(*) FROM tokens").fetchone() == (0,)
 
 
@@ -405,5 +405,5 @@ def test_a_catalog_of_schema_6_gains_the_withdrawn_column_in_place(finished):
         db.execute("UPDATE meta SET value = '6' WHERE key = 'schema'")
     assert len(Qf(home=home).json("ls")) == 1
     with sqlite3.connect(home / "catalog.db") as db:
-        assert db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone() == ("7",)
+        assert db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone() == ("8",)
         assert "withdrawn_at" in [row[1] for row in db.execute("PRAGMA table_info(submissions)")]

@@ -434,7 +434,8 @@ def job_device(request: Request) -> str:
 
 
 def submit(factory: Factory, request: Request) -> Job:
-    """Create the job (or find the same one) and queue it unless it is queued, running or done already: what
+    """Create the job (or find the same one) and queue it unless it is queued, running or done already (done, with
+    a quant `qf rm` removed, it is queued again to make it: Planning.remake_removed): what
     `qf submit`, the service and the watchlist check do. A broker that cannot be reached is found before any job
     exists."""
     check_broker()
@@ -450,6 +451,9 @@ def retry(factory: Factory, job_id: str) -> Job:
     job = factory.catalog.job(job_id)
     if job is None:
         raise NotFound(f"no job {job_id!r}; `qf status` lists the recent ones")
+    if factory.remake_removed(job):  # succeeded, but `qf rm` removed a quant of it: made again
+        enqueue(factory, job.id)
+        return factory.catalog.job(job_id)
     if job.state not in RETRYABLE:
         raise Conflict(f"job {job_id} is {job.state}; only failed or cancelled jobs can be retried")
     enqueue(factory, job.id)

@@ -4,6 +4,11 @@ makes it, the others wait for it and make it themselves only if its claim runs o
 (`unit:<job>:quantize:<tag>`) is made by the job's holder or by a GPU worker helping with the job (`help`), whose
 quant becomes the job's only under its claim's lock. Claims are renewed in the background while their unit runs.
 
+A quant whose weights key (identity.weights_key: source, resolved spec, calibration, engine version, device) is
+published already, in a registry folder that verifies, is not made again: the quantize unit uses that folder (read
+only: the evaluations read it, nothing writes it) and records its step as succeeded with a note ("reused
+NAME:TAG@REV, published by job J"); the job's evaluation is then added to that quant (factory/publish/publishing.py).
+
 A mixin: the class that uses it (factory/pipeline.py's Factory) provides `catalog`, `settings`, `emit`, `token`
 (the lease's fencing token), `holder`, `costs`, `_stop`, `_step(job_id, name, claim, on_success)`,
 `_check_ours(job_id)`, `_note(message)` and `_read(job, fetched, where)` (what the units work from).
@@ -23,11 +28,13 @@ from pathlib import Path
 from factory import engines, events, identity, sources
 from factory.catalog import Job, JobState
 from factory.engines import QuantSpec
-from factory.errors import Cancelled, LeaseLost
+from factory.errors import Cancelled, JobFailed, LeaseLost
 from factory.identity import measurement_key
 from factory.jobs import graph, packing
 from factory.jobs.graph import Unit
 from factory.jobs.prepared import Prepared
+from factory.publish import folder as registry
+from factory.publish import publishing
 
 WAIT_SECONDS = 2.0  # how often a process that waits for another one (its measurement, a unit it claimed) looks again
 log = logging.getLogger("quantfactory")
@@ -84,17 +91,41 @@ class Conversions:
             log.warning("job %s: a helper stops: a unit it held was taken over", job_id)
 
     def _quantized(self, job: Job, spec: QuantSpec) -> Path | None:
-        """The quant an earlier attempt of this job made, if its step finished and its folder is there."""
+        """The quant an earlier attempt of this job made, if its step finished and its folder is there; else the
+        registry folder of a published quant with the same weights (`_reused` checks its files)."""
         out = self.settings.work / job.id / spec.tag / "out"
         if f"quantize:{spec.tag}" in self.catalog.done_steps(job.id) and out.is_dir() and any(out.iterdir()):
             return out
+        twin = self.catalog.quant_with_weights(publishing.weights_key(job, spec))
+        if twin is not None and (self.settings.registry / twin.path).is_dir():
+            return self.settings.registry / twin.path
         return None
+
+    def _reused(self, job: Job, spec: QuantSpec) -> Path | None:
+        """The registry folder of a published quant with this job's weights key whose files verify, its quantize
+        step recorded as succeeded with a note; None when there is none (this job makes its quant)."""
+        twin = self.catalog.quant_with_weights(publishing.weights_key(job, spec))
+        if twin is None:
+            return None
+        folder = self.settings.registry / twin.path
+        try:
+            registry.verify(folder)
+        except JobFailed as e:
+            log.warning("job %s: not reusing %s:%s@%s: %s", job.id, twin.name, twin.tag, twin.rev, e.message)
+            return None
+        note = f"reused {twin.name}:{twin.tag}@{twin.rev}, published by job {twin.job_id}"
+        if f"quantize:{spec.tag}" not in self.catalog.done_steps(job.id):
+            self.catalog.reuse_step(job.id, f"quantize:{spec.tag}", note, self.token)
+        self.emit(events.note(f"quantize:{spec.tag}: {note}"))
+        return folder
 
     def _quantize(self, job: Job, prepared: Prepared, spec: QuantSpec, measurement: Path | None,
                   helping: bool = False) -> Path | None:
         """The quant of `spec`, made here under the claim `unit:<job>:quantize:<tag>` unless it is made already.
         While another process holds the claim (a worker helping with the job), the job waits for its quant and
         makes it itself once the claim runs out; a helper (`helping`) leaves it and returns None."""
+        if not helping and (reused := self._reused(job, spec)) is not None:
+            return reused
         claim = unit_claim(job.id, f"quantize:{spec.tag}")
         while (out := self._quantized(job, spec)) is None:
             if (token := self.catalog.claim(claim, self._claimer(job), self.settings.lease_seconds)) is None:

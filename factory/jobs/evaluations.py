@@ -1,7 +1,8 @@
 """A job's evaluation units, as the pipeline's Factory runs them: FP16 (its perplexity and its reference for KL
 divergence, both reused from any earlier job on the same token stream), each quant (its perplexity and divergence
 from FP16), and an engine's other scores (e.g. through its runtime's quantized KV caches). Each is a step; each
-score a row of the catalog's evaluations, fenced by the job's lease token.
+score a row of the catalog's evaluations, fenced by the job's lease token; a quant's rows carry its weights key, so
+that every evaluation of the same weights (by this job or a later one that reused the quant) is listed with it.
 
 A mixin: the class that uses it (factory/pipeline.py's Factory) provides `catalog`, `settings`, `emit`, `token`
 (the lease's fencing token) and `_step(job_id, name)` (records one attempt at a step, yields its progress).
@@ -17,6 +18,7 @@ from factory import engines, evaluate, events, kld
 from factory.catalog import Job
 from factory.engines import QuantSpec
 from factory.identity import reference_key
+from factory.publish.publishing import weights_key
 
 
 class Evaluations:
@@ -46,7 +48,8 @@ class Evaluations:
             return found.ppl, kld.Divergence(found.kld, found.kld_p99, found.top1) if found.kld is not None else None
         engine = engines.get(spec.method)
         reference = kld.Reference.load(self._reference_path(job, stream))
-        result = self._scored(job, stream, spec.tag, out, engine.load, engine.evaluator, reference=reference)
+        result = self._scored(job, stream, spec.tag, out, engine.load, engine.evaluator, reference=reference,
+                              weights_key=weights_key(job, spec))
         return result.ppl, result.divergence
 
     def evaluate_group(self, job: Job, spec: QuantSpec, group: str, out: Path, stream: evaluate.Stream) -> dict:
@@ -65,13 +68,13 @@ class Evaluations:
                     progress(done=d, total=t, unit=window if unit == "window" else unit)
 
                 result = evaluate.evaluate(out, e.load, engine.evaluator, stream, on_progress)
-                scores[e.key] = self._record(job, stream, subjects[e.key], result, progress)
+                scores[e.key] = self._record(job, stream, subjects[e.key], result, progress, weights_key(job, spec))
                 self.emit(events.evaluation(subjects[e.key], result.ppl))
         return scores
 
     def _scored(self, job: Job, stream: evaluate.Stream, subject: str, folder: Path, load, evaluator: str,
                 reference: kld.Reference | None = None, keep: kld.Reference | None = None,
-                on_scored: Callable[[], None] | None = None) -> evaluate.Result:
+                on_scored: Callable[[], None] | None = None, weights_key: str | None = None) -> evaluate.Result:
         """One evaluation step: the model in `folder` scored on the job's stream (against FP16's `reference`, or
         keeping its own into `keep`); `on_scored` runs before the result is recorded (the reference is saved)."""
         with self._step(job.id, f"evaluate:{subject}") as progress:
@@ -82,12 +85,13 @@ class Evaluations:
             )
             if on_scored:
                 on_scored()
-            self._record(job, stream, subject, result, progress)
+            self._record(job, stream, subject, result, progress, weights_key)
         divergence = astuple(result.divergence) if result.divergence else None  # mean, p99, top1
         self.emit(events.evaluation(subject, result.ppl, divergence))
         return result
 
-    def _record(self, job: Job, stream: evaluate.Stream, subject: str, result: evaluate.Result, progress) -> float:
+    def _record(self, job: Job, stream: evaluate.Stream, subject: str, result: evaluate.Result, progress,
+                weights_key: str | None = None) -> float:
         progress(peak_gpu_bytes=result.peak_gpu_bytes)
         divergence = result.divergence
         self.catalog.add_evaluation(
@@ -104,6 +108,7 @@ class Evaluations:
             kld=divergence.mean if divergence else None,
             kld_p99=divergence.p99 if divergence else None,
             top1=divergence.top1 if divergence else None,
+            weights_key=weights_key,
             seconds=result.seconds,
         )
         return result.ppl

@@ -1,6 +1,10 @@
 """What happens to a job before it runs: `submit` checks the request (exit 2/4/5 before any job exists) and
 creates the job or finds the same one; `estimate` says how long a job just submitted should take.
 
+The same job asked for again after `qf rm` removed a quant it published (`remake_removed`): the succeeded job goes
+back to queued with that quant's steps superseded, and says so in one line; running it makes the quant again (under
+the same rev if the files are the same, else a new one: factory/publish/publishing.py).
+
 A mixin: the class that uses it (factory/pipeline.py's Factory) provides `catalog`, `settings`, `emit`, `costs`
 and `_measurement_key(job, spec)` (factory/jobs/conversions.py).
 """
@@ -12,7 +16,7 @@ from pathlib import Path
 
 import calibration
 from factory import engines, evaluate, events, layered, naming, sources
-from factory.catalog import Job
+from factory.catalog import Job, JobState
 from factory.engines import QuantSpec
 from factory.errors import FactoryError, SpecError
 from factory.identity import job_key
@@ -37,6 +41,7 @@ class Request:
 
 class Planning:
     def submit(self, request: Request) -> tuple[Job, bool]:
+        """(the job, whether it needs running: created now, or a succeeded one queued again by remake_removed)."""
         recipe = request.recipe
         device = request.device or evaluate.device()
         specs = self._runnable(recipe.specs(), request, device)
@@ -83,7 +88,22 @@ class Planning:
             device=device,
         )
         self.emit(events.job(job.id, created, job.state, name, source.source, source.identity))
+        if not created and self.remake_removed(job):
+            return self.catalog.job(job.id), True
         return job, created
+
+    def remake_removed(self, job: Job) -> bool:
+        """A succeeded job whose quants were removed with `qf rm` (and not published again by another job) goes
+        back to queued to make them again, their steps superseded; True when it did (and said so)."""
+        if job.state != JobState.succeeded:
+            return False
+        removed = self.catalog.removed_quants(job.id)
+        if not removed or not self.catalog.reopen(job.id, sorted({q.tag for q in removed})):
+            return False
+        for q in removed:
+            self.emit(events.note(f"job {job.id}: its quant {q.name}:{q.tag}@{q.rev} was removed with qf rm; "
+                                  "making it again"))
+        return True
 
     def _runnable(self, specs: list[QuantSpec], request: Request, device: str) -> list[QuantSpec]:
         """The specs this device can make: without CUDA, those of engines that need it are skipped with a note,

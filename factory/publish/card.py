@@ -90,6 +90,23 @@ def _prompt(up: Upstream) -> str:
     return f"\n## Prompt format\n\n{carried}; a system and a user message become:\n\n```\n{shown.text.strip()}\n```\n"
 
 
+def _evaluations(rows: list[QuantRow]) -> str:
+    """Every evaluation of each quant that has more than the one it was published with (later jobs that reused its
+    weights on other windows or text): the table above shows the first."""
+    lines = []
+    for r in rows:
+        if len(r.evaluations or []) < 2:
+            continue
+        lines.append(f"\n`{r.ref}@{r.rev}`, each evaluation of the same files:\n")
+        lines += ["| eval | windows | perplexity | KLD | top-1 | job |", "|---|---|---|---|---|---|"]
+        for e in r.evaluations:
+            kld_text = "-" if e["kld"] is None else tables.kld(e["kld"])
+            top1_text = "-" if e["top1"] is None else f"{e['top1'] * 100:.1f}%"
+            lines.append(f"| {public_name(e['text'])}, {e['device']} | {e['windows']} x {e['window_length']} "
+                         f"| {e['ppl']:.4f} | {kld_text} | {top1_text} | {e['job']} |")
+    return "\n## Evaluations\n" + "\n".join(lines) + "\n" if lines else ""
+
+
 def render(name: str, upstream: Upstream, this: QuantRow, rows: list[QuantRow], places: dict | None = None) -> str:
     """`this` is the quant the folder holds; `rows` every quant of the model, `this` included. `places` (tag ->
     hub.Place) makes the card of a Hub repo: where each variant is, how to download it, and the plot."""
@@ -124,6 +141,7 @@ def render(name: str, upstream: Upstream, this: QuantRow, rows: list[QuantRow], 
         )
     loads = "\n".join(_how_to_load(r, places.get(r.tag)) for r in ordered)
     before, after = _sections(rows)
+    before = _evaluations(ordered) + before
     picture = ""
     if places:
         picture = f"\n![perplexity against size]({PLOT})\n"

@@ -1,18 +1,22 @@
 """The registry folder: FACTORY_HOME/registry/<name>/<tag>@<rev>/ holds a quant's files and manifest.json.
 
-The manifest records the source identity, spec, calibration hash, tool versions, eval results and the sha256
-and size of every file. Publishing is atomic (a staging folder beside the target, then a rename) and idempotent
-(the same files again change nothing). A publisher holds a lock on its staging folder (`<stem>.lock`, flock) while
-it works; a publish that was killed leaves its staging behind, and every later publish removes staging folders
-that are older than STALE_SECONDS and not held. Published files are mode 0444 (folders 0755), whatever the engine
-wrote. Pulling checks every sha256; it reflinks the files where the filesystem can (btrfs, XFS) and copies
-otherwise, never hard-links them: a pulled file is the user's to edit, and no edit of it reaches the registry.
+The manifest records the source identity, spec, calibration hash, tool versions, the eval results the quant was
+published with, and the sha256 and size of every file. A folder never changes once it is in place: publishing is a
+staging folder beside the target renamed onto it, which fails when a folder is there already (another publisher got
+there first); the folder there is then compared, and the same files (but the card) are this quant published, other
+files are RevTaken (factory/publish/publishing.py takes another rev). A publisher holds a lock on its staging folder
+(`<stem>.lock`, flock) while it works; a publish that was killed leaves its staging behind, and every later publish
+removes staging folders that are older than STALE_SECONDS and not held. Published files are mode 0444 (folders
+0755), whatever the engine wrote. Pulling checks every sha256; it reflinks the files where the filesystem can
+(btrfs, XFS) and copies otherwise, never hard-links them: a pulled file is the user's to edit, and no edit of it
+reaches the registry.
 """
 
 from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import shutil
 import time
@@ -21,10 +25,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from factory.catalog import RevTaken
 from factory.errors import JobFailed, SpecError
 from factory.identity import file_sha256
 
+log = logging.getLogger("quantfactory")
+
 MANIFEST = "manifest.json"
+CARD = "README.md"  # the model card (factory/publish/card.py): the one file that is not the quant itself
 FICLONE = 0x40049409  # linux/fs.h: clone a file's extents (btrfs, XFS)
 STAGING = ".tmp-"  # the prefix of a publisher's staging folder, its `.old` twin and its `.lock`
 STALE_SECONDS = 3600
@@ -47,25 +55,46 @@ def file_table(folder: Path) -> dict[str, dict]:
     }
 
 
-def publish(registry: Path, name: str, tag: str, rev: str, files: Path, manifest: dict) -> tuple[Path, dict]:
-    """Put `files` (a flat folder) into the registry as name:tag@rev; returns (folder, manifest written)."""
+def content(table: dict[str, dict], card: str = CARD) -> dict[str, dict]:
+    """What a quant is (its weights and companions): its file table but the card, which records the evaluation it
+    was published with (the manifest is never in a file table)."""
+    return {name: entry for name, entry in table.items() if name != card}
+
+
+def publish(registry: Path, name: str, tag: str, rev: str, files: Path, manifest: dict,
+            card: str = CARD) -> tuple[Path, dict]:
+    """Put `files` (a flat folder) into the registry as name:tag@rev, or find them there; returns (folder, its
+    manifest). Create-or-verify: a folder never changes once it is in place. The staging folder is renamed onto
+    the name, which fails when another publisher put a folder there first (rename(2) onto a non-empty folder);
+    that folder is then compared: the same files but `card` (a publisher of the same quant with another evaluation,
+    or this job's earlier attempt) are this quant, published; other files raise RevTaken."""
     dest = quant_dir(registry, name, tag, rev)
     dest.parent.mkdir(parents=True, exist_ok=True)
     sweep(registry)
     manifest = {**manifest, "name": name, "tag": tag, "rev": rev, "files": file_table(files)}
-    if dest.is_dir() and read_manifest(dest) == manifest:
-        return dest, manifest
+    if dest.is_dir():
+        return dest, _same(dest, manifest, card)
     with _staging(dest.parent / f"{STAGING}{dest.name}-{uuid.uuid4().hex[:8]}") as tmp:
         shutil.copytree(files, tmp)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
         for path in (tmp, *tmp.iterdir()):  # whatever modes the engine wrote: a shared registry is readable by all
             path.chmod(DIR_MODE if path.is_dir() else FILE_MODE)
-        old = tmp.with_name(tmp.name + ".old")
-        if dest.exists():
-            dest.rename(old)
-        tmp.rename(dest)
-        shutil.rmtree(old, ignore_errors=True)
+        try:
+            os.rename(tmp, dest)
+        except OSError as e:  # ENOTEMPTY or EEXIST: another publisher's folder is there now
+            if not dest.is_dir():
+                raise
+            log.info("%s appeared while it was staged (%s)", dest, e.strerror)
+            return dest, _same(dest, manifest, card)
     return dest, manifest
+
+
+def _same(dest: Path, manifest: dict, card: str) -> dict:
+    """The manifest of `dest` if it holds the files of `manifest` (but the card); RevTaken if not."""
+    found = read_manifest(dest)
+    if found is None or content(found.get("files", {}), card) != content(manifest["files"], card):
+        raise RevTaken(f"{dest.name} of {dest.parent.name} holds other files")
+    return found
 
 
 @contextmanager

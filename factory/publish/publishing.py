@@ -5,7 +5,15 @@ push units; nothing here decides whether a quant passed its gate.
 
 The row is the publication: the folder is put in place inside the row's transaction and taken out again when that
 transaction does not commit. A process killed in the instant between the two leaves a folder that nothing lists
-(`qf ls` and pull read the rows); the job's next attempt publishes the same folder again and records its row.
+(`qf ls` and pull read the rows); the job's next attempt finds the same files there and records its row.
+
+A published quant never changes under its name: `name:tag@rev` names one set of files (its weights and companions,
+every file but the card and manifest: identity.files_sha) for ever. The rev comes from the content: the source's
+short rev when no row (live or a `qf rm` tombstone) and no folder holds other files under it, else the source's rev
+and the first 9 hex of the files' sha256 (`@<source rev>` still selects the newest quant of that source revision:
+factory/lookup.py). The registry folder's card and manifest record the evaluation the quant was published with;
+a later job with the same weights key reuses the quant (factory/jobs/conversions.py) and its evaluation is added to
+the catalog, listed by `qf show` and the Hub repo's main card.
 """
 
 from __future__ import annotations
@@ -20,9 +28,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import calibration
-from factory import engines, files, identity
-from factory.catalog import Catalog, Job, Quant
+from factory import engines, files, identity, lookup
+from factory.catalog import Catalog, Job, Quant, RevTaken
 from factory.engines import QuantSpec
+from factory.errors import JobFailed
 from factory.kld import Divergence
 from factory.publish import card, hub
 from factory.publish import folder as registry
@@ -55,10 +64,26 @@ class Publisher:
                     token: int | None) -> None:
         """The quant's row and its registry folder `<name>/<tag>@<rev>`, one act fenced by `token`: a cancel or a
         new holder either comes before it (nothing published) or waits for it."""
-        rev = identity.rev(job.source_identity)
         engine = engines.get(spec.method)
         (out / card.FILENAME).unlink(missing_ok=True)
         files.check_publishable(out, engine.outputs)
+        content = identity.files_sha(registry.file_table(out))
+        source_rev = identity.rev(job.source_identity)
+        for rev in (source_rev, source_rev + content[:9]):
+            taken = self.catalog.quant_at(job.name, spec.tag, rev)
+            if taken is not None and taken.files_sha != content:
+                continue
+            try:
+                self._to_registry(job, spec, out, scores, upstream, token, rev, content)
+                return
+            except RevTaken:  # a folder there holds other files, or a publisher that raced this one recorded them
+                continue
+        raise JobFailed(f"{job.name}:{spec.tag}: both {source_rev} and {source_rev + content[:9]} hold other files")
+
+    def _to_registry(self, job: Job, spec: QuantSpec, out: Path, scores: Scores, upstream: Upstream,
+                     token: int | None, rev: str, content: str) -> None:
+        engine = engines.get(spec.method)
+        (out / card.FILENAME).unlink(missing_ok=True)
         quant = Quant(
             job_id=job.id,
             name=job.name,
@@ -75,6 +100,8 @@ class Publisher:
             calibration=job.calibration,
             calibration_sha=job.calibration_sha,
             versions=_versions(job.versions),
+            weights_key=weights_key(job, spec),
+            files_sha=content,
             ppl=scores.ppl,
             fp16_ppl=scores.fp16_ppl,
             kld=_finite(scores.divergence.mean) if scores.divergence else None,
@@ -111,7 +138,7 @@ class Publisher:
         def publish() -> None:  # inside the quant row's transaction, once the fence holds
             dest = registry.quant_dir(self.settings.registry, job.name, spec.tag, rev)
             new = not dest.is_dir()
-            registry.publish(self.settings.registry, job.name, spec.tag, rev, out, manifest)
+            registry.publish(self.settings.registry, job.name, spec.tag, rev, out, manifest, card.FILENAME)
             if new:
                 placed.append(dest)
             moment("placed")
@@ -145,14 +172,17 @@ class Publisher:
         def where(tag: str) -> hub.Place:
             return hub.place(s.hub_owner, job.name, tag, templates)
 
-        here, rev = where(spec.tag), identity.rev(job.source_identity)
-        folder = registry.quant_dir(s.registry, job.name, spec.tag, rev)
+        here, quant = where(spec.tag), self.catalog.quant_with_weights(weights_key(job, spec))
+        if quant is None:
+            raise JobFailed(f"{job.name}:{spec.tag} is not published (removed with qf rm?); nothing to push")
+        rev, folder = quant.rev, s.registry / quant.path
 
         def main_files() -> dict[str, Path]:  # made again after a concurrent commit to main
             on_hub = hub.refs(here.repo)
             latest = {q.tag: q for q in sorted(self.catalog.quants(name=job.name), key=lambda q: q.created_at)
                       if q.method == spec.method and where(q.tag).branch in on_hub and (s.registry / q.path).is_dir()}
-            rows = [_with_engine_notes(q.row(), engine, s.registry / q.path) for q in latest.values()]
+            rows = [_with_engine_notes(lookup.with_evaluations(self.catalog, q), engine, s.registry / q.path)
+                    for q in latest.values()]
             newest = max(rows, key=lambda r: r.created_at)
             newest_dir = s.registry / newest.path
             main_quant = {name: newest_dir / name for name in engine.main_files(newest_dir)}
@@ -175,6 +205,12 @@ class Publisher:
         check_ours()  # immediately before the irreversible push
         hub.put_branch(self._hub_writer, here.repo, here.branch, quant_files, message)
         hub.put_branch(self._hub_writer, here.repo, "main", main_files, f"model card of {job.name}")
+
+
+def weights_key(job: Job, spec: QuantSpec) -> str:
+    """The key of the weights `spec` makes from the job's source (identity.weights_key)."""
+    return identity.weights_key(job.source_identity, spec.model_dump(), job.calibration_sha,
+                                job.versions.get(spec.method), job.device)
 
 
 def moment(name: str) -> None:
