@@ -19,7 +19,7 @@ import re
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -846,16 +846,27 @@ class Catalog:
                 .limit(1)
             )
 
-    def quant_evaluations(self, weights_key: str, tag: str) -> list[dict]:
-        """Every evaluation of these weights (the one a quant was published with and those of later jobs that
-        reused it), oldest first: job, text, windows, window_length, device, ppl, kld, kld_p99, top1, created_at."""
+    def quant_evaluations(self, quant: Quant) -> list[dict]:
+        """Every evaluation of the quant's weights (the one it was published with and those of later jobs that reused
+        it), oldest first: job, text, windows, window_length, device, ppl, kld, kld_p99, top1, created_at. A quant
+        published before weights keys has only its own."""
         with self.session() as s:
             rows = s.execute(select(Evaluation, Job.eval).join(Job, Job.id == Evaluation.job_id)
-                             .where(Evaluation.weights_key == weights_key, Evaluation.subject == tag)
-                             .order_by(Evaluation.id))
-            return [{"job": e.job_id, "text": text_name, "windows": e.windows, "window_length": e.window_length,
-                     "device": e.device, "ppl": e.ppl, "kld": e.kld, "kld_p99": e.kld_p99, "top1": e.top1,
-                     "created_at": e.created_at.isoformat(timespec="seconds")} for e, text_name in rows]
+                             .where(Evaluation.weights_key == quant.weights_key, Evaluation.subject == quant.tag)
+                             .order_by(Evaluation.id)) if quant.weights_key else []
+            found = [{"job": e.job_id, "text": text_name, "windows": e.windows, "window_length": e.window_length,
+                      "device": e.device, "ppl": e.ppl, "kld": e.kld, "kld_p99": e.kld_p99, "top1": e.top1,
+                      "created_at": e.created_at.isoformat(timespec="seconds")} for e, text_name in rows]
+        if found:
+            return found
+        e = quant.eval
+        return [{"job": quant.job_id, "text": e.get("text"), "windows": e.get("windows"),
+                 "window_length": e.get("window_length"), "device": e.get("device"), "ppl": quant.ppl,
+                 "kld": quant.kld, "kld_p99": quant.kld_p99, "top1": quant.top1, "created_at": quant.row().created_at}]
+
+    def quant_row(self, quant: Quant) -> QuantRow:
+        """A quant's row with every evaluation of its weights (`qf show`, the Hub repo's main card)."""
+        return replace(quant.row(), evaluations=self.quant_evaluations(quant))
 
     def evaluations(self, job_id: str) -> list[Evaluation]:
         with self.session() as s:

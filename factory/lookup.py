@@ -35,19 +35,6 @@ def with_fits(catalog: Catalog, registry: Path, ref: naming.QuantRef) -> list[Qu
     rows = []
     for q in find(catalog, ref):
         folder = registry / q.path
-        rows.append(replace(with_evaluations(catalog, q),
+        rows.append(replace(catalog.quant_row(q),
                             fits=engines.get(q.method).fits(folder) if folder.is_dir() else None))
     return rows
-
-
-def with_evaluations(catalog: Catalog, quant: Quant) -> QuantRow:
-    """A quant's row with every evaluation of its weights: the one it was published with and those of later jobs
-    that reused it (`qf show`, the Hub repo's main card). A quant published before weights keys has only its own."""
-    found = catalog.quant_evaluations(quant.weights_key, quant.tag) if quant.weights_key else []
-    if not found:
-        e = quant.eval
-        found = [{"job": quant.job_id, "text": e.get("text"), "windows": e.get("windows"),
-                  "window_length": e.get("window_length"), "device": e.get("device"), "ppl": quant.ppl,
-                  "kld": quant.kld, "kld_p99": quant.kld_p99, "top1": quant.top1,
-                  "created_at": quant.row().created_at}]
-    return replace(quant.row(), evaluations=found)

@@ -132,7 +132,7 @@ def test_new_releases_become_one_job_per_watch_and_only_once(env, hub, tiny):
     listed = jobs()
     assert sorted(j["source_identity"] for j in listed) == sorted(f"{p['repo']}@{p['sha']}" for p in tick["planned"])
     assert all(j["state"] == "queued" for j in listed)
-    assert redis.Redis.from_url(BROKER).llen("gpu") == 2
+    assert redis.Redis.from_url(BROKER).llen("cpu") == 2  # planned for the CPU (FACTORY_WORKER_DEVICE): its queue
 
     assert watch_check()["planned"] == []  # unchanged repos: nothing
     assert len(jobs()) == 2

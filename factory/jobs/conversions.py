@@ -103,9 +103,10 @@ class Conversions:
 
     def _reused(self, job: Job, spec: QuantSpec) -> Path | None:
         """The registry folder of a published quant with this job's weights key whose files verify, its quantize
-        step recorded as succeeded with a note; None when there is none (this job makes its quant)."""
+        step recorded as succeeded with a note; None when there is none (this job makes its quant), or when it is
+        this job's own (an attempt killed after its publish: it goes on from its own work, as any attempt does)."""
         twin = self.catalog.quant_with_weights(publishing.weights_key(job, spec))
-        if twin is None:
+        if twin is None or twin.job_id == job.id:
             return None
         folder = self.settings.registry / twin.path
         try:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import calibration
-from factory import engines, files, identity, lookup
+from factory import engines, files, identity
 from factory.catalog import Catalog, Job, Quant, RevTaken
 from factory.engines import QuantSpec
 from factory.errors import JobFailed
@@ -181,7 +181,7 @@ class Publisher:
             on_hub = hub.refs(here.repo)
             latest = {q.tag: q for q in sorted(self.catalog.quants(name=job.name), key=lambda q: q.created_at)
                       if q.method == spec.method and where(q.tag).branch in on_hub and (s.registry / q.path).is_dir()}
-            rows = [_with_engine_notes(lookup.with_evaluations(self.catalog, q), engine, s.registry / q.path)
+            rows = [_with_engine_notes(self.catalog.quant_row(q), engine, s.registry / q.path)
                     for q in latest.values()]
             newest = max(rows, key=lambda r: r.created_at)
             newest_dir = s.registry / newest.path

@@ -177,8 +177,8 @@ def create_app(config: settings.Settings | None = None) -> FastAPI:
         message = e.message if isinstance(e, _NotServed) else redact.paths(e.message, config)  # the log has it whole
         if isinstance(e, ServiceUnavailable):  # which database or broker, where: the admin's business
             log.warning("%s %s: %s", request.method, request.url.path, e.message)
-            message = ("the factory's service cannot reach a service it needs (its catalog, broker or the Hub) now; try "
-                       "again later (its log says which)")
+            message = ("the factory's service cannot reach a service it needs (its catalog, broker or the Hub) now; "
+                       "try again later (its log says which)")
         if not request.url.path.startswith("/api/") and "text/html" in request.headers.get("accept", ""):
             return dashboard.error_page(http_status(e), message)  # a person at a browser
         return refusal(http_status(e), message, e.exit_code)
