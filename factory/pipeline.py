@@ -203,14 +203,19 @@ class Factory(Planning, Conversions, Evaluations):
 
     def _expect(self, job: Job, model: Sized, units: list[Unit], needs: dict[str, Need], packer: Packer) -> None:
         """Each unit's expected seconds (its step records them) and when the job should end (the catalog keeps
-        it for `qf status`)."""
+        it for `qf status`); a note of what is left to run, and how many units of it run at once here (none when
+        nothing is: a publishing pass after the worker's)."""
         done = self.catalog.done_steps(job.id)
         self._expected_seconds = {u.name: self.costs.seconds(job, model, u) for u in units}
         left = {name: 0.0 if name in done else s for name, s in self._expected_seconds.items()}
-        wall = eta.wall_seconds(units, left, lambda unit: needs[unit.name], packer)
+        wall, most = eta.packed(units, left, lambda unit: needs[unit.name], packer)
         self.catalog.set_expected_end(job.id, wall, self.token)
-        self.emit(events.note(f"{len(units)} units, expected to take {tables.duration(wall)} "
-                   f"(up to {packer.max_units} at once)"))
+        to_run = [u for u in units if u.name not in done]
+        if not to_run or wall <= 0:
+            return
+        what = f"{len(to_run)} units" if len(to_run) == len(units) else f"{len(to_run)} of {len(units)} units left"
+        at_once = "one at a time" if most <= 1 else f"up to {most} at once"
+        self.emit(events.note(f"{what}, expected to take {tables.duration(wall)} ({at_once})"))
 
     @contextmanager
     def _step(self, job_id: str, name: str, claim: tuple[str, int] | None = None,

@@ -24,7 +24,7 @@ from factory.settings import DEVICE_QUEUES, POSTGRES_URL, WORKER_BEAT_SECONDS, W
 
 _JOBS = ("SELECT id, name, state, error, exit_code, source, source_identity, specs, created_at, worker, lease_until, "
          "attempts, expected_end, device FROM jobs")
-_STEPS = ("SELECT job_id, name, state, started_at, ended_at, error, peak_gpu_bytes, expected_seconds, holder "
+_STEPS = ("SELECT job_id, name, state, started_at, ended_at, error, peak_gpu_bytes, expected_seconds, holder, note "
           "FROM steps")
 
 
@@ -55,11 +55,11 @@ def job_rows(url: str, job_id: str | None = None, name: str | None = None, limit
     finally:
         conn.close()
     by_job: dict[str, list[dict]] = {i: [] for i in ids}
-    for job, step, state, started, ended, error, peak, expected, holder in steps:
+    for job, step, state, started, ended, error, peak, expected, holder, note in steps:
         seconds = (_time(ended) - _time(started)).total_seconds() if ended else None
         by_job[job].append({"name": step, "state": state, "started_at": _time(started).isoformat(), "seconds": seconds,
                             "expected_seconds": expected, "error": error, "peak_gpu_bytes": peak,
-                            "holder": holder})
+                            "holder": holder, "note": note})
     now = datetime.now(UTC).replace(tzinfo=None)  # the catalog's clock: naive UTC
     rows = [
         {"id": i, "name": n, "state": s, "error": e, "exit_code": code, "source": src, "source_identity": ident,

@@ -112,7 +112,9 @@ def kld(value: float, digits: int = 4) -> str:
 
 
 def duration(seconds: float) -> str:
-    """12 s, 4 min, 1.5 h."""
+    """under 1 s, 12 s, 4 min, 1.5 h."""
+    if seconds < 0.5:
+        return "under 1 s"
     if seconds < 90:
         return f"{seconds:.0f} s"
     if seconds < 5400:
@@ -161,15 +163,16 @@ def jobs(rows: list[dict], width: int | None, title: str | None = None, shows: s
 
 
 def steps(row: dict, width: int | None, shows: str = "--json") -> Table:
-    """One job's steps (`qf status JOB`): each with its state, seconds, peak GPU memory and error."""
+    """One job's steps (`qf status JOB`): each with its state, seconds, peak GPU memory, and its error or note (a
+    reused quant's name). A step superseded (its quant removed, the job queued to make it again) says so."""
     s = row["steps"]
     return layout([
         Col("STEP", [x["name"] for x in s]),
-        Col("STATE", [x["state"] for x in s]),
+        Col("STATE", ["to redo" if x["state"] == "superseded" else x["state"] for x in s]),
         Col("SECONDS", ["" if x["seconds"] is None else f"{x['seconds']:.1f}" for x in s], right=True),
         Col("EXPECTED", ["" if x.get("expected_seconds") is None else f"{x['expected_seconds']:.0f}" for x in s],
             priority=2, right=True),
         Col("PEAK GPU", [size(x["peak_gpu_bytes"]) if x.get("peak_gpu_bytes") else "" for x in s], priority=2,
             right=True),
-        Col("ERROR", [x["error"] or "" for x in s], priority=1, flex=True),
+        Col("ERROR / NOTE", [x["error"] or x.get("note") or "" for x in s], priority=1, flex=True),
     ], width, f"job {row['id']} ({row['name']}): {row['state']}", shows)

@@ -34,6 +34,9 @@ def test_a_second_job_with_other_windows_reuses_the_quant(qf, tiny):
     steps = {s.name: s for s in catalog.job(second_job["id"]).steps}
     quantize = next(s for name, s in steps.items() if name.startswith("quantize:"))
     assert quantize.note.startswith(f"reused {quant['name']}@{quant['rev']}, published by job {quant['job']}")
+    shown = qf("status", second_job["id"])  # the table says it too, and --json keeps the note
+    assert f"reused {quant['name']}@{quant['rev']}" in shown.stdout, shown.stdout
+    assert any((s["note"] or "").startswith("reused ") for s in qf.json("status", second_job["id"])["steps"])
 
 
 def test_rm_then_the_same_run_makes_the_quant_again(qf, tiny):

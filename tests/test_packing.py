@@ -159,13 +159,21 @@ def _spans(qf, job_id: str) -> dict[str, tuple[float, float]]:
 def test_qf_run_packs_conversions_of_a_real_engine(qf, tiny, tmp_path, round_engine, max_units, together):
     recipe = tmp_path / "round.yaml"
     recipe.write_text("round: {mantissa: [3, 5]}\n")
-    result = qf("run", tiny, "--recipe", recipe, "--eval-windows", 2, "--max-units", max_units)
+    result = qf("run", tiny, "--recipe", recipe, "--eval-windows", 2, "--max-units", max_units, "--json")
     assert result.exit_code == 0, result.output
     rows = qf.json("ls")
     assert sorted(r["name"] for r in rows) == ["tiny:round-m3", "tiny:round-m5"]
     spans = _spans(qf, rows[0]["job"])
     (a0, a1), (b0, b1) = spans["quantize:round-m3"], spans["quantize:round-m5"]
     assert (a0 < b1 and b0 < a1) is together
+    # what the run said would run at once bounds what did: the most steps whose spans overlap
+    [said] = [e["message"] for e in map(json.loads, result.stdout.splitlines())
+              if e["event"] == "note" and "expected to take" in e["message"]]
+    most = max(sum(1 for s, e in spans.values() if s <= t < e) for t, _ in spans.values())
+    if together:
+        assert (said.endswith(" at once)") and 2 <= most <= int(said.split("up to ")[1].split()[0])), (said, spans)
+    else:
+        assert (said.endswith("(one at a time)"), most) == (True, 1), said
 
 
 def test_units_record_what_was_expected_and_a_later_job_learns_from_an_earlier_one(qf, tiny, tmp_path, round_engine,

@@ -234,3 +234,10 @@ def test_the_cards_table_never_says_minus_zero(tmp_path):
                     eval={"text": "builtin:wiki", "windows": 8, "window_length": 2048, "device": "cpu"})
     text = card.render("llama", upstream.read("meta-llama/Llama-3.2-1B", None, tmp_path), row, [row])
     assert "-0.0000" not in text and "| 0.0000 |" in text
+
+
+def test_a_duration_under_a_second_never_reads_zero():
+    from factory.tables import duration
+
+    assert [duration(s) for s in (0.0, 0.3, 0.6, 12.4, 240, 7200)] == [
+        "under 1 s", "under 1 s", "1 s", "12 s", "4 min", "2.0 h"]

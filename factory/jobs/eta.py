@@ -46,7 +46,14 @@ def expected(past: list[Past], parameters: int, first_principles: float) -> tupl
 
 def wall_seconds(units: list[Unit], seconds: dict[str, float], need: Callable[[Unit], Need], packer: Packer) -> float:
     """How long the units take when packed by `packer` with those durations: packing.run's rule, simulated."""
-    clock, pending, done = 0.0, list(units), set()
+    return packed(units, seconds, need, packer)[0]
+
+
+def packed(units: list[Unit], seconds: dict[str, float], need: Callable[[Unit], Need],
+           packer: Packer) -> tuple[float, int]:
+    """(seconds, the most units that run at once) when packed by `packer`: packing.run's rule, simulated. A unit
+    of 0 seconds (done already) takes its place for no time and is not counted as running."""
+    clock, pending, done, most = 0.0, list(units), set(), 0
     running: list[tuple[float, str, Need]] = []  # (ends at, unit, its need)
     while pending or running:
         for unit in [u for u in pending if u.needs <= done]:
@@ -54,12 +61,13 @@ def wall_seconds(units: list[Unit], seconds: dict[str, float], need: Callable[[U
             if packer.admits(wanted, [n for _, _, n in running]):
                 running.append((clock + seconds.get(unit.name, 0.0), unit.name, wanted))
                 pending.remove(unit)
+        most = max(most, sum(1 for end, _, _ in running if end > clock))
         if not running:
             break  # units that wait for units that never run: packing.run says so
         running.sort(key=lambda r: r[0])
         clock, name, _ = running.pop(0)
         done.add(name)
-    return clock
+    return clock, most
 
 
 # the units no engine runs: gate, publish and push are quick; an evaluation is a forward pass over the windows
