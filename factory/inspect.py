@@ -26,7 +26,6 @@ from factory.errors import ModelRefused
 from factory.files import INDEX, source_files
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
-QUANTIZED_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DTYPE_BYTES = {
     "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "C64": 8,
     "I64": 8, "I32": 4, "I16": 2, "I8": 1,
@@ -56,7 +55,20 @@ CONFIG_NUMBERS = {
     "vocab_size": (True, 1, 1 << 24),
     "max_position_embeddings": (False, 1, 1 << 26),
 }
-_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+# A decoder layer's tensors, as each family's transformers class names them: model.layers.N (Llama and most),
+# model.decoder.layers.N (OPT), transformer.h.N (Falcon, GPT-J, Bloom, GPT-BigCode), transformer.blocks.N (MPT),
+# gpt_neox.layers.N.
+_LAYER = re.compile(r"(?:model\.(?:decoder\.)?|transformer\.|gpt_neox\.)?(?:layers|h|blocks)\.(\d+)\.")
+# Other names of the sizes, by family (the aliases transformers' configs map: GPT-J's n_embd, MPT's d_model, ...);
+# read_config fills the standard name from the first alias present when the standard one is missing.
+ALIASES = {
+    "hidden_size": ("n_embd", "d_model", "n_embed"),
+    "num_hidden_layers": ("n_layer", "n_layers", "num_layers"),
+    "num_attention_heads": ("n_head", "n_heads", "num_heads"),
+    "num_key_value_heads": ("num_kv_heads", "n_head_kv"),
+    "intermediate_size": ("n_inner", "ffn_dim", "ffn_hidden_size"),
+    "max_position_embeddings": ("n_positions", "max_seq_len", "seq_length"),
+}
 
 
 @dataclass(frozen=True)
@@ -104,7 +116,7 @@ def inspect(folder: Path, architectures: Collection[str]) -> ModelInfo:
     check_against_tensors(config, {name: info["shape"] for name, info in tensors.items()})
     in_features = _in_features({name: info["shape"] for name, info in tensors.items()})
     if not in_features:
-        raise ModelRefused(f"no quantizable linear layers ({', '.join(QUANTIZED_LINEARS)}) in the weights")
+        raise ModelRefused("no linear layers in the weights' decoder layers (model.layers.N.*, transformer.h.N.*, ...)")
     return ModelInfo(
         architecture=arch,
         model_type=str(config.get("model_type", "")),
@@ -132,9 +144,10 @@ def layout_info(config: dict, shapes: dict[str, list[int]]) -> ModelInfo:
 
 
 def _in_features(shapes: dict[str, list[int]]) -> list[int]:
-    """Input dims of the linears the engines quantize."""
+    """Input dims of the linears the engines quantize: every matrix of a decoder layer (attention, MLP, experts,
+    router), whatever its family calls it."""
     return sorted({dims[1] for name, dims in shapes.items()
-                   if len(dims) == 2 and name.endswith(".weight") and name.split(".")[-2] in QUANTIZED_LINEARS})
+                   if len(dims) == 2 and name.endswith(".weight") and _LAYER.match(name)})
 
 
 def _read_at_most(path: Path, most: int, what: str) -> bytes:
@@ -182,9 +195,27 @@ def read_config(path: Path, check_numbers: bool = True) -> dict:
         raise ModelRefused(f"config.json is not valid JSON ({e})") from None
     if not isinstance(config, dict):
         raise ModelRefused("config.json is not a JSON object")
+    config = with_standard_names(config)
     if check_numbers:
         check_config(config)
     return config
+
+
+def with_standard_names(config: dict) -> dict:
+    """The config with the sizes under their standard names too (ALIASES), and intermediate_size where a family
+    leaves it implied: 4 x hidden (GPT-J's null n_inner, Falcon, Bloom), MPT's expansion_ratio x d_model."""
+    filled = dict(config)
+    for name, aliases in ALIASES.items():
+        if filled.get(name) is None:
+            found = next((filled[a] for a in aliases if filled.get(a) is not None), None)
+            if found is not None:
+                filled[name] = found
+    hidden = filled.get("hidden_size")
+    if filled.get("intermediate_size") is None and isinstance(hidden, int) and not isinstance(hidden, bool):
+        ratio = filled.get("expansion_ratio", 4)
+        if isinstance(ratio, int) and not isinstance(ratio, bool) and 0 < ratio <= 64:
+            filled["intermediate_size"] = ratio * hidden
+    return filled
 
 
 def check_config(config: dict) -> dict:

@@ -1,0 +1,144 @@
+"""Which architectures each engine converts, proven end to end: for every architecture an engine may take, a tiny
+seeded checkpoint made with transformers' own class (tests/tiny_archs.py) goes through `qf run` with that engine
+(inspect, quantize, evaluate: ppl, KLD, top-1; publish), `qf pull`, and the pulled quant is loaded with the
+engine's loader (the consumer's library: AutoAWQ's unpacking, exllamav2, exllamav3, transformers for
+compressed-tensors) and scored again on the same windows, which must give the perplexity the factory published.
+
+    python benchmarks/coverage.py DIR [--engine awq] [--arch llama,qwen3] [--out benchmarks/results/coverage-cpu.json]
+
+An engine's `architectures` must be exactly the set that passed (tests/test_coverage.py checks the committed
+results against each engine, and the README's table against the results). To try an architecture the engine does
+not claim yet, the `qf` of each run is this module (`--as-qf`), which adds it to the engine's claims in that
+process only; nothing else changes.
+
+Each engine lists its candidates below: the model types its upstream names that transformers builds without
+custom code (AutoAWQ 0.2.9's awq/models/auto.py; exllamav2 0.3.2's architecture.py; exllamav3's architecture
+files). One result per (engine, model type): "quantized" with its numbers and seconds, or "refused" with the
+first line of why (the factory's refusal, or the upstream's error).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+# model types each engine's upstream maps, built into transformers (no auto_map), text only (vision-language
+# checkpoints: issue 33)
+CANDIDATES = {
+    "awq": ["llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma", "gemma2", "phi3", "opt", "falcon",
+            "bloom", "gptj", "gpt_bigcode", "gpt_neox", "mpt", "stablelm", "starcoder2", "cohere", "deepseek_v2",
+            "deepseek_v3"],
+}
+FLAGS = {"awq": ["--awq"], "exl2": ["--exl2", "4.0"], "exl3": ["--exl3", "4.0"]}
+WINDOWS = 2
+
+
+def _as_qf(engine: str, architecture: str, args: list[str]) -> None:
+    """`qf ARGS` with `architecture` added to `engine`'s claims in this process."""
+    from factory import engines
+    from factory.cli import main
+
+    found = engines.get(engine)
+    type(found).architectures = frozenset(found.architectures | {architecture})
+    sys.argv = ["qf", *args]
+    main()
+
+
+def _qf(engine: str, architecture: str, *args: str, env: dict, timeout: int = 900) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--as-qf", engine, architecture, *args]
+    return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def _why(run: subprocess.CompletedProcess) -> str:
+    """The first line that says why a run failed: the factory's `error:` line, else the last line of output."""
+    lines = [line.strip() for line in (run.stderr + run.stdout).splitlines() if line.strip()]
+    said = [line for line in lines if line.startswith("error:") or '"event": "failed"' in line]
+    return (said or lines or [f"exit {run.returncode}"])[-1][:400]
+
+
+def _rescore(engine_name: str, folder: Path, device: str) -> float:
+    """The pulled quant's perplexity through its engine's loader, on the windows `qf run` scored."""
+    from factory import engines, evaluate
+    from factory.inspect import read_config
+
+    engine = engines.get(engine_name)
+    ids = evaluate.tokenize(folder, __import__("calibration").builtin_text("wiki"))
+    data = evaluate.stream(ids, WINDOWS, read_config(folder / "config.json").get("max_position_embeddings"), "wiki")
+    return evaluate.perplexity(engine.load(folder, device), data)
+
+
+def run_one(engine: str, model_type: str, models: Path, work: Path, device: str) -> dict:
+    from tests.tiny_archs import make_tiny
+
+    start = time.monotonic()
+    try:
+        source = make_tiny(model_type, models / model_type)
+    except Exception as e:  # noqa: BLE001  (a survey: the failure is the result)
+        return {"status": "refused", "reason": f"transformers cannot build it: {type(e).__name__}: {e}"[:400]}
+    architecture = json.loads((source / "config.json").read_text())["architectures"][0]
+    home = work / engine / model_type
+    env = {**os.environ, "FACTORY_HOME": str(home), "FACTORY_DB_URL": f"sqlite:///{home / 'catalog.db'}",
+           "COLUMNS": "200"}
+    env.pop("FACTORY_SERVER", None)
+    run = _qf(engine, architecture, "run", str(source), *FLAGS[engine], "--eval-windows", str(WINDOWS), "--json",
+              env=env)
+    result = {"architecture": architecture}
+    if run.returncode != 0:
+        return {**result, "status": "refused", "reason": _why(run), "seconds": round(time.monotonic() - start, 1)}
+    listed = json.loads(_qf(engine, architecture, "ls", "--json", env=env).stdout)
+    [quant] = [q for q in listed if q["method"] == engine]
+    pulled = work / "pulled" / engine / model_type
+    pull = _qf(engine, architecture, "pull", quant["name"], "-o", str(pulled), env=env)
+    if pull.returncode != 0:
+        return {**result, "status": "refused", "reason": f"pull: {_why(pull)}"}
+    try:
+        again = _rescore(engine, pulled, device)
+    except Exception as e:  # noqa: BLE001
+        return {**result, "status": "refused", "reason": f"the pulled quant does not load: {type(e).__name__}: {e}"}
+    if abs(again - quant["ppl"]) > 1e-3 * quant["ppl"]:
+        return {**result, "status": "refused",
+                "reason": f"the pulled quant scores ppl {again:.4f}, the factory published {quant['ppl']:.4f}"}
+    return {**result, "status": "quantized", "tag": quant["tag"], "ppl": quant["ppl"], "kld": quant["kld"],
+            "top1": quant["top1"], "pulled_ppl": round(again, 4), "seconds": round(time.monotonic() - start, 1)}
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--as-qf"]:
+        _as_qf(sys.argv[2], sys.argv[3], sys.argv[4:])
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("dir", type=Path)
+    parser.add_argument("--engine", default=",".join(CANDIDATES))
+    parser.add_argument("--arch", default=None, help="model types to try (default: each engine's candidates)")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "coverage-cpu.json")
+    args = parser.parse_args()
+    from factory import evaluate
+
+    device = evaluate.device()
+    results = json.loads(args.out.read_text()) if args.out.exists() else {}
+    import importlib.metadata as md
+
+    for engine in args.engine.split(","):
+        wanted = args.arch.split(",") if args.arch else CANDIDATES[engine]
+        found = results.setdefault(engine, {"device": device, "architectures": {}})
+        from factory import engines
+
+        found["versions"] = {"engine": engines.get(engine).version(),
+                             **{p: md.version(p) for p in ("transformers", "torch")}}
+        for model_type in wanted:
+            outcome = run_one(engine, model_type, args.dir / "models", args.dir / "work", device)
+            found["architectures"][model_type] = outcome
+            print(engine, model_type, json.dumps(outcome), flush=True)
+            args.out.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
+
+
+if __name__ == "__main__":
+    main()

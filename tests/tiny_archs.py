@@ -1,0 +1,99 @@
+"""Tiny seeded checkpoints of many architectures, made with transformers' own classes (`AutoConfig.for_model`,
+the sizes shrunk, `from_config`), each with the tests' tiny BPE tokenizer (tests/tiny_model.py): what the coverage
+test (tests/test_coverage.py) and benchmarks/coverage.py run every engine on.
+
+    python -m tests.tiny_archs OUT_DIR [MODEL_TYPE ...]
+
+Same model type, same files (seeded). The sizes are the smallest that every engine's rules accept: hidden 128
+(AWQ's group 128 divides it; EXL3 wants a multiple of 128), 2 layers, 4 heads of 32 (2 KV heads), MoE with 4
+experts of which 2 are routed to.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from tests.tiny_model import make_tiny_tokenizer
+
+HIDDEN, LAYERS, HEADS, KV_HEADS, VOCAB = 128, 2, 4, 2, 1024
+
+# Sizes every architecture's config takes, under the names its config has (those it has not are skipped).
+COMMON = {
+    "hidden_size": HIDDEN, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
+    "intermediate_size": 2 * HIDDEN, "vocab_size": VOCAB, "max_position_embeddings": 4096, "head_dim": HIDDEN // HEADS,
+    "tie_word_embeddings": False,
+    # mixture of experts (the names differ by family)
+    "num_local_experts": 4, "num_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+    "moe_intermediate_size": HIDDEN, "shared_expert_intermediate_size": HIDDEN, "n_shared_experts": 1,
+    "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    "norm_topk_prob": True,
+}
+# What one family's config names otherwise, or needs besides.
+EXTRA: dict[str, dict] = {
+    "opt": {"ffn_dim": 2 * HIDDEN, "word_embed_proj_dim": HIDDEN},
+    "gptj": {"n_inner": 2 * HIDDEN, "rotary_dim": 16},
+    "gpt_bigcode": {"n_inner": 2 * HIDDEN, "multi_query": True},
+    "mpt": {"expansion_ratio": 2},
+    "falcon": {"new_decoder_architecture": True, "num_kv_heads": KV_HEADS, "parallel_attn": True,
+               "ffn_hidden_size": 2 * HIDDEN},
+    # multi-head latent attention: the low ranks as wide as the hidden size, so group 128 divides every input
+    "deepseek_v2": {"kv_lora_rank": HIDDEN, "q_lora_rank": None, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16,
+                    "v_head_dim": 32, "head_dim": 16, "topk_method": "greedy"},
+    "deepseek_v3": {"kv_lora_rank": HIDDEN, "q_lora_rank": HIDDEN, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16,
+                    "v_head_dim": 32, "head_dim": 16},
+}
+
+
+def config_for(model_type: str, bos: int, eos: int):
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type)
+    mapped = getattr(config, "attribute_map", {})
+    for key, value in {**COMMON, **EXTRA.get(model_type, {})}.items():
+        if key in mapped or hasattr(config, key):
+            try:
+                setattr(config, key, value)
+            except AttributeError:  # a property computed from the others (Falcon's head_dim)
+                pass
+    config.bos_token_id, config.eos_token_id = bos, eos
+    if getattr(config, "pad_token_id", None) is not None and config.pad_token_id >= VOCAB:
+        config.pad_token_id = None
+    if getattr(config, "layer_types", None) is not None:  # sliding/full attention per layer: as many as layers
+        kinds = list(dict.fromkeys(config.layer_types)) or ["full_attention"]
+        config.layer_types = [kinds[i % len(kinds)] for i in range(LAYERS)]
+    return config
+
+
+def make_tiny(model_type: str, out: Path, seed: int = 0) -> Path:
+    """A tiny random checkpoint of `model_type` (FP16 weights, the tests' tokenizer) in `out`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = make_tiny_tokenizer(out, VOCAB)
+    config = config_for(model_type, tokenizer.bos_token_id, tokenizer.eos_token_id)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).to(torch.float16)
+    model.save_pretrained(out)
+    cfg_path = out / "config.json"  # transformers 5 writes rope_parameters; exllamav2 reads rope_theta
+    cfg = json.loads(cfg_path.read_text())
+    theta = (cfg.get("rope_parameters") or {}).get("rope_theta")
+    if theta is not None:
+        cfg.setdefault("rope_theta", theta)
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    return out
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("model_types", nargs="+")
+    args = parser.parse_args()
+    for mt in args.model_types:
+        try:
+            print(make_tiny(mt, args.out / mt))
+        except Exception as e:  # noqa: BLE001  (a survey: say which and go on)
+            print(f"{mt}: {type(e).__name__}: {e}")
