@@ -4,7 +4,8 @@ seeded checkpoint made with transformers' own class (tests/tiny_archs.py) goes t
 engine's loader (the consumer's library: AutoAWQ's unpacking, exllamav2, exllamav3, transformers for
 compressed-tensors) and scored again on the same windows, which must give the perplexity the factory published.
 
-    python benchmarks/coverage.py DIR [--engine awq] [--arch llama,qwen3] [--out benchmarks/results/coverage-cpu.json]
+    python benchmarks/coverage.py DIR [--engine awq] [--arch llama,qwen3] [--jobs N] [--out RESULTS.json]
+    python benchmarks/coverage.py --table        # the README's table, from every benchmarks/results/coverage-*.json
 
 An engine's `architectures` must be exactly the set that passed (tests/test_coverage.py checks the committed
 results against each engine, and the README's table against the results). To try an architecture the engine does
@@ -24,7 +25,9 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,9 +39,18 @@ CANDIDATES = {
     "awq": ["llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma", "gemma2", "phi3", "opt", "falcon",
             "bloom", "gptj", "gpt_bigcode", "gpt_neox", "mpt", "stablelm", "starcoder2", "cohere", "deepseek_v2",
             "deepseek_v3"],
+    "exl2": ["llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma", "gemma2", "starcoder2", "cohere",
+             "cohere2", "dbrx", "phi3", "gpt_bigcode", "gpt2", "granite", "glm4"],
+    "exl3": ["afmoe", "apertus", "arcee", "cohere", "cohere2", "deepseek_v3", "dots1", "ernie4_5", "ernie4_5_moe",
+             "exaone4", "gemma2", "gemma3_text", "glm4", "glm4_moe", "glm4_moe_lite", "gpt_oss", "lfm2", "lfm2_moe",
+             "llama", "minimax_m2", "mistral", "mixtral", "nemotron_h", "olmo3", "olmo_hybrid", "phi3", "qwen2",
+             "qwen3", "qwen3_moe", "qwen3_next", "seed_oss", "smollm3", "hy_v3", "kimi_linear", "laguna",
+             "solar_open", "step3p5"],
 }
 FLAGS = {"awq": ["--awq"], "exl2": ["--exl2", "4.0"], "exl3": ["--exl3", "4.0"]}
+WIDTH = {"exl2": 256, "exl3": 256}  # the GPU engines: heads of 64 (tests/tiny_archs.py); the others 128
 WINDOWS = 2
+RESULTS = ROOT / "benchmarks" / "results"
 
 
 def _as_qf(engine: str, architecture: str, args: list[str]) -> None:
@@ -76,11 +88,12 @@ def _rescore(engine_name: str, folder: Path, device: str) -> float:
 
 
 def run_one(engine: str, model_type: str, models: Path, work: Path, device: str) -> dict:
-    from tests.tiny_archs import make_tiny
+    from tests.tiny_archs import HIDDEN, make_tiny
 
     start = time.monotonic()
+    hidden = WIDTH.get(engine, HIDDEN)
     try:
-        source = make_tiny(model_type, models / model_type)
+        source = make_tiny(model_type, models / f"{model_type}-{hidden}", hidden=hidden)
     except Exception as e:  # noqa: BLE001  (a survey: the failure is the result)
         return {"status": "refused", "reason": f"transformers cannot build it: {type(e).__name__}: {e}"[:400]}
     architecture = json.loads((source / "config.json").read_text())["architectures"][0]
@@ -95,6 +108,7 @@ def run_one(engine: str, model_type: str, models: Path, work: Path, device: str)
         return {**result, "status": "refused", "reason": _why(run), "seconds": round(time.monotonic() - start, 1)}
     listed = json.loads(_qf(engine, architecture, "ls", "--json", env=env).stdout)
     [quant] = [q for q in listed if q["method"] == engine]
+    result["bytes"] = quant.get("bytes")
     pulled = work / "pulled" / engine / model_type
     pull = _qf(engine, architecture, "pull", quant["name"], "-o", str(pulled), env=env)
     if pull.returncode != 0:
@@ -110,34 +124,78 @@ def run_one(engine: str, model_type: str, models: Path, work: Path, device: str)
             "top1": quant["top1"], "pulled_ppl": round(again, 4), "seconds": round(time.monotonic() - start, 1)}
 
 
+def results() -> dict[str, dict]:
+    """Every committed coverage result by engine: {engine: {"device", "versions", "architectures": {type: row}}}."""
+    found: dict[str, dict] = {}
+    for path in sorted(RESULTS.glob("coverage-*.json")):
+        for engine, rows in json.loads(path.read_text()).items():
+            found[engine] = rows
+    return found
+
+
+def proven(engine_results: dict) -> frozenset[str]:
+    """The architectures (config.json `architectures[0]`) an engine's results prove it converts."""
+    return frozenset(r["architecture"] for r in engine_results["architectures"].values() if r["status"] == "quantized")
+
+
+def table(found: dict[str, dict]) -> str:
+    """The README's table: one row per model type, one column per engine (quantized, refused: why, or not tried)."""
+    engines = sorted(found)
+    types = sorted({t for e in engines for t in found[e]["architectures"]})
+    head = ["model type", *(f"{e} ({found[e]['device']})" for e in engines)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for t in types:
+        cells = []
+        for e in engines:
+            row = found[e]["architectures"].get(t)
+            cells.append("" if row is None else "quantized" if row["status"] == "quantized"
+                         else "refused: " + _short_reason(row["reason"]))
+        lines.append(f"| {t} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _short_reason(reason: str) -> str:
+    """The reason without the factory's prefix, the log's path and table-breaking characters."""
+    reason = reason.removeprefix("error: ").split(" (exit ")[0].split("; log: ")[0]
+    return reason.replace("|", "/").replace("\n", " ")[:160]
+
+
 def main() -> None:
     if sys.argv[1:2] == ["--as-qf"]:
         _as_qf(sys.argv[2], sys.argv[3], sys.argv[4:])
+        return
+    if sys.argv[1:2] == ["--table"]:
+        print(table(results()))
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("dir", type=Path)
     parser.add_argument("--engine", default=",".join(CANDIDATES))
     parser.add_argument("--arch", default=None, help="model types to try (default: each engine's candidates)")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "coverage-cpu.json")
+    parser.add_argument("--jobs", type=int, default=1, help="architectures converted at once")
+    parser.add_argument("--out", type=Path, default=RESULTS / "coverage-cpu.json")
     args = parser.parse_args()
-    from factory import evaluate
-
-    device = evaluate.device()
-    results = json.loads(args.out.read_text()) if args.out.exists() else {}
     import importlib.metadata as md
 
+    from factory import engines, evaluate
+
+    device = evaluate.device()
+    written = json.loads(args.out.read_text()) if args.out.exists() else {}
+    lock = threading.Lock()
     for engine in args.engine.split(","):
         wanted = args.arch.split(",") if args.arch else CANDIDATES[engine]
-        found = results.setdefault(engine, {"device": device, "architectures": {}})
-        from factory import engines
-
+        found = written.setdefault(engine, {"device": device, "architectures": {}})
         found["versions"] = {"engine": engines.get(engine).version(),
                              **{p: md.version(p) for p in ("transformers", "torch")}}
-        for model_type in wanted:
+
+        def one(model_type: str, engine=engine, found=found) -> None:
             outcome = run_one(engine, model_type, args.dir / "models", args.dir / "work", device)
-            found["architectures"][model_type] = outcome
-            print(engine, model_type, json.dumps(outcome), flush=True)
-            args.out.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
+            with lock:
+                found["architectures"][model_type] = outcome
+                print(engine, model_type, json.dumps(outcome), flush=True)
+                args.out.write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
+
+        with ThreadPoolExecutor(args.jobs) as pool:
+            list(pool.map(one, wanted))
 
 
 if __name__ == "__main__":

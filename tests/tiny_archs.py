@@ -4,9 +4,10 @@ test (tests/test_coverage.py) and benchmarks/coverage.py run every engine on.
 
     python -m tests.tiny_archs OUT_DIR [MODEL_TYPE ...]
 
-Same model type, same files (seeded). The sizes are the smallest that every engine's rules accept: hidden 128
-(AWQ's group 128 divides it; EXL3 wants a multiple of 128), 2 layers, 4 heads of 32 (2 KV heads), MoE with 4
-experts of which 2 are routed to.
+Same model type and width, same files (seeded). The sizes are the smallest that every engine's rules accept:
+hidden 128 (AWQ's group 128 divides it; EXL3 wants a multiple of 128), 2 layers, 4 heads (2 KV heads), MoE with 4
+experts of which 2 are routed to; the GPU engines take hidden 256 (heads of 64, what exllamav2's kernels are
+built for).
 """
 
 from __future__ import annotations
@@ -19,39 +20,42 @@ from tests.tiny_model import make_tiny_tokenizer
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, VOCAB = 128, 2, 4, 2, 1024
 
-# Sizes every architecture's config takes, under the names its config has (those it has not are skipped).
-COMMON = {
-    "hidden_size": HIDDEN, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
-    "intermediate_size": 2 * HIDDEN, "vocab_size": VOCAB, "max_position_embeddings": 4096, "head_dim": HIDDEN // HEADS,
-    "tie_word_embeddings": False,
-    # mixture of experts (the names differ by family)
-    "num_local_experts": 4, "num_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
-    "moe_intermediate_size": HIDDEN, "shared_expert_intermediate_size": HIDDEN, "n_shared_experts": 1,
-    "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "decoder_sparse_step": 1, "mlp_only_layers": [],
-    "norm_topk_prob": True,
-}
-# What one family's config names otherwise, or needs besides.
-EXTRA: dict[str, dict] = {
-    "opt": {"ffn_dim": 2 * HIDDEN, "word_embed_proj_dim": HIDDEN},
-    "gptj": {"n_inner": 2 * HIDDEN, "rotary_dim": 16},
-    "gpt_bigcode": {"n_inner": 2 * HIDDEN, "multi_query": True},
-    "mpt": {"expansion_ratio": 2},
-    "falcon": {"new_decoder_architecture": True, "num_kv_heads": KV_HEADS, "parallel_attn": True,
-               "ffn_hidden_size": 2 * HIDDEN},
-    # multi-head latent attention: the low ranks as wide as the hidden size, so group 128 divides every input
-    "deepseek_v2": {"kv_lora_rank": HIDDEN, "q_lora_rank": None, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16,
-                    "v_head_dim": 32, "head_dim": 16, "topk_method": "greedy"},
-    "deepseek_v3": {"kv_lora_rank": HIDDEN, "q_lora_rank": HIDDEN, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16,
-                    "v_head_dim": 32, "head_dim": 16},
-}
+
+def sizes(model_type: str, hidden: int = HIDDEN) -> dict:
+    """What a `model_type` config `hidden` wide is set to, under the names its config may have (config_for skips
+    those it has not): the sizes every family shares, the mixture-of-experts ones (their names differ by family),
+    then what one family names otherwise or needs besides."""
+    shared = {
+        "hidden_size": hidden, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS, "intermediate_size": 2 * hidden, "vocab_size": VOCAB,
+        "max_position_embeddings": 4096, "head_dim": hidden // HEADS, "tie_word_embeddings": False,
+        "num_local_experts": 4, "num_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": hidden, "shared_expert_intermediate_size": hidden, "n_shared_experts": 1,
+        "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "norm_topk_prob": True,
+    }
+    # multi-head latent attention: the low ranks as wide as the model, so group 128 divides every input
+    latent = {"kv_lora_rank": hidden, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 32,
+              "head_dim": 16}
+    family = {
+        "opt": {"ffn_dim": 2 * hidden, "word_embed_proj_dim": hidden},
+        "gptj": {"n_inner": 2 * hidden, "rotary_dim": 16},
+        "gpt_bigcode": {"n_inner": 2 * hidden, "multi_query": True},
+        "mpt": {"expansion_ratio": 2},
+        "falcon": {"new_decoder_architecture": True, "num_kv_heads": KV_HEADS, "parallel_attn": True,
+                   "ffn_hidden_size": 2 * hidden},
+        "deepseek_v2": {**latent, "q_lora_rank": None, "topk_method": "greedy"},
+        "deepseek_v3": {**latent, "q_lora_rank": hidden},
+    }
+    return {**shared, **family.get(model_type, {})}
 
 
-def config_for(model_type: str, bos: int, eos: int):
+def config_for(model_type: str, bos: int, eos: int, hidden: int = HIDDEN):
     from transformers import AutoConfig
 
     config = AutoConfig.for_model(model_type)
     mapped = getattr(config, "attribute_map", {})
-    for key, value in {**COMMON, **EXTRA.get(model_type, {})}.items():
+    for key, value in sizes(model_type, hidden).items():
         if key in mapped or hasattr(config, key):
             try:
                 setattr(config, key, value)
@@ -66,15 +70,15 @@ def config_for(model_type: str, bos: int, eos: int):
     return config
 
 
-def make_tiny(model_type: str, out: Path, seed: int = 0) -> Path:
-    """A tiny random checkpoint of `model_type` (FP16 weights, the tests' tokenizer) in `out`."""
+def make_tiny(model_type: str, out: Path, seed: int = 0, hidden: int = HIDDEN) -> Path:
+    """A tiny random checkpoint of `model_type` (FP16 weights, the tests' tokenizer), `hidden` wide, in `out`."""
     import torch
     from transformers import AutoModelForCausalLM
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = make_tiny_tokenizer(out, VOCAB)
-    config = config_for(model_type, tokenizer.bos_token_id, tokenizer.eos_token_id)
+    config = config_for(model_type, tokenizer.bos_token_id, tokenizer.eos_token_id, hidden)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).to(torch.float16)
     model.save_pretrained(out)
