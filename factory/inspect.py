@@ -57,8 +57,8 @@ CONFIG_NUMBERS = {
 }
 # A decoder layer's tensors, as each family's transformers class names them: model.layers.N (Llama and most),
 # model.decoder.layers.N (OPT), transformer.h.N (Falcon, GPT-J, Bloom, GPT-BigCode), transformer.blocks.N (MPT),
-# gpt_neox.layers.N.
-_LAYER = re.compile(r"(?:model\.(?:decoder\.)?|transformer\.|gpt_neox\.)?(?:layers|h|blocks)\.(\d+)\.")
+# gpt_neox.layers.N, backbone.layers.N (Nemotron-H).
+_LAYER = re.compile(r"(?:model\.(?:decoder\.)?|transformer\.|gpt_neox\.|backbone\.)?(?:layers|h|blocks)\.(\d+)\.")
 # Other names of the sizes, by family (the aliases transformers' configs map: GPT-J's n_embd, MPT's d_model, ...);
 # read_config fills the standard name from the first alias present when the standard one is missing.
 ALIASES = {
@@ -85,18 +85,18 @@ class ModelInfo:
 def inspect(folder: Path, architectures: Collection[str]) -> ModelInfo:
     """What the engines need to know of a checkpoint, or ModelRefused (exit 3). `architectures`: those some engine
     converts (each engine refuses the others itself: factory/engines/base.py, `refuse`)."""
+    from factory.dequantize import refuse_unreadable  # here: it reads headers with this module's readers
+
     files = source_files(folder)
     if "config.json" not in files:
+        refuse_unreadable(folder, None)  # a GGUF file says what it is
         raise ModelRefused(f"no config.json in {str(folder)!r}; pass a Hugging Face checkpoint folder")
     config = read_config(files["config.json"], check_numbers=False)
     if "auto_map" in config or _tokenizer_auto_map(files):
         raise ModelRefused(
             "the model needs custom code (auto_map); only architectures built into transformers are allowed"
         )
-    if "quantization_config" in config:
-        qc = config["quantization_config"]
-        method = qc.get("quant_method", "unknown") if isinstance(qc, dict) else "unknown"
-        raise ModelRefused(f"config.json says the model is already quantized ({method}); pass the FP16 checkpoint")
+    refuse_unreadable(folder, config)  # already quantized: FP8 and MXFP4 are read (the pipeline dequantizes them)
     arches = config.get("architectures")
     arch = arches[0] if isinstance(arches, list) and arches else None
     if not isinstance(arch, str) or arch not in architectures:
@@ -202,14 +202,18 @@ def read_config(path: Path, check_numbers: bool = True) -> dict:
 
 
 def with_standard_names(config: dict) -> dict:
-    """The config with the sizes under their standard names too (ALIASES), and intermediate_size where a family
-    leaves it implied: 4 x hidden (GPT-J's null n_inner, Falcon, Bloom), MPT's expansion_ratio x d_model."""
+    """The config with the sizes under their standard names too (ALIASES), the layer count where a family gives
+    only its layers' kinds, and intermediate_size where a family leaves it implied: 4 x hidden (GPT-J's null
+    n_inner, Falcon, Bloom), MPT's expansion_ratio x d_model."""
     filled = dict(config)
     for name, aliases in ALIASES.items():
         if filled.get(name) is None:
             found = next((filled[a] for a in aliases if filled.get(a) is not None), None)
             if found is not None:
                 filled[name] = found
+    kinds = filled.get("layers_block_type")  # Nemotron-H says its layers by their kinds only
+    if filled.get("num_hidden_layers") is None and isinstance(kinds, list) and kinds:
+        filled["num_hidden_layers"] = len(kinds)
     hidden = filled.get("hidden_size")
     if filled.get("intermediate_size") is None and isinstance(hidden, int) and not isinstance(hidden, bool):
         ratio = filled.get("expansion_ratio", 4)

@@ -46,6 +46,7 @@ def sizes(model_type: str, hidden: int = HIDDEN) -> dict:
                    "ffn_hidden_size": 2 * hidden},
         "deepseek_v2": {**latent, "q_lora_rank": None, "topk_method": "greedy"},
         "deepseek_v3": {**latent, "q_lora_rank": hidden},
+        "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
     }
     return {**shared, **family.get(model_type, {})}
 
@@ -55,6 +56,7 @@ def config_for(model_type: str, bos: int, eos: int, hidden: int = HIDDEN):
 
     config = AutoConfig.for_model(model_type)
     mapped = getattr(config, "attribute_map", {})
+    _per_layer(config, getattr(config, "num_hidden_layers", None))
     for key, value in sizes(model_type, hidden).items():
         if key in mapped or hasattr(config, key):
             try:
@@ -64,10 +66,23 @@ def config_for(model_type: str, bos: int, eos: int, hidden: int = HIDDEN):
     config.bos_token_id, config.eos_token_id = bos, eos
     if getattr(config, "pad_token_id", None) is not None and config.pad_token_id >= VOCAB:
         config.pad_token_id = None
-    if getattr(config, "layer_types", None) is not None:  # sliding/full attention per layer: as many as layers
-        kinds = list(dict.fromkeys(config.layer_types)) or ["full_attention"]
-        config.layer_types = [kinds[i % len(kinds)] for i in range(LAYERS)]
     return config
+
+
+def _per_layer(config, layers: int | None) -> None:
+    """Cut what a config says once per layer (layer_types, mlp_layer_types, a hybrid pattern, heads per layer) to
+    LAYERS entries, repeating the kinds it had in their order so both kinds of a hybrid stay."""
+    if not layers:
+        return
+    for key, value in list(vars(config).items()):
+        per_layer = isinstance(value, list) or (isinstance(value, str) and "pattern" in key)
+        if per_layer and len(value) == layers and not key.startswith("_"):
+            kinds = list(dict.fromkeys(value))
+            cut = [kinds[i % len(kinds)] for i in range(LAYERS)]
+            try:
+                setattr(config, key, "".join(cut) if isinstance(value, str) else cut)
+            except (AttributeError, TypeError, ValueError):
+                pass
 
 
 def make_tiny(model_type: str, out: Path, seed: int = 0, hidden: int = HIDDEN) -> Path:
