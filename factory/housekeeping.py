@@ -5,7 +5,9 @@ revision, not the Hub's copy, not the measurement other sizes reuse. `qf gc` fin
   - work folders of jobs that succeeded or were cancelled, and of jobs the catalog does not know (a failed job keeps
     its folder: running it again continues from there);
   - staging folders of publishes that were killed (older than an hour and not held, see publish/folder.py);
-  - Hub downloads (FACTORY_HOME/cache/hub/ORG--NAME/SHA) that no queued, running or failed job needs.
+  - Hub downloads (FACTORY_HOME/cache/hub/ORG--NAME/SHA) that no queued, running or failed job needs;
+  - BF16 copies of FP8/MXFP4 sources (FACTORY_HOME/dequantized/KEY, factory/dequantize.py) that no such job needs,
+    and what a dequantization that was killed left (not held by a writer now).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from factory import dequantize
 from factory.catalog import Catalog, JobState, Quant
 from factory.errors import SpecError
 from factory.publish import folder as registry
@@ -67,6 +70,8 @@ def garbage(settings: Settings, catalog: Catalog) -> list[Garbage]:
     for download in sorted((settings.cache / "hub").glob("*/*")):
         if download.relative_to(settings.cache / "hub").as_posix() not in needed:
             found.append(Garbage(download, disk_bytes(download), "Hub download that no unfinished job needs"))
+    copies = {dequantize.folder(settings.home, ident) for state, ident in states.values() if state not in DONE}
+    found += [Garbage(p, disk_bytes(p), why) for p, why in dequantize.leftovers(settings.home, copies)]
     return found
 
 

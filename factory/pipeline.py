@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import calibration
-from factory import engines, evaluate, events, files, identity, kld, layered, sources, tables
+from factory import dequantize, engines, evaluate, events, files, identity, kld, layered, sources, tables
 from factory.catalog import Catalog, Job, JobState, Lease, StepState
 from factory.engines import QuantSpec
 from factory.errors import (
@@ -276,6 +276,9 @@ class Factory(Planning, Conversions, Evaluations):
         if identity.is_hub(job.source_identity):  # the Hub commit, downloaded and checked once
             with self._step(job.id, "fetch") as progress:
                 fetched = sources.fetch_hub(job.source_identity, self.settings.cache, progress)
+        if dequantize.wanted(fetched or Path(job.source)):  # FP8 or MXFP4: every unit reads its BF16 copy
+            with self._step(job.id, "dequantize") as progress:
+                fetched = self._bf16(job, fetched or self._local_folder(job), progress)
         with self._step(job.id, "inspect"):
             prepared = self._read(job, fetched, self.settings.work / job.id)
             self.catalog.set_job_specs(job.id, [s.model_dump() for s in prepared.specs], self.token,
@@ -292,7 +295,7 @@ class Factory(Planning, Conversions, Evaluations):
         eval texts' token ids (tokenized once, then from cache/tokens/): what every unit works from. Writes nothing
         to the catalog (a helping worker reads a job this way, into a folder of its own: staging replaces the files
         the job's own units read)."""
-        source_folder = fetched or self._local_folder(job)
+        source_folder = self._bf16(job, fetched or self._local_folder(job))
         specs = engines.specs_from_dicts(job.specs)
         info = inspect(source_folder, engines.architectures(specs))
         folder = files.stage(source_folder, where / "source")
@@ -318,6 +321,18 @@ class Factory(Planning, Conversions, Evaluations):
         return Prepared(folder=folder, specs=specs, calibration=windows, calibration_file=cal_file, stream=stream,
                          upstream=up, model=Sized(shape, params, stream.window_length, layered.walkable(config)))
 
+    def _bf16(self, job: Job, folder: Path, progress: Callable[..., None] = lambda **_: None) -> Path:
+        """The folder the units read: the source, or its BF16 copy when it is FP8 or MXFP4 (factory/dequantize.py),
+        made once per source (checked by inspection first) and then reused, by this job's next attempt, its helpers
+        and later jobs of the same source."""
+        if not dequantize.wanted(folder):
+            return folder
+        inspect(folder, engines.architectures(engines.specs_from_dicts(job.specs)))
+        copy, made = dequantize.bf16(folder, job.source_identity, self.settings.home, progress)
+        if not made:
+            self.emit(events.note(f"dequantize: the BF16 copy of this source made earlier is reused ({copy})"))
+        return copy
+
     def _tokens(self, job: Job, folder: Path, text: calibration.TextSet) -> list[int]:
         key = identity.tokens_key(job.source_identity, text.sha256, evaluate.tokenizer_version())
         return evaluate.cached_tokens(folder, text.text, self.settings.cache / "tokens" / f"{key}.npy")
@@ -338,11 +353,15 @@ class Factory(Planning, Conversions, Evaluations):
 
     def _check_staged(self, job: Job, source_folder: Path, staged: Path, since: str, then: str) -> None:
         """What the job reads, its staging of a local folder, is what was submitted (a Hub commit was checked by its
-        fetch): ModelRefused says that the source changed `since`, and `then` what to do."""
-        if identity.is_hub(job.source_identity):
+        fetch; the BF16 copy of an FP8 or MXFP4 source is what the staging must hold): ModelRefused says that the
+        source changed `since`, and `then` what to do."""
+        expected = job.source_identity
+        if (copy := dequantize.made(self.settings.home, job.source_identity)) is not None:
+            source_folder, expected = copy, identity.folder_identity(copy, self.settings.cache)
+        elif identity.is_hub(job.source_identity):
             return
         try:
-            same, why = identity.folder_identity(source_folder, self.settings.cache, staged) == job.source_identity, ""
+            same, why = identity.folder_identity(source_folder, self.settings.cache, staged) == expected, ""
         except ModelRefused as e:  # a file became a link out of the folder, a FIFO, ...
             same, why = False, f" ({e.message})"
         if not same:

@@ -140,7 +140,9 @@ def fetch_hub(identity: str, cache: Path, progress: Callable[..., None]) -> Path
 
 def layout(arg: str) -> tuple[dict, dict[str, list[int]]]:
     """config.json and every tensor's shape of a local folder or a Hub repo (`org/name[@rev]`), without reading
-    weights: safetensors headers locally, the Hub's safetensors metadata (ranged reads) for a repo."""
+    weights: safetensors headers locally, the Hub's safetensors metadata (ranged reads) for a repo. An FP8 or MXFP4
+    source's shapes are those of its BF16 copy (factory/dequantize.py), which the engines read."""
+    from factory.dequantize import bf16_shapes
     from factory.inspect import check_against_tensors, check_config, read_config, read_headers
 
     path = Path(arg).expanduser()
@@ -152,7 +154,7 @@ def layout(arg: str) -> tuple[dict, dict[str, list[int]]]:
         tensors = {n: i["shape"] for header in headers.values() for n, i in header.items()}
         config = read_config(files["config.json"])
         check_against_tensors(config, tensors)
-        return config, tensors
+        return config, bf16_shapes(config, tensors)
     repo, revision = parse_hub(arg)
     from factory import hubclient as hub
 
@@ -162,4 +164,4 @@ def layout(arg: str) -> tuple[dict, dict[str, list[int]]]:
         meta = hub.retrying(lambda: hub.client(hub.token()).get_safetensors_metadata(repo, revision=sha))
     tensors = {n: t.shape for f in meta.files_metadata.values() for n, t in f.tensors.items()}
     check_against_tensors(config, tensors)
-    return config, tensors
+    return config, bf16_shapes(config, tensors)
