@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -45,7 +46,7 @@ CANDIDATES = {
              "exaone4", "gemma2", "gemma3_text", "glm4", "glm4_moe", "glm4_moe_lite", "gpt_oss", "lfm2", "lfm2_moe",
              "llama", "minimax_m2", "mistral", "mixtral", "nemotron_h", "olmo3", "olmo_hybrid", "phi3", "qwen2",
              "qwen3", "qwen3_moe", "qwen3_next", "seed_oss", "smollm3", "hy_v3", "kimi_linear", "laguna",
-             "solar_open", "step3p5"],
+             "solar_open"],
 }
 FLAGS = {"awq": ["--awq"], "exl2": ["--exl2", "4.0"], "exl3": ["--exl3", "4.0"]}
 WIDTH = {"exl2": 256, "exl3": 256}  # the GPU engines: heads of 64 (tests/tiny_archs.py); the others 128
@@ -73,7 +74,8 @@ def _why(run: subprocess.CompletedProcess) -> str:
     """The first line that says why a run failed: the factory's `error:` line, else the last line of output."""
     lines = [line.strip() for line in (run.stderr + run.stdout).splitlines() if line.strip()]
     said = [line for line in lines if line.startswith("error:") or '"event": "failed"' in line]
-    return (said or lines or [f"exit {run.returncode}"])[-1][:400]
+    why = (said or lines or [f"exit {run.returncode}"])[-1]
+    return re.sub(r" \(exit \d+; log: [^)]*\)", "", why)[:400]  # the log's path is this machine's
 
 
 def _rescore(engine_name: str, folder: Path, device: str) -> float:
@@ -139,25 +141,32 @@ def proven(engine_results: dict) -> frozenset[str]:
 
 
 def table(found: dict[str, dict]) -> str:
-    """The README's table: one row per model type, one column per engine (quantized, refused: why, or not tried)."""
+    """The README's table: one row per model type, one column per engine: quantized, refused or not run, with
+    a numbered note below the table for each reason."""
     engines = sorted(found)
     types = sorted({t for e in engines for t in found[e]["architectures"]})
     head = ["model type", *(f"{e} ({found[e]['device']})" for e in engines)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    reasons: list[str] = []
     for t in types:
         cells = []
         for e in engines:
             row = found[e]["architectures"].get(t)
-            cells.append("" if row is None else "quantized" if row["status"] == "quantized"
-                         else "refused: " + _short_reason(row["reason"]))
+            if row is None or row["status"] == "quantized":
+                cells.append("" if row is None else "quantized")
+                continue
+            why = _short_reason(row["reason"])
+            if why not in reasons:
+                reasons.append(why)
+            cells.append(f"{row['status']} ({reasons.index(why) + 1})")
         lines.append(f"| {t} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return "\n".join([*lines, "", *(f"{i}. {why}" for i, why in enumerate(reasons, 1))])
 
 
 def _short_reason(reason: str) -> str:
     """The reason without the factory's prefix, the log's path and table-breaking characters."""
     reason = reason.removeprefix("error: ").split(" (exit ")[0].split("; log: ")[0]
-    return reason.replace("|", "/").replace("\n", " ")[:160]
+    return reason.replace("|", "/").replace("\n", " ")[:200]
 
 
 def main() -> None:
@@ -175,6 +184,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "coverage-cpu.json")
     args = parser.parse_args()
     import importlib.metadata as md
+
+    # transformers' lazy imports are not thread-safe: the classes the runs' threads build with, imported once here
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast  # noqa: F401
 
     from factory import engines, evaluate
 

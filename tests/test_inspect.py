@@ -83,9 +83,10 @@ CASES = [
     ),
     (
         _unknown_architecture,
-        "architecture 'GPT2LMHeadModel' is not supported; supported: Gemma2ForCausalLM, GemmaForCausalLM, "
-        "LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, "
-        "Qwen3ForCausalLM",
+        "architecture 'GPT2LMHeadModel' is not supported; supported: CohereForCausalLM, FalconForCausalLM, "
+        "GPTJForCausalLM, GPTNeoXForCausalLM, Gemma2ForCausalLM, GemmaForCausalLM, LlamaForCausalLM, "
+        "MistralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, StableLmForCausalLM, "
+        "Starcoder2ForCausalLM",
     ),
     (_no_tokenizer, "no tokenizer (tokenizer.json or tokenizer.model) beside the weights"),
 ]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -110,8 +111,10 @@ def _reason(rc: int, log_path: Path) -> str:
         name = signal.Signals(-rc).name
         hint = " (out of memory?)" if rc == -signal.SIGKILL else ""
         return f"the engine process was killed by {name}{hint}; log: {log_path}"
-    lines = [ln.strip() for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()]
-    last = lines[-1] if lines else "no output"
+    lines = [ln.strip() for ln in log_path.read_text(errors="replace").splitlines()
+             if ln.strip() and not ln.startswith(PEAK)]
+    said = [ln for ln in lines if re.match(r"[\w.]*(Error|Exception)\b", ln)]  # a traceback's last line
+    last = (said or lines or ["no output"])[-1]
     return f"{last[:300]} (exit {rc}; log: {log_path})"
 
 

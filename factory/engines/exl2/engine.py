@@ -75,10 +75,12 @@ def _resume_or_wipe(work_dir: Path) -> list[str]:
     return ["-nr"]  # corrupt, invalid or finished-but-unchecked: start clean
 
 
-# exllamav2 0.3.2's architectures (exllamav2/architecture.py) that config.json names; inspect refuses the rest.
+# What benchmarks/coverage.py proved exllamav2 0.3.2 converts on the H200 (benchmarks/results/coverage-h200.json;
+# tests/test_coverage.py keeps the two equal).
 ARCHITECTURES = frozenset({
-    "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-    "GemmaForCausalLM", "Gemma2ForCausalLM", "Phi3ForCausalLM",
+    "Cohere2ForCausalLM", "CohereForCausalLM", "GPTBigCodeForCausalLM", "Gemma2ForCausalLM", "GemmaForCausalLM",
+    "Glm4ForCausalLM", "GraniteForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM",
+    "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
 })  # fmt: skip
 
 

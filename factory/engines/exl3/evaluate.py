@@ -46,10 +46,13 @@ def cached_loader(cache: str):
         model, kv, vocab = _model(folder, bits)
 
         def logits(ids: torch.Tensor) -> torch.Tensor:
-            chunks = []
+            chunks, states = [], None
             for start in range(0, ids.shape[1], KV_CHUNK):
                 params = {"attn_mode": "flash_attn", "cache": kv, "past_len": start, "batch_shape": (1, WINDOW)}
+                if states is not None:  # recurrent, linear-attention and sliding-window layers go on from their state
+                    params["recurrent_states"] = states
                 chunks.append(model.forward(ids[:, start : start + KV_CHUNK], params)[..., :vocab])
+                states = params.get("recurrent_states")  # the first chunk's forward makes them (exllamav3)
             return torch.cat(chunks, 1)
 
         return logits
