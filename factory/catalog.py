@@ -655,13 +655,18 @@ class Catalog:
             return list(s.scalars(select(Upstream).order_by(Upstream.id)))
 
     def record_upstream(self, watch: str, repo: str, sha: str, job_id: str | None, skipped: str | None) -> bool:
-        """Remember what became of `repo@sha` for `watch`; False when another scheduler recorded it first."""
+        """Remember what became of `repo@sha` for `watch`: a release skipped before takes the new outcome (its job,
+        or another reason); False when it has a job already (another scheduler recorded it first)."""
         try:
             with self.session() as s:
                 s.add(Upstream(watch=watch, repo=repo, sha=sha, job_id=job_id, skipped=skipped))
             return True
         except IntegrityError:
-            return False
+            with self.session() as s:
+                changed = s.execute(update(Upstream).where(
+                    Upstream.watch == watch, Upstream.repo == repo, Upstream.sha == sha, Upstream.job_id.is_(None))
+                    .values(job_id=job_id, skipped=skipped))
+                return changed.rowcount == 1
 
     # quants
     def put_quant(self, quant: Quant, token: int | None = None, publish=None) -> Quant:

@@ -147,7 +147,7 @@ def test_each_engine_says_which_architectures_it_takes(factory, tiny, tmp_path):
     shutil.copytree(tiny, gemma3)
     config = json.loads((gemma3 / "config.json").read_text())
     (gemma3 / "config.json").write_text(json.dumps({**config, "architectures": ["Gemma3ForCausalLM"]}))
-    with pytest.raises(ModelRefused, match="^AWQ does not convert Gemma3ForCausalLM; it converts CohereForCausalLM, FalconForCausalLM"):
+    with pytest.raises(ModelRefused, match="^AWQ does not convert Gemma3ForCausalLM; it converts CohereForCausalLM, "):
         factory.submit(Request(source=str(gemma3), recipe=build_recipe(awq=True, exl3="4.0"), device="cuda"))
     job, created = factory.submit(Request(source=str(gemma3), recipe=build_recipe(exl3="4.0"), device="cuda"))
     assert created and [s["method"] for s in job.specs] == ["exl3"]

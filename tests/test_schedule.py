@@ -208,6 +208,22 @@ def test_gated_and_unsupported_models_are_skipped_once(env, hub, tiny):
     assert sorted(s["repo"] for s in watch["seen"] if s["skipped"]) == ["meta/tiny-bert", "meta/tiny-gated"]
 
 
+def test_a_skipped_release_is_quantized_once_an_engine_takes_it(env, hub, tiny, monkeypatch):
+    """Skipped because no engine of the watch converted it, the release is looked at again at every check: with a
+    factory whose AWQ takes it, the next check submits it, and `qf watch ls` shows the job in the skip's place."""
+    config = json.loads((tiny / "config.json").read_text())
+    hub.add_repo("meta/tiny-bert", {**_files(tiny), "config.json": json.dumps(
+        {**config, "architectures": ["BertModel"]}).encode()})
+    qf("watch", "add", "meta/tiny-bert", "--awq")
+    assert [p["skipped"] for p in watch_check()["planned"]] == ["architecture BertModel is not supported by awq"]
+    monkeypatch.setenv("FACTORY_ENGINES", "tests.later_awq:ENGINE")
+    [later] = watch_check()["planned"]
+    assert later["skipped"] is None and later["job"] and [j["id"] for j in jobs()] == [later["job"]]
+    assert watch_check()["planned"] == []  # submitted: done
+    [watch] = json.loads(qf("watch", "ls", "--json").stdout)
+    assert [(s["repo"], s["job"], s["skipped"]) for s in watch["seen"]] == [("meta/tiny-bert", later["job"], None)]
+
+
 def test_watch_add_refusals_and_rm(env):
     bad = qf("watch", "add", "tiny", "--awq", check=False)
     assert bad.returncode == 2 and "is neither org/name nor org/pattern" in bad.stderr

@@ -496,10 +496,16 @@ def watch_check(dry_run: bool) -> dict:
         if not held:
             return {"busy": True, "planned": [], "errors": []}
         releases, errors = schedule.hub_releases(watches)
-        done = {(u.watch, u.repo, u.sha) for u in factory.catalog.upstream()}
+        seen = {(u.watch, u.repo, u.sha): u for u in factory.catalog.upstream()}
+        # a skipped release is planned again at every check: an engine that takes it now (a newer one, a wider
+        # filter, access to a gated repo) submits it; one still skipped for the same reason is not listed again
+        done = {key for key, u in seen.items() if u.job_id}
         planned = schedule.plan(watches, releases, done, {e.name: set(e.architectures) for e in engines.all_engines()})
         rows = []
         for p in planned:
+            before = seen.get((p.watch, p.repo, p.sha))
+            if before is not None and before.skipped == p.skipped:
+                continue
             row = {"watch": p.watch, "repo": p.repo, "sha": p.sha, "skipped": p.skipped, "job": None}
             if not dry_run:
                 row.update(_carry_out(factory, p, errors))
