@@ -48,7 +48,10 @@ CANDIDATES = {
              "qwen3", "qwen3_moe", "qwen3_next", "seed_oss", "smollm3", "hy_v3", "kimi_linear", "laguna",
              "solar_open"],
 }
-FLAGS = {"awq": ["--awq"], "exl2": ["--exl2", "4.0"], "exl3": ["--exl3", "4.0"]}
+# llm-compressor's AWQ maps layers by name (its mappings, and a default for Llama-shaped layers): every family
+# the other engines were tried on
+CANDIDATES["awqct"] = sorted(set(CANDIDATES["awq"]) | set(CANDIDATES["exl2"]) | set(CANDIDATES["exl3"]))
+FLAGS = {"awq": ["--awq"], "awqct": ["--awqct"], "exl2": ["--exl2", "4.0"], "exl3": ["--exl3", "4.0"]}
 WIDTH = {"exl2": 256, "exl3": 256}  # the GPU engines: heads of 64 (tests/tiny_archs.py); the others 128
 WINDOWS = 2
 RESULTS = ROOT / "benchmarks" / "results"

@@ -213,8 +213,9 @@ def _remote():
     return Client(config.server, config.token)
 
 
+# `\\[` is a bracket, not rich markup (which would swallow `[@revision]`)
 SourceArg = Annotated[str, typer.Argument(metavar="SOURCE", help="A local checkpoint folder (config.json, tokenizer, "
-                                         "safetensors) or a Hub repo org/name[@revision].")]
+                                         "safetensors) or a Hub repo org/name\\[@revision].")]
 RecipeOpt = Annotated[Path | None, typer.Option("--recipe", help="A recipe YAML (see configs/standard.yaml).")]
 CalibrationOpt = Annotated[str | None, typer.Option("--calibration", help="builtin:<name> or file:<path>.")]
 EvalOpt = Annotated[str | None, typer.Option("--eval", help="builtin:<name> or file:<path>.")]

@@ -76,6 +76,10 @@ def test_no_description_is_broken_mid_line(path, monkeypatch, capsys):
         assert not (above and below), f"a paragraph broken in two: {above!r} / {below!r}"
 
 
+def test_a_bracket_in_help_is_text_not_markup(monkeypatch, capsys):
+    assert "org/name[@revision]" in "\n".join(_help(("run",), WIDE, monkeypatch, capsys))
+
+
 def test_the_qf_entry_point_renders_the_same_help():
     """`qf --help` and `qf worker --help` at 80 columns, as a terminal of that width shows them."""
     for args in (["--help"], ["worker", "--help"]):
