@@ -80,10 +80,11 @@ def of_tag(tag: str) -> Engine:
 
 def _builtin() -> None:
     from factory.engines.awq.engine import ENGINE as AWQ
+    from factory.engines.awq_ct.engine import ENGINE as AWQCT
     from factory.engines.exl2.engine import ENGINE as EXL2
     from factory.engines.exl3.engine import ENGINE as EXL3
 
-    for engine in (AWQ, EXL2, EXL3):
+    for engine in (AWQ, AWQCT, EXL2, EXL3):
         register(engine)
 
 

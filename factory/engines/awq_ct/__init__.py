@@ -1,0 +1,1 @@
+"""AWQ in compressed-tensors, through llm-compressor (see engine.py)."""

@@ -1,0 +1,140 @@
+"""AWQ through llm-compressor 0.14.0.1, written as compressed-tensors (W4A16 asymmetric, pack-quantized): what vLLM
+and transformers load without AutoAWQ. It runs in a child process (`python -m factory.engines.awq_ct.quantize
+request.json`, which says what it does beyond `oneshot` and why); the parent checks the outputs instead of trusting
+the exit code, and copies the tokenizer and chat template, which the child does not write."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import shutil
+from pathlib import Path
+
+from factory.engines import child
+from factory.engines.awq_ct import evaluate
+from factory.engines.awq_ct.spec import AwqCtSpec, resolve
+from factory.engines.base import Engine, Flag, QuantizeRequest, check_quant_folder
+from factory.errors import JobFailed, SpecError
+from factory.files import COMPANIONS
+
+# What tests/test_engine_awq_ct.py proves, each on a checkpoint it quantizes and scores: the tiny Llama end to end,
+# SmolLM2-135M (a Llama) for quality, and tiny Qwen3-MoE, Mixtral, DeepSeek-V3 and GLM-4-MoE from
+# tests/tiny_archs.py. llm-compressor's AWQ maps more (modifiers/transform/awq/mappings.py, ~35 families).
+ARCHITECTURES = frozenset({
+    "LlamaForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM",
+})  # fmt: skip
+MOE = frozenset({"Qwen3MoeForCausalLM", "MixtralForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM"})
+TOOLS = ("llmcompressor", "compressed-tensors")
+
+
+class AwqCtEngine(Engine):
+    name = "awqct"  # not awq-ct: the CLI makes a parameter of it (engine_<name>); FACTORY_HUB_<NAME>_REPO: [A-Z0-9]
+    label = "AWQ-CT"
+    spec = AwqCtSpec
+    targets = AwqCtSpec
+    flag = Flag(
+        "AWQ w4 in compressed-tensors (llm-compressor), group 128 (64 where 128 does not divide).", takes_value=False
+    )
+    tag_pattern = r"awqct-w\d+g\d+"
+    tag_example = "awqct-w4g128"
+    architectures = ARCHITECTURES
+    default_calibration = "builtin:c4"
+    outputs = ("*.safetensors", "model.safetensors.index.json", "recipe.yaml")
+    evaluator = "compressed-tensors"
+    library_name = "transformers"
+    hub_repo = "{owner}/{model}-AWQ-CT"
+    plot_marker = "D"
+    CPU_CORE_SECONDS_PER_B = 3300.0  # SmolLM2-135M, 16 x 128 calibration, 2 cores: 224 s (docs/measured.md)
+
+    def version(self) -> str:
+        try:
+            return ", ".join(f"{tool} {importlib.metadata.version(tool)}" for tool in TOOLS)
+        except importlib.metadata.PackageNotFoundError:
+            raise SpecError(
+                "AWQ-CT needs llmcompressor==0.14.0.1 and compressed-tensors==0.19.0 (scripts/setup installs them)"
+            ) from None
+
+    def resolve(self, spec: AwqCtSpec, info, device: str) -> AwqCtSpec:
+        return resolve(spec, info.in_features, device == "cuda")
+
+    def calibration_windows(self, spec: AwqCtSpec) -> tuple[int, int]:
+        return spec.calib_rows, spec.calib_length
+
+    def describe_calibration(self, spec: dict, text: str) -> str:
+        return f"{text}, {spec['calib_rows']} x {spec['calib_length']} tokens"
+
+    def load(self, folder: Path, device: str):
+        return evaluate.load(folder, device)
+
+    def main_files(self, newest: Path) -> list[str]:
+        # vLLM and transformers read a repo's main branch: the newest variant's files go there too
+        return sorted(p.name for p in newest.iterdir() if p.is_file())
+
+    def how_to_load(self, folder: str) -> str:
+        return f"""```bash
+vllm serve ./{folder}        # vLLM reads compressed-tensors W4A16 (its Marlin kernels on CUDA)
+```
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer  # with compressed-tensors installed
+model = AutoModelForCausalLM.from_pretrained("./{folder}")  # decompresses on load (the CPU works too)
+tokenizer = AutoTokenizer.from_pretrained("./{folder}")
+```
+"""
+
+    def load_note(self, folder: Path) -> str | None:
+        config = json.loads((folder / "config.json").read_text())
+        if (config.get("architectures") or [""])[0] in MOE:
+            return (
+                "transformers cannot load a mixture of experts with zero points in compressed-tensors (its expert "
+                "decompression drops them: transformers PR #47430); serve it with vLLM"
+            )
+        return (
+            "transformers 5.17 to 5.22 load these weights with their zero points; 5.23 to 5.25 refuse the packed "
+            "zero points (size mismatch)"
+        )
+
+    def quantize(self, request: QuantizeRequest, emit) -> None:
+        shutil.rmtree(request.out_dir, ignore_errors=True)
+        rows, length = len(request.calibration), len(request.calibration[0])
+        child.run(
+            "factory.engines.awq_ct.quantize",
+            {
+                "source_dir": str(request.source_dir),
+                "out_dir": str(request.out_dir),
+                "spec": request.spec,
+                "calibration": request.calibration,
+            },
+            request.work_dir,
+            emit,
+            what=f"AWQ-CT quantization ({rows} x {length} calibration tokens)",
+        )
+        check_output(request.out_dir, request.spec, request.work_dir / child.LOG_NAME)
+        for name in COMPANIONS:  # the tokenizer, chat template, ...: save_pretrained writes config and weights
+            if (request.source_dir / name).is_file() and not (request.out_dir / name).exists():
+                shutil.copyfile(request.source_dir / name, request.out_dir / name)
+
+
+def check_output(out_dir: Path, spec: dict, log: Path | None = None) -> None:
+    """compressed-tensors' config, and the one group the spec asked for: 4-bit asymmetric int groups."""
+    check_quant_folder(
+        out_dir,
+        "*.safetensors",
+        {"quant_method": "compressed-tensors", "format": "pack-quantized"},
+        "llm-compressor",
+        log,
+    )
+    groups = json.loads((out_dir / "config.json").read_text())["quantization_config"]["config_groups"]
+    want = {
+        "num_bits": spec["w_bit"],
+        "group_size": spec["group_size"],
+        "symmetric": False,
+        "strategy": "group",
+        "type": "int",
+    }
+    got = [{k: (g.get("weights") or {}).get(k) for k in want} for g in groups.values()]
+    if got != [want]:
+        raise JobFailed(f"llm-compressor's quantization_config groups {got} do not match the spec {want}")
+
+
+ENGINE = AwqCtEngine()

@@ -1,0 +1,178 @@
+"""The AWQ-CT child process: `python -m factory.engines.awq_ct.quantize request.json` (engine.py starts it; nothing
+imports this module but the tests).
+
+llm-compressor's `oneshot` with `AWQModifier` and a W4A16 asymmetric group scheme (`QuantizationModifier`), written
+by `save_pretrained` in compressed-tensors' pack-quantized format. What it does beyond that, and why:
+- calibration arrives as token windows of exactly the requested length and goes to oneshot as a DataLoader of them
+  (batch 1, in order): no dataset loading, tokenizing, shuffling or truncation of its own;
+- llm-compressor 0.14.0.1's AWQ pins its cached activations (`IntermediatesCache.pin_memory`) before each grid
+  search, which raises "Cannot access accelerator device when none is available" on a machine without one; pinning
+  only speeds copies to a GPU, so without an accelerator it is skipped;
+- on the CPU the model computes in float32 (float16 matmuls there are slow and lose precision) and is cast back to
+  the source's dtype before saving, so the scales and the unquantized tensors are stored as the source's;
+- the router of a mixture of experts (`mlp.gate`) stays unquantized (`ignore`), as vLLM expects;
+- a mixture of experts gets AWQ mappings built from its layers (`moe_mappings`): llm-compressor's attention mappings
+  for the architecture, and per kind of layer the norm before the MLP balanced against every linear that reads it
+  (the router and the gate/up projections of the routed and shared experts in a routed layer; gate/up in a dense
+  one). llm-compressor 0.14.0.1's own fail or are wrong there: DeepSeek-V3's and GLM-4-MoE's name the router for
+  every layer, so a model with leading dense layers (first_k_dense_replace) stops with "AWQ needs to match a single
+  smoothlayer for each mapping"; GLM-4-MoE's leave the shared expert out (it then reads the smoothed norm
+  uncompensated), and Mixtral gets the dense defaults, which leave its router out;
+- experts that transformers fuses on load are linearized by oneshot (one Linear per expert); they are saved under the
+  source checkpoint's names (Mixtral's `w1`/`w3`/`w2`, not `gate_proj`/`up_proj`/`down_proj`) through
+  llm-compressor's save conversion mappings, as vLLM reads them;
+- one progress event per decoder layer as its calibration starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from factory.engines import child
+
+IGNORE = ["lm_head", "re:.*mlp.gate$"]
+# Checkpoints that name their experts' linears otherwise than the Linear modules oneshot makes of them: model_type ->
+# (checkpoint name, module name) for each.
+EXPERT_NAMES = {"mixtral": (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))}
+
+
+def decoder_layers(model):
+    import torch
+
+    count = model.config.num_hidden_layers
+    return next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == count)
+
+
+def scoped(pattern: str, indices: list[int]) -> str:
+    """An llm-compressor module pattern (`re:.*gate_proj$`) for the decoder layers `indices` only."""
+    rest = pattern.removeprefix("re:").removeprefix(".*")
+    return rf"re:.*layers\.({'|'.join(map(str, indices))})\.(.*\.)?{rest}"
+
+
+def routed_layers(model) -> list[int]:
+    """The decoder layers whose MLP has a router (`mlp.gate`): a mixture of experts'."""
+    return [i for i, layer in enumerate(decoder_layers(model)) if hasattr(getattr(layer, "mlp", None), "gate")]
+
+
+def moe_mappings(model) -> list:
+    """The AWQ mappings of a mixture of experts (see the module's docstring): the architecture's attention
+    mappings, then for routed and dense layers apart, the norm before the MLP against all that read it."""
+    from llmcompressor.modifiers.transform.awq import AWQ_MAPPING_REGISTRY, AWQMapping, default_mappings
+
+    base = AWQ_MAPPING_REGISTRY.get(type(model).__name__, default_mappings)
+    attention = [m for m in base if not m.smooth_layer.endswith(("post_attention_layernorm$", "up_proj$"))]
+    down = [m for m in base if m.smooth_layer.endswith("up_proj$")]
+    routed = routed_layers(model)
+    dense = [i for i in range(len(decoder_layers(model))) if i not in routed]
+    mlp = ["re:.*gate_proj$", "re:.*up_proj$"]  # the dense MLP's, or every expert's (routed and shared)
+    groups = [(indices, router + mlp) for indices, router in ((dense, []), (routed, ["re:.*mlp.gate$"])) if indices]
+    norms = [
+        AWQMapping(scoped("re:.*post_attention_layernorm$", indices), [scoped(p, indices) for p in balance])
+        for indices, balance in groups
+    ]
+    return [*attention, *norms, *down]
+
+
+def recipe(spec: dict, model) -> list:
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from llmcompressor.modifiers.transform.awq import AWQModifier
+
+    mappings = moe_mappings(model) if routed_layers(model) else None  # None: llm-compressor's for the architecture
+    weights = {
+        "num_bits": spec["w_bit"],
+        "type": "int",
+        "symmetric": False,
+        "strategy": "group",
+        "group_size": spec["group_size"],
+    }
+    return [
+        AWQModifier(mappings=mappings, duo_scaling=spec["duo_scaling"]),
+        QuantizationModifier(config_groups={"group_0": {"targets": ["Linear"], "weights": weights}}, ignore=IGNORE),
+    ]
+
+
+def skip_pinning_without_accelerator() -> None:
+    import torch
+    from llmcompressor.pipelines.cache import IntermediatesCache
+
+    if not torch.accelerator.is_available():
+        IntermediatesCache.pin_memory = lambda self, batch_index, input_names=None: None
+
+
+def save_with_checkpoint_names(model, model_type: str) -> None:
+    """Experts saved as the source names them (see the module's docstring)."""
+    from llmcompressor.modeling.moe.conversion_mappings import (
+        get_linearize_load_mappings,
+        has_linearize_load_mappings,
+        patch_moe_mappings,
+        set_save_conversion_mapping,
+    )
+    from transformers.core_model_loading import WeightRenaming
+
+    if model_type in EXPERT_NAMES:
+        renames = [
+            WeightRenaming(source_patterns=rf"\.experts\.(\d+)\.{saved}\.", target_patterns=rf".experts.\1.{module}.")
+            for saved, module in EXPERT_NAMES[model_type]
+        ]
+        patch_moe_mappings(model_type, renames, remove_targets=[".experts.gate_up_proj", ".experts.down_proj"])
+    if has_linearize_load_mappings(model_type):
+        set_save_conversion_mapping(model, get_linearize_load_mappings(model_type)[2])
+
+
+def report_layers(model, emit) -> None:
+    """A progress event when calibration reaches each decoder layer (a hook on its first Linear: the sequential
+    pipeline runs traced subgraphs, which call leaf modules, not the layer's own forward)."""
+    import torch
+
+    count = model.config.num_hidden_layers
+    reached = set()
+    for index, layer in enumerate(decoder_layers(model)):
+        first = next(m for m in layer.modules() if isinstance(m, torch.nn.Linear))
+
+        def hook(module, args, index=index):
+            if index not in reached:
+                reached.add(index)
+                emit(event="progress", done=index, total=count, unit="layer")
+
+        first.register_forward_pre_hook(hook)
+
+
+def main() -> None:
+    os.environ.setdefault("TQDM_DISABLE", "1")  # llm-compressor's grid-search bars: thousands of lines in the log
+    emit = child.events()
+    request = child.read_request()
+    spec, calibration = request["spec"], request["calibration"]
+
+    import torch
+    from llmcompressor import oneshot
+    from torch.utils.data import DataLoader
+    from transformers import AutoModelForCausalLM
+
+    skip_pinning_without_accelerator()
+    emit(event="progress", done=0, total=1, unit="load")
+    config = json.loads((Path(request["source_dir"]) / "config.json").read_text())
+    saved = getattr(torch, config.get("torch_dtype") or config.get("dtype") or "float16")
+    compute = saved if torch.cuda.is_available() else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(request["source_dir"], dtype=compute, trust_remote_code=False)
+    report_layers(model, emit)
+    windows = [
+        {"input_ids": torch.tensor(w), "attention_mask": torch.ones(len(w), dtype=torch.long)} for w in calibration
+    ]
+    oneshot(
+        model=model,
+        dataset=DataLoader(windows, batch_size=1),
+        recipe=recipe(spec, model),
+        num_calibration_samples=len(windows),
+        max_seq_length=len(calibration[0]),
+        trust_remote_code_model=False,
+    )
+    count = model.config.num_hidden_layers
+    emit(event="progress", done=count, total=count, unit="layer")
+    save_with_checkpoint_names(model, config.get("model_type", ""))
+    model.to(saved).save_pretrained(request["out_dir"])
+
+
+if __name__ == "__main__":
+    main()
