@@ -48,9 +48,14 @@ CANDIDATES = {
              "qwen3", "qwen3_moe", "qwen3_next", "seed_oss", "smollm3", "hy_v3", "kimi_linear", "laguna",
              "solar_open"],
 }
-# llm-compressor's AWQ maps layers by name (its mappings, and a default for Llama-shaped layers): every family
-# the other engines were tried on
-CANDIDATES["awqct"] = sorted(set(CANDIDATES["awq"]) | set(CANDIDATES["exl2"]) | set(CANDIDATES["exl3"]))
+# llm-compressor 0.14.0.1's AWQ mappings name these (modifiers/transform/awq/mappings.py; text models built into
+# transformers), and Llama-shaped families its default mapping may take
+CANDIDATES["awqct"] = [
+    "afmoe", "bloom", "cohere", "cohere2", "deepseek_v2", "deepseek_v3", "ernie4_5_moe", "exaone4", "gemma2",
+    "gemma3_text", "glm4_moe", "glm4_moe_lite", "granite", "llama", "mistral", "mixtral", "olmo", "olmo3", "phi3",
+    "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "seed_oss", "apertus", "arcee", "ernie4_5", "gemma", "smollm3",
+    "starcoder2",
+]
 FLAGS = {"awq": ["--awq"], "awqct": ["--awqct"], "exl2": ["--exl2", "4.0"], "exl3": ["--exl3", "4.0"]}
 WIDTH = {"exl2": 256, "exl3": 256}  # the GPU engines: heads of 64 (tests/tiny_archs.py); the others 128
 WINDOWS = 2

@@ -34,9 +34,10 @@ def sizes(model_type: str, hidden: int = HIDDEN) -> dict:
         "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "decoder_sparse_step": 1, "mlp_only_layers": [],
         "norm_topk_prob": True,
     }
-    # multi-head latent attention: the low ranks as wide as the model, so group 128 divides every input
+    # multi-head latent attention: the low ranks as wide as the model, so group 128 divides every input, and a key
+    # and a value for every head, as DeepSeek's releases have (eager attention refuses fewer)
     latent = {"kv_lora_rank": hidden, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 32,
-              "head_dim": 16}
+              "head_dim": 16, "num_key_value_heads": HEADS}
     family = {
         "opt": {"ffn_dim": 2 * hidden, "word_embed_proj_dim": hidden},
         "gptj": {"n_inner": 2 * hidden, "rotary_dim": 16},
