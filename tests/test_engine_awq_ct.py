@@ -1,12 +1,15 @@
 """The AWQ-CT engine (llm-compressor's AWQ, written as compressed-tensors), for real: `qf run --awqct` end to end on
-the tiny Llama, then what transformers makes of the pulled quant; the mixtures of experts its mappings name, each a
-tiny checkpoint of tests/tiny_archs.py that the engine quantizes and scores; SmolLM2-135M on the CPU against the
-AutoAWQ quant's numbers; a child that fails."""
+the tiny Llama, then what transformers (5.17, from the engine's own packages) makes of the pulled quant; the child's
+packages, made once; the mixtures of experts its mappings name, each a tiny checkpoint of tests/tiny_archs.py that the
+engine quantizes and scores; SmolLM2-135M on the CPU against the AutoAWQ quant's numbers; a child that fails."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -14,6 +17,7 @@ from safetensors import safe_open
 
 from calibration import builtin_text
 from factory import engines, evaluate
+from factory.engines.awq_ct import env
 from factory.engines.awq_ct.engine import ARCHITECTURES
 from factory.errors import JobFailed
 from factory.inspect import inspect
@@ -41,9 +45,21 @@ def _windows(folder, rows: int, length: int) -> list[list[int]]:
     return [ids[i * length : (i + 1) * length] for i in range(rows)]
 
 
-def test_qf_run_quantizes_scores_publishes_and_transformers_loads_the_pulled_quant(qf, tiny, tmp_path):
-    from transformers import AutoModelForCausalLM
+# transformers as the engine's child has it (factory/engines/awq_ct/env.py: 5.17), loading a pulled quant as a user
+# would and writing its config and logits: the factory's own transformers (5.23 and later) refuses the zero points.
+TRANSFORMERS_LOADS = """
+import json, sys, torch, transformers
+from transformers import AutoModelForCausalLM
+folder, ids, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+with torch.inference_mode():
+    config = json.loads(model.config.to_json_string())["quantization_config"]
+    torch.save({"version": transformers.__version__, "config": config, "logits": model(torch.tensor([ids])).logits},
+               out)
+"""
 
+
+def test_qf_run_quantizes_scores_publishes_and_transformers_loads_the_pulled_quant(qf, tiny, tmp_path):
     result = qf("run", tiny, "--awqct", "--eval-windows", 2, "--json")
     assert result.exit_code == 0, result.output
     [row] = qf.json("ls")
@@ -57,8 +73,19 @@ def test_qf_run_quantizes_scores_publishes_and_transformers_loads_the_pulled_qua
     assert result.exit_code == 0, result.output
     pulled = tmp_path / "pulled"
     assert {"recipe.yaml", "tokenizer.json", "README.md"} <= {p.name for p in pulled.iterdir()}
-    model = AutoModelForCausalLM.from_pretrained(pulled, dtype=torch.float32)
-    qc = model.config.quantization_config.to_dict()
+    ids = evaluate.tokenize(pulled, builtin_text("wiki"))[:256]
+    out = tmp_path / "transformers.pt"
+    done = subprocess.run(
+        [sys.executable, "-c", TRANSFORMERS_LOADS, str(pulled), json.dumps(ids), str(out)],
+        env={**os.environ, **env.child_path()},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    loaded = torch.load(out)
+    assert loaded["version"] == "5.17.0"
+    qc = loaded["config"]
     [group] = qc["config_groups"].values()
     assert (qc["quant_method"], qc["format"], qc["ignore"]) == ("compressed-tensors", "pack-quantized", ["lm_head"])
     assert {k: group["weights"][k] for k in ("num_bits", "group_size", "symmetric", "strategy")} == {
@@ -68,11 +95,29 @@ def test_qf_run_quantizes_scores_publishes_and_transformers_loads_the_pulled_qua
         "strategy": "group",
     }
     # what transformers decompresses is what the factory scored (the engine's own decompression, layer by layer)
-    ids = evaluate.tokenize(pulled, builtin_text("wiki"))[:256]
     with torch.inference_mode():
-        theirs = model.eval()(torch.tensor([ids])).logits
         [ours] = ENGINE.load(pulled, "cpu").logits([ids])
-    assert torch.allclose(theirs, ours, atol=1e-3)
+    assert torch.allclose(loaded["logits"], ours, atol=1e-3)
+
+
+def test_the_child_has_its_own_transformers_and_makes_its_packages_once():
+    """The child's path starts with the engine's packages (transformers 5.17 for llm-compressor 0.14.0.1), made
+    once in a folder keyed by the pins; the factory's own environment is left as it is."""
+    first = env.ensure()
+    assert first == env.folder() and (first / env.DONE).read_text().split() == list(env.PINS)
+    stamp = (first / env.DONE).stat().st_mtime_ns
+    path = env.child_path()["PYTHONPATH"].split(os.pathsep)
+    assert path[0] == str(first) and (first / env.DONE).stat().st_mtime_ns == stamp  # not made again
+    code = "import transformers, llmcompressor, compressed_tensors; print(transformers.__version__)"
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, **env.child_path()},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0 and done.stdout.split()[-1] == "5.17.0", done.stderr[-2000:]
+    assert ENGINE.version() == "llmcompressor 0.14.0.1, compressed-tensors 0.19.0"
 
 
 # The mixtures of experts: tests/tiny_archs.py model type -> the router's name and an expert's linear names in the
@@ -85,18 +130,6 @@ MOE = {
 }
 
 
-# Multi-head latent attention makes a key and a value for every head; tests/tiny_archs.py gives every config 2 KV
-# heads, which sdpa broadcasts and eager attention (llm-compressor calibrates with it) refuses: "The size of tensor a
-# (4) must match the size of tensor b (8)". The weights do not depend on it (kv_b_proj is sized by the heads).
-ONE_KEY_PER_HEAD = {"deepseek_v3"}
-
-
-def _one_key_per_head(folder) -> None:
-    config = json.loads((folder / "config.json").read_text())
-    config["num_key_value_heads"] = config["num_attention_heads"]
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
-
-
 @pytest.fixture(scope="module")
 def moe_quant(tmp_path_factory):
     """model type -> (its tiny FP16 checkpoint, the AWQ-CT quant the engine made of it)."""
@@ -106,8 +139,6 @@ def moe_quant(tmp_path_factory):
         if model_type not in made:
             base = tmp_path_factory.mktemp(model_type)
             source = make_tiny(model_type, base / "fp16")
-            if model_type in ONE_KEY_PER_HEAD:
-                _one_key_per_head(source)
             info = inspect(source, ENGINE.architectures)
             spec = ENGINE.resolve(ENGINE.spec(calib_rows=4, calib_length=64), info, "cpu")
             assert spec.tag == "awqct-w4g128"

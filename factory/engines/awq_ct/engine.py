@@ -1,20 +1,21 @@
 """AWQ through llm-compressor 0.14.0.1, written as compressed-tensors (W4A16 asymmetric, pack-quantized): what vLLM
 and transformers load without AutoAWQ. It runs in a child process (`python -m factory.engines.awq_ct.quantize
-request.json`, which says what it does beyond `oneshot` and why); the parent checks the outputs instead of trusting
-the exit code, and copies the tokenizer and chat template, which the child does not write."""
+request.json`, which says what it does beyond `oneshot` and why) with packages of its own first on its path
+(env.py: llm-compressor needs transformers 5.17, the factory runs a newer one); the parent checks the outputs
+instead of trusting the exit code, and copies the tokenizer and chat template, which the child does not write."""
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import shutil
+import sys
 from pathlib import Path
 
 from factory.engines import child
-from factory.engines.awq_ct import evaluate
+from factory.engines.awq_ct import env, evaluate
 from factory.engines.awq_ct.spec import AwqCtSpec, resolve
 from factory.engines.base import Engine, Flag, QuantizeRequest, check_quant_folder
-from factory.errors import JobFailed, SpecError
+from factory.errors import JobFailed
 from factory.files import COMPANIONS
 
 # What tests/test_engine_awq_ct.py proves, each on a checkpoint it quantizes and scores: the tiny Llama end to end,
@@ -46,13 +47,8 @@ class AwqCtEngine(Engine):
     plot_marker = "D"
     CPU_CORE_SECONDS_PER_B = 3300.0  # SmolLM2-135M, 16 x 128 calibration, 2 cores: 224 s (docs/measured.md)
 
-    def version(self) -> str:
-        try:
-            return ", ".join(f"{tool} {importlib.metadata.version(tool)}" for tool in TOOLS)
-        except importlib.metadata.PackageNotFoundError:
-            raise SpecError(
-                "AWQ-CT needs llmcompressor==0.14.0.1 and compressed-tensors==0.19.0 (scripts/setup installs them)"
-            ) from None
+    def version(self) -> str:  # what its packages' folder holds (env.py)
+        return ", ".join(pin.replace("==", " ") for pin in env.PINS if pin.split("==")[0] in TOOLS)
 
     def resolve(self, spec: AwqCtSpec, info, device: str) -> AwqCtSpec:
         return resolve(spec, info.in_features, device == "cuda")
@@ -76,7 +72,7 @@ vllm serve ./{folder}        # vLLM reads compressed-tensors W4A16 (its Marlin k
 ```
 
 ```python
-from transformers import AutoModelForCausalLM, AutoTokenizer  # with compressed-tensors installed
+from transformers import AutoModelForCausalLM, AutoTokenizer  # 5.17 to 5.22, with compressed-tensors
 model = AutoModelForCausalLM.from_pretrained("./{folder}")  # decompresses on load (the CPU works too)
 tokenizer = AutoTokenizer.from_pretrained("./{folder}")
 ```
@@ -97,17 +93,20 @@ tokenizer = AutoTokenizer.from_pretrained("./{folder}")
     def quantize(self, request: QuantizeRequest, emit) -> None:
         shutil.rmtree(request.out_dir, ignore_errors=True)
         rows, length = len(request.calibration), len(request.calibration[0])
-        child.run(
-            "factory.engines.awq_ct.quantize",
-            {
-                "source_dir": str(request.source_dir),
-                "out_dir": str(request.out_dir),
-                "spec": request.spec,
-                "calibration": request.calibration,
-            },
-            request.work_dir,
+        payload = {
+            "source_dir": str(request.source_dir),
+            "out_dir": str(request.out_dir),
+            "spec": request.spec,
+            "calibration": request.calibration,
+        }
+        request.work_dir.mkdir(parents=True, exist_ok=True)
+        (request.work_dir / "request.json").write_text(json.dumps(payload))
+        child.run_command(
+            [sys.executable, "-m", "factory.engines.awq_ct.quantize", str(request.work_dir / "request.json")],
+            request.work_dir / child.LOG_NAME,
             emit,
             what=f"AWQ-CT quantization ({rows} x {length} calibration tokens)",
+            env=env.child_path(),
         )
         check_output(request.out_dir, request.spec, request.work_dir / child.LOG_NAME)
         for name in COMPANIONS:  # the tokenizer, chat template, ...: save_pretrained writes config and weights
