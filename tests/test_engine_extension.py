@@ -44,7 +44,7 @@ def test_an_unknown_engine_key_lists_the_registered_ones(qf, tiny, tmp_path, rou
     recipe.write_text("rounds: {mantissa: [3]}\n")
     result = qf("run", tiny, "--recipe", recipe)
     assert result.exit_code == 2
-    assert "unknown key 'rounds' (recipe keys: awq, exl2, exl3, round, calibration" in result.stderr
+    assert "unknown key 'rounds' (recipe keys: awq, awqct, exl2, exl3, round, calibration" in result.stderr
 
 
 # -- layers -------------------------------------------------------------------------------------------------------

@@ -41,7 +41,8 @@ def refused(result, code: int, message: str) -> None:
 # --- eval_windows: bounded where a recipe's settings are validated (flags, recipe files, the service) ---
 
 WINDOWS_REFUSED = ("options: eval_windows: must be between 1 and 100000 (2048-token windows of the eval text), not "
-                   "3000000000 (recipe keys: awq, exl2, exl3, calibration, eval, eval_windows, max_ppl_ratio, max_kld)")
+                   "3000000000 (recipe keys: awq, awqct, exl2, exl3, calibration, eval, eval_windows, max_ppl_ratio, "
+                   "max_kld)")
 
 
 @pytest.mark.parametrize("command", ["run", "submit"])

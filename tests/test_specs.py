@@ -58,7 +58,8 @@ def test_recipe_unknown_keys(tmp_path):
         recipes.load_recipe(path)
     assert "unknown key 'awq.groupsize'" in e.value.message
     assert "unknown key 'max_ratio'" in e.value.message
-    assert "recipe keys: awq, exl2, exl3, calibration, eval, eval_windows, max_ppl_ratio, max_kld" in e.value.message
+    keys = "awq, awqct, exl2, exl3, calibration, eval, eval_windows, max_ppl_ratio, max_kld"
+    assert f"recipe keys: {keys}" in e.value.message
 
 
 def test_recipe_bad_yaml_and_missing(tmp_path):

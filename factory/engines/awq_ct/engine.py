@@ -18,11 +18,15 @@ from factory.engines.base import Engine, Flag, QuantizeRequest, check_quant_fold
 from factory.errors import JobFailed
 from factory.files import COMPANIONS
 
-# What tests/test_engine_awq_ct.py proves, each on a checkpoint it quantizes and scores: the tiny Llama end to end,
-# SmolLM2-135M (a Llama) for quality, and tiny Qwen3-MoE, Mixtral, DeepSeek-V3 and GLM-4-MoE from
-# tests/tiny_archs.py. llm-compressor's AWQ maps more (modifiers/transform/awq/mappings.py, ~35 families).
+# What benchmarks/coverage.py proved llm-compressor 0.14.0.1's AWQ converts (benchmarks/results/coverage-cpu.json;
+# tests/test_coverage.py keeps the two equal); tests/test_engine_awq_ct.py checks its mixtures of experts' layout.
 ARCHITECTURES = frozenset({
-    "LlamaForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM",
+    "Cohere2ForCausalLM", "CohereForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
+    "Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM", "Exaone4ForCausalLM", "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM", "GemmaForCausalLM", "Glm4MoeForCausalLM", "GraniteForCausalLM", "LlamaForCausalLM",
+    "MistralForCausalLM", "MixtralForCausalLM", "Olmo3ForCausalLM", "OlmoForCausalLM", "Phi3ForCausalLM",
+    "Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "SeedOssForCausalLM",
+    "SmolLM3ForCausalLM",
 })  # fmt: skip
 MOE = frozenset({"Qwen3MoeForCausalLM", "MixtralForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM"})
 TOOLS = ("llmcompressor", "compressed-tensors")
