@@ -157,7 +157,8 @@ def test_no_cuda_is_one_sentence(qf, tiny):
     result = qf("run", tiny, "--exl3", "4.0")
     assert result.exit_code == 2
     assert result.stderr.strip().splitlines()[-1] == ("error: EXL3 (--exl3) needs a CUDA GPU and this machine has "
-                                                      "none; AWQ runs without one (--awq)")
+                                                      "none; AWQ runs without one (--awq), AWQ-CT runs without "
+                                                      "one (--awqct)")
 
 
 def test_text_only_gemma3_sources_are_read_with_exllamav3s_dotted_names(tmp_path, tiny):

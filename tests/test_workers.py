@@ -107,7 +107,8 @@ def test_submit_exl2_for_cpu_workers(env, tiny):
     result = qf(env, "submit", tiny, "--exl2", "4.0")
     assert result.returncode == 2
     assert result.stderr.strip() == ("error: EXL2 (--exl2, --fit) needs a CUDA GPU and the workers "
-                                     "(FACTORY_WORKER_DEVICE) have none; AWQ runs without one (--awq)")
+                                     "(FACTORY_WORKER_DEVICE) have none; AWQ runs without one (--awq), AWQ-CT "
+                                     "runs without one (--awqct)")
 
 
 def test_cancel_a_queued_job(env, tiny, tmp_path):
