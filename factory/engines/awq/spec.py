@@ -46,26 +46,31 @@ class AwqSpec(QuantSpec, Targets):
         return [self]
 
 
-def resolve(spec: AwqSpec, in_features: list[int], cuda: bool) -> AwqSpec:
-    """Fill in the model- and device-dependent defaults; refuse a group size that does not divide the dims."""
+def group_size(label: str, wanted: int | None, in_features: list[int]) -> int:
+    """The group size for these input dims: `wanted`, which must divide them all, or (None) 128, else 64; one
+    sentence naming `label` (AWQ, AWQ-CT) when none does."""
     dims = sorted(set(in_features))
-    if spec.group_size is None:
+    if wanted is None:
         group = next((g for g in (128, 64) if all(d % g == 0 for d in dims)), None)
         if group is None:
             raise SpecError(
-                f"neither AWQ group size 128 nor 64 divides the model's input dims {dims}; "
+                f"neither {label} group size 128 nor 64 divides the model's input dims {dims}; "
                 f"set group_size to one of {', '.join(map(str, GROUP_SIZES))} that does"
             )
-    else:
-        group = spec.group_size
-        bad = [d for d in dims if d % group]
-        if bad:
-            raise SpecError(
-                f"AWQ group size {group} does not divide the model's input dims {bad}; use one that divides {dims}"
-            )
+        return group
+    bad = [d for d in dims if d % wanted]
+    if bad:
+        raise SpecError(
+            f"{label} group size {wanted} does not divide the model's input dims {bad}; use one that divides {dims}"
+        )
+    return wanted
+
+
+def resolve(spec: AwqSpec, in_features: list[int], cuda: bool) -> AwqSpec:
+    """Fill in the model- and device-dependent defaults; refuse a group size that does not divide the dims."""
     return spec.model_copy(
         update={
-            "group_size": group,
+            "group_size": group_size("AWQ", spec.group_size, in_features),
             "calib_rows": spec.calib_rows or (128 if cuda else 16),
             "calib_length": spec.calib_length or (512 if cuda else 128),
             "clip": cuda if spec.clip is None else spec.clip,

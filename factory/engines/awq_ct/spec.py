@@ -7,10 +7,8 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
+from factory.engines.awq.spec import GROUP_SIZES, group_size
 from factory.engines.base import QuantSpec, Targets
-from factory.errors import SpecError
-
-GROUP_SIZES = (32, 64, 128)
 
 
 class AwqCtSpec(QuantSpec, Targets):
@@ -47,24 +45,9 @@ class AwqCtSpec(QuantSpec, Targets):
 
 def resolve(spec: AwqCtSpec, in_features: list[int], cuda: bool) -> AwqCtSpec:
     """Fill in the model- and device-dependent defaults; refuse a group size that does not divide the dims."""
-    dims = sorted(set(in_features))
-    if spec.group_size is None:
-        group = next((g for g in (128, 64) if all(d % g == 0 for d in dims)), None)
-        if group is None:
-            raise SpecError(
-                f"neither AWQ-CT group size 128 nor 64 divides the model's input dims {dims}; "
-                f"set group_size to one of {', '.join(map(str, GROUP_SIZES))} that does"
-            )
-    else:
-        group = spec.group_size
-        bad = [d for d in dims if d % group]
-        if bad:
-            raise SpecError(
-                f"AWQ-CT group size {group} does not divide the model's input dims {bad}; use one that divides {dims}"
-            )
     return spec.model_copy(
         update={
-            "group_size": group,
+            "group_size": group_size("AWQ-CT", spec.group_size, in_features),
             "calib_rows": spec.calib_rows or (128 if cuda else 16),
             "calib_length": spec.calib_length or (512 if cuda else 128),
         }
