@@ -217,7 +217,7 @@ def test_exl2_without_cuda(qf, tiny):
     result = qf("run", tiny, "--exl2", "4.0")
     assert result.exit_code == 2
     assert last_line(result) == ("error: EXL2 (--exl2, --fit) needs a CUDA GPU and this machine has none; AWQ runs "
-                                 "without one (--awq)")
+                                 "without one (--awq), AWQ-CT runs without one (--awqct)")
 
 
 def test_recipe_with_unknown_keys(qf, tiny, tmp_path):
