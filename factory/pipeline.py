@@ -315,7 +315,8 @@ class Factory(Planning, Conversions, Evaluations):
             if asked := engine.calibration_windows(s):
                 windows[s.tag] = calibration.token_windows(cal_ids, *asked, job.calibration)
         cal_file = calibration.write_parquet(cal, where / "calibration.parquet")
-        eval_ids = self._tokens(job, folder, _text(job.eval, job.eval_sha))
+        eval_ids = self._tokens(job, folder, _text(job.eval, job.eval_sha),
+                                first=job.eval_windows * evaluate.window_length(info.max_positions))
         stream = evaluate.stream(eval_ids, job.eval_windows, info.max_positions, job.eval)
         up = upstream.read(job.base_model, files.upstream_card(source_folder), folder)
         return Prepared(folder=folder, specs=specs, calibration=windows, calibration_file=cal_file, stream=stream,
@@ -333,9 +334,11 @@ class Factory(Planning, Conversions, Evaluations):
             self.emit(events.note(f"dequantize: the BF16 copy of this source made earlier is reused ({copy})"))
         return copy
 
-    def _tokens(self, job: Job, folder: Path, text: calibration.TextSet) -> list[int]:
+    def _tokens(self, job: Job, folder: Path, text: calibration.TextSet, first: int | None = None) -> list[int]:
+        """The text's ids (calibration windows are drawn from all of it), or its `first` ids (the eval's windows)."""
         key = identity.tokens_key(job.source_identity, text.sha256, evaluate.tokenizer_version())
-        return evaluate.cached_tokens(folder, text.text, self.settings.cache / "tokens" / f"{key}.npy")
+        name = f"{key}.npy" if first is None else f"{key}-first{first}.npy"
+        return evaluate.cached_tokens(folder, text.text, self.settings.cache / "tokens" / name, first)
 
     def _gate(self, job: Job, ppls: dict[str, float], fp16: float,
               divergences: dict[str, kld.Divergence | None]) -> dict[str, QualityGateRefused]:

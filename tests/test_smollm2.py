@@ -5,40 +5,34 @@ default is 16 (AutoAWQ's grid search is most of the run, and halving it costs 1.
 14.18, KLD 0.154 at both), 8 eval windows.
 """
 
-import json
 import math
 
 import pytest
 
 from factory import engines, evaluate
 from factory.publish import card
-from tests.conftest import Qf, fresh_database
-from tests.smollm2 import NOTE, PPL_WIKI, convert
+from tests.smollm2 import BASE, NOTE, PPL_WIKI
 
 pytestmark = pytest.mark.smollm2
-BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(scope="session")
-def smollm2(tmp_path_factory):
-    return convert(tmp_path_factory.mktemp("models") / "SmolLM2-135M-Instruct")
-
-
-@pytest.fixture(scope="session")
-def smollm2_run(smollm2, tmp_path_factory):
-    with fresh_database() as url:
-        qf = Qf(home=tmp_path_factory.mktemp("smollm2") / "home", db_url=url)
-        recipe = tmp_path_factory.mktemp("recipe") / "awq.yaml"
-        recipe.write_text("awq:\n  w_bit: 4\n  calib_rows: 8\neval: builtin:wiki\nmax_ppl_ratio: 1.5\n")
-        result = qf("run", smollm2, "--recipe", recipe, "--eval-windows", 8, "--base-model", BASE, "--json")
-        assert result.exit_code == 0, result.output
-        events = [json.loads(line) for line in result.stdout.splitlines()]
-        yield qf, events[-1]["quants"][0]
+def smollm2_run(smollm2_job):
+    """The AutoAWQ quant of the SmolLM2 job (tests/conftest.py): the runner and its row."""
+    qf, rows = smollm2_job
+    return qf, rows["awq"]
 
 
 def test_fp16_matches_the_reference(smollm2_run):
     _, row = smollm2_run
     assert row["fp16_ppl"] == pytest.approx(PPL_WIKI[8], rel=0.005)
+
+
+def test_the_evals_ids_read_from_a_prefix_are_the_whole_texts(smollm2):
+    from calibration import builtin_text
+
+    text = builtin_text("wiki")
+    assert evaluate.tokenize(smollm2, text, 8 * 2048) == evaluate.tokenize(smollm2, text)[: 8 * 2048]
 
 
 def test_awq_lands_between_fp16_and_the_gate(smollm2_run):
