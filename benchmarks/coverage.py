@@ -55,6 +55,8 @@ CANDIDATES["awqct"] = [
     "gemma3_text", "glm4_moe", "glm4_moe_lite", "granite", "llama", "mistral", "mixtral", "olmo", "olmo3", "phi3",
     "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "seed_oss", "apertus", "arcee", "ernie4_5", "gemma", "smollm3",
     "starcoder2",
+    # and the families no engine had taken (2026-12-03): a hybrid its dynamic mappings name, new mixtures of experts
+    "qwen3_next", "gpt_oss", "hy_v3", "laguna", "solar_open", "lfm2", "nemotron_h", "opt", "gpt2", "mpt",
 ]
 FLAGS = {"awq": ["--awq"], "awqct": ["--awqct"], "exl2": ["--exl2", "4.0"], "exl3": ["--exl3", "4.0"]}
 WIDTH = {"exl2": 256, "exl3": 256}  # the GPU engines: heads of 64 (tests/tiny_archs.py); the others 128

@@ -195,7 +195,7 @@ def test_smollm2_lands_where_autoawq_does(smollm2_job):
         f"SmolLM2: AWQ-CT ppl {row['ppl']:.3f}, KLD {row['kld']:.4f}, top-1 {row['top1']:.3f}; AutoAWQ ppl "
         f"{autoawq['ppl']:.3f}, KLD {autoawq['kld']:.4f}, top-1 {autoawq['top1']:.3f} (fp16 {row['fp16_ppl']:.3f})"
     )
-    assert row["fp16_ppl"] < row["ppl"] < 1.05 * autoawq["ppl"]  # 2026-12-03: PPL_AWQCT
-    assert row["kld"] < 1.2 * autoawq["kld"]
+    assert row["fp16_ppl"] < row["ppl"] < 1.05 * autoawq["ppl"]  # 2026-12-03: 14.390 against AutoAWQ's 14.353
+    assert row["kld"] < 1.2 * autoawq["kld"]  # 0.1587 against 0.1546
     text = (qf.home / "registry" / row["path"] / "README.md").read_text()
     assert "builtin:c4, 8 x 128 tokens" in text and "vllm serve" in text

@@ -23,12 +23,16 @@ from factory.files import COMPANIONS
 ARCHITECTURES = frozenset({
     "Cohere2ForCausalLM", "CohereForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
     "Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM", "Exaone4ForCausalLM", "Gemma2ForCausalLM",
-    "Gemma3ForCausalLM", "GemmaForCausalLM", "Glm4MoeForCausalLM", "GraniteForCausalLM", "LlamaForCausalLM",
-    "MistralForCausalLM", "MixtralForCausalLM", "Olmo3ForCausalLM", "OlmoForCausalLM", "Phi3ForCausalLM",
-    "Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "SeedOssForCausalLM",
-    "SmolLM3ForCausalLM",
+    "Gemma3ForCausalLM", "GemmaForCausalLM", "Glm4MoeForCausalLM", "GraniteForCausalLM", "HYV3ForCausalLM",
+    "LagunaForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Olmo3ForCausalLM",
+    "OlmoForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM", "SeedOssForCausalLM", "SmolLM3ForCausalLM", "SolarOpenForCausalLM",
 })  # fmt: skip
-MOE = frozenset({"Qwen3MoeForCausalLM", "MixtralForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM"})
+MOE = frozenset({
+    "Qwen3MoeForCausalLM", "MixtralForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "HYV3ForCausalLM",
+    "LagunaForCausalLM", "Qwen3NextForCausalLM", "SolarOpenForCausalLM", "Qwen2MoeForCausalLM", "DeepseekV2ForCausalLM",
+    "Ernie4_5_MoeForCausalLM",
+})  # fmt: skip
 TOOLS = ("llmcompressor", "compressed-tensors")
 
 

@@ -12,10 +12,11 @@ by `save_pretrained` in compressed-tensors' pack-quantized format. What it does 
   the source's dtype before saving, so the scales and the unquantized tensors are stored as the source's;
 - the router of a mixture of experts (`mlp.gate`) stays unquantized (`ignore`), as vLLM expects;
 - a mixture of experts gets AWQ mappings built from its layers (`moe_mappings`): llm-compressor's attention mappings
-  for the architecture, and per kind of layer the norm before the MLP balanced against every linear that reads it
-  (the router and the gate/up projections of the routed and shared experts in a routed layer; gate/up in a dense
-  one). llm-compressor 0.14.0.1's own fail or are wrong there: DeepSeek-V3's and GLM-4-MoE's name the router for
-  every layer, so a model with leading dense layers (first_k_dense_replace) stops with "AWQ needs to match a single
+  for the architecture (built from the layers' kinds for a hybrid such as Qwen3-Next), and per kind of layer the
+  norm before the MLP balanced against every linear that reads it (the router, the shared expert's gate where there
+  is one, and the gate/up projections of the routed and shared experts in a routed layer; gate/up in a dense one).
+  llm-compressor 0.14.0.1's own fail or are wrong there: DeepSeek-V3's and GLM-4-MoE's name the router for every
+  layer, so a model with leading dense layers (first_k_dense_replace) stops with "AWQ needs to match a single
   smoothlayer for each mapping"; GLM-4-MoE's leave the shared expert out (it then reads the smoothed norm
   uncompensated), and Mixtral gets the dense defaults, which leave its router out;
 - experts that transformers fuses on load are linearized by oneshot (one Linear per expert); they are saved under the
@@ -59,15 +60,19 @@ def routed_layers(model) -> list[int]:
 def moe_mappings(model) -> list:
     """The AWQ mappings of a mixture of experts (see the module's docstring): the architecture's attention
     mappings, then for routed and dense layers apart, the norm before the MLP against all that read it."""
-    from llmcompressor.modifiers.transform.awq import AWQ_MAPPING_REGISTRY, AWQMapping, default_mappings
+    from llmcompressor.modifiers.transform.awq import AWQMapping
+    from llmcompressor.modifiers.transform.awq.dynamic_mappings import get_layer_mappings_from_model
 
-    base = AWQ_MAPPING_REGISTRY.get(type(model).__name__, default_mappings)
+    base = get_layer_mappings_from_model(model)  # Qwen3-Next's are built from its layer kinds
     attention = [m for m in base if not m.smooth_layer.endswith(("post_attention_layernorm$", "up_proj$"))]
     down = [m for m in base if m.smooth_layer.endswith("up_proj$")]
     routed = routed_layers(model)
     dense = [i for i in range(len(decoder_layers(model))) if i not in routed]
     mlp = ["re:.*gate_proj$", "re:.*up_proj$"]  # the dense MLP's, or every expert's (routed and shared)
-    groups = [(indices, router + mlp) for indices, router in ((dense, []), (routed, ["re:.*mlp.gate$"])) if indices]
+    router = ["re:.*mlp.gate$"]
+    if any(name.endswith("mlp.shared_expert_gate") for name, _ in model.named_modules()):
+        router.append("re:.*mlp.shared_expert_gate$")  # Qwen2-MoE's and Qwen3-Next's gate of the shared expert
+    groups = [(indices, balance + mlp) for indices, balance in ((dense, []), (routed, router)) if indices]
     norms = [
         AWQMapping(scoped("re:.*post_attention_layernorm$", indices), [scoped(p, indices) for p in balance])
         for indices, balance in groups
