@@ -34,8 +34,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-# model types each engine's upstream maps, built into transformers (no auto_map), text only (vision-language
-# checkpoints: issue 33)
+# model types each engine's upstream maps, built into transformers (no auto_map); the vision-language ones are made
+# by tests/tiny_vlms.py
 CANDIDATES = {
     "awq": ["llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma", "gemma2", "phi3", "opt", "falcon",
             "bloom", "gptj", "gpt_bigcode", "gpt_neox", "mpt", "stablelm", "starcoder2", "cohere", "deepseek_v2",
@@ -57,6 +57,8 @@ CANDIDATES["awqct"] = [
     "starcoder2",
     # and the families no engine had taken (2026-12-03): a hybrid its dynamic mappings name, new mixtures of experts
     "qwen3_next", "gpt_oss", "hy_v3", "laguna", "solar_open", "lfm2", "nemotron_h", "opt", "gpt2", "mpt",
+    # GLM-4 with mappings of the factory's (its MLP fuses gate and up), and the vision-language families of issue 33
+    "glm4", "gemma3", "mistral3", "qwen2_5_vl", "qwen3_vl", "llama4", "glm4v",
 ]
 FLAGS = {"awq": ["--awq"], "awqct": ["--awqct"], "exl2": ["--exl2", "4.0"], "exl3": ["--exl3", "4.0"]}
 WIDTH = {"exl2": 256, "exl3": 256}  # the GPU engines: heads of 64 (tests/tiny_archs.py); the others 128
@@ -101,11 +103,13 @@ def _rescore(engine_name: str, folder: Path, device: str) -> float:
 
 def run_one(engine: str, model_type: str, models: Path, work: Path, device: str) -> dict:
     from tests.tiny_archs import HIDDEN, make_tiny
+    from tests.tiny_vlms import FAMILIES, make_tiny_vlm
 
     start = time.monotonic()
     hidden = WIDTH.get(engine, HIDDEN)
+    make = make_tiny_vlm if model_type in FAMILIES else make_tiny
     try:
-        source = make_tiny(model_type, models / f"{model_type}-{hidden}", hidden=hidden)
+        source = make(model_type, models / f"{model_type}-{hidden}", hidden=hidden)
     except Exception as e:  # noqa: BLE001  (a survey: the failure is the result)
         return {"status": "refused", "reason": f"transformers cannot build it: {type(e).__name__}: {e}"[:400]}
     architecture = json.loads((source / "config.json").read_text())["architectures"][0]
@@ -196,7 +200,7 @@ def main() -> None:
     import importlib.metadata as md
 
     # transformers' lazy imports are not thread-safe: the classes the runs' threads build with, imported once here
-    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast  # noqa: F401
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, PreTrainedTokenizerFast  # noqa: F401
 
     from factory import engines, evaluate
 

@@ -522,6 +522,8 @@ def plan(
         answers.update({name: {"refused": why} for name, why in refused.items()})
         print(json.dumps(dict(sorted(answers.items())), indent=2))
         return
+    if info.vision is not None:  # say which part is which: the plans size the language model's quant and the rest
+        out.print(info.parts(), markup=False, highlight=False)
     for name, plan_ in sorted(plans.items(), key=lambda item: not item[1].rows):  # tables first
         if plan_.rows:
             out.print(_plan_table(plan_))

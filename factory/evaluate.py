@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from factory import kld, layered
 from factory.errors import SpecError
 from factory.files import write_atomic
-from factory.inspect import read_config
+from factory.inspect import multimodal, read_config
 from factory.layered import ByLayer, Progress  # done, total, unit (a window, or a layer)
 
 if TYPE_CHECKING:
@@ -195,16 +195,23 @@ def source_dtype(folder: Path, dev: str):
     return torch_dtype(dev)
 
 
+def auto_model(config: dict):
+    """transformers' class for a checkpoint: a vision-language model's whole (scored on text: its language model with
+    the vision tower idle), a text model's for causal LM."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if multimodal(config) else AutoModelForCausalLM
+
+
 def load_fp16(folder: Path, dev: str) -> Model:
     """The source model: walked layer by layer where its architecture allows (factory/layered.py: memory for one
     layer, not the model), else whole."""
-    from transformers import AutoModelForCausalLM
-
     quiet_transformers()
     dtype = source_dtype(folder, dev)
-    if layered.walkable(read_config(Path(folder) / "config.json", check_numbers=False)):
+    config = read_config(Path(folder) / "config.json", check_numbers=False)
+    if layered.walkable(config):
         return ByLayer.of(folder, dev, dtype)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, trust_remote_code=False)
+    model = auto_model(config).from_pretrained(folder, dtype=dtype, trust_remote_code=False)
     return transformers_logits(model, dev)
 
 

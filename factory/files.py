@@ -32,7 +32,9 @@ COMPANIONS = (
     "merges.txt",
     "chat_template.jinja",
     "chat_template.json",
-    "preprocessor_config.json",
+    "preprocessor_config.json",  # a vision-language model's processor: images, its own config, videos
+    "processor_config.json",
+    "video_preprocessor_config.json",
 )
 WEIGHTS = "*.safetensors"
 INDEX = "model.safetensors.index.json"

@@ -16,6 +16,7 @@ model's shards): inspection, `qf plan` (factory/vram.py) and the Hub's configs g
 from __future__ import annotations
 
 import json
+import math
 import re
 import struct
 from collections.abc import Collection
@@ -57,8 +58,16 @@ CONFIG_NUMBERS = {
 }
 # A decoder layer's tensors, as each family's transformers class names them: model.layers.N (Llama and most),
 # model.decoder.layers.N (OPT), transformer.h.N (Falcon, GPT-J, Bloom, GPT-BigCode), transformer.blocks.N (MPT),
-# gpt_neox.layers.N, backbone.layers.N (Nemotron-H).
-_LAYER = re.compile(r"(?:model\.(?:decoder\.)?|transformer\.|gpt_neox\.|backbone\.)?(?:layers|h|blocks)\.(\d+)\.")
+# gpt_neox.layers.N, backbone.layers.N (Nemotron-H); a vision-language model's language model as transformers 5
+# saves it (model.language_model.layers.N) or as releases before it did (language_model.model.layers.N).
+_LAYER = re.compile(r"(?:model\.(?:decoder\.|language_model\.)?|language_model\.model\.|transformer\.|gpt_neox\.|"
+                    r"backbone\.)?(?:layers|h|blocks)\.(\d+)\.")
+# A vision tower's numbers that the factory reads or shows, under each family's names: integers when present.
+VISION_NUMBERS = ("hidden_size", "num_hidden_layers", "depth", "num_attention_heads", "num_heads", "intermediate_size",
+                  "patch_size", "image_size")
+# The parts of a vision-language checkpoint that are not its language model: the vision tower (model.vision_tower,
+# model.visual, model.vision_model) and the projector into the language model's embeddings. They stay at 16 bits.
+VISION_PART = re.compile(r"(?:model\.)?(vision_tower|visual|vision_model|multi_modal_projector|mm_projector)\.")
 # Other names of the sizes, by family (the aliases transformers' configs map: GPT-J's n_embd, MPT's d_model, ...);
 # read_config fills the standard name from the first alias present when the standard one is missing.
 ALIASES = {
@@ -72,14 +81,34 @@ ALIASES = {
 
 
 @dataclass(frozen=True)
+class Vision:
+    """A vision-language checkpoint's vision tower and projector: what they are and what they hold."""
+
+    model_type: str  # the vision config's (siglip_vision_model, pixtral, qwen2_5_vl_vision, ...)
+    parts: tuple[str, ...]  # their tensors' prefixes (model.vision_tower, model.multi_modal_projector)
+    params: int
+    layers: int | None
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     architecture: str
     model_type: str
-    config: dict
+    config: dict  # the sizes are the language model's (with_standard_names), a composite config's text_config too
     weight_files: list[str]
     weight_bytes: int
     in_features: list[int]  # input dims of the linears the engines quantize
     max_positions: int | None
+    vision: Vision | None = None  # a vision-language checkpoint's vision tower and projector (16 bits in every quant)
+
+    def parts(self) -> str:
+        """The architecture's parts, as `qf plan` and the card say them."""
+        layers = f"{self.config['num_hidden_layers']} layers"
+        if self.vision is None:
+            return f"language model ({layers})"
+        tower = f"{self.vision.layers} layers, " if self.vision.layers else ""
+        return (f"language model ({layers}), vision tower and projector ({self.vision.model_type}, {tower}"
+                f"{self.vision.params / 1e6:.1f}M parameters at 16 bits: {', '.join(self.vision.parts)})")
 
 
 def inspect(folder: Path, architectures: Collection[str]) -> ModelInfo:
@@ -114,7 +143,8 @@ def inspect(folder: Path, architectures: Collection[str]) -> ModelInfo:
         _check_index(files[INDEX], headers)
     tensors = {k: v for h in headers.values() for k, v in h.items()}
     check_against_tensors(config, {name: info["shape"] for name, info in tensors.items()})
-    in_features = _in_features({name: info["shape"] for name, info in tensors.items()})
+    shapes = {name: info["shape"] for name, info in tensors.items()}
+    in_features = _in_features(shapes)
     if not in_features:
         raise ModelRefused("no linear layers in the weights' decoder layers (model.layers.N.*, transformer.h.N.*, ...)")
     return ModelInfo(
@@ -125,6 +155,7 @@ def inspect(folder: Path, architectures: Collection[str]) -> ModelInfo:
         weight_bytes=sum(files[f].stat().st_size for f in weights),
         in_features=in_features,
         max_positions=config.get("max_position_embeddings"),
+        vision=vision(config, shapes),
     )
 
 
@@ -140,12 +171,46 @@ def layout_info(config: dict, shapes: dict[str, list[int]]) -> ModelInfo:
         weight_bytes=0,
         in_features=_in_features(shapes),
         max_positions=config.get("max_position_embeddings"),
+        vision=vision(config, shapes),
     )
+
+
+def multimodal(config: dict) -> bool:
+    """A vision-language checkpoint's config: a language model's (text_config) and a vision tower's."""
+    return isinstance(config.get("text_config"), dict) and isinstance(config.get("vision_config"), dict)
+
+
+def vision(config: dict, shapes: dict[str, list[int]]) -> Vision | None:
+    """The vision tower and projector of a vision-language checkpoint (None for a text model), or ModelRefused when
+    the config says there is one and the weights hold none."""
+    if not multimodal(config):
+        return None
+    parts: dict[str, int] = {}
+    for name, dims in shapes.items():
+        if found := VISION_PART.match(name):
+            prefix = name[: found.end() - 1]
+            parts[prefix] = parts.get(prefix, 0) + math.prod(dims)
+    if not parts:
+        raise ModelRefused("config.json has a vision_config but the weights hold no vision tower (model.vision_tower, "
+                           "model.visual, ...)")
+    tower = config["vision_config"]
+    for key in VISION_NUMBERS:
+        value = tower.get(key)
+        if value is not None and not (_positive(value) and value <= 1 << 20):
+            raise ModelRefused(f"config.json: vision_config.{key} is {_short(value)}; it must be an integer between 1 "
+                               f"and {1 << 20}")
+    layers = next((tower[k] for k in ("num_hidden_layers", "depth") if tower.get(k) is not None), None)
+    return Vision(model_type=str(tower.get("model_type", "")), parts=tuple(sorted(parts)), params=sum(parts.values()),
+                  layers=layers)
+
+
+def _positive(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def _in_features(shapes: dict[str, list[int]]) -> list[int]:
     """Input dims of the linears the engines quantize: every matrix of a decoder layer (attention, MLP, experts,
-    router), whatever its family calls it."""
+    router), whatever its family calls it; a vision tower's are not quantized."""
     return sorted({dims[1] for name, dims in shapes.items()
                    if len(dims) == 2 and name.endswith(".weight") and _LAYER.match(name)})
 
@@ -204,8 +269,14 @@ def read_config(path: Path, check_numbers: bool = True) -> dict:
 def with_standard_names(config: dict) -> dict:
     """The config with the sizes under their standard names too (ALIASES), the layer count where a family gives
     only its layers' kinds, and intermediate_size where a family leaves it implied: 4 x hidden (GPT-J's null
-    n_inner, Falcon, Bloom), MPT's expansion_ratio x d_model."""
+    n_inner, Falcon, Bloom), MPT's expansion_ratio x d_model. A vision-language config's sizes are its language
+    model's (text_config), where the top level does not say them itself."""
     filled = dict(config)
+    if multimodal(config):
+        text = with_standard_names(config["text_config"])
+        for name in (*CONFIG_NUMBERS, "tie_word_embeddings", "torch_dtype", "dtype"):
+            if filled.get(name) is None and text.get(name) is not None:
+                filled[name] = text[name]
     for name, aliases in ALIASES.items():
         if filled.get(name) is None:
             found = next((filled[a] for a in aliases if filled.get(a) is not None), None)
@@ -244,13 +315,17 @@ def check_config(config: dict) -> dict:
     return config
 
 
+EMBEDDINGS = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight",
+              "language_model.model.embed_tokens.weight")
+
+
 def check_against_tensors(config: dict, shapes: dict[str, list[int]]) -> None:
     """The config (checked by check_config) describes these tensors: the embedding's shape and the layer count."""
-    embed = shapes.get("model.embed_tokens.weight")
+    name = next((n for n in EMBEDDINGS if n in shapes), None)
     want = [config["vocab_size"], config["hidden_size"]]
-    if embed is not None and list(embed) != want:
+    if name is not None and list(shapes[name]) != want:
         raise ModelRefused(f"config.json says vocab_size x hidden_size is {want[0]} x {want[1]}, but "
-                           f"model.embed_tokens.weight has shape {list(embed)}")
+                           f"{name} has shape {list(shapes[name])}")
     layers = {int(m[1]) for key in shapes if (m := _LAYER.match(key))}
     if layers and layers != set(range(config["num_hidden_layers"])):
         raise ModelRefused(f"config.json says {config['num_hidden_layers']} layers (num_hidden_layers), the weights "

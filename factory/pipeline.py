@@ -297,7 +297,7 @@ class Factory(Planning, Conversions, Evaluations):
         the job's own units read)."""
         source_folder = self._bf16(job, fetched or self._local_folder(job))
         specs = engines.specs_from_dicts(job.specs)
-        info = inspect(source_folder, engines.architectures(specs))
+        info = inspect(source_folder, engines.architectures())
         folder = files.stage(source_folder, where / "source")
         self._check_staged(job, source_folder, folder, "since the job was submitted", "submit it again")
         specs = [engines.resolve(spec, info, job.device) for spec in specs]
@@ -328,7 +328,7 @@ class Factory(Planning, Conversions, Evaluations):
         and later jobs of the same source."""
         if not dequantize.wanted(folder):
             return folder
-        inspect(folder, engines.architectures(engines.specs_from_dicts(job.specs)))
+        inspect(folder, engines.architectures())
         copy, made = dequantize.bf16(folder, job.source_identity, self.settings.home, progress)
         if not made:
             self.emit(events.note(f"dequantize: the BF16 copy of this source made earlier is reused ({copy})"))

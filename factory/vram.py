@@ -70,17 +70,21 @@ class Params:
     head: int  # the output head; a tied head counts here too (exllamav2 and vLLM both hold one)
     linear: int  # the decoder's linear weights (what a bits-per-weight engine quantizes at bpw)
     other: int  # norms, biases
+    vision: int = 0  # a vision-language model's vision tower and projector (kept at 16 bits)
 
     @property
     def total(self) -> int:
-        return self.embed + self.head + self.linear + self.other
+        return self.embed + self.head + self.linear + self.other + self.vision
 
     @classmethod
     def of(cls, tensors: dict[str, list[int]], shape: Shape) -> Params:
-        groups = {"embed": 0, "head": 0, "linear": 0, "other": 0}
+        from factory.inspect import VISION_PART
+
+        groups = {"embed": 0, "head": 0, "linear": 0, "other": 0, "vision": 0}
         for name, dims in tensors.items():
             n = math.prod(dims)
-            group = ("embed" if "embed_tokens" in name else "head" if name.startswith("lm_head")
+            group = ("vision" if VISION_PART.match(name) else "embed" if "embed_tokens" in name
+                     else "head" if name.startswith(("lm_head", "language_model.lm_head"))
                      else "linear" if len(dims) == 2 else "other")
             groups[group] += n
         groups["head"] = groups["head"] or shape.vocab * shape.hidden

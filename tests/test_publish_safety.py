@@ -201,7 +201,7 @@ def test_a_template_bomb_and_a_companion_swapped_after_inspect(qf, model_copy, t
     job, [quant] = _agree(qf)
     assert job["state"] == "succeeded"
     text = _card(qf)
-    assert ("The quants carry the base model's chat template (`chat_template.jinja`). No example is shown: it renders "
+    assert ("The quants carry the base model's chat template. No example is shown: it renders "
             "to more than 64 KiB.\n") in text
     assert "xxxx" not in text
     assert (qf.home / "registry" / quant["path"] / "tokenizer_config.json").read_bytes() == inspected

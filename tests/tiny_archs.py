@@ -48,6 +48,7 @@ def sizes(model_type: str, hidden: int = HIDDEN) -> dict:
         "deepseek_v2": {**latent, "q_lora_rank": None, "topk_method": "greedy"},
         "deepseek_v3": {**latent, "q_lora_rank": hidden},
         "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
+        "llama4_text": {"intermediate_size_mlp": 2 * hidden},
     }
     return {**shared, **family.get(model_type, {})}
 

@@ -56,10 +56,10 @@ def specs_from_dicts(dicts: list[dict]) -> list[QuantSpec]:
     return [spec_from_dict(d) for d in dicts]
 
 
-def architectures(specs: list[QuantSpec]) -> set[str]:
-    """What inspection accepts for these specs: the architectures some of their engines convert (each engine
-    refuses the rest itself)."""
-    return {a for name in {s.method for s in specs} for a in get(name).architectures}
+def architectures() -> set[str]:
+    """What inspection accepts: the architectures some engine converts; the engine of each spec of a job refuses
+    the rest itself, with its own reason (resolve)."""
+    return {a for engine in all_engines() for a in engine.architectures}
 
 
 def resolve(spec: QuantSpec, info: ModelInfo, device: str) -> QuantSpec:

@@ -200,9 +200,13 @@ class Engine:
     def refuse(self, info: ModelInfo) -> str | None:
         """Why this engine cannot convert the model (one sentence), or None."""
         arch = info.architecture
-        if arch not in self.architectures:
-            return f"{self.label} does not convert {arch}; it converts {', '.join(sorted(self.architectures))}"
-        return None
+        if arch in self.architectures:
+            return None
+        if info.vision is not None:
+            taken = sorted(a for a in self.architectures if not a.endswith("ForCausalLM"))
+            return (f"{self.label} does not convert the vision-language {arch}; it converts "
+                    f"{', '.join(taken) if taken else 'text models only'}")
+        return f"{self.label} does not convert {arch}; it converts {', '.join(sorted(self.architectures))}"
 
     def resolve(self, spec: QuantSpec, info: ModelInfo, device: str) -> QuantSpec:
         """Fill in defaults that depend on the model or the device, or refuse (SpecError) what cannot work."""

@@ -56,7 +56,7 @@ class Planning:
 
         source = sources.resolve(request.source, self.settings.cache)
         if source.path is not None:  # a folder that cannot work is refused before a job exists (a Hub repo: at fetch)
-            info = inspect(source.path, engines.architectures(specs))
+            info = inspect(source.path, engines.architectures())
             for spec in specs:
                 engines.resolve(spec, info, device)
         if request.name:
@@ -135,7 +135,7 @@ class Planning:
             config, tensors = sources.layout(job.source)
             specs = engines.specs_from_dicts(job.specs)
             if Path(job.source).is_dir():  # the specs' defaults that depend on the model (a group size)
-                info = inspect(Path(job.source), engines.architectures(specs))
+                info = inspect(Path(job.source), engines.architectures())
                 specs = [engines.resolve(s, info, job.device) for s in specs]
             [s.tag for s in specs]  # noqa: B018  - a Hub repo's spec may have no tag before it is fetched
         except (FactoryError, ValueError):

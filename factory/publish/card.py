@@ -83,11 +83,24 @@ def _prompt(up: Upstream) -> str:
     without the example, one line saying why."""
     if not up.chat_template:
         return ""
-    carried = "The quants carry the base model's chat template (`chat_template.jinja`)"
-    shown = prompt.example(up.chat_template)
+    carried = "The quants carry the base model's chat template"
+    shown = prompt.example(up.chat_template, image=up.vision is not None)
     if shown.text is None:
         return f"\n## Prompt format\n\n{carried}. No example is shown: {shown.why_not}.\n"
-    return f"\n## Prompt format\n\n{carried}; a system and a user message become:\n\n```\n{shown.text.strip()}\n```\n"
+    messages = "a system message and a user message with an image" if up.vision else "a system and a user message"
+    return f"\n## Prompt format\n\n{carried}; {messages} become:\n\n```\n{shown.text.strip()}\n```\n"
+
+
+def _vision(up: Upstream) -> str:
+    if up.vision is None:
+        return ""
+    return (f"\n## Images\n\nThe base model sees images: its vision tower (`{up.vision}`) and the projector into its "
+            "language model are kept at 16 bits in every quant, as in the FP16 checkpoint; only the language model is "
+            "quantized. The scores above are the language model's, on text. The processor's files travel with the "
+            "quants, so a processor loads from the quant's folder as from the base model's:\n\n```python\n"
+            "from transformers import AutoModelForImageTextToText, AutoProcessor\n"
+            'model = AutoModelForImageTextToText.from_pretrained("./quant")\n'
+            'processor = AutoProcessor.from_pretrained("./quant")\n```\n')
 
 
 def _evaluations(rows: list[QuantRow]) -> str:
@@ -118,7 +131,7 @@ def render(name: str, upstream: Upstream, this: QuantRow, rows: list[QuantRow], 
         **({"license": upstream.license} if upstream.license else {}),
         **({"license_link": upstream.license_link} if upstream.license_link else {}),
         **({"language": upstream.language} if upstream.language else {}),
-        "pipeline_tag": "text-generation",
+        "pipeline_tag": "image-text-to-text" if upstream.vision else "text-generation",
         "library_name": engines.get(this.method).library_name,
         "tags": sorted({this.method, "quantized", QUANTIZED_BY}),
         "quantized_by": QUANTIZED_BY,
@@ -162,7 +175,7 @@ most likely next token.
 
 {chr(10).join(table)}
 {picture}
-{before}{_prompt(upstream)}
+{_vision(upstream)}{before}{_prompt(upstream)}
 ## How to load
 
 {loads}{chr(10) + after if after else ""}"""

@@ -22,6 +22,9 @@ MAX_BYTES = 64 << 10
 MEMORY = 512 << 20
 EXAMPLE = [{"role": "system", "content": "You are a helpful assistant."},
            {"role": "user", "content": "What is the capital of France?"}]
+# a vision-language model's: the user's message holds an image, which the template writes as its placeholder
+IMAGE_EXAMPLE = [{"role": "system", "content": [{"type": "text", "text": "You are a helpful assistant."}]},
+                 {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is in this picture?"}]}]
 TOO_LONG, NOT_RENDERED, OUT_OF_MEMORY = 3, 4, 5  # the child's exit codes besides 0
 log = logging.getLogger("quantfactory")
 # this very module, wherever it was imported from (-I: no environment, no current folder, no user site)
@@ -38,10 +41,11 @@ class Example:
     why_not: str | None = None
 
 
-def example(template: str) -> Example:
+def example(template: str, image: bool = False) -> Example:
+    """The template applied to EXAMPLE, or to IMAGE_EXAMPLE with `image` (a vision-language model's)."""
     try:
-        done = subprocess.run([sys.executable, "-I", "-c", CHILD], input=template.encode(), capture_output=True,
-                              timeout=SECONDS, env={})
+        done = subprocess.run([sys.executable, "-I", "-c", CHILD, *(["image"] if image else [])],
+                              input=template.encode(), capture_output=True, timeout=SECONDS, env={})
     except subprocess.TimeoutExpired:  # subprocess.run has killed it (SIGKILL)
         return _none(f"rendering it took longer than {SECONDS:g} s")
     if done.returncode == 0:
@@ -58,7 +62,7 @@ def _none(why: str) -> Example:
     return Example(None, why)
 
 
-def _render(template: str) -> bytes:
+def _render(template: str, messages: list[dict] = EXAMPLE) -> bytes:
     """In the child: the example, at most MAX_BYTES (SystemExit with TOO_LONG beyond)."""
     from jinja2.exceptions import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -69,7 +73,7 @@ def _render(template: str) -> bytes:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
     out, size = [], 0
-    for piece in env.from_string(template).generate(messages=EXAMPLE, add_generation_prompt=True, bos_token="",
+    for piece in env.from_string(template).generate(messages=messages, add_generation_prompt=True, bos_token="",
                                                      eos_token=""):
         data = piece.encode("utf-8", errors="replace")
         size += len(data)
@@ -85,7 +89,7 @@ def _child() -> None:
     resource.setrlimit(resource.RLIMIT_CPU, (seconds, seconds))  # a second bound, should the parent be gone
     template = sys.stdin.buffer.read().decode("utf-8", errors="replace")
     try:
-        out = _render(template)
+        out = _render(template, IMAGE_EXAMPLE if sys.argv[1:] == ["image"] else EXAMPLE)
     except MemoryError:
         raise SystemExit(OUT_OF_MEMORY) from None
     except Exception:  # a template that needs more than transformers' usual variables

@@ -25,6 +25,7 @@ class Upstream:
     language: list[str] | None = None
     note: str | None = None
     chat_template: str | None = None
+    vision: str | None = None  # a vision-language model's vision tower (its config's model_type), kept at 16 bits
 
     @property
     def url(self) -> str | None:
@@ -42,7 +43,20 @@ def read(base_model: str, card: str | None, staged: Path) -> Upstream:
         language=[language] if isinstance(language, str) else language if _texts(language) else None,
         note=_text(meta.get("quantfactory_note")),
         chat_template=_chat_template(staged),
+        vision=_vision(staged),
     )
+
+
+def _vision(staged: Path) -> str | None:
+    """The vision tower's kind, where the staged config is a vision-language model's."""
+    from factory.errors import ModelRefused
+    from factory.inspect import multimodal, read_config
+
+    try:
+        config = read_config(staged / "config.json", check_numbers=False)
+    except (OSError, ModelRefused):
+        return None
+    return _text(config["vision_config"].get("model_type")) or "vision" if multimodal(config) else None
 
 
 def _front_matter(card: str) -> dict:
@@ -64,11 +78,16 @@ def _texts(value: object) -> bool:
 
 
 def _chat_template(staged: Path) -> str | None:
+    """The template transformers applies: chat_template.jinja, else a processor's chat_template.json, else the
+    tokenizer's config."""
     path = staged / "chat_template.jinja"
     if path.is_file():
         return path.read_text(encoding="utf-8", errors="replace")
-    try:
-        found = json.loads((staged / "tokenizer_config.json").read_text(encoding="utf-8")).get("chat_template")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return found if isinstance(found, str) else None
+    for name in ("chat_template.json", "tokenizer_config.json"):
+        try:
+            found = json.loads((staged / name).read_text(encoding="utf-8")).get("chat_template")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(found, str):
+            return found
+    return None

@@ -57,13 +57,7 @@ class AwqEngine(Engine):
         return evaluate.load(folder, device)
 
     def memory_plan(self, shape, params, budget: int, ctx: int | None, cache: str, gpus: int) -> MemoryPlan:
-        from factory.vram import human
-
-        estimates = {kv: memory.vllm_awq(shape, params, ctx or shape.max_positions, kv) for kv in ("fp16", "fp8")}
-        lines = [f"AWQ w4 with vLLM, {kv} KV cache (estimate): needs about {human(e['budget_needed'])} at "
-                 f"gpu_memory_utilization 0.9, {'fits' if e['budget_needed'] <= budget * gpus else 'does not fit'}"
-                 for kv, e in estimates.items()]
-        return MemoryPlan(estimates, lines=lines)
+        return memory.plan(self.label, shape, params, budget, ctx, gpus)
 
     def main_files(self, newest: Path) -> list[str]:
         # vLLM and transformers read a repo's main branch: the newest variant's files go there too

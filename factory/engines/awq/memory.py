@@ -1,20 +1,37 @@
-"""AWQ w4 served by vLLM, for `qf plan`: an estimate (not measured here) of fp16 embedding and head, 4-bit linears
-with fp16 scales and 4-bit zeros per group, the KV cache for the context in fp16 or fp8, the context, CUDA graphs
-and activations, and vLLM's own rule that it uses at most gpu_memory_utilization (0.9) of the card."""
+"""AWQ w4 served by vLLM, for `qf plan` (AutoAWQ's and AWQ-CT's quants alike): an estimate (not measured here) of
+fp16 embedding and head, 4-bit linears with fp16 scales and 4-bit zeros per group, a vision-language model's vision
+tower and projector in fp16, the KV cache for the context in fp16 or fp8, the context, CUDA graphs and activations,
+and vLLM's own rule that it uses at most gpu_memory_utilization (0.9) of the card."""
 
 from __future__ import annotations
 
-from factory.vram import CONTEXT_BYTES, MiB, Params, Shape
+from factory.engines.base import MemoryPlan
+from factory.vram import CONTEXT_BYTES, MiB, Params, Shape, human
 
 
 def vllm_awq(shape: Shape, params: Params, ctx: int, kv: str = "fp16", group: int = 128) -> dict[str, int]:
-    """An estimate for vLLM serving AWQ w4 (not measured): weights, KV cache, context, CUDA graphs, activations;
-    vLLM takes at most 0.9 of the card, so the budget it needs is total / 0.9."""
+    """An estimate for vLLM serving AWQ w4 (not measured): weights (the language model's), the vision tower's,
+    KV cache, context, CUDA graphs, activations; vLLM takes at most 0.9 of the card, so the budget it needs is
+    total / 0.9."""
     weights = int(params.linear * (4 + (16 + 4) / group) / 8 + (params.embed + params.head + params.other) * 2)
     kv_bytes = 2 * shape.layers * ctx * shape.kv_heads * shape.head_dim * (1 if kv == "fp8" else 2)
     activations = 2048 * max(shape.intermediate, shape.vocab) * 4 * 2
-    parts = {"context": CONTEXT_BYTES, "weights": weights, "cache": kv_bytes, "cuda_graphs": 512 * MiB,
-             "activations": activations}
+    parts = {"context": CONTEXT_BYTES, "weights": weights, "vision": params.vision * 2, "cache": kv_bytes,
+             "cuda_graphs": 512 * MiB, "activations": activations}
     parts["total"] = sum(parts.values())
     parts["budget_needed"] = int(parts["total"] / 0.9)
     return parts
+
+
+def plan(label: str, shape: Shape, params: Params, budget: int, ctx: int | None, gpus: int) -> MemoryPlan:
+    """`qf plan`'s numbers by KV cache and its lines: what vLLM needs, and of what."""
+    ctx = ctx or shape.max_positions
+    estimates = {kv: vllm_awq(shape, params, ctx, kv) for kv in ("fp16", "fp8")}
+    lines = []
+    for kv, e in estimates.items():
+        fits = "fits" if e["budget_needed"] <= budget * gpus else "does not fit"
+        vision = f", vision tower and projector {human(e['vision'])} (16-bit)" if e["vision"] else ""
+        lines.append(f"{label} w4 with vLLM, {kv} KV cache (estimate): needs about {human(e['budget_needed'])} at "
+                     f"gpu_memory_utilization 0.9, {fits}: language model {human(e['weights'])}{vision}, KV cache "
+                     f"{human(e['cache'])} for {ctx} tokens")
+    return MemoryPlan(estimates, lines=lines)

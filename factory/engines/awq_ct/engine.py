@@ -12,26 +12,30 @@ import sys
 from pathlib import Path
 
 from factory.engines import child
+from factory.engines.awq import memory
 from factory.engines.awq_ct import env, evaluate
 from factory.engines.awq_ct.spec import AwqCtSpec, resolve
-from factory.engines.base import Engine, Flag, QuantizeRequest, check_quant_folder
+from factory.engines.base import Engine, Flag, MemoryPlan, QuantizeRequest, check_quant_folder
 from factory.errors import JobFailed
 from factory.files import COMPANIONS
 
 # What benchmarks/coverage.py proved llm-compressor 0.14.0.1's AWQ converts (benchmarks/results/coverage-cpu.json;
 # tests/test_coverage.py keeps the two equal); tests/test_engine_awq_ct.py checks its mixtures of experts' layout.
 ARCHITECTURES = frozenset({
-    "Cohere2ForCausalLM", "CohereForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
-    "Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM", "Exaone4ForCausalLM", "Gemma2ForCausalLM",
-    "Gemma3ForCausalLM", "GemmaForCausalLM", "Glm4MoeForCausalLM", "GraniteForCausalLM", "HYV3ForCausalLM",
-    "LagunaForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Olmo3ForCausalLM",
-    "OlmoForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM",
-    "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM", "SeedOssForCausalLM", "SmolLM3ForCausalLM", "SolarOpenForCausalLM",
+    "Cohere2ForCausalLM", "CohereForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Ernie4_5ForCausalLM",
+    "Ernie4_5_MoeForCausalLM", "Exaone4ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration", "GemmaForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM",
+    "Glm4vForConditionalGeneration", "GraniteForCausalLM", "HYV3ForCausalLM", "LagunaForCausalLM",
+    "Llama4ForConditionalGeneration", "LlamaForCausalLM", "Mistral3ForConditionalGeneration", "MistralForCausalLM",
+    "MixtralForCausalLM", "Olmo3ForCausalLM", "OlmoForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM",
+    "Qwen2MoeForCausalLM", "Qwen2_5_VLForConditionalGeneration", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+    "Qwen3NextForCausalLM", "Qwen3VLForConditionalGeneration", "SeedOssForCausalLM", "SmolLM3ForCausalLM",
+    "SolarOpenForCausalLM",
 })  # fmt: skip
 MOE = frozenset({
     "Qwen3MoeForCausalLM", "MixtralForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "HYV3ForCausalLM",
     "LagunaForCausalLM", "Qwen3NextForCausalLM", "SolarOpenForCausalLM", "Qwen2MoeForCausalLM", "DeepseekV2ForCausalLM",
-    "Ernie4_5_MoeForCausalLM",
+    "Ernie4_5_MoeForCausalLM", "Llama4ForConditionalGeneration",
 })  # fmt: skip
 TOOLS = ("llmcompressor", "compressed-tensors")
 
@@ -66,6 +70,9 @@ class AwqCtEngine(Engine):
 
     def describe_calibration(self, spec: dict, text: str) -> str:
         return f"{text}, {spec['calib_rows']} x {spec['calib_length']} tokens"
+
+    def memory_plan(self, shape, params, budget: int, ctx: int | None, cache: str, gpus: int) -> MemoryPlan:
+        return memory.plan(self.label, shape, params, budget, ctx, gpus)  # vLLM's, as AutoAWQ's
 
     def load(self, folder: Path, device: str):
         return evaluate.load(folder, device)

@@ -16,7 +16,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from factory.evaluate import Model, quiet_transformers, torch_dtype, transformers_logits
+from factory.evaluate import Model, auto_model, quiet_transformers, torch_dtype, transformers_logits
 from factory.layered import ByLayer, Tensors, walkable
 
 PARTS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
@@ -77,7 +77,6 @@ def load(folder: Path, dev: str) -> Model:
 def load_whole(folder: Path, dev: str) -> Model:
     """The whole decompressed model in transformers, loaded from an unquantized copy of the checkpoint."""
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
 
     tensors = Decompressed(folder)
     config = json.loads((Path(folder) / "config.json").read_text())
@@ -87,5 +86,5 @@ def load_whole(folder: Path, dev: str) -> Model:
         save_file(state, Path(tmp) / "model.safetensors", metadata={"format": "pt"})
         del state
         (Path(tmp) / "config.json").write_text(json.dumps(config))
-        model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch_dtype(dev), trust_remote_code=False)
+        model = auto_model(config).from_pretrained(tmp, dtype=torch_dtype(dev), trust_remote_code=False)
     return transformers_logits(model, dev)

@@ -22,6 +22,10 @@ by `save_pretrained` in compressed-tensors' pack-quantized format. What it does 
 - experts that transformers fuses on load are linearized by oneshot (one Linear per expert); they are saved under the
   source checkpoint's names (Mixtral's `w1`/`w3`/`w2`, not `gate_proj`/`up_proj`/`down_proj`) through
   llm-compressor's save conversion mappings, as vLLM reads them;
+- GLM-4 and GLM-4V get mappings of their own (`glm_mappings`: their MLP fuses gate and up);
+- a vision-language model is loaded whole (its processor's class) and calibrated on text alone: the vision tower
+  and projector are ignored (kept at the source's precision, as vLLM expects) and the AWQ mappings are scoped to the
+  language model, whose decoder layers are the ones calibrated and reported;
 - one progress event per decoder layer as its calibration starts.
 """
 
@@ -29,21 +33,39 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 from factory.engines import child
 
 IGNORE = ["lm_head", "re:.*mlp.gate$"]
+VISION = r"re:(.*\.)?(vision_tower|visual|vision_model|multi_modal_projector|mm_projector)\..*"  # inspect.VISION_PART
 # Checkpoints that name their experts' linears otherwise than the Linear modules oneshot makes of them: model_type ->
 # (checkpoint name, module name) for each.
 EXPERT_NAMES = {"mixtral": (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))}
 
 
+def layer_count(model) -> int:
+    return model.config.get_text_config().num_hidden_layers
+
+
 def decoder_layers(model):
+    """The language model's decoder layers (not a vision tower's, which may be as many)."""
     import torch
 
-    count = model.config.num_hidden_layers
-    return next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == count)
+    count = layer_count(model)
+    return next(m for name, m in model.named_modules()
+                if isinstance(m, torch.nn.ModuleList) and len(m) == count and not re.match(VISION[3:], name + "."))
+
+
+def language_scoped(mappings: list) -> list:
+    """A vision-language model's mappings, each pattern limited to its language model's modules."""
+    from llmcompressor.modifiers.transform.awq import AWQMapping
+
+    def scope(pattern: str) -> str:
+        return pattern if "language_model" in pattern else rf"re:.*language_model\..*{pattern.removeprefix('re:')}"
+
+    return [AWQMapping(scope(m.smooth_layer), [scope(b) for b in m.balance_layers]) for m in mappings]
 
 
 def scoped(pattern: str, indices: list[int]) -> str:
@@ -80,11 +102,32 @@ def moe_mappings(model) -> list:
     return [*attention, *norms, *down]
 
 
-def recipe(spec: dict, model) -> list:
+def glm_mappings() -> list:
+    """GLM-4's and GLM-4V's: llm-compressor 0.14.0.1 has none and its defaults look for a gate_proj, which GLM fuses
+    with up_proj (gate_up_proj). The norm before the MLP is balanced against the fused projection; down_proj reads
+    act(gate) x up, which no single smoothing of gate_up_proj's output compensates, so it has no mapping."""
+    from llmcompressor.modifiers.transform.awq import AWQMapping
+
+    return [
+        AWQMapping("re:.*input_layernorm$", ["re:.*q_proj$", "re:.*k_proj$", "re:.*v_proj$"]),
+        AWQMapping("re:.*v_proj$", ["re:.*o_proj$"]),
+        AWQMapping("re:.*post_attention_layernorm$", ["re:.*gate_up_proj$"]),
+    ]
+
+
+GLM = ("Glm4ForCausalLM", "Glm4vForConditionalGeneration")
+
+
+def recipe(spec: dict, model, multimodal: bool) -> list:
     from llmcompressor.modifiers.quantization import QuantizationModifier
     from llmcompressor.modifiers.transform.awq import AWQModifier
+    from llmcompressor.modifiers.transform.awq.dynamic_mappings import get_layer_mappings_from_model
 
     mappings = moe_mappings(model) if routed_layers(model) else None  # None: llm-compressor's for the architecture
+    if type(model).__name__ in GLM:
+        mappings = glm_mappings()
+    if multimodal:
+        mappings = language_scoped(mappings or get_layer_mappings_from_model(model))
     weights = {
         "num_bits": spec["w_bit"],
         "type": "int",
@@ -94,7 +137,8 @@ def recipe(spec: dict, model) -> list:
     }
     return [
         AWQModifier(mappings=mappings, duo_scaling=spec["duo_scaling"]),
-        QuantizationModifier(config_groups={"group_0": {"targets": ["Linear"], "weights": weights}}, ignore=IGNORE),
+        QuantizationModifier(config_groups={"group_0": {"targets": ["Linear"], "weights": weights}},
+                             ignore=[*IGNORE, VISION] if multimodal else IGNORE),
     ]
 
 
@@ -131,7 +175,7 @@ def report_layers(model, emit) -> None:
     pipeline runs traced subgraphs, which call leaf modules, not the layer's own forward)."""
     import torch
 
-    count = model.config.num_hidden_layers
+    count = layer_count(model)
     reached = set()
     for index, layer in enumerate(decoder_layers(model)):
         first = next(m for m in layer.modules() if isinstance(m, torch.nn.Linear))
@@ -153,30 +197,52 @@ def main() -> None:
     import torch
     from llmcompressor import oneshot
     from torch.utils.data import DataLoader
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+
+    from factory.inspect import multimodal, with_standard_names
 
     skip_pinning_without_accelerator()
     emit(event="progress", done=0, total=1, unit="load")
-    config = json.loads((Path(request["source_dir"]) / "config.json").read_text())
+    config = with_standard_names(json.loads((Path(request["source_dir"]) / "config.json").read_text()))
     saved = getattr(torch, config.get("torch_dtype") or config.get("dtype") or "float16")
     compute = saved if torch.cuda.is_available() else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(request["source_dir"], dtype=compute, trust_remote_code=False)
+    auto = AutoModelForImageTextToText if multimodal(config) else AutoModelForCausalLM
+    model = auto.from_pretrained(request["source_dir"], dtype=compute, trust_remote_code=False)
     report_layers(model, emit)
     windows = [
         {"input_ids": torch.tensor(w), "attention_mask": torch.ones(len(w), dtype=torch.long)} for w in calibration
     ]
     oneshot(
         model=model,
+        processor=AutoTokenizer.from_pretrained(request["source_dir"]),  # the windows are ids: no processor reads them
         dataset=DataLoader(windows, batch_size=1),
-        recipe=recipe(spec, model),
+        recipe=recipe(spec, model, multimodal(config)),
         num_calibration_samples=len(windows),
         max_seq_length=len(calibration[0]),
         trust_remote_code_model=False,
     )
-    count = model.config.num_hidden_layers
+    count = layer_count(model)
     emit(event="progress", done=count, total=count, unit="layer")
     save_with_checkpoint_names(model, config.get("model_type", ""))
-    model.to(saved).save_pretrained(request["out_dir"])
+    # a vision-language model is saved under transformers' own names: loading the names its releases use goes
+    # through transformers' renaming, which casts the packed zero points to the modules' int8 (5.17: "Expected
+    # torch.int32 but got torch.int8" at the first forward)
+    model.to(saved).save_pretrained(request["out_dir"], save_original_format=not multimodal(config))
+    if multimodal(config):
+        ignore_by_loaded_names(Path(request["out_dir"]) / "config.json")
+
+
+def ignore_by_loaded_names(path: Path) -> None:
+    """The saved config's `ignore` as the loader names the modules: llm-compressor writes the names its releases
+    use (`language_model.lm_head`, `vision_tower.*`), not those of the modules transformers loads the weights into
+    (`lm_head`, `model.vision_tower.*`), so a loader would take those modules for quantized ones and find no weights
+    for them (transformers 5.17, Gemma 3). The head and the vision parts become patterns, other names are renamed."""
+    config = json.loads(path.read_text())
+    qc = config["quantization_config"]
+    kept = [re.sub(r"^language_model\.model\.", "model.language_model.", n) for n in qc["ignore"]
+            if not re.match(VISION[3:], n) and not n.endswith("lm_head")]
+    qc["ignore"] = [*kept, r"re:(.*\.)?lm_head$", VISION]
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 if __name__ == "__main__":
