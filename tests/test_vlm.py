@@ -159,3 +159,20 @@ def test_gemma3_keeps_its_vision_tower_publishes_its_processor_and_the_quant_tak
     assert done.returncode == 0, done.stderr[-3000:]
     version, prompt, generated = done.stdout.split()[-3:]
     assert version == "5.17.0" and int(generated) == int(prompt) + 1
+
+
+def test_the_watchlist_plans_a_vision_language_release_for_awq_ct_and_says_why_autoawq_skips_it():
+    from factory import schedule
+
+    release = [schedule.Release("google/gemma-3-4b-it", "7" * 40, ("Gemma3ForConditionalGeneration",))]
+    watches = [schedule.entry("google/gemma-3-4b-it", {"awq": {}}), schedule.entry("google/*", {"awqct": {}})]
+    supported = {e.name: set(e.architectures) for e in engines.all_engines()}
+    assert {p.watch: p.skipped for p in schedule.plan(watches, release, set(), supported)} == {
+        "google/gemma-3-4b-it": "architecture Gemma3ForConditionalGeneration is not supported by awq",
+        "google/*": None}
+
+
+def test_plan_of_a_vision_language_repo_on_the_hub(qf, hub, vlms):
+    hub.add_repo("qwen/tiny-vl", {p.name: p.read_bytes() for p in vlms["qwen2_5_vl"].iterdir() if p.is_file()})
+    plans = qf.json("plan", "qwen/tiny-vl", "--vram", "24GB")
+    assert plans["awqct"]["fp16"]["vision"] == 2 * inspect(vlms["qwen2_5_vl"], ALL).vision.params
