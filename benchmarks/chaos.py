@@ -48,8 +48,14 @@ RESULTS = ROOT / "benchmarks" / "results" / "chaos.json"
 
 
 def start_beat(env: dict, log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "factory.cli", "beat"], env=env, cwd=ROOT, stdout=open(log, "w"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "factory.cli", "beat"],
+        env=env,
+        cwd=ROOT,
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def one_round(n: int, rng: random.Random, model: Path, base: Path) -> dict:
@@ -61,10 +67,21 @@ def one_round(n: int, rng: random.Random, model: Path, base: Path) -> dict:
     procs: list[subprocess.Popen] = []
     hub = HubServer().start()
     with fresh_database() as url:
-        env = {**os.environ, "FACTORY_HOME": str(home / "home"), "FACTORY_DB_URL": url, "FACTORY_BROKER_URL": BROKER,
-               "FACTORY_WORKER_DEVICE": "cpu", "FACTORY_LEASE_SECONDS": str(LEASE), "FACTORY_RECONCILE_SECONDS": "2",
-               "FACTORY_HUB_OWNER": "alice", "HF_TOKEN": "hf_alice_write", "HF_ENDPOINT": hub.url,
-               "HF_HUB_DISABLE_XET": "1", "HF_HOME": str(home / "hf"), "HF_HUB_OFFLINE": "0"}
+        env = {
+            **os.environ,
+            "FACTORY_HOME": str(home / "home"),
+            "FACTORY_DB_URL": url,
+            "FACTORY_BROKER_URL": BROKER,
+            "FACTORY_WORKER_DEVICE": "cpu",
+            "FACTORY_LEASE_SECONDS": str(LEASE),
+            "FACTORY_RECONCILE_SECONDS": "2",
+            "FACTORY_HUB_OWNER": "alice",
+            "HF_TOKEN": "hf_alice_write",
+            "HF_ENDPOINT": hub.url,
+            "HF_HUB_DISABLE_XET": "1",
+            "HF_HOME": str(home / "hf"),
+            "HF_HUB_OFFLINE": "0",
+        }
         catalog = None
         try:
             procs += [start_worker(env, home / f"worker-{i}.log") for i in range(2)]
@@ -102,8 +119,15 @@ def one_round(n: int, rng: random.Random, model: Path, base: Path) -> dict:
                     break
                 time.sleep(0.5)
             time.sleep(LEASE + 1)  # what a stopped holder that came back still tries, it tries now
-            return {"round": n, "moment": moment, "action": action, "hit": victim is not None, "step": step,
-                    "seconds": round(time.monotonic() - started, 1), **check(env, catalog, job_id, hub)}
+            return {
+                "round": n,
+                "moment": moment,
+                "action": action,
+                "hit": victim is not None,
+                "step": step,
+                "seconds": round(time.monotonic() - started, 1),
+                **check(env, catalog, job_id, hub),
+            }
         finally:
             for proc in procs:
                 send(descendants(proc.pid), signal.SIGKILL)
@@ -142,8 +166,14 @@ def check(env: dict, catalog: Catalog, job_id: str, hub: HubServer) -> dict:
         problems.append(f"{commits} commits of the quant on its Hub branch")
     if any(s.state == "running" for s in job.steps):
         problems.append("a step left running")
-    return {"attempts": job.attempts, "quant_rows": len(quants), "registry_folders": len(folders),
-            "hub_commits": commits, "ok": not problems, "problems": problems}
+    return {
+        "attempts": job.attempts,
+        "quant_rows": len(quants),
+        "registry_folders": len(folders),
+        "hub_commits": commits,
+        "ok": not problems,
+        "problems": problems,
+    }
 
 
 def main() -> None:
@@ -160,9 +190,12 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
     ok = sum(r["ok"] for r in rows)
-    result = {"command": f"python benchmarks/chaos.py {rounds} {seed}", "lease_seconds": LEASE,
-              "summary": f"{ok}/{rounds} rounds exactly once ({sum(r['hit'] for r in rows)} hit their moment)",
-              "rows": rows}
+    result = {
+        "command": f"python benchmarks/chaos.py {rounds} {seed}",
+        "lease_seconds": LEASE,
+        "summary": f"{ok}/{rounds} rounds exactly once ({sum(r['hit'] for r in rows)} hit their moment)",
+        "rows": rows,
+    }
     RESULTS.write_text(json.dumps(result, indent=1) + "\n")
     print(result["summary"])
 

@@ -45,11 +45,14 @@ def main() -> None:
     from factory.vram import Params, Shape
     from tests.tiny_model import make_tiny_llama
 
-    sitting = {"gpu": torch.cuda.get_device_name(0), "versions": {"torch": torch.__version__},
-               "command": f"python benchmarks/cost_growth.py DIR --bpw {args.bpw} --windows {args.windows} "
-                          f"--shapes {args.shapes}",
-               "commit": os.environ.get("QF_COMMIT") or subprocess.run(
-                   ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()}
+    sitting = {
+        "gpu": torch.cuda.get_device_name(0),
+        "versions": {"torch": torch.__version__},
+        "command": f"python benchmarks/cost_growth.py DIR --bpw {args.bpw} --windows {args.windows} "
+        f"--shapes {args.shapes}",
+        "commit": os.environ.get("QF_COMMIT")
+        or subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip(),
+    }
     # shapes measured in an earlier sitting stay (each says its own sitting)
     results = json.loads(args.out.read_text()) if args.out.is_file() else {"shapes": {}}
     for name in args.shapes.split(","):
@@ -60,10 +63,18 @@ def main() -> None:
         config, tensors = sources.layout(str(model))
         shape = Shape.of(config)
         ran = side(model, args.dir / "home", args.bpw, args.windows, None)  # one home: history carries over
-        ratios = {step: round(s["seconds"] / s["expected_seconds"], 3) for step, s in ran["steps"].items()
-                  if s.get("expected_seconds") and step.split(":")[0] in ("measure", "quantize")}
-        results["shapes"][name] = {"shape": SHAPES[name], "parameters": Params.of(tensors, shape).total,
-                                   **ran, "actual_over_expected": ratios, **sitting}
+        ratios = {
+            step: round(s["seconds"] / s["expected_seconds"], 3)
+            for step, s in ran["steps"].items()
+            if s.get("expected_seconds") and step.split(":")[0] in ("measure", "quantize")
+        }
+        results["shapes"][name] = {
+            "shape": SHAPES[name],
+            "parameters": Params.of(tensors, shape).total,
+            **ran,
+            "actual_over_expected": ratios,
+            **sitting,
+        }
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=2) + "\n")  # what is measured survives a later failure
         print(name, ran["wall_seconds"], "s", json.dumps(ratios), flush=True)

@@ -37,28 +37,139 @@ sys.path.insert(0, str(ROOT))
 # model types each engine's upstream maps, built into transformers (no auto_map); the vision-language ones are made
 # by tests/tiny_vlms.py
 CANDIDATES = {
-    "awq": ["llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma", "gemma2", "phi3", "opt", "falcon",
-            "bloom", "gptj", "gpt_bigcode", "gpt_neox", "mpt", "stablelm", "starcoder2", "cohere", "deepseek_v2",
-            "deepseek_v3"],
-    "exl2": ["llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma", "gemma2", "starcoder2", "cohere",
-             "cohere2", "dbrx", "phi3", "gpt_bigcode", "gpt2", "granite", "glm4"],
-    "exl3": ["afmoe", "apertus", "arcee", "cohere", "cohere2", "deepseek_v3", "dots1", "ernie4_5", "ernie4_5_moe",
-             "exaone4", "gemma2", "gemma3_text", "glm4", "glm4_moe", "glm4_moe_lite", "gpt_oss", "lfm2", "lfm2_moe",
-             "llama", "minimax_m2", "mistral", "mixtral", "nemotron_h", "olmo3", "olmo_hybrid", "phi3", "qwen2",
-             "qwen3", "qwen3_moe", "qwen3_next", "seed_oss", "smollm3", "hy_v3", "kimi_linear", "laguna",
-             "solar_open"],
+    "awq": [
+        "llama",
+        "mistral",
+        "mixtral",
+        "qwen2",
+        "qwen3",
+        "qwen3_moe",
+        "gemma",
+        "gemma2",
+        "phi3",
+        "opt",
+        "falcon",
+        "bloom",
+        "gptj",
+        "gpt_bigcode",
+        "gpt_neox",
+        "mpt",
+        "stablelm",
+        "starcoder2",
+        "cohere",
+        "deepseek_v2",
+        "deepseek_v3",
+    ],
+    "exl2": [
+        "llama",
+        "mistral",
+        "mixtral",
+        "qwen2",
+        "qwen3",
+        "qwen3_moe",
+        "gemma",
+        "gemma2",
+        "starcoder2",
+        "cohere",
+        "cohere2",
+        "dbrx",
+        "phi3",
+        "gpt_bigcode",
+        "gpt2",
+        "granite",
+        "glm4",
+    ],
+    "exl3": [
+        "afmoe",
+        "apertus",
+        "arcee",
+        "cohere",
+        "cohere2",
+        "deepseek_v3",
+        "dots1",
+        "ernie4_5",
+        "ernie4_5_moe",
+        "exaone4",
+        "gemma2",
+        "gemma3_text",
+        "glm4",
+        "glm4_moe",
+        "glm4_moe_lite",
+        "gpt_oss",
+        "lfm2",
+        "lfm2_moe",
+        "llama",
+        "minimax_m2",
+        "mistral",
+        "mixtral",
+        "nemotron_h",
+        "olmo3",
+        "olmo_hybrid",
+        "phi3",
+        "qwen2",
+        "qwen3",
+        "qwen3_moe",
+        "qwen3_next",
+        "seed_oss",
+        "smollm3",
+        "hy_v3",
+        "kimi_linear",
+        "laguna",
+        "solar_open",
+    ],
 }
 # llm-compressor 0.14.0.1's AWQ mappings name these (modifiers/transform/awq/mappings.py; text models built into
 # transformers), and Llama-shaped families its default mapping may take
 CANDIDATES["awqct"] = [
-    "afmoe", "bloom", "cohere", "cohere2", "deepseek_v2", "deepseek_v3", "ernie4_5_moe", "exaone4", "gemma2",
-    "gemma3_text", "glm4_moe", "glm4_moe_lite", "granite", "llama", "mistral", "mixtral", "olmo", "olmo3", "phi3",
-    "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "seed_oss", "apertus", "arcee", "ernie4_5", "gemma", "smollm3",
+    "afmoe",
+    "bloom",
+    "cohere",
+    "cohere2",
+    "deepseek_v2",
+    "deepseek_v3",
+    "ernie4_5_moe",
+    "exaone4",
+    "gemma2",
+    "gemma3_text",
+    "glm4_moe",
+    "glm4_moe_lite",
+    "granite",
+    "llama",
+    "mistral",
+    "mixtral",
+    "olmo",
+    "olmo3",
+    "phi3",
+    "qwen2",
+    "qwen2_moe",
+    "qwen3",
+    "qwen3_moe",
+    "seed_oss",
+    "apertus",
+    "arcee",
+    "ernie4_5",
+    "gemma",
+    "smollm3",
     "starcoder2",
     # and the families no engine had taken (2026-12-03): a hybrid its dynamic mappings name, new mixtures of experts
-    "qwen3_next", "gpt_oss", "hy_v3", "laguna", "solar_open", "lfm2", "nemotron_h", "opt", "gpt2", "mpt",
+    "qwen3_next",
+    "gpt_oss",
+    "hy_v3",
+    "laguna",
+    "solar_open",
+    "lfm2",
+    "nemotron_h",
+    "opt",
+    "gpt2",
+    "mpt",
     # GLM-4 with mappings of the factory's (its MLP fuses gate and up), and the vision-language families of issue 33
-    "glm4", "gemma3", "mistral3", "qwen2_5_vl", "qwen3_vl", "llama4", "glm4v",
+    "glm4",
+    "gemma3",
+    "mistral3",
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "llama4",
+    "glm4v",
 ]
 FLAGS = {"awq": ["--awq"], "awqct": ["--awqct"], "exl2": ["--exl2", "4.0"], "exl3": ["--exl3", "4.0"]}
 WIDTH = {"exl2": 256, "exl3": 256}  # the GPU engines: heads of 64 (tests/tiny_archs.py); the others 128
@@ -114,11 +225,16 @@ def run_one(engine: str, model_type: str, models: Path, work: Path, device: str)
         return {"status": "refused", "reason": f"transformers cannot build it: {type(e).__name__}: {e}"[:400]}
     architecture = json.loads((source / "config.json").read_text())["architectures"][0]
     home = work / engine / model_type
-    env = {**os.environ, "FACTORY_HOME": str(home), "FACTORY_DB_URL": f"sqlite:///{home / 'catalog.db'}",
-           "COLUMNS": "200"}
+    env = {
+        **os.environ,
+        "FACTORY_HOME": str(home),
+        "FACTORY_DB_URL": f"sqlite:///{home / 'catalog.db'}",
+        "COLUMNS": "200",
+    }
     env.pop("FACTORY_SERVER", None)
-    run = _qf(engine, architecture, "run", str(source), *FLAGS[engine], "--eval-windows", str(WINDOWS), "--json",
-              env=env)
+    run = _qf(
+        engine, architecture, "run", str(source), *FLAGS[engine], "--eval-windows", str(WINDOWS), "--json", env=env
+    )
     result = {"architecture": architecture}
     if run.returncode != 0:
         return {**result, "status": "refused", "reason": _why(run), "seconds": round(time.monotonic() - start, 1)}
@@ -134,10 +250,21 @@ def run_one(engine: str, model_type: str, models: Path, work: Path, device: str)
     except Exception as e:  # noqa: BLE001
         return {**result, "status": "refused", "reason": f"the pulled quant does not load: {type(e).__name__}: {e}"}
     if abs(again - quant["ppl"]) > 1e-3 * quant["ppl"]:
-        return {**result, "status": "refused",
-                "reason": f"the pulled quant scores ppl {again:.4f}, the factory published {quant['ppl']:.4f}"}
-    return {**result, "status": "quantized", "tag": quant["tag"], "ppl": quant["ppl"], "kld": quant["kld"],
-            "top1": quant["top1"], "pulled_ppl": round(again, 4), "seconds": round(time.monotonic() - start, 1)}
+        return {
+            **result,
+            "status": "refused",
+            "reason": f"the pulled quant scores ppl {again:.4f}, the factory published {quant['ppl']:.4f}",
+        }
+    return {
+        **result,
+        "status": "quantized",
+        "tag": quant["tag"],
+        "ppl": quant["ppl"],
+        "kld": quant["kld"],
+        "top1": quant["top1"],
+        "pulled_ppl": round(again, 4),
+        "seconds": round(time.monotonic() - start, 1),
+    }
 
 
 def results() -> dict[str, dict]:
@@ -210,8 +337,10 @@ def main() -> None:
     for engine in args.engine.split(","):
         wanted = args.arch.split(",") if args.arch else CANDIDATES[engine]
         found = written.setdefault(engine, {"device": device, "architectures": {}})
-        found["versions"] = {"engine": engines.get(engine).version(),
-                             **{p: md.version(p) for p in ("transformers", "torch")}}
+        found["versions"] = {
+            "engine": engines.get(engine).version(),
+            **{p: md.version(p) for p in ("transformers", "torch")},
+        }
 
         def one(model_type: str, engine=engine, found=found) -> None:
             outcome = run_one(engine, model_type, args.dir / "models", args.dir / "work", device)

@@ -40,9 +40,12 @@ def _merge(part: str, data: dict) -> None:
         fcntl.flock(lock, fcntl.LOCK_EX)
         results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"parts": {}}
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        results.update(gpu=torch.cuda.get_device_name(0), commit=os.environ.get("QF_COMMIT") or commit,
-                       versions={"torch": torch.__version__, "exllamav2": exl2.ENGINE.version()},
-                       command="python benchmarks/exl2_speed.py {model,raw-measure,raw-quant,factory} DIR")
+        results.update(
+            gpu=torch.cuda.get_device_name(0),
+            commit=os.environ.get("QF_COMMIT") or commit,
+            versions={"torch": torch.__version__, "exllamav2": exl2.ENGINE.version()},
+            command="python benchmarks/exl2_speed.py {model,raw-measure,raw-quant,factory} DIR",
+        )
         results["parts"][part] = {**data, "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES", "0")}
         parts = results["parts"]
         if {"raw-measure", "raw-quant", "factory"} <= set(parts):
@@ -67,9 +70,14 @@ def _raw(args: list[str], log: Path) -> tuple[float, int | None]:
 
     peak: list[int] = []
     start = time.monotonic()
-    child.run_command([sys.executable, "-m", "factory.engines.script", exl2.SCRIPT, *args], log,
-                      lambda e: peak.append(e["peak_gpu_bytes"]) if "peak_gpu_bytes" in e else None,
-                      "raw convert_exl2", parse=exl2.parse_status, env=exl2.ENV)
+    child.run_command(
+        [sys.executable, "-m", "factory.engines.script", exl2.SCRIPT, *args],
+        log,
+        lambda e: peak.append(e["peak_gpu_bytes"]) if "peak_gpu_bytes" in e else None,
+        "raw convert_exl2",
+        parse=exl2.parse_status,
+        env=exl2.ENV,
+    )
     return round(time.monotonic() - start, 2), max(peak, default=None)
 
 
@@ -94,17 +102,38 @@ def main() -> None:
         _merge(part, {"seconds": seconds, "peak_gpu_bytes": peak, "bpw": 4.0})
     elif part == "factory":
         env = {**os.environ, "FACTORY_HOME": str(folder / "home"), "FACTORY_DB_URL": ""}
-        out = subprocess.run([sys.executable, "-m", "factory.cli", "run", str(model), "--exl2", "3.0,4.0,5.0",
-                              "--calibration", "builtin:mix", "--eval-windows", "1", "--json"],
-                             capture_output=True, text=True, env=env, cwd=ROOT, check=True)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "factory.cli",
+                "run",
+                str(model),
+                "--exl2",
+                "3.0,4.0,5.0",
+                "--calibration",
+                "builtin:mix",
+                "--eval-windows",
+                "1",
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=ROOT,
+            check=True,
+        )
         steps = [json.loads(line) for line in out.stdout.splitlines()]
         done = [e for e in steps if e["event"] == "step" and e["state"] == "succeeded"]
         measure = [e for e in done if e["step"].startswith("measure:")]
         quant = [e for e in done if e["step"].startswith("quantize:")]
-        _merge(part, {
-            "seconds": {"measure": measure[0]["seconds"], "quantize": [e["seconds"] for e in quant]},
-            "peak_gpu_bytes": {e["step"]: e["peak_gpu_bytes"] for e in measure + quant},
-        })
+        _merge(
+            part,
+            {
+                "seconds": {"measure": measure[0]["seconds"], "quantize": [e["seconds"] for e in quant]},
+                "peak_gpu_bytes": {e["step"]: e["peak_gpu_bytes"] for e in measure + quant},
+            },
+        )
     else:
         raise SystemExit(__doc__)
 

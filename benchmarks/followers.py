@@ -39,14 +39,20 @@ def _latencies(url: str, token: str, job_id: str, n: int = 50) -> dict:
             api.get("/api/jobs" if i % 2 else f"/api/jobs/{job_id}").raise_for_status()
             seconds.append(time.monotonic() - start)
     seconds.sort()
-    return {"median_s": round(statistics.median(seconds), 4), "p95_s": round(seconds[int(0.95 * n) - 1], 4),
-            "max_s": round(seconds[-1], 4)}
+    return {
+        "median_s": round(statistics.median(seconds), 4),
+        "p95_s": round(seconds[int(0.95 * n) - 1], 4),
+        "max_s": round(seconds[-1], 4),
+    }
 
 
 def _follow(url: str, token: str, job_id: str, opened: list, stop: threading.Event) -> None:
-    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"},
-                      timeout=httpx.Timeout(30, read=None)) as http, \
-            http.stream("GET", f"/api/jobs/{job_id}/events") as response:
+    with (
+        httpx.Client(
+            base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=httpx.Timeout(30, read=None)
+        ) as http,
+        http.stream("GET", f"/api/jobs/{job_id}/events") as response,
+    ):
         opened.append(response.status_code)
         if response.status_code == 200:
             for _ in response.iter_lines():
@@ -70,13 +76,25 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         models = Path(tmp) / "models"
         model = make_tiny_llama(models / "tiny")
-        env = {**os.environ, "FACTORY_HOME": f"{tmp}/home", "FACTORY_DB_URL": args.db, "FACTORY_BROKER_URL":
-               args.broker, "FACTORY_WORKER_DEVICE": "cpu", "FACTORY_SERVE_SOURCES": str(models)}
+        env = {
+            **os.environ,
+            "FACTORY_HOME": f"{tmp}/home",
+            "FACTORY_DB_URL": args.db,
+            "FACTORY_BROKER_URL": args.broker,
+            "FACTORY_WORKER_DEVICE": "cpu",
+            "FACTORY_SERVE_SOURCES": str(models),
+        }
         redis.Redis.from_url(args.broker).flushdb()
 
         def qf(*argv: str) -> str:
-            return subprocess.run([sys.executable, "-m", "factory.cli", *argv], env=env, cwd=ROOT, check=True,
-                                  capture_output=True, text=True).stdout.strip()
+            return subprocess.run(
+                [sys.executable, "-m", "factory.cli", *argv],
+                env=env,
+                cwd=ROOT,
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout.strip()
 
         tokens = [qf("token", "create", "--user", f"user{i}") for i in range(32)]
         with socket.socket() as s:
@@ -84,8 +102,13 @@ def main() -> None:
             port = s.getsockname()[1]
         url = f"http://127.0.0.1:{port}"
         before = {c["id"] for c in redis.Redis.from_url(args.broker).client_list()}
-        server = subprocess.Popen([sys.executable, "-m", "factory.cli", "serve", "--port", str(port)], env=env,
-                                  cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        server = subprocess.Popen(
+            [sys.executable, "-m", "factory.cli", "serve", "--port", str(port)],
+            env=env,
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         try:
             deadline = time.monotonic() + 60
             while True:
@@ -97,12 +120,17 @@ def main() -> None:
                     time.sleep(0.2)
             body = {"source": str(model), "flags": {"awq": True}}
             for token in tokens:  # the same job: every user owns it and may follow it
-                job_id = httpx.post(url + "/api/jobs", json=body, headers={"Authorization": f"Bearer {token}"},
-                                    timeout=60).raise_for_status().json()["id"]
+                job_id = (
+                    httpx.post(url + "/api/jobs", json=body, headers={"Authorization": f"Bearer {token}"}, timeout=60)
+                    .raise_for_status()
+                    .json()["id"]
+                )
             idle = _latencies(url, tokens[0], job_id)
             opened, stop = [], threading.Event()
-            threads = [threading.Thread(target=_follow, args=(url, tokens[i % 32], job_id, opened, stop), daemon=True)
-                       for i in range(args.followers)]
+            threads = [
+                threading.Thread(target=_follow, args=(url, tokens[i % 32], job_id, opened, stop), daemon=True)
+                for i in range(args.followers)
+            ]
             for t in threads:
                 t.start()
             while len(opened) < args.followers:

@@ -55,24 +55,51 @@ def copies(source: Path, where: Path, n: int) -> list[Path]:
 
 
 def qf(env: dict, *args: str) -> str:
-    return subprocess.run([sys.executable, "-m", "factory.cli", *args], env=env, cwd=ROOT, capture_output=True,
-                          text=True, check=True).stdout
+    return subprocess.run(
+        [sys.executable, "-m", "factory.cli", *args], env=env, cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
 
 
 def side(models: list[Path], home: Path, redis_server: str, windows: int, worker_args: list[str]) -> dict:
     home.mkdir(parents=True, exist_ok=True)
     port = _free_port()
-    redis = subprocess.Popen([redis_server, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                              "--appendonly", "no", "--dir", tempfile.mkdtemp()], stdout=subprocess.DEVNULL)
-    env = {**os.environ, "FACTORY_HOME": str(home), "FACTORY_DB_URL": "",
-           "FACTORY_BROKER_URL": f"redis://127.0.0.1:{port}/0", "FACTORY_WORKER_DEVICE": "cuda"}
+    redis = subprocess.Popen(
+        [
+            redis_server,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            tempfile.mkdtemp(),
+        ],
+        stdout=subprocess.DEVNULL,
+    )
+    env = {
+        **os.environ,
+        "FACTORY_HOME": str(home),
+        "FACTORY_DB_URL": "",
+        "FACTORY_BROKER_URL": f"redis://127.0.0.1:{port}/0",
+        "FACTORY_WORKER_DEVICE": "cuda",
+    }
     time.sleep(1)
-    worker = subprocess.Popen([sys.executable, "-m", "factory.cli", "worker", "--gpu", "0", *worker_args], env=env,
-                              cwd=ROOT, stdout=open(home / "worker.log", "w"), stderr=subprocess.STDOUT)
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "factory.cli", "worker", "--gpu", "0", *worker_args],
+        env=env,
+        cwd=ROOT,
+        stdout=open(home / "worker.log", "w"),
+        stderr=subprocess.STDOUT,
+    )
     try:
         start = time.monotonic()
-        jobs = [qf(env, "submit", str(m), "--awq", "--exl2", "4.0,6.0", "--eval-windows", str(windows)).strip()
-                for m in models]
+        jobs = [
+            qf(env, "submit", str(m), "--awq", "--exl2", "4.0,6.0", "--eval-windows", str(windows)).strip()
+            for m in models
+        ]
         ended: dict[str, float] = {}
         while len(ended) < len(jobs):
             for job_id in jobs:
@@ -86,12 +113,27 @@ def side(models: list[Path], home: Path, redis_server: str, windows: int, worker
         worker.terminate()
         worker.wait(timeout=600)
         redis.terminate()
-    return {"worker_args": worker_args, "wall_seconds": round(wall, 1),
-            "jobs_per_hour": round(len(jobs) * 3600 / wall, 2),
-            "jobs": [{"job": s["id"], "state": s["state"], "ended_after": round(ended[s["id"]], 1),
-                      "steps": {x["name"]: {"seconds": x["seconds"], "holder": x.get("holder"),
-                                            "peak_gpu_bytes": x.get("peak_gpu_bytes")} for x in s["steps"]}}
-                     for s in statuses]}
+    return {
+        "worker_args": worker_args,
+        "wall_seconds": round(wall, 1),
+        "jobs_per_hour": round(len(jobs) * 3600 / wall, 2),
+        "jobs": [
+            {
+                "job": s["id"],
+                "state": s["state"],
+                "ended_after": round(ended[s["id"]], 1),
+                "steps": {
+                    x["name"]: {
+                        "seconds": x["seconds"],
+                        "holder": x.get("holder"),
+                        "peak_gpu_bytes": x.get("peak_gpu_bytes"),
+                    }
+                    for x in s["steps"]
+                },
+            }
+            for s in statuses
+        ],
+    }
 
 
 SIDES = ("packed", "one_at_a_time")
@@ -117,18 +159,19 @@ def main() -> None:
     if not (source / "config.json").is_file():
         convert(source, Path(gguf) if gguf else None)
     models = copies(source, args.dir / "copies", args.jobs)
-    command = (f"python benchmarks/jobs_per_hour.py DIR --jobs {args.jobs} --slots {args.slots} "
-               f"--windows {args.windows}")
+    command = f"python benchmarks/jobs_per_hour.py DIR --jobs {args.jobs} --slots {args.slots} --windows {args.windows}"
     results = json.loads(args.out.read_text()) if args.side and args.out.is_file() else {"sides": {}}
     for name in args.side or SIDES:
         worker_args = ["--slots", str(args.slots)] if name == "packed" else ["--max-units", "1"]
         jobs = args.side_jobs or args.jobs
         results["sides"][name] = {
             **side(models[:jobs], args.dir / name, args.redis_server, args.windows, worker_args),
-            "gpu": torch.cuda.get_device_name(0), "versions": {"torch": torch.__version__},
+            "gpu": torch.cuda.get_device_name(0),
+            "versions": {"torch": torch.__version__},
             "command": f"{command} --side {name} --side-jobs {jobs}",
-            "commit": os.environ.get("QF_COMMIT") or subprocess.run(
-                ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()}
+            "commit": os.environ.get("QF_COMMIT")
+            or subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip(),
+        }
         if all(s in results["sides"] for s in SIDES):
             packed, one = results["sides"]["packed"], results["sides"]["one_at_a_time"]
             results["speed"] = {"jobs_per_hour_ratio": round(packed["jobs_per_hour"] / one["jobs_per_hour"], 3)}

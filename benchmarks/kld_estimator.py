@@ -58,8 +58,9 @@ def estimates(p, q, k: int, s: int, seed: int = 0) -> dict:
     rest_q = (1 - lq.exp().sum(-1)).clamp(min=1e-12)
     lumped = head + rest_p * (rest_p.log() - rest_q.log())
     tail = p.exp().scatter(-1, idx, 0.0)
-    drawn = torch.multinomial(tail / tail.sum(-1, keepdim=True), s, replacement=True,
-                              generator=torch.Generator().manual_seed(seed))
+    drawn = torch.multinomial(
+        tail / tail.sum(-1, keepdim=True), s, replacement=True, generator=torch.Generator().manual_seed(seed)
+    )
     sampled = head + tail.sum(-1) * (p.gather(-1, drawn) - q.gather(-1, drawn)).mean(-1)
     return {"lumped": lumped, "sampled": sampled}
 
@@ -81,23 +82,48 @@ def main() -> None:
     for bits in (4, 3):
         q = log_probs(rtn(folder, bits), windows)
         exact = (p.exp() * (p - q)).sum(-1)
-        truth = {"mean": exact.mean().item(), "p99": exact.quantile(0.99).item(),
-                 "top1": (p.argmax(-1) == q.argmax(-1)).float().mean().item()}
+        truth = {
+            "mean": exact.mean().item(),
+            "p99": exact.quantile(0.99).item(),
+            "top1": (p.argmax(-1) == q.argmax(-1)).float().mean().item(),
+        }
         for k, s in ((16, 0), (32, 0), (64, 0), (128, 0), (256, 0), (16, 16), (32, 32), (64, 64)):
             for kind, kl in estimates(p, q, k, max(s, 1)).items():
                 if (kind == "sampled") != (s > 0):
                     continue
-                rows.append({"quant": f"rtn-{bits}bit-g64", "reference": kind, "top_k": k, "samples": s,
-                             "bytes_per_position": (k + s) * 6 + 4, "exact": truth,
-                             "mean": kl.mean().item(), "p99": kl.quantile(0.99).item(),
-                             "mean_error": kl.mean().item() / truth["mean"] - 1,
-                             "p99_error": kl.quantile(0.99).item() / truth["p99"] - 1})
+                rows.append(
+                    {
+                        "quant": f"rtn-{bits}bit-g64",
+                        "reference": kind,
+                        "top_k": k,
+                        "samples": s,
+                        "bytes_per_position": (k + s) * 6 + 4,
+                        "exact": truth,
+                        "mean": kl.mean().item(),
+                        "p99": kl.quantile(0.99).item(),
+                        "mean_error": kl.mean().item() / truth["mean"] - 1,
+                        "p99_error": kl.quantile(0.99).item() / truth["p99"] - 1,
+                    }
+                )
                 r = rows[-1]
-                print(f"{r['quant']} {kind:7} K={k:3} S={s:2}: mean {r['mean']:.5f} ({r['mean_error']:+.2%}) "
-                      f"p99 {r['p99']:.4f} ({r['p99_error']:+.2%}), exact {truth['mean']:.5f} / {truth['p99']:.4f}, "
-                      f"{r['bytes_per_position']} B/position", flush=True)
-    RESULTS.write_text(json.dumps({"command": f"python benchmarks/kld_estimator.py {count}", "model":
-                                   "smollm2-135m-instruct", "positions": len(p), "rows": rows}, indent=1) + "\n")
+                print(
+                    f"{r['quant']} {kind:7} K={k:3} S={s:2}: mean {r['mean']:.5f} ({r['mean_error']:+.2%}) "
+                    f"p99 {r['p99']:.4f} ({r['p99_error']:+.2%}), exact {truth['mean']:.5f} / {truth['p99']:.4f}, "
+                    f"{r['bytes_per_position']} B/position",
+                    flush=True,
+                )
+    RESULTS.write_text(
+        json.dumps(
+            {
+                "command": f"python benchmarks/kld_estimator.py {count}",
+                "model": "smollm2-135m-instruct",
+                "positions": len(p),
+                "rows": rows,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

@@ -27,8 +27,9 @@ sys.path.insert(0, str(ROOT))
 
 
 def _dmon(log: Path) -> subprocess.Popen:
-    return subprocess.Popen(["nvidia-smi", "dmon", "-s", "um", "-d", "2"], stdout=open(log, "w"),
-                            stderr=subprocess.DEVNULL)
+    return subprocess.Popen(
+        ["nvidia-smi", "dmon", "-s", "um", "-d", "2"], stdout=open(log, "w"), stderr=subprocess.DEVNULL
+    )
 
 
 def _gpu_use(log: Path) -> dict:
@@ -43,14 +44,31 @@ def _gpu_use(log: Path) -> dict:
                 rows.append(dict(zip(header, values, strict=True)))
     sm = [float(r["sm"]) for r in rows if r.get("sm", "-") != "-"]
     fb = [float(r["fb"]) for r in rows if r.get("fb", "-") != "-"]
-    return {"samples": len(rows), "sm_mean": round(sum(sm) / len(sm), 1) if sm else None,
-            "sm_max": max(sm, default=None), "fb_max_mib": max(fb, default=None)}
+    return {
+        "samples": len(rows),
+        "sm_mean": round(sum(sm) / len(sm), 1) if sm else None,
+        "sm_max": max(sm, default=None),
+        "fb_max_mib": max(fb, default=None),
+    }
 
 
 def side(model: Path, home: Path, bpw: str, windows: int, max_units: int | None) -> dict:
     env = {**os.environ, "FACTORY_HOME": str(home), "FACTORY_DB_URL": ""}
-    cmd = [sys.executable, "-m", "factory.cli", "run", str(model), "--exl2", bpw, "--calibration", "builtin:mix",
-           "--eval-windows", str(windows), "--json", *(["--max-units", str(max_units)] if max_units else [])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "factory.cli",
+        "run",
+        str(model),
+        "--exl2",
+        bpw,
+        "--calibration",
+        "builtin:mix",
+        "--eval-windows",
+        str(windows),
+        "--json",
+        *(["--max-units", str(max_units)] if max_units else []),
+    ]
     home.mkdir(parents=True, exist_ok=True)
     monitor = _dmon(home / "dmon.log")
     start = time.monotonic()
@@ -65,19 +83,43 @@ def side(model: Path, home: Path, bpw: str, windows: int, max_units: int | None)
         monitor.terminate()
         monitor.wait()
     wall = time.monotonic() - start
-    converting = [e["at"] for e in events if e["event"] == "step" and e["step"].startswith("quantize:")
-                  and e["state"] in ("running", "succeeded")]
-    expected = {e["step"]: e.get("expected_seconds") for e in events
-                if e["event"] == "step" and e["state"] == "running"}
-    steps = {e["step"]: {"seconds": e["seconds"], "peak_gpu_bytes": e["peak_gpu_bytes"],
-                         "expected_seconds": expected.get(e["step"])}
-             for e in events if e["event"] == "step" and e["state"] == "succeeded"}
-    quants = [{"tag": q["name"].split(":", 1)[1], "bits": q["bits"], "bytes": q["bytes"], "ppl": q["ppl"],
-               "fp16_ppl": q["fp16_ppl"]} for q in events[-1]["quants"]]
+    converting = [
+        e["at"]
+        for e in events
+        if e["event"] == "step" and e["step"].startswith("quantize:") and e["state"] in ("running", "succeeded")
+    ]
+    expected = {
+        e["step"]: e.get("expected_seconds") for e in events if e["event"] == "step" and e["state"] == "running"
+    }
+    steps = {
+        e["step"]: {
+            "seconds": e["seconds"],
+            "peak_gpu_bytes": e["peak_gpu_bytes"],
+            "expected_seconds": expected.get(e["step"]),
+        }
+        for e in events
+        if e["event"] == "step" and e["state"] == "succeeded"
+    }
+    quants = [
+        {
+            "tag": q["name"].split(":", 1)[1],
+            "bits": q["bits"],
+            "bytes": q["bytes"],
+            "ppl": q["ppl"],
+            "fp16_ppl": q["fp16_ppl"],
+        }
+        for q in events[-1]["quants"]
+    ]
     notes = [e["message"] for e in events if e["event"] == "note"]
-    return {"max_units": max_units or "default", "wall_seconds": round(wall, 1),
-            "conversion_seconds": round(max(converting) - min(converting), 1),  # first quantize start to last end
-            "steps": steps, "quants": quants, "gpu": _gpu_use(home / "dmon.log"), "notes": notes}
+    return {
+        "max_units": max_units or "default",
+        "wall_seconds": round(wall, 1),
+        "conversion_seconds": round(max(converting) - min(converting), 1),  # first quantize start to last end
+        "steps": steps,
+        "quants": quants,
+        "gpu": _gpu_use(home / "dmon.log"),
+        "notes": notes,
+    }
 
 
 def main() -> None:
@@ -94,20 +136,28 @@ def main() -> None:
     model = args.dir / "llama-1.1b"
     if not (model / "config.json").is_file():
         make_tiny_llama(model, device="cuda", **LLAMA_1B)
-    results = {"gpu": torch.cuda.get_device_name(0), "versions": {"torch": torch.__version__},
-               "command": f"python benchmarks/packing.py DIR --bpw {args.bpw} --windows {args.windows}",
-               "commit": os.environ.get("QF_COMMIT") or subprocess.run(  # a copy's .git may be another commit's
-                   ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip() or "unknown",
-               "sides": {}}
+    results = {
+        "gpu": torch.cuda.get_device_name(0),
+        "versions": {"torch": torch.__version__},
+        "command": f"python benchmarks/packing.py DIR --bpw {args.bpw} --windows {args.windows}",
+        "commit": os.environ.get("QF_COMMIT")
+        or subprocess.run(  # a copy's .git may be another commit's
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
+        or "unknown",
+        "sides": {},
+    }
     for name, max_units in (("packed", None), ("one_at_a_time", 1)):  # packed first: the newer path fails early
         results["sides"][name] = side(model, args.dir / name, args.bpw, args.windows, max_units)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=2) + "\n")  # what is measured survives a later failure
         print(name, results["sides"][name]["wall_seconds"], "s", flush=True)
     one, packed = results["sides"]["one_at_a_time"], results["sides"]["packed"]
-    results["speed"] = {"packing_ratio": round(one["wall_seconds"] / packed["wall_seconds"], 3),
-                        "conversion_ratio": round(one["conversion_seconds"] / packed["conversion_seconds"], 3),
-                        "sizes": len(args.bpw.split(","))}
+    results["speed"] = {
+        "packing_ratio": round(one["wall_seconds"] / packed["wall_seconds"], 3),
+        "conversion_ratio": round(one["conversion_seconds"] / packed["conversion_seconds"], 3),
+        "sizes": len(args.bpw.split(",")),
+    }
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps(results["speed"]))
 

@@ -41,8 +41,12 @@ METHODS = ("exl2", "exl3")
 
 def _gpu_used_bytes() -> int:
     gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]  # the card torch sees as cuda:0
-    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", gpu],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", gpu],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return int(out.split()[0]) * 2**20
 
 
@@ -66,8 +70,13 @@ def one(folder: str, ctx: int, cache_type: str) -> dict:
     with torch.inference_mode():
         model.forward(ids[:, :-1], cache, preprocess_only=True)
         model.forward(ids[:, -1:], cache)
-    return {"ctx": ctx, "cache": cache_type, "max_input_len": config.max_input_len,
-            "max_attention_size": config.max_attention_size, **_memory(used_before, free_start, free_loaded, total)}
+    return {
+        "ctx": ctx,
+        "cache": cache_type,
+        "max_input_len": config.max_input_len,
+        "max_attention_size": config.max_attention_size,
+        **_memory(used_before, free_start, free_loaded, total),
+    }
 
 
 def one_exl3(folder: str, ctx: int, cache_type: str) -> dict:
@@ -95,10 +104,15 @@ def one_exl3(folder: str, ctx: int, cache_type: str) -> dict:
         for start in range(0, ctx - 1, EXL3_CHUNK):
             params = {"attn_mode": "flash_attn", "cache": cache, "past_len": start, "batch_shape": (1, ctx)}
             model.prefill(ids[:, start : min(start + EXL3_CHUNK, ctx - 1)], params)
-        model.forward(ids[:, -1:], {"attn_mode": "flash_attn", "cache": cache, "past_len": ctx - 1,
-                                    "batch_shape": (1, ctx)})
-    return {"ctx": ctx, "cache": cache_type, "chunk": EXL3_CHUNK,
-            **_memory(used_before, free_start, free_loaded, total)}
+        model.forward(
+            ids[:, -1:], {"attn_mode": "flash_attn", "cache": cache, "past_len": ctx - 1, "batch_shape": (1, ctx)}
+        )
+    return {
+        "ctx": ctx,
+        "cache": cache_type,
+        "chunk": EXL3_CHUNK,
+        **_memory(used_before, free_start, free_loaded, total),
+    }
 
 
 def _memory(used_before: int, free_start: int, free_loaded: int, total: int) -> dict:
@@ -108,16 +122,26 @@ def _memory(used_before: int, free_start: int, free_loaded: int, total: int) -> 
 
     torch.cuda.synchronize()
     free_end, _ = torch.cuda.mem_get_info()
-    return {"allocated_peak": torch.cuda.max_memory_allocated(), "reserved_peak": torch.cuda.max_memory_reserved(),
-            "free_drop_load": free_start - free_loaded, "free_drop": free_start - free_end,
-            "gpu_used_before": used_before, "gpu_used_end": _gpu_used_bytes(), "gpu_total": total}
+    return {
+        "allocated_peak": torch.cuda.max_memory_allocated(),
+        "reserved_peak": torch.cuda.max_memory_reserved(),
+        "free_drop_load": free_start - free_loaded,
+        "free_drop": free_start - free_end,
+        "gpu_used_before": used_before,
+        "gpu_used_end": _gpu_used_bytes(),
+        "gpu_total": total,
+    }
 
 
 def describe(folder: Path) -> dict:
     """The quant's shape and its tensor bytes by group (embedding, head, decoder layers, other)."""
     config = json.loads((folder / "config.json").read_text())
-    return {"folder": folder.name, "config": config, "tensor_bytes": vram.tensor_bytes(folder),
-            "file_bytes": sum(p.stat().st_size for p in folder.glob("*.safetensors"))}
+    return {
+        "folder": folder.name,
+        "config": config,
+        "tensor_bytes": vram.tensor_bytes(folder),
+        "file_bytes": sum(p.stat().st_size for p in folder.glob("*.safetensors")),
+    }
 
 
 def quants(root: Path, methods: tuple[str, ...] = METHODS) -> list[Path]:
@@ -147,8 +171,9 @@ def measure(root: Path, out: Path, budget: float, methods: tuple[str, ...] = MET
         if time.monotonic() - start > budget:
             print(f"time budget spent; {cache} at {ctx} for {folder.name} not measured")
             continue
-        proc = subprocess.run([sys.executable, __file__, "one", str(folder), str(ctx), cache],
-                              capture_output=True, text=True)
+        proc = subprocess.run(
+            [sys.executable, __file__, "one", str(folder), str(ctx), cache], capture_output=True, text=True
+        )
         if proc.returncode != 0:
             run = {"ctx": ctx, "cache": cache, "error": proc.stderr.strip().splitlines()[-1:]}
         else:
@@ -170,8 +195,7 @@ def compare(measured: list[Path]) -> dict:
             qc = quant["config"]["quantization_config"]
             shape = vram.Shape.of(quant["config"])
             if qc["quant_method"] == "exl3":  # predicted from the shape alone, as for a quant not yet made
-                weights = exl3_memory.exl3_weights(shape, exl3_memory.dense_params(shape), qc["bits"],
-                                                   qc["head_bits"])
+                weights = exl3_memory.exl3_weights(shape, exl3_memory.dense_params(shape), qc["bits"], qc["head_bits"])
             else:
                 weights = vram.on_gpu(quant["tensor_bytes"])
             predict = exl3_memory.exllamav3 if qc["quant_method"] == "exl3" else vram.exllamav2
@@ -181,15 +205,28 @@ def compare(measured: list[Path]) -> dict:
                 predicted = predict(shape, weights, run["ctx"], run["cache"])
                 seen = run["gpu_used_end"] - run["gpu_used_before"]
                 error = predicted["total"] - seen
-                rows.append({"model": quant["config"].get("_name_or_path") or path.stem, "quant": quant["folder"],
-                             "method": qc["quant_method"],
-                             "ctx": run["ctx"], "cache": run["cache"], "measured_drop": seen,
-                             "measured_torch_reserved": run["reserved_peak"], "predicted": predicted["total"],
-                             "predicted_parts": predicted, "error_bytes": error, "error": round(error / seen, 4),
-                             "ok": abs(error) <= max(0.05 * seen, 64 * 2**20)})
-    return {"target": "|predicted - measured| <= max(5%, 64 MiB), measured = nvidia-smi used after - before",
-            "all_ok": all(r["ok"] for r in rows), "worst": max((abs(r["error"]) for r in rows), default=None),
-            "rows": rows}
+                rows.append(
+                    {
+                        "model": quant["config"].get("_name_or_path") or path.stem,
+                        "quant": quant["folder"],
+                        "method": qc["quant_method"],
+                        "ctx": run["ctx"],
+                        "cache": run["cache"],
+                        "measured_drop": seen,
+                        "measured_torch_reserved": run["reserved_peak"],
+                        "predicted": predicted["total"],
+                        "predicted_parts": predicted,
+                        "error_bytes": error,
+                        "error": round(error / seen, 4),
+                        "ok": abs(error) <= max(0.05 * seen, 64 * 2**20),
+                    }
+                )
+    return {
+        "target": "|predicted - measured| <= max(5%, 64 MiB), measured = nvidia-smi used after - before",
+        "all_ok": all(r["ok"] for r in rows),
+        "worst": max((abs(r["error"]) for r in rows), default=None),
+        "rows": rows,
+    }
 
 
 def main() -> None:
@@ -204,8 +241,10 @@ def main() -> None:
         result = compare(files)
         out.write_text(json.dumps(result, indent=1) + "\n")
         for r in result["rows"]:
-            print(f"{r['quant']:24} {r['ctx']:6} {r['cache']:4} measured {r['measured_drop'] / 2**20:7.0f} MiB "
-                  f"predicted {r['predicted'] / 2**20:7.0f} MiB  {r['error'] * 100:+.1f}%")
+            print(
+                f"{r['quant']:24} {r['ctx']:6} {r['cache']:4} measured {r['measured_drop'] / 2**20:7.0f} MiB "
+                f"predicted {r['predicted'] / 2**20:7.0f} MiB  {r['error'] * 100:+.1f}%"
+            )
         print(f"all within target: {result['all_ok']}, worst {result['worst'] * 100:.1f}%")
     elif len(sys.argv) >= 4 and sys.argv[1] == "measure":
         methods = (sys.argv[5],) if len(sys.argv) > 5 else METHODS

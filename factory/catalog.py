@@ -100,9 +100,13 @@ MIGRATIONS = {  # version -> the columns (table, column, SQL type) that bring a 
     + [("jobs", "max_kld", "FLOAT")],
     "5": [],  # new tables only: create_all makes them
     "6": [("submissions", "withdrawn_at", "TIMESTAMP")],
-    "7": [("quants", "weights_key", "VARCHAR(64)"), ("quants", "files_sha", "VARCHAR(64)"),
-          ("quants", "removed_at", "TIMESTAMP"), ("evaluations", "weights_key", "VARCHAR(64)"),
-          ("steps", "note", "TEXT")],
+    "7": [
+        ("quants", "weights_key", "VARCHAR(64)"),
+        ("quants", "files_sha", "VARCHAR(64)"),
+        ("quants", "removed_at", "TIMESTAMP"),
+        ("evaluations", "weights_key", "VARCHAR(64)"),
+        ("steps", "note", "TEXT"),
+    ],
 }  # a column that create_all made already (its table was new) is left as it is
 _SCHEMA_LOCK_KEY = 0x71F4C7  # pg_advisory_lock key for creating the tables
 
@@ -228,11 +232,26 @@ class Quant(Base):
     def row(self) -> QuantRow:
         """The public form of this quant (the model card, `qf ls`, `qf show`, `--json`)."""
         return QuantRow(
-            name=self.name, tag=self.tag, rev=self.rev, method=self.method, bits=self.bits, bytes=self.bytes,
-            ppl=self.ppl, fp16_ppl=self.fp16_ppl, kld=self.kld, kld_p99=self.kld_p99, top1=self.top1,
-            source=self.source, source_identity=self.source_identity,
-            calibration=self.calibration, eval=self.eval, versions=self.versions, job=self.job_id, path=self.path,
-            spec=self.spec or {}, created_at=(self.created_at or now()).isoformat(timespec="seconds"),
+            name=self.name,
+            tag=self.tag,
+            rev=self.rev,
+            method=self.method,
+            bits=self.bits,
+            bytes=self.bytes,
+            ppl=self.ppl,
+            fp16_ppl=self.fp16_ppl,
+            kld=self.kld,
+            kld_p99=self.kld_p99,
+            top1=self.top1,
+            source=self.source,
+            source_identity=self.source_identity,
+            calibration=self.calibration,
+            eval=self.eval,
+            versions=self.versions,
+            job=self.job_id,
+            path=self.path,
+            spec=self.spec or {},
+            created_at=(self.created_at or now()).isoformat(timespec="seconds"),
         )
 
 
@@ -408,8 +427,10 @@ class Catalog:
                 with self.session() as s:
                     if known := s.scalar(select(Model.name).where(Model.source == source)):
                         if fallback is None and known != wanted:
-                            raise SpecError(f"{source!r} is already named {known!r} in the catalog, not {wanted!r}; "
-                                            f"drop --name (its quants are published as {known!r})")
+                            raise SpecError(
+                                f"{source!r} is already named {known!r} in the catalog, not {wanted!r}; "
+                                f"drop --name (its quants are published as {known!r})"
+                            )
                         return known
                     for name in (wanted, fallback):
                         if name is not None and s.get(Model, name) is None:
@@ -445,9 +466,17 @@ class Catalog:
             return job
 
     # state: the one compare-and-set
-    def transition(self, job_id: str, to: JobState, token: int | None = None, error: str | None = None,
-                   exit_code: int | None = None, only_from: frozenset[JobState] | None = None,
-                   lease_expired: bool = False, session: Session | None = None) -> bool:
+    def transition(
+        self,
+        job_id: str,
+        to: JobState,
+        token: int | None = None,
+        error: str | None = None,
+        exit_code: int | None = None,
+        only_from: frozenset[JobState] | None = None,
+        lease_expired: bool = False,
+        session: Session | None = None,
+    ) -> bool:
         """Move the job to `to` if its state allows it (TRANSITIONS, narrowed by `only_from`) and, with `token`, if
         that lease still holds it (`lease_expired`: only if its lease ran out). True when it happened. With
         `session`, inside that transaction (a caller that decides under the job's row lock)."""
@@ -472,8 +501,9 @@ class Catalog:
     def fail_job(self, job_id: str, error: str, token: int | None = None) -> bool:
         """The job and its running steps failed with `error` (a job process that died without saying why); with
         `token`, only while that lease holds the job. False when it did not happen."""
-        if not self.transition(job_id, JobState.failed, token, error, 1,
-                               only_from=frozenset({JobState.queued, JobState.running})):
+        if not self.transition(
+            job_id, JobState.failed, token, error, 1, only_from=frozenset({JobState.queued, JobState.running})
+        ):
             return False
         with self.session() as s:
             for step in s.scalars(select(Step).where(Step.job_id == job_id, Step.state == StepState.running)):
@@ -500,14 +530,18 @@ class Catalog:
     def renew_lease(self, lease: Lease, seconds: float) -> bool:
         """Extend the lease; False when another holder has taken the job since (the lease is lost)."""
         with self.session() as s:
-            renewed = s.execute(update(Job).where(Job.id == lease.job_id, Job.lease_token == lease.token)
-                                .values(lease_until=now() + timedelta(seconds=seconds)))
+            renewed = s.execute(
+                update(Job)
+                .where(Job.id == lease.job_id, Job.lease_token == lease.token)
+                .values(lease_until=now() + timedelta(seconds=seconds))
+            )
             return renewed.rowcount == 1
 
     def release_lease(self, lease: Lease) -> None:
         with self.session() as s:
-            s.execute(update(Job).where(Job.id == lease.job_id, Job.lease_token == lease.token)
-                      .values(lease_until=None))
+            s.execute(
+                update(Job).where(Job.id == lease.job_id, Job.lease_token == lease.token).values(lease_until=None)
+            )
 
     def holder(self, job_id: str) -> str | None:
         """Who holds a valid lease on the job now, if anyone."""
@@ -532,16 +566,21 @@ class Catalog:
         job = s.get(Job, job_id)
         if token is not None and job.lease_token != token:
             raise LeaseLost(f"lease lost to {job.worker}; stopping")
-        raise Cancelled(f"job {job_id} was cancelled") if job.state == JobState.cancelled else LeaseLost(
-            f"job {job_id} is {job.state}, not running; stopping")
+        raise (
+            Cancelled(f"job {job_id} was cancelled")
+            if job.state == JobState.cancelled
+            else LeaseLost(f"job {job_id} is {job.state}, not running; stopping")
+        )
 
     def expired_leases(self) -> list[str]:
         """Running jobs whose holder stopped renewing: queued again (the next take counts the loss)."""
         with self.session() as s:
-            candidates = list(s.scalars(select(Job.id).where(Job.state == JobState.running,
-                                                             Job.lease_until < now())))
-        return [job_id for job_id in candidates if self.transition(job_id, JobState.queued, lease_expired=True,
-                                                                     only_from=frozenset({JobState.running}))]
+            candidates = list(s.scalars(select(Job.id).where(Job.state == JobState.running, Job.lease_until < now())))
+        return [
+            job_id
+            for job_id in candidates
+            if self.transition(job_id, JobState.queued, lease_expired=True, only_from=frozenset({JobState.running}))
+        ]
 
     def queued_jobs(self, older_than: float) -> list[str]:
         """Jobs queued for more than `older_than` seconds (younger ones may be on their way to the broker)."""
@@ -549,8 +588,9 @@ class Catalog:
             cutoff = now() - timedelta(seconds=older_than)
             return list(s.scalars(select(Job.id).where(Job.state == JobState.queued, Job.updated_at < cutoff)))
 
-    def set_job_specs(self, job_id: str, specs: list[dict], token: int | None = None,
-                      parameters: int | None = None) -> None:
+    def set_job_specs(
+        self, job_id: str, specs: list[dict], token: int | None = None, parameters: int | None = None
+    ) -> None:
         with self.session() as s:
             self._fence(s, job_id, token)
             job = s.get(Job, job_id)
@@ -562,22 +602,41 @@ class Catalog:
             s.get(Job, job_id).expected_end = now() + timedelta(seconds=seconds)
 
     # steps
-    def start_step(self, job_id: str, name: str, token: int | None = None,
-                   expected_seconds: float | None = None, holder: str | None = None,
-                   claim: tuple[str, int] | None = None) -> int:
+    def start_step(
+        self,
+        job_id: str,
+        name: str,
+        token: int | None = None,
+        expected_seconds: float | None = None,
+        holder: str | None = None,
+        claim: tuple[str, int] | None = None,
+    ) -> int:
         """`claim`: the unit's (key, token), which fences the write as the job's lease token does."""
         with self.session() as s:
             self._fence(s, job_id, token)
             self._fence_claim(s, claim)
-            step = Step(job_id=job_id, name=name, state=StepState.running, lease_token=token, holder=holder,
-                        expected_seconds=expected_seconds)
+            step = Step(
+                job_id=job_id,
+                name=name,
+                state=StepState.running,
+                lease_token=token,
+                holder=holder,
+                expected_seconds=expected_seconds,
+            )
             s.add(step)
             s.flush()
             return step.id
 
-    def end_step(self, step_id: int, state: StepState, error: str | None = None, peak_gpu_bytes: int | None = None,
-                 token: int | None = None, claim: tuple[str, int] | None = None,
-                 before_commit: Callable[[], None] | None = None) -> None:
+    def end_step(
+        self,
+        step_id: int,
+        state: StepState,
+        error: str | None = None,
+        peak_gpu_bytes: int | None = None,
+        token: int | None = None,
+        claim: tuple[str, int] | None = None,
+        before_commit: Callable[[], None] | None = None,
+    ) -> None:
         """`before_commit`: what must happen only while the fences hold (a helper's quant handed to the job),
         with the job's and the claim's rows locked; if it raises, the step is not ended."""
         with self.session() as s:
@@ -606,28 +665,44 @@ class Catalog:
         """(step name, seconds, the job's parameters) of the newest finished steps whose name starts with
         `family` (jobs/eta.py: `quantize:<engine>`), on jobs of this device."""
         with self.session() as s:
-            rows = s.execute(select(Step.name, Step.started_at, Step.ended_at, Job.parameters).join(Job)
-                             .where(Step.name.startswith(family), Step.state == StepState.succeeded,
-                                    Step.ended_at.is_not(None), Job.parameters.is_not(None), Job.device == device)
-                             .order_by(Step.id.desc()).limit(limit))
+            rows = s.execute(
+                select(Step.name, Step.started_at, Step.ended_at, Job.parameters)
+                .join(Job)
+                .where(
+                    Step.name.startswith(family),
+                    Step.state == StepState.succeeded,
+                    Step.ended_at.is_not(None),
+                    Job.parameters.is_not(None),
+                    Job.device == device,
+                )
+                .order_by(Step.id.desc())
+                .limit(limit)
+            )
             return [(name, (end - start).total_seconds(), parameters) for name, start, end, parameters in rows]
 
     def recorded_peaks(self, source_identity: str) -> dict[str, int]:
         """The highest GPU memory each step name allocated in the finished steps of any job of this source: what
         the next units of the same source are predicted to take."""
         with self.session() as s:
-            rows = s.execute(select(Step.name, func.max(Step.peak_gpu_bytes)).join(Job)
-                             .where(Job.source_identity == source_identity, Step.state == StepState.succeeded,
-                                    Step.peak_gpu_bytes.is_not(None))
-                             .group_by(Step.name))
+            rows = s.execute(
+                select(Step.name, func.max(Step.peak_gpu_bytes))
+                .join(Job)
+                .where(
+                    Job.source_identity == source_identity,
+                    Step.state == StepState.succeeded,
+                    Step.peak_gpu_bytes.is_not(None),
+                )
+                .group_by(Step.name)
+            )
             return {name: int(peak) for name, peak in rows}
 
     def reuse_step(self, job_id: str, name: str, note: str, token: int | None = None) -> None:
         """A step that succeeded without its work: what it used instead (`note`)."""
         with self.session() as s:
             self._fence(s, job_id, token)
-            s.add(Step(job_id=job_id, name=name, state=StepState.succeeded, note=note, lease_token=token,
-                       ended_at=now()))
+            s.add(
+                Step(job_id=job_id, name=name, state=StepState.succeeded, note=note, lease_token=token, ended_at=now())
+            )
 
     def done_steps(self, job_id: str) -> set[str]:
         with self.session() as s:
@@ -663,9 +738,13 @@ class Catalog:
             return True
         except IntegrityError:
             with self.session() as s:
-                changed = s.execute(update(Upstream).where(
-                    Upstream.watch == watch, Upstream.repo == repo, Upstream.sha == sha, Upstream.job_id.is_(None))
-                    .values(job_id=job_id, skipped=skipped))
+                changed = s.execute(
+                    update(Upstream)
+                    .where(
+                        Upstream.watch == watch, Upstream.repo == repo, Upstream.sha == sha, Upstream.job_id.is_(None)
+                    )
+                    .values(job_id=job_id, skipped=skipped)
+                )
                 return changed.rowcount == 1
 
     # quants
@@ -717,34 +796,48 @@ class Catalog:
             if name is not None:
                 query = query.where(Quant.name == name)
             if job_id is not None:
-                evaluated = select(Evaluation.weights_key).where(Evaluation.job_id == job_id,
-                                                                 Evaluation.weights_key.is_not(None))
+                evaluated = select(Evaluation.weights_key).where(
+                    Evaluation.job_id == job_id, Evaluation.weights_key.is_not(None)
+                )
                 query = query.where((Quant.job_id == job_id) | Quant.weights_key.in_(evaluated))
             return list(s.scalars(query))
 
     def quant_with_weights(self, weights_key: str) -> Quant | None:
         """The live quant whose weights this key makes (the oldest, should there be two: they race to publish)."""
         with self.session() as s:
-            return s.scalars(select(Quant).where(Quant.weights_key == weights_key, Quant.removed_at.is_(None))
-                             .order_by(Quant.id).limit(1)).one_or_none()
+            return s.scalars(
+                select(Quant)
+                .where(Quant.weights_key == weights_key, Quant.removed_at.is_(None))
+                .order_by(Quant.id)
+                .limit(1)
+            ).one_or_none()
 
     def removed_quants(self, job_id: str) -> list[Quant]:
         """The tombstones of quants the job published or evaluated whose weights are not published any more."""
         with self.session() as s:
-            evaluated = select(Evaluation.weights_key).where(Evaluation.job_id == job_id,
-                                                             Evaluation.weights_key.is_not(None))
+            evaluated = select(Evaluation.weights_key).where(
+                Evaluation.job_id == job_id, Evaluation.weights_key.is_not(None)
+            )
             live = select(Quant.weights_key).where(Quant.removed_at.is_(None), Quant.weights_key.is_not(None))
-            query = select(Quant).where(Quant.removed_at.is_not(None),
-                                        (Quant.job_id == job_id) | Quant.weights_key.in_(evaluated),
-                                        Quant.weights_key.not_in(live) | Quant.weights_key.is_(None))
+            query = select(Quant).where(
+                Quant.removed_at.is_not(None),
+                (Quant.job_id == job_id) | Quant.weights_key.in_(evaluated),
+                Quant.weights_key.not_in(live) | Quant.weights_key.is_(None),
+            )
             return list(s.scalars(query.order_by(Quant.id)))
 
     def remove_quant(self, name: str, tag: str, rev: str) -> bool:
         """Take the published quant name:tag@rev out of every listing (`qf rm`), leaving its row as a tombstone so
         that the name never names other files; False when there was none."""
         with self.session() as s:
-            return s.execute(update(Quant).where(Quant.name == name, Quant.tag == tag, Quant.rev == rev,
-                                                 Quant.removed_at.is_(None)).values(removed_at=now())).rowcount > 0
+            return (
+                s.execute(
+                    update(Quant)
+                    .where(Quant.name == name, Quant.tag == tag, Quant.rev == rev, Quant.removed_at.is_(None))
+                    .values(removed_at=now())
+                ).rowcount
+                > 0
+            )
 
     def reopen(self, job_id: str, tags: list[str]) -> bool:
         """A succeeded job queued again to make the quants of `tags` again (they were removed): their quantize,
@@ -761,8 +854,10 @@ class Catalog:
     def job_states(self) -> dict[str, tuple[JobState, str]]:
         """Every job's (state, source identity), for `qf gc`."""
         with self.session() as s:
-            return {i: (JobState(state), ident) for i, state, ident in
-                    s.execute(select(Job.id, Job.state, Job.source_identity))}
+            return {
+                i: (JobState(state), ident)
+                for i, state, ident in s.execute(select(Job.id, Job.state, Job.source_identity))
+            }
 
     def model_names(self) -> list[str]:
         with self.session() as s:
@@ -803,8 +898,11 @@ class Catalog:
 
     def renew_claim(self, key: str, token: int, seconds: float) -> bool:
         with self.session() as s:
-            renewed = s.execute(update(Claim).where(Claim.key == key, Claim.token == token)
-                                .values(until=now() + timedelta(seconds=seconds)))
+            renewed = s.execute(
+                update(Claim)
+                .where(Claim.key == key, Claim.token == token)
+                .values(until=now() + timedelta(seconds=seconds))
+            )
             return renewed.rowcount == 1
 
     def release_claim(self, key: str, token: int) -> None:
@@ -856,18 +954,48 @@ class Catalog:
         it), oldest first: job, text, windows, window_length, device, ppl, kld, kld_p99, top1, created_at. A quant
         published before weights keys has only its own."""
         with self.session() as s:
-            rows = s.execute(select(Evaluation, Job.eval).join(Job, Job.id == Evaluation.job_id)
-                             .where(Evaluation.weights_key == quant.weights_key, Evaluation.subject == quant.tag)
-                             .order_by(Evaluation.id)) if quant.weights_key else []
-            found = [{"job": e.job_id, "text": text_name, "windows": e.windows, "window_length": e.window_length,
-                      "device": e.device, "ppl": e.ppl, "kld": e.kld, "kld_p99": e.kld_p99, "top1": e.top1,
-                      "created_at": e.created_at.isoformat(timespec="seconds")} for e, text_name in rows]
+            rows = (
+                s.execute(
+                    select(Evaluation, Job.eval)
+                    .join(Job, Job.id == Evaluation.job_id)
+                    .where(Evaluation.weights_key == quant.weights_key, Evaluation.subject == quant.tag)
+                    .order_by(Evaluation.id)
+                )
+                if quant.weights_key
+                else []
+            )
+            found = [
+                {
+                    "job": e.job_id,
+                    "text": text_name,
+                    "windows": e.windows,
+                    "window_length": e.window_length,
+                    "device": e.device,
+                    "ppl": e.ppl,
+                    "kld": e.kld,
+                    "kld_p99": e.kld_p99,
+                    "top1": e.top1,
+                    "created_at": e.created_at.isoformat(timespec="seconds"),
+                }
+                for e, text_name in rows
+            ]
         if found:
             return found
         e = quant.eval
-        return [{"job": quant.job_id, "text": e.get("text"), "windows": e.get("windows"),
-                 "window_length": e.get("window_length"), "device": e.get("device"), "ppl": quant.ppl,
-                 "kld": quant.kld, "kld_p99": quant.kld_p99, "top1": quant.top1, "created_at": quant.row().created_at}]
+        return [
+            {
+                "job": quant.job_id,
+                "text": e.get("text"),
+                "windows": e.get("windows"),
+                "window_length": e.get("window_length"),
+                "device": e.get("device"),
+                "ppl": quant.ppl,
+                "kld": quant.kld,
+                "kld_p99": quant.kld_p99,
+                "top1": quant.top1,
+                "created_at": quant.row().created_at,
+            }
+        ]
 
     def quant_row(self, quant: Quant) -> QuantRow:
         """A quant's row with every evaluation of its weights (`qf show`, the Hub repo's main card)."""

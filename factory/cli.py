@@ -150,9 +150,12 @@ class Renderer:
             elif not self.live and "total" in event and time.monotonic() - self.last_line > HEARTBEAT_SECONDS:
                 self._line(f"{event['step']}: {_count(event)}")
         elif kind == "evaluation":
-            divergence = (f", KL divergence from FP16 {tables.kld(event['kld'])} (p99 "
-                          f"{tables.kld(event['kld_p99'], 3)}), top-1 {event['top1'] * 100:.1f}%"
-                          if "kld" in event else "")
+            divergence = (
+                f", KL divergence from FP16 {tables.kld(event['kld'])} (p99 "
+                f"{tables.kld(event['kld_p99'], 3)}), top-1 {event['top1'] * 100:.1f}%"
+                if "kld" in event
+                else ""
+            )
             self._line(f"perplexity {event['subject']}: {event['ppl']:.4f}{divergence}")
 
     def _step(self, event: dict) -> None:
@@ -214,8 +217,13 @@ def _remote():
 
 
 # `\\[` is a bracket, not rich markup (which would swallow `[@revision]`)
-SourceArg = Annotated[str, typer.Argument(metavar="SOURCE", help="A local checkpoint folder (config.json, tokenizer, "
-                                         "safetensors) or a Hub repo org/name\\[@revision].")]
+SourceArg = Annotated[
+    str,
+    typer.Argument(
+        metavar="SOURCE",
+        help="A local checkpoint folder (config.json, tokenizer, safetensors) or a Hub repo org/name\\[@revision].",
+    ),
+]
 RecipeOpt = Annotated[Path | None, typer.Option("--recipe", help="A recipe YAML (see configs/standard.yaml).")]
 CalibrationOpt = Annotated[str | None, typer.Option("--calibration", help="builtin:<name> or file:<path>.")]
 EvalOpt = Annotated[str | None, typer.Option("--eval", help="builtin:<name> or file:<path>.")]
@@ -224,13 +232,25 @@ NameOpt = Annotated[str | None, typer.Option("--name", help="The quant name (def
 BaseOpt = Annotated[str | None, typer.Option("--base-model", help="The Hub repo the card names as base_model.")]
 JsonOpt = Annotated[bool, typer.Option("--json", metavar="", help="JSON instead of tables and progress bars.")]
 WideOpt = Annotated[bool, typer.Option("--wide", metavar="", help="Show every column, whatever the terminal's width.")]
-FitOpt = Annotated[str | None, typer.Option("--fit", help=f"VRAM budgets, e.g. 24GB,16GB: {sizer().label} at the "
-                                            "highest bpw that fits each with --ctx and --kv-cache (see qf plan).")]
+FitOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--fit",
+        help=f"VRAM budgets, e.g. 24GB,16GB: {sizer().label} at the "
+        "highest bpw that fits each with --ctx and --kv-cache (see qf plan).",
+    ),
+]
 CtxOpt = Annotated[int | None, typer.Option("--ctx", min=1, help="Context in tokens (default: the model's max).")]
 KvOpt = Annotated[str, typer.Option("--kv-cache", help="fp16, q8, q6 or q4.")]
-UnitsOpt = Annotated[int | None, typer.Option(
-    "--max-units", min=1, help="Units of a job (conversions, evaluations) run at once (default: as many as fit the "
-    "GPU's memory and the CPU's cores; 1: one after another).")]
+UnitsOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--max-units",
+        min=1,
+        help="Units of a job (conversions, evaluations) run at once (default: as many as fit the "
+        "GPU's memory and the CPU's cores; 1: one after another).",
+    ),
+]
 
 
 def _with_engine_flags(fn):
@@ -243,12 +263,18 @@ def _with_engine_flags(fn):
             continue
         if engine.flag.takes_value:
             option = Annotated[str | None, typer.Option(f"--{engine.name}", help=engine.flag.help)]
-            added.append(inspect.Parameter(f"engine_{engine.name}", inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                                           default=None, annotation=option))
+            added.append(
+                inspect.Parameter(
+                    f"engine_{engine.name}", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None, annotation=option
+                )
+            )
         else:
             option = Annotated[bool, typer.Option(f"--{engine.name}", metavar="", help=engine.flag.help)]
-            added.append(inspect.Parameter(f"engine_{engine.name}", inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                                           default=False, annotation=option))
+            added.append(
+                inspect.Parameter(
+                    f"engine_{engine.name}", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=False, annotation=option
+                )
+            )
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -259,25 +285,72 @@ def _with_engine_flags(fn):
     return wrapper
 
 
-def _request(source, flags, recipe, calibration, eval_set, eval_windows, name, base_model, device=None,
-             fit=None, ctx=None, kv_cache="fp16"):
+def _request(
+    source,
+    flags,
+    recipe,
+    calibration,
+    eval_set,
+    eval_windows,
+    name,
+    base_model,
+    device=None,
+    fit=None,
+    ctx=None,
+    kv_cache="fp16",
+):
     from factory import submission
 
-    return submission.request(source, flags, recipe, calibration, eval_set, eval_windows, name, base_model, device,
-                              fit, ctx, kv_cache, say=lambda line: err.print(line, highlight=False))
+    return submission.request(
+        source,
+        flags,
+        recipe,
+        calibration,
+        eval_set,
+        eval_windows,
+        name,
+        base_model,
+        device,
+        fit,
+        ctx,
+        kv_cache,
+        say=lambda line: err.print(line, highlight=False),
+    )
 
 
 @app.command()
 @_handled
 @_with_engine_flags
-def run(source: SourceArg, flags: dict, recipe: RecipeOpt = None,
-        calibration: CalibrationOpt = None, eval_set: EvalOpt = None, eval_windows: WindowsOpt = None,
-        name: NameOpt = None, base_model: BaseOpt = None, fit: FitOpt = None, ctx: CtxOpt = None,
-        kv_cache: KvOpt = "fp16", max_units: UnitsOpt = None, as_json: JsonOpt = False) -> None:
+def run(
+    source: SourceArg,
+    flags: dict,
+    recipe: RecipeOpt = None,
+    calibration: CalibrationOpt = None,
+    eval_set: EvalOpt = None,
+    eval_windows: WindowsOpt = None,
+    name: NameOpt = None,
+    base_model: BaseOpt = None,
+    fit: FitOpt = None,
+    ctx: CtxOpt = None,
+    kv_cache: KvOpt = "fp16",
+    max_units: UnitsOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
     """Quantize, evaluate and publish SOURCE in this process: inspect, quantize, evaluate, gate, publish (units
     that do not wait for each other at once, where they fit)."""
-    request = _request(source, flags, recipe, calibration, eval_set, eval_windows, name, base_model,
-                       fit=fit, ctx=ctx, kv_cache=kv_cache)
+    request = _request(
+        source,
+        flags,
+        recipe,
+        calibration,
+        eval_set,
+        eval_windows,
+        name,
+        base_model,
+        fit=fit,
+        ctx=ctx,
+        kv_cache=kv_cache,
+    )
     if owner := settings.load().hub_owner:
         from factory.publish import hub
 
@@ -302,8 +375,9 @@ def _run_held(factory, job):
         return factory.execute(job.id)  # nothing to run: its result
     config = factory.settings
     holder = factory.catalog.holder(job.id)
-    lease = factory.catalog.take_lease(job.id, identity.holder_name(), config.lease_seconds,
-                                       gone=holder if identity.gone(holder) else None)
+    lease = factory.catalog.take_lease(
+        job.id, identity.holder_name(), config.lease_seconds, gone=holder if identity.gone(holder) else None
+    )
     if lease is None:
         who = leases.describe_holder(factory.catalog.holder(job.id))
         raise JobFailed(f"job {job.id} is running on {who}; `qf status {job.id} --follow` follows it")
@@ -330,18 +404,38 @@ def _run_held(factory, job):
 @app.command()
 @_handled
 @_with_engine_flags
-def submit(source: SourceArg, flags: dict, recipe: RecipeOpt = None,
-           calibration: CalibrationOpt = None, eval_set: EvalOpt = None, eval_windows: WindowsOpt = None,
-           name: NameOpt = None, base_model: BaseOpt = None, fit: FitOpt = None, ctx: CtxOpt = None,
-           kv_cache: KvOpt = "fp16") -> None:
+def submit(
+    source: SourceArg,
+    flags: dict,
+    recipe: RecipeOpt = None,
+    calibration: CalibrationOpt = None,
+    eval_set: EvalOpt = None,
+    eval_windows: WindowsOpt = None,
+    name: NameOpt = None,
+    base_model: BaseOpt = None,
+    fit: FitOpt = None,
+    ctx: CtxOpt = None,
+    kv_cache: KvOpt = "fp16",
+) -> None:
     """Queue a job for the workers; prints only its id (the same job twice: the same id)."""
     if (remote := _remote()) is not None:
         if recipe is not None and not recipe.is_file():
             raise SpecError(f"recipe {str(recipe)!r} does not exist; pass a YAML file such as configs/standard.yaml")
-        answer = remote.submit({
-            "source": source, "flags": flags, "recipe": recipe.read_text(encoding="utf-8") if recipe else None,
-            "calibration": calibration, "eval": eval_set, "eval_windows": eval_windows, "name": name,
-            "base_model": base_model, "fit": fit, "ctx": ctx, "kv_cache": kv_cache})
+        answer = remote.submit(
+            {
+                "source": source,
+                "flags": flags,
+                "recipe": recipe.read_text(encoding="utf-8") if recipe else None,
+                "calibration": calibration,
+                "eval": eval_set,
+                "eval_windows": eval_windows,
+                "name": name,
+                "base_model": base_model,
+                "fit": fit,
+                "ctx": ctx,
+                "kv_cache": kv_cache,
+            }
+        )
         for line in answer["notes"]:
             err.print(line, markup=False, highlight=False)
         print(answer["id"])
@@ -350,14 +444,33 @@ def submit(source: SourceArg, flags: dict, recipe: RecipeOpt = None,
         from workers.tasks import submit as queue
 
         factory = _factory()
-        job = queue(factory, _request(source, flags, recipe, calibration, eval_set, eval_windows, name, base_model,
-                                      device=factory.settings.worker_device, fit=fit, ctx=ctx, kv_cache=kv_cache))
+        job = queue(
+            factory,
+            _request(
+                source,
+                flags,
+                recipe,
+                calibration,
+                eval_set,
+                eval_windows,
+                name,
+                base_model,
+                device=factory.settings.worker_device,
+                fit=fit,
+                ctx=ctx,
+                kv_cache=kv_cache,
+            ),
+        )
         print(job.id)
         guess = factory.estimate(job)
     if guess:
         packed, alone = guess
-        err.print(f"expected to take about {tables.duration(packed)} on a worker (units packed; "
-                  f"{tables.duration(alone)} one after another)", markup=False, highlight=False)
+        err.print(
+            f"expected to take about {tables.duration(packed)} on a worker (units packed; "
+            f"{tables.duration(alone)} one after another)",
+            markup=False,
+            highlight=False,
+        )
 
 
 def _job_rows(**query) -> list[dict]:
@@ -399,8 +512,9 @@ STATUS_EXIT = {"failed": JobFailed.exit_code, "cancelled": 6}
 def status(
     job_id: Annotated[str | None, typer.Argument(metavar="JOB")] = None,
     as_json: JsonOpt = False,
-    follow: Annotated[bool, typer.Option("--follow", metavar="",
-                                         help="Show the job's progress live until it ends.")] = False,
+    follow: Annotated[
+        bool, typer.Option("--follow", metavar="", help="Show the job's progress live until it ends.")
+    ] = False,
 ) -> None:
     """A job's state and steps; without JOB, the recent jobs. With JOB it exits 1 when the job failed and 6 when
     it was cancelled (0 while it is queued or running, when it succeeded, and with --json, whose `state` says)."""
@@ -435,15 +549,18 @@ def _print_job(row: dict) -> None:
         out.print(f"queued: {row['waiting']}", markup=False, highlight=False)
     if row.get("eta_seconds") is not None:
         left = row["eta_seconds"]
-        when = (f"about {tables.duration(left)} from now" if left >= 0
-                else f"{tables.duration(-left)} later than expected")
-        out.print(f"expected to end at {row['expected_end'].replace('T', ' ')} UTC ({when})", markup=False,
-                  highlight=False)
+        when = (
+            f"about {tables.duration(left)} from now" if left >= 0 else f"{tables.duration(-left)} later than expected"
+        )
+        out.print(
+            f"expected to end at {row['expected_end'].replace('T', ' ')} UTC ({when})", markup=False, highlight=False
+        )
     if row["holder"]:
         from factory.leases import describe_holder
 
-        out.print(f"held by {describe_holder(row['holder'])} (attempt {row['attempts']})", markup=False,
-                  highlight=False)
+        out.print(
+            f"held by {describe_holder(row['holder'])} (attempt {row['attempts']})", markup=False, highlight=False
+        )
     if row["error"]:
         out.print(f"error: {row['error']}", markup=False, highlight=False)
 
@@ -471,8 +588,10 @@ def cancel(job_id: Annotated[str, typer.Argument(metavar="JOB")]) -> None:
     if (remote := _remote()) is not None:
         job = remote.cancel(job_id)
         if job.get("others") and job["state"] != "cancelled":
-            err.print(f"job {job['id']}: withdrawn; it goes on ({job['state']}) for {job['others']} other user(s) who "
-                      "submitted it too")
+            err.print(
+                f"job {job['id']}: withdrawn; it goes on ({job['state']}) for {job['others']} other user(s) who "
+                "submitted it too"
+            )
         else:
             err.print(f"job {job['id']}: {job['state']}")
         return
@@ -514,8 +633,11 @@ def plan(
     asked = [engines.get(engine)] if engine else engines.all_engines()
     shape, params, info = memory.source_model(source)
     refused = {e.name: why for e in asked if (why := e.refuse(info)) is not None}
-    plans = {e.name: p for e in asked if e.name not in refused
-             and (p := e.memory_plan(shape, params, budget, ctx, kv_cache, gpus)) is not None}
+    plans = {
+        e.name: p
+        for e in asked
+        if e.name not in refused and (p := e.memory_plan(shape, params, budget, ctx, kv_cache, gpus)) is not None
+    }
     times = _conversion_times(list(plans), params.total)
     if as_json:
         answers = {name: {**p.data, "expected_seconds": times[name]} for name, p in plans.items()}
@@ -527,8 +649,11 @@ def plan(
     for name, plan_ in sorted(plans.items(), key=lambda item: not item[1].rows):  # tables first
         if plan_.rows:
             out.print(_plan_table(plan_))
-        parts = [f"{'the measurement' if kind == 'measure' else 'each size'} about "
-                 f"{tables.duration(t['seconds'])} ({t['basis']})" for kind, t in times[name].items()]
+        parts = [
+            f"{'the measurement' if kind == 'measure' else 'each size'} about "
+            f"{tables.duration(t['seconds'])} ({t['basis']})"
+            for kind, t in times[name].items()
+        ]
         for line in [*plan_.lines, f"converting with {engines.get(name).label} on a GPU: {', then '.join(parts)}"]:
             out.print(line, markup=False, highlight=False)
     for why in refused.values():
@@ -564,8 +689,11 @@ def _conversion_times(names: list[str], parameters: int) -> dict[str, dict]:
     def history(family: str) -> list:
         if catalog is None:
             return []
-        return [eta.Past(seconds, params) for name, seconds, params in catalog.unit_history(family, "cuda")
-                if eta.family(name) == family]
+        return [
+            eta.Past(seconds, params)
+            for name, seconds, params in catalog.unit_history(family, "cuda")
+            if eta.family(name) == family
+        ]
 
     return {name: eta.conversion(engines.get(name), parameters, history) for name in names}
 
@@ -586,9 +714,16 @@ def calib_ls(as_json: JsonOpt = False) -> None:
     if as_json:
         print(json.dumps(rows, indent=2))
         return
-    out.print(tables.layout([tables.Col("NAME", [r["name"] for r in rows]),
-                             tables.Col("CHARS", [f"{r['chars']:,}" for r in rows], right=True),
-                             tables.Col("SHA256", [r["sha256"][:16] for r in rows])], out.width))
+    out.print(
+        tables.layout(
+            [
+                tables.Col("NAME", [r["name"] for r in rows]),
+                tables.Col("CHARS", [f"{r['chars']:,}" for r in rows], right=True),
+                tables.Col("SHA256", [r["sha256"][:16] for r in rows]),
+            ],
+            out.width,
+        )
+    )
     err.print('also: file:<path> to any .txt, .jsonl (a "text" field per line) or .parquet (a "text" column)')
 
 
@@ -596,9 +731,14 @@ from factory import cli_fleet, cli_registry, cli_service, cli_watch  # noqa: E40
 
 
 @app.callback()
-def _options(server: Annotated[str | None, typer.Option(
-        "--server", metavar="URL", help="Talk to the factory's service at URL (FACTORY_SERVER) with FACTORY_TOKEN.")]
-             = None) -> None:
+def _options(
+    server: Annotated[
+        str | None,
+        typer.Option(
+            "--server", metavar="URL", help="Talk to the factory's service at URL (FACTORY_SERVER) with FACTORY_TOKEN."
+        ),
+    ] = None,
+) -> None:
     if server:
         import os
 

@@ -34,8 +34,18 @@ def beat() -> None:
 
     home = settings.load().home
     home.mkdir(parents=True, exist_ok=True)
-    argv = [sys.executable, "-m", "celery", "-A", "workers.app", "beat", "--loglevel", "INFO",
-            "--schedule", str(home / "celerybeat-schedule")]
+    argv = [
+        sys.executable,
+        "-m",
+        "celery",
+        "-A",
+        "workers.app",
+        "beat",
+        "--loglevel",
+        "INFO",
+        "--schedule",
+        str(home / "celerybeat-schedule"),
+    ]
     os.execvp(sys.executable, argv)
 
 
@@ -45,8 +55,14 @@ def worker(
     gpu: Annotated[int | None, typer.Option("--gpu", min=0, help="The GPU it owns (CUDA_VISIBLE_DEVICES).")] = None,
     queues: Annotated[str, typer.Option("--queues", help="Queues to take jobs from.")] = "gpu,cpu",
     max_units: UnitsOpt = None,
-    slots: Annotated[int, typer.Option("--slots", min=1, help="Jobs run at once on this worker's GPU, each packing "
-                                       "its units into its share of the card.")] = 1,
+    slots: Annotated[
+        int,
+        typer.Option(
+            "--slots",
+            min=1,
+            help="Jobs run at once on this worker's GPU, each packing its units into its share of the card.",
+        ),
+    ] = 1,
 ) -> None:
     """Start a Celery worker with the factory's settings: one job at a time (per slot), acknowledged when done. A
     catalog or broker that cannot be reached is exit 5 before it takes any message."""
@@ -65,8 +81,26 @@ def worker(
     node = f"qf-{'gpu' + str(gpu) if gpu is not None else 'worker'}"
 
     def celery(name: str) -> list[str]:
-        return [sys.executable, "-m", "celery", "-A", "workers.app", "worker", "-Q", queues, "--pool", "solo",
-                "--concurrency", "1", "--prefetch-multiplier", "1", "-n", f"{name}@%h", "--loglevel", "INFO"]
+        return [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "workers.app",
+            "worker",
+            "-Q",
+            queues,
+            "--pool",
+            "solo",
+            "--concurrency",
+            "1",
+            "--prefetch-multiplier",
+            "1",
+            "-n",
+            f"{name}@%h",
+            "--loglevel",
+            "INFO",
+        ]
 
     if slots == 1:
         os.execvpe(sys.executable, celery(node), env)

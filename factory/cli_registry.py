@@ -29,8 +29,10 @@ from factory.errors import NotFound, ServiceUnavailable, SpecError
 @_handled
 def ls(
     as_json: JsonOpt = False,
-    remote: Annotated[str | None, typer.Option("--remote", metavar="OWNER", help="List what OWNER published on the "
-                                                "Hub instead of the catalog.")] = None,
+    remote: Annotated[
+        str | None,
+        typer.Option("--remote", metavar="OWNER", help="List what OWNER published on the Hub instead of the catalog."),
+    ] = None,
     wide: WideOpt = False,
 ) -> None:
     """List finished quants."""
@@ -41,10 +43,18 @@ def ls(
         if as_json:
             print(json.dumps(found, indent=2))
             return
-        out.print(tables.layout([
-            tables.Col("QUANT", [r["name"] for r in found]), tables.Col("REPO", [r["repo"] for r in found]),
-            tables.Col("BRANCH", [r["branch"] for r in found]), tables.Col("COMMIT", [r["commit"][:7] for r in found]),
-        ], None if wide else out.width, f"published by {remote} on the Hub"))
+        out.print(
+            tables.layout(
+                [
+                    tables.Col("QUANT", [r["name"] for r in found]),
+                    tables.Col("REPO", [r["repo"] for r in found]),
+                    tables.Col("BRANCH", [r["branch"] for r in found]),
+                    tables.Col("COMMIT", [r["commit"][:7] for r in found]),
+                ],
+                None if wide else out.width,
+                f"published by {remote} on the Hub",
+            )
+        )
         return
     if (client := _remote()) is not None:
         from factory.published import QuantRow
@@ -91,12 +101,24 @@ def _show(parsed: naming.QuantRef, rows: list, job_rows: list[dict], as_json: bo
     for r in rows:
         engine = engines.get(r.method)
         if r.fits:
-            title = (f"{r.ref}@{r.rev}: the longest context that fits each GPU with {engine.evaluator}, "
-                     f"{vram.human(vram.HEADROOM)} left free")
-            cells = [(f"{f['budget'] / 2**30:.0f} GB", *(f"{f[c]:,}" if f[c] else "-" for c in ("fp16", "q4")))
-                     for f in r.fits]
-            out.print(tables.layout([tables.Col(header, [c[i] for c in cells], right=True)
-                                     for i, header in enumerate(("GPU", "FP16 CACHE", "Q4 CACHE"))], width, title))
+            title = (
+                f"{r.ref}@{r.rev}: the longest context that fits each GPU with {engine.evaluator}, "
+                f"{vram.human(vram.HEADROOM)} left free"
+            )
+            cells = [
+                (f"{f['budget'] / 2**30:.0f} GB", *(f"{f[c]:,}" if f[c] else "-" for c in ("fp16", "q4")))
+                for f in r.fits
+            ]
+            out.print(
+                tables.layout(
+                    [
+                        tables.Col(header, [c[i] for c in cells], right=True)
+                        for i, header in enumerate(("GPU", "FP16 CACHE", "Q4 CACHE"))
+                    ],
+                    width,
+                    title,
+                )
+            )
         for line in engine.describe_scores(r):
             out.print(line, markup=False, highlight=False)
         for line in _evaluations(r):
@@ -113,8 +135,7 @@ def _evaluations(r) -> list[str]:
             scores += f", KLD {tables.kld(e['kld'])}"
         if e["top1"] is not None:
             scores += f", top-1 {e['top1'] * 100:.1f}%"
-        lines.append(f"  {e['text']} {e['windows']} x {e['window_length']} on {e['device']}: {scores} "
-                     f"(job {e['job']})")
+        lines.append(f"  {e['text']} {e['windows']} x {e['window_length']} on {e['device']}: {scores} (job {e['job']})")
     return lines
 
 
@@ -123,8 +144,14 @@ def _evaluations(r) -> list[str]:
 def pull(
     ref: Annotated[str, typer.Argument(metavar="NAME:TAG[@REV]")],
     output: Annotated[Path | None, typer.Option("-o", "--output", help="Folder to put the files in.")] = None,
-    owner: Annotated[str | None, typer.Option("--hub", metavar="OWNER", help="Where to look on the Hub when the "
-                                              "catalog does not know NAME:TAG (default FACTORY_HUB_OWNER).")] = None,
+    owner: Annotated[
+        str | None,
+        typer.Option(
+            "--hub",
+            metavar="OWNER",
+            help="Where to look on the Hub when the catalog does not know NAME:TAG (default FACTORY_HUB_OWNER).",
+        ),
+    ] = None,
 ) -> None:
     """Copy a finished quant out of the registry, or download it from the Hub; every file's sha256 verified."""
     from factory import lookup
@@ -155,8 +182,9 @@ def rm(ref: Annotated[str, typer.Argument(metavar="NAME:TAG[@REV]")]) -> None:
     parsed = naming.parse(ref, tag_required=True)
     catalog = _catalog()
     quant, freed = housekeeping.remove_quant(settings.load(), catalog, lookup.find(catalog, parsed))
-    err.print(f"removed {quant.name}:{quant.tag}@{quant.rev} ({tables.size(freed)} freed); the same `qf run` "
-              "makes it again")
+    err.print(
+        f"removed {quant.name}:{quant.tag}@{quant.rev} ({tables.size(freed)} freed); the same `qf run` makes it again"
+    )
 
 
 @app.command()
@@ -171,8 +199,16 @@ def gc(
     items = housekeeping.garbage(settings.load(), _catalog())
     freed = sum(i.bytes for i in items) if dry_run else housekeeping.collect(items)
     if as_json:
-        print(json.dumps({"dry_run": dry_run, "bytes": freed,
-                          "items": [{"path": str(i.path), "bytes": i.bytes, "why": i.why} for i in items]}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "dry_run": dry_run,
+                    "bytes": freed,
+                    "items": [{"path": str(i.path), "bytes": i.bytes, "why": i.why} for i in items],
+                },
+                indent=2,
+            )
+        )
         return
     for i in items:
         out.print(f"{tables.size(i.bytes):>10}  {i.path}  ({i.why})", markup=False, highlight=False)
@@ -201,8 +237,9 @@ def _pull_from_service(remote, parsed: naming.QuantRef, output: Path | None) -> 
     dest = _output_folder(output or Path(f"{parsed.name}-{parsed.tag}"))
     if dest.exists() and any(dest.iterdir()):
         raise SpecError(f"output folder {str(dest)!r} exists and is not empty; pass -o with a new or empty folder")
-    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), console=err,
-                  disable=not err.is_terminal) as bar:
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), DownloadColumn(), console=err, disable=not err.is_terminal
+    ) as bar:
         task = bar.add_task(str(parsed), total=None)
         try:
             quant, files = remote.pull(parsed, dest, lambda done, total: bar.update(task, completed=done, total=total))
@@ -222,8 +259,9 @@ def _pull_from_hub(parsed: naming.QuantRef, owner: str, output: Path | None) -> 
         raise NotFound(f"{parsed.name}:{parsed.tag} is not published under {owner} on the Hub; tags there: {known}")
     where = tags[parsed.tag]
     dest = _output_folder(output or Path(f"{parsed.name}-{parsed.tag}"))
-    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), console=err,
-                  disable=not err.is_terminal) as bar:
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), DownloadColumn(), console=err, disable=not err.is_terminal
+    ) as bar:
         task = bar.add_task(f"{where.repo}@{where.branch}", total=None)
         files = hub.pull(where, parsed.rev, dest, lambda done, total: bar.update(task, completed=done, total=total))
     err.print(f"{parsed.name}:{parsed.tag} from {where.repo}@{where.branch}: {len(files)} files verified, in {dest}")

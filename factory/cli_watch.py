@@ -24,8 +24,9 @@ from factory.cli import (
 )
 from factory.errors import FactoryError, NotFound, SpecError
 
-watch_app = typer.Typer(help="The watchlist: upstream repos re-quantized when they get a new commit.",
-                        no_args_is_help=True)
+watch_app = typer.Typer(
+    help="The watchlist: upstream repos re-quantized when they get a new commit.", no_args_is_help=True
+)
 app.add_typer(watch_app, name="watch")
 
 
@@ -34,7 +35,8 @@ app.add_typer(watch_app, name="watch")
 @_with_engine_flags
 def watch_add(
     target: Annotated[str | None, typer.Argument(metavar="ORG/NAME|ORG/PATTERN")] = None,
-    flags: dict | None = None, recipe: RecipeOpt = None,
+    flags: dict | None = None,
+    recipe: RecipeOpt = None,
     arch: Annotated[list[str] | None, typer.Option("--arch", help="Only these architectures (repeatable).")] = None,
     max_params: Annotated[float | None, typer.Option("--max-params", help="Only models up to N parameters.")] = None,
     file: Annotated[Path | None, typer.Option("--file", help="Add every entry of a watchlist YAML.")] = None,
@@ -53,8 +55,9 @@ def watch_add(
         limits = {"architectures": arch, "max_params": max_params}
         entries = [schedule.entry(target, recipe_dict, {k: v for k, v in limits.items() if v})]
     if (remote := _remote()) is not None:
-        remote.call("PUT", "/api/watches", json=[{"target": e.target, "recipe": e.recipe, "filter": e.filter}
-                                                 for e in entries])
+        remote.call(
+            "PUT", "/api/watches", json=[{"target": e.target, "recipe": e.recipe, "filter": e.filter} for e in entries]
+        )
     else:
         catalog = _catalog()
         for e in entries:
@@ -85,14 +88,21 @@ def watch_ls(as_json: JsonOpt = False, wide: WideOpt = False) -> None:
         print(json.dumps(rows, indent=2))
         return
     last = [r["seen"][-1] if r["seen"] else {} for r in rows]
-    out.print(tables.layout([
-        tables.Col("TARGET", [r["target"] for r in rows]),
-        tables.Col("RECIPE", [_recipe_text(r["recipe"]) for r in rows], priority=1, flex=True),
-        tables.Col("FILTER", [_filter_text(r["filter"]) for r in rows], priority=2, flex=True),
-        tables.Col("LAST SEEN", [f"{s['repo']}@{s['sha'][:7]}" if s else "-" for s in last]),
-        tables.Col("JOB", [s.get("job") or "-" for s in last]),
-        tables.Col("SKIPPED", [s.get("skipped") or "" for s in last], priority=3, flex=True),
-    ], None if wide else out.width, "watchlist", tables.WIDE))
+    out.print(
+        tables.layout(
+            [
+                tables.Col("TARGET", [r["target"] for r in rows]),
+                tables.Col("RECIPE", [_recipe_text(r["recipe"]) for r in rows], priority=1, flex=True),
+                tables.Col("FILTER", [_filter_text(r["filter"]) for r in rows], priority=2, flex=True),
+                tables.Col("LAST SEEN", [f"{s['repo']}@{s['sha'][:7]}" if s else "-" for s in last]),
+                tables.Col("JOB", [s.get("job") or "-" for s in last]),
+                tables.Col("SKIPPED", [s.get("skipped") or "" for s in last], priority=3, flex=True),
+            ],
+            None if wide else out.width,
+            "watchlist",
+            tables.WIDE,
+        )
+    )
 
 
 def _recipe_text(recipe: dict) -> str:
@@ -124,8 +134,9 @@ def _filter_text(filter: dict) -> str:
 @watch_app.command("check")
 @_handled
 def watch_check(
-    dry_run: Annotated[bool, typer.Option("--dry-run", metavar="",
-                                          help="Print the plan; submit and record nothing.")] = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", metavar="", help="Print the plan; submit and record nothing.")
+    ] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Ask the Hub about every watch now and submit what is new (what beat does every FACTORY_WATCH_SECONDS)."""

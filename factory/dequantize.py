@@ -65,8 +65,10 @@ def refuse_unreadable(folder: Path, config: dict | None) -> None:
     config.json, or None when the folder has none."""
     names = {p.name for p in folder.iterdir()}
     if not any(n.endswith(".safetensors") for n in names) and (gguf := sorted(n for n in names if n.endswith(".gguf"))):
-        raise ModelRefused(f"{gguf[0]} is a GGUF file, a quantized format the factory does not read; pass the FP16 "
-                           "checkpoint (safetensors)")
+        raise ModelRefused(
+            f"{gguf[0]} is a GGUF file, a quantized format the factory does not read; pass the FP16 "
+            "checkpoint (safetensors)"
+        )
     if config is not None and "quantization_config" in config:
         method = method_of(config)
         if method is None:
@@ -102,13 +104,20 @@ def wanted(folder: Path) -> bool:
 
 def _block(qc: dict) -> tuple[int, int]:
     block = qc.get("weight_block_size")
-    if not (isinstance(block, list) and len(block) == 2
-            and all(isinstance(b, int) and not isinstance(b, bool) and 0 < b <= 1 << 16 for b in block)):
-        raise ModelRefused(f"config.json: fp8's weight_block_size is {json.dumps(block)}; the factory reads FP8 with "
-                           "one scale per block of two positive integers (e.g. [128, 128])")
+    if not (
+        isinstance(block, list)
+        and len(block) == 2
+        and all(isinstance(b, int) and not isinstance(b, bool) and 0 < b <= 1 << 16 for b in block)
+    ):
+        raise ModelRefused(
+            f"config.json: fp8's weight_block_size is {json.dumps(block)}; the factory reads FP8 with "
+            "one scale per block of two positive integers (e.g. [128, 128])"
+        )
     if qc.get("activation_scheme", "dynamic") != "dynamic":
-        raise ModelRefused(f"config.json: fp8 with {qc['activation_scheme']!r} activation scales is not read; the "
-                           "factory reads FP8 with dynamic activations (activation_scheme: dynamic)")
+        raise ModelRefused(
+            f"config.json: fp8 with {qc['activation_scheme']!r} activation scales is not read; the "
+            "factory reads FP8 with dynamic activations (activation_scheme: dynamic)"
+        )
     return block[0], block[1]
 
 
@@ -285,8 +294,9 @@ def _write(source: Path, source_identity: str, dest: Path, progress: Progress) -
         weight_map = {out.name: shard for shard, outs in plan.items() for out in outs}
         write_atomic(dest / INDEX, _json({"metadata": {"total_size": total}, "weight_map": weight_map}))
     _companions(source, files, config, dest)
-    write_atomic(dest / MARKER, _json({"source_identity": source_identity, "quant_method": method_of(config),
-                                       "format": FORMAT}))
+    write_atomic(
+        dest / MARKER, _json({"source_identity": source_identity, "quant_method": method_of(config), "format": FORMAT})
+    )
 
 
 def _companions(source: Path, files: dict[str, Path], config: dict, dest: Path) -> None:
@@ -336,8 +346,10 @@ def _fp8(tensors: dict[str, _Tensor], names: list[str], block: tuple[int, int]) 
         want = [*t.shape[:-2], -(-t.shape[-2] // block[0]), -(-t.shape[-1] // block[1])]
         if scale is None or scale.dtype not in SCALE_DTYPES or scale.shape != want:
             found = "none" if scale is None else f"{scale.dtype} {scale.shape}"
-            raise ModelRefused(f"{name} is FP8 ({t.shape}) and needs {name}_scale_inv of shape {want} for blocks of "
-                               f"{block[0]} x {block[1]}; the checkpoint has {found}")
+            raise ModelRefused(
+                f"{name} is FP8 ({t.shape}) and needs {name}_scale_inv of shape {want} for blocks of "
+                f"{block[0]} x {block[1]}; the checkpoint has {found}"
+            )
         outs.append(_Out(name, "BF16", t.shape, lambda t=t, s=scale: _fp8_pieces(t, s, block)))
     return outs
 
@@ -357,13 +369,14 @@ def _mxfp4(tensors: dict[str, _Tensor], names: list[str]) -> list[_Out]:
         paired = scales is not None and scales.dtype == "U8" and scales.shape == t.shape[:3]
         if t.dtype != "U8" or len(t.shape) != 4 or not paired:
             found = "none" if scales is None else f"{scales.dtype} {scales.shape}"
-            raise ModelRefused(f"{name} ({t.dtype} {t.shape}) is not MXFP4 blocks (U8 [experts, rows, groups, bytes]) "
-                               f"with {base}_scales (U8 [experts, rows, groups]; the checkpoint has {found})")
+            raise ModelRefused(
+                f"{name} ({t.dtype} {t.shape}) is not MXFP4 blocks (U8 [experts, rows, groups, bytes]) "
+                f"with {base}_scales (U8 [experts, rows, groups]; the checkpoint has {found})"
+            )
         if base in tensors:
             raise ModelRefused(f"the checkpoint holds both {name} and {base}; the factory cannot tell which is meant")
         experts, rows, groups, width = t.shape
-        outs.append(_Out(base, "BF16", [experts, groups * width * 2, rows],
-                         lambda t=t, s=scales: _mxfp4_pieces(t, s)))
+        outs.append(_Out(base, "BF16", [experts, groups * width * 2, rows], lambda t=t, s=scales: _mxfp4_pieces(t, s)))
     return outs
 
 
@@ -384,8 +397,14 @@ def _raw(t: _Tensor) -> Iterator[bytes]:
 def _torch_dtype(dtype: str):
     import torch
 
-    return {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F32": torch.float32,
-            "BF16": torch.bfloat16, "F16": torch.float16, "U8": torch.uint8}[dtype]
+    return {
+        "F8_E4M3": torch.float8_e4m3fn,
+        "F8_E5M2": torch.float8_e5m2,
+        "F32": torch.float32,
+        "BF16": torch.bfloat16,
+        "F16": torch.float16,
+        "U8": torch.uint8,
+    }[dtype]
 
 
 def _array(t: _Tensor, start: int, size: int, shape: list[int]):
@@ -420,8 +439,9 @@ def _fp8_pieces(t: _Tensor, scale: _Tensor, block: tuple[int, int]) -> Iterator[
             n = min(step, rows - row)
             weight = _array(t, (matrix * rows + row) * cols, n * cols, [n, cols])
             first, count = row // block[0], -(-n // block[0])
-            scales = _array(scale, (matrix * scale_rows + first) * scale_cols * item, count * scale_cols * item,
-                            [count, scale_cols])
+            scales = _array(
+                scale, (matrix * scale_rows + first) * scale_cols * item, count * scale_cols * item, [count, scale_cols]
+            )
             yield _bytes(fp8_to_bf16(weight, scales, block))
 
 
@@ -433,8 +453,7 @@ def mxfp4_to_bf16(blocks, scales):
     lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
     experts, rows, groups, width = blocks.shape
     values = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1)
-    values = torch.ldexp(values.reshape(experts, rows, groups, 2 * width),
-                         (scales.to(torch.int32) - 127).unsqueeze(-1))
+    values = torch.ldexp(values.reshape(experts, rows, groups, 2 * width), (scales.to(torch.int32) - 127).unsqueeze(-1))
     return values.reshape(experts, rows, groups * 2 * width).transpose(1, 2).contiguous().to(torch.bfloat16)
 
 
@@ -462,8 +481,10 @@ def _header(outs: list[_Out]) -> bytes:
 def _check_disk(dest: Path, needed: int) -> None:
     free = shutil.disk_usage(dest).free
     if free < needed:
-        raise JobFailed(f"the BF16 copy of the source needs {needed / 2**30:.1f} GiB and {dest.parent} has "
-                        f"{free / 2**30:.1f} GiB free; free some (qf gc) or set FACTORY_HOME elsewhere")
+        raise JobFailed(
+            f"the BF16 copy of the source needs {needed / 2**30:.1f} GiB and {dest.parent} has "
+            f"{free / 2**30:.1f} GiB free; free some (qf gc) or set FACTORY_HOME elsewhere"
+        )
 
 
 def _json(obj: object) -> bytes:

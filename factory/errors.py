@@ -42,8 +42,9 @@ class QualityGateRefused(JobFailed):
 
     @classmethod
     def perplexity(cls, tag: str, ppl: float, fp16_ppl: float, max_ratio: float) -> QualityGateRefused:
-        return cls(tag, f"perplexity {ppl:.4g} vs FP16 {fp16_ppl:.4g} (ratio {ppl / fp16_ppl:.3f})",
-                   f"{max_ratio:g} x FP16")
+        return cls(
+            tag, f"perplexity {ppl:.4g} vs FP16 {fp16_ppl:.4g} (ratio {ppl / fp16_ppl:.3f})", f"{max_ratio:g} x FP16"
+        )
 
     @classmethod
     def divergence(cls, tag: str, kld: float, max_kld: float) -> QualityGateRefused:
@@ -93,8 +94,15 @@ def mask_url(url: str) -> str:
     return re.sub(r"([?&;](?:token|access_token|password|key|secret)=)[^&;#]*", r"\1***", url, flags=re.I)
 
 
-_UNREACHABLE = ("could not connect", "connection refused", "could not translate host name", "timeout expired",
-                "no such file or directory", "network is unreachable", "server closed the connection")
+_UNREACHABLE = (
+    "could not connect",
+    "connection refused",
+    "could not translate host name",
+    "timeout expired",
+    "no such file or directory",
+    "network is unreachable",
+    "server closed the connection",
+)
 
 
 def database_error(url: str, error: BaseException) -> ServiceUnavailable:

@@ -130,8 +130,13 @@ Model = Logits | ByLayer  # a whole model, called window by window, or one walke
 Loader = Callable[[Path, str], Model]  # (folder, device) -> Model
 
 
-def score(model: Model, data: Stream, on_progress: Progress | None = None, reference: kld.Reference | None = None,
-          keep: kld.Reference | None = None) -> tuple[float, kld.Divergence | None]:
+def score(
+    model: Model,
+    data: Stream,
+    on_progress: Progress | None = None,
+    reference: kld.Reference | None = None,
+    keep: kld.Reference | None = None,
+) -> tuple[float, kld.Divergence | None]:
     """Perplexity over the stream's windows; with `reference` (FP16's), the divergence from it on the same
     positions; with `keep`, this model's distributions are kept into it (the FP16 evaluation makes the reference)."""
     import torch
@@ -228,8 +233,15 @@ class Result:
     divergence: kld.Divergence | None = None  # from FP16, when scored against its reference
 
 
-def evaluate(folder: Path, load: Loader, evaluator: str, data: Stream, on_progress: Progress | None = None,
-             reference: kld.Reference | None = None, keep: kld.Reference | None = None) -> Result:
+def evaluate(
+    folder: Path,
+    load: Loader,
+    evaluator: str,
+    data: Stream,
+    on_progress: Progress | None = None,
+    reference: kld.Reference | None = None,
+    keep: kld.Reference | None = None,
+) -> Result:
     """Perplexity of the model in `folder` through `load` (load_fp16, or an engine's loader), and its divergence
     from `reference`; `keep` collects this model's reference (see `score`)."""
     import torch
@@ -243,5 +255,11 @@ def evaluate(folder: Path, load: Loader, evaluator: str, data: Stream, on_progre
     ppl, divergence = score(model, data, on_progress, reference, keep)
     peak = torch.cuda.max_memory_allocated() if dev == "cuda" else None
     del model
-    return Result(ppl=ppl, seconds=time.monotonic() - start, evaluator=evaluator, device=dev, peak_gpu_bytes=peak,
-                  divergence=divergence)
+    return Result(
+        ppl=ppl,
+        seconds=time.monotonic() - start,
+        evaluator=evaluator,
+        device=dev,
+        peak_gpu_bytes=peak,
+        divergence=divergence,
+    )

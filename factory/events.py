@@ -86,8 +86,15 @@ Emit = Callable[[Event], None]
 
 
 def job(job_id: str, created: bool, state: str, name: str, source: str, source_identity: str) -> JobEvent:
-    return {"event": "job", "job": job_id, "created": created, "state": state, "name": name, "source": source,
-            "source_identity": source_identity}
+    return {
+        "event": "job",
+        "job": job_id,
+        "created": created,
+        "state": state,
+        "name": name,
+        "source": source,
+        "source_identity": source_identity,
+    }
 
 
 def note(message: str) -> Note:
@@ -102,8 +109,7 @@ def step_started(name: str, expected_seconds: float | None) -> Step:
 
 
 def step_succeeded(name: str, seconds: float, peak_gpu_bytes: int | None) -> Step:
-    return {"event": "step", "step": name, "state": "succeeded", "seconds": seconds,
-            "peak_gpu_bytes": peak_gpu_bytes}
+    return {"event": "step", "step": name, "state": "succeeded", "seconds": seconds, "peak_gpu_bytes": peak_gpu_bytes}
 
 
 def step_failed(name: str, error: str) -> Step:
@@ -128,5 +134,4 @@ def waiting(units: list[str], by: str) -> Waiting:
 
 
 def result(job_id: str, state: str, error: str | None, exit_code: int, quants: list[dict[str, Any]]) -> Result:
-    return {"event": "result", "job": job_id, "state": state, "error": error, "exit_code": exit_code,
-            "quants": quants}
+    return {"event": "result", "job": job_id, "state": state, "error": error, "exit_code": exit_code, "quants": quants}

@@ -44,8 +44,13 @@ UPSTREAM_CARD = "README.md"  # the source's own model card: read for its license
 MAX_CARD = 1 << 20
 
 
-_KINDS = (("folder", stat.S_ISDIR), ("FIFO", stat.S_ISFIFO), ("socket", stat.S_ISSOCK), ("device", stat.S_ISCHR),
-          ("device", stat.S_ISBLK))
+_KINDS = (
+    ("folder", stat.S_ISDIR),
+    ("FIFO", stat.S_ISFIFO),
+    ("socket", stat.S_ISSOCK),
+    ("device", stat.S_ISCHR),
+    ("device", stat.S_ISBLK),
+)
 
 
 def is_source_file(name: str) -> bool:
@@ -68,11 +73,14 @@ def _checked(path: Path, roots: list[Path]) -> Path:
         target = path.resolve(strict=True) if path.is_symlink() else path
         mode = os.stat(target).st_mode  # a stat, never an open: opening a FIFO would wait forever
     except (OSError, RuntimeError):  # a dangling link or a loop
-        raise ModelRefused(f"{path.name} is a link to nothing ({os.readlink(path)!r}); replace it with the file") \
-            from None
+        raise ModelRefused(
+            f"{path.name} is a link to nothing ({os.readlink(path)!r}); replace it with the file"
+        ) from None
     if target is not path and not any(target.is_relative_to(root) for root in roots):
-        raise ModelRefused(f"{path.name} is a link to {str(target)!r}, outside the model folder; copy the file "
-                           "into the folder if it belongs to the model")
+        raise ModelRefused(
+            f"{path.name} is a link to {str(target)!r}, outside the model folder; copy the file "
+            "into the folder if it belongs to the model"
+        )
     if not stat.S_ISREG(mode):
         kind = next((k for k, test in _KINDS if test(mode)), "special file")
         raise ModelRefused(f"{path.name} is a {kind}, not a regular file; the factory reads only regular files")
@@ -122,12 +130,15 @@ def _copy(path: Path, dest: Path) -> None:
     try:  # O_NONBLOCK: a FIFO swapped in does not make the open wait
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as e:
-        raise ModelRefused(f"{path.name} changed while it was read ({e.strerror}); the factory reads only regular "
-                           "files") from None
+        raise ModelRefused(
+            f"{path.name} changed while it was read ({e.strerror}); the factory reads only regular files"
+        ) from None
     with os.fdopen(fd, "rb") as f:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ModelRefused(f"{path.name} changed while it was read (it is not a regular file now); the factory "
-                               "reads only regular files")
+            raise ModelRefused(
+                f"{path.name} changed while it was read (it is not a regular file now); the factory "
+                "reads only regular files"
+            )
         with open(dest, "wb") as out:
             shutil.copyfileobj(f, out)
 
@@ -147,8 +158,9 @@ def check_publishable(folder: Path, outputs: tuple[str, ...]) -> None:
         if p.is_symlink() or not p.is_file():
             raise JobFailed(f"{p.name} in {folder} is not a regular file; nothing was published")
         if not any(fnmatch.fnmatchcase(p.name, pattern) for pattern in allowed):
-            raise JobFailed(f"{p.name} in {folder} is not on the list of files a quant may carry; nothing was "
-                            "published")
+            raise JobFailed(
+                f"{p.name} in {folder} is not on the list of files a quant may carry; nothing was published"
+            )
 
 
 def write_atomic(path: Path, data: bytes) -> None:

@@ -43,8 +43,10 @@ def remove_quant(settings: Settings, catalog: Catalog, quants: list[Quant]) -> t
     """Remove the one quant of `quants` (the matches of a NAME:TAG[@REV]); (the quant, bytes freed)."""
     if len(quants) > 1:
         revs = ", ".join(q.rev for q in quants)
-        raise SpecError(f"{quants[0].name}:{quants[0].tag} has {len(quants)} revisions ({revs}); name one: "
-                        f"qf rm {quants[0].name}:{quants[0].tag}@REV")
+        raise SpecError(
+            f"{quants[0].name}:{quants[0].tag} has {len(quants)} revisions ({revs}); name one: "
+            f"qf rm {quants[0].name}:{quants[0].tag}@REV"
+        )
     [quant] = quants
     folder = registry.quant_dir(settings.registry, quant.name, quant.tag, quant.rev)
     freed = disk_bytes(folder) if folder.is_dir() else 0
@@ -64,8 +66,10 @@ def garbage(settings: Settings, catalog: Catalog) -> list[Garbage]:
             elif state in DONE:
                 found.append(Garbage(folder, disk_bytes(folder), f"work folder of a {state} job"))
     if settings.registry.is_dir():
-        found += [Garbage(p, disk_bytes(p), "staging of a publish that was killed")
-                  for p in registry.sweep(settings.registry, remove=False)]
+        found += [
+            Garbage(p, disk_bytes(p), "staging of a publish that was killed")
+            for p in registry.sweep(settings.registry, remove=False)
+        ]
     needed = {_hub_folder(ident) for state, ident in states.values() if state not in DONE}
     for download in sorted((settings.cache / "hub").glob("*/*")):
         if download.relative_to(settings.cache / "hub").as_posix() not in needed:

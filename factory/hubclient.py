@@ -77,8 +77,10 @@ def errors(what: str) -> Iterator[None]:
     try:
         yield
     except GatedRepoError:
-        raise NotFound(f"{what} is gated and this token has no access; accept its terms on the Hub, or use a "
-                       "token (HF_TOKEN) that has") from None
+        raise NotFound(
+            f"{what} is gated and this token has no access; accept its terms on the Hub, or use a "
+            "token (HF_TOKEN) that has"
+        ) from None
     except RevisionNotFoundError:
         raise NotFound(f"{what}: the Hub has no such revision") from None
     except RepositoryNotFoundError:
@@ -135,8 +137,13 @@ def download(repo: str, sibling, revision: str, folder: Path) -> Path:
     against the Hub's sha256 (LFS) or git blob id; a file that does not match is deleted (JobFailed)."""
     from huggingface_hub import hf_hub_download
 
-    path = Path(retrying(lambda: hf_hub_download(repo, sibling.rfilename, revision=revision, local_dir=folder,
-                                                 endpoint=endpoint(), token=token())))
+    path = Path(
+        retrying(
+            lambda: hf_hub_download(
+                repo, sibling.rfilename, revision=revision, local_dir=folder, endpoint=endpoint(), token=token()
+            )
+        )
+    )
     if file_id(path, lfs=sibling.lfs is not None) != remote_id(sibling):
         path.unlink()
         raise JobFailed(f"{repo}@{revision[:7]}: {sibling.rfilename} does not match the Hub's checksum; deleted")
@@ -149,8 +156,7 @@ def config(repo: str, revision: str) -> dict:
 
     from factory.inspect import read_config
 
-    path = retrying(lambda: hf_hub_download(repo, "config.json", revision=revision, endpoint=endpoint(),
-                                            token=token()))
+    path = retrying(lambda: hf_hub_download(repo, "config.json", revision=revision, endpoint=endpoint(), token=token()))
     return read_config(Path(path), check_numbers=False)
 
 

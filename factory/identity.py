@@ -89,8 +89,7 @@ def job_key(
     return digest([source_identity, specs, calibration_sha, eval_sha, eval_windows, versions, device])
 
 
-def weights_key(source_identity: str, spec: dict, calibration_sha: str, engine_version: str | None,
-                device: str) -> str:
+def weights_key(source_identity: str, spec: dict, calibration_sha: str, engine_version: str | None, device: str) -> str:
     """What decides a quant's weights: the evaluation (text, windows) does not."""
     return digest(["weights", source_identity, spec, calibration_sha, engine_version, device])
 
@@ -104,8 +103,9 @@ def measurement_key(source_identity: str, calibration_sha: str, rows: int, lengt
     return digest([source_identity, calibration_sha, rows, length, tool_version])
 
 
-def reference_key(source_identity: str, eval_sha: str, windows: int, window_length: int, device: str,
-                  layout: object) -> str:
+def reference_key(
+    source_identity: str, eval_sha: str, windows: int, window_length: int, device: str, layout: object
+) -> str:
     """FP16's reference for KL divergence (factory/kld.py) on one eval stream; `layout` its top K, samples, seed."""
     return digest([source_identity, eval_sha, windows, window_length, device, layout])
 

@@ -60,11 +60,21 @@ CONFIG_NUMBERS = {
 # model.decoder.layers.N (OPT), transformer.h.N (Falcon, GPT-J, Bloom, GPT-BigCode), transformer.blocks.N (MPT),
 # gpt_neox.layers.N, backbone.layers.N (Nemotron-H); a vision-language model's language model as transformers 5
 # saves it (model.language_model.layers.N) or as releases before it did (language_model.model.layers.N).
-_LAYER = re.compile(r"(?:model\.(?:decoder\.|language_model\.)?|language_model\.model\.|transformer\.|gpt_neox\.|"
-                    r"backbone\.)?(?:layers|h|blocks)\.(\d+)\.")
+_LAYER = re.compile(
+    r"(?:model\.(?:decoder\.|language_model\.)?|language_model\.model\.|transformer\.|gpt_neox\.|"
+    r"backbone\.)?(?:layers|h|blocks)\.(\d+)\."
+)
 # A vision tower's numbers that the factory reads or shows, under each family's names: integers when present.
-VISION_NUMBERS = ("hidden_size", "num_hidden_layers", "depth", "num_attention_heads", "num_heads", "intermediate_size",
-                  "patch_size", "image_size")
+VISION_NUMBERS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "depth",
+    "num_attention_heads",
+    "num_heads",
+    "intermediate_size",
+    "patch_size",
+    "image_size",
+)
 # The parts of a vision-language checkpoint that are not its language model: the vision tower (model.vision_tower,
 # model.visual, model.vision_model) and the projector into the language model's embeddings. They stay at 16 bits.
 VISION_PART = re.compile(r"(?:model\.)?(vision_tower|visual|vision_model|multi_modal_projector|mm_projector)\.")
@@ -107,8 +117,10 @@ class ModelInfo:
         if self.vision is None:
             return f"language model ({layers})"
         tower = f"{self.vision.layers} layers, " if self.vision.layers else ""
-        return (f"language model ({layers}), vision tower and projector ({self.vision.model_type}, {tower}"
-                f"{self.vision.params / 1e6:.1f}M parameters at 16 bits: {', '.join(self.vision.parts)})")
+        return (
+            f"language model ({layers}), vision tower and projector ({self.vision.model_type}, {tower}"
+            f"{self.vision.params / 1e6:.1f}M parameters at 16 bits: {', '.join(self.vision.parts)})"
+        )
 
 
 def inspect(folder: Path, architectures: Collection[str]) -> ModelInfo:
@@ -191,17 +203,24 @@ def vision(config: dict, shapes: dict[str, list[int]]) -> Vision | None:
             prefix = name[: found.end() - 1]
             parts[prefix] = parts.get(prefix, 0) + math.prod(dims)
     if not parts:
-        raise ModelRefused("config.json has a vision_config but the weights hold no vision tower (model.vision_tower, "
-                           "model.visual, ...)")
+        raise ModelRefused(
+            "config.json has a vision_config but the weights hold no vision tower (model.vision_tower, "
+            "model.visual, ...)"
+        )
     tower = config["vision_config"]
     for key in VISION_NUMBERS:
         value = tower.get(key)
         if value is not None and not (_positive(value) and value <= 1 << 20):
-            raise ModelRefused(f"config.json: vision_config.{key} is {_short(value)}; it must be an integer between 1 "
-                               f"and {1 << 20}")
+            raise ModelRefused(
+                f"config.json: vision_config.{key} is {_short(value)}; it must be an integer between 1 and {1 << 20}"
+            )
     layers = next((tower[k] for k in ("num_hidden_layers", "depth") if tower.get(k) is not None), None)
-    return Vision(model_type=str(tower.get("model_type", "")), parts=tuple(sorted(parts)), params=sum(parts.values()),
-                  layers=layers)
+    return Vision(
+        model_type=str(tower.get("model_type", "")),
+        parts=tuple(sorted(parts)),
+        params=sum(parts.values()),
+        layers=layers,
+    )
 
 
 def _positive(value: object) -> bool:
@@ -211,8 +230,9 @@ def _positive(value: object) -> bool:
 def _in_features(shapes: dict[str, list[int]]) -> list[int]:
     """Input dims of the linears the engines quantize: every matrix of a decoder layer (attention, MLP, experts,
     router), whatever its family calls it; a vision tower's are not quantized."""
-    return sorted({dims[1] for name, dims in shapes.items()
-                   if len(dims) == 2 and name.endswith(".weight") and _LAYER.match(name)})
+    return sorted(
+        {dims[1] for name, dims in shapes.items() if len(dims) == 2 and name.endswith(".weight") and _LAYER.match(name)}
+    )
 
 
 def _read_at_most(path: Path, most: int, what: str) -> bytes:
@@ -315,8 +335,11 @@ def check_config(config: dict) -> dict:
     return config
 
 
-EMBEDDINGS = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight",
-              "language_model.model.embed_tokens.weight")
+EMBEDDINGS = (
+    "model.embed_tokens.weight",
+    "model.language_model.embed_tokens.weight",
+    "language_model.model.embed_tokens.weight",
+)
 
 
 def check_against_tensors(config: dict, shapes: dict[str, list[int]]) -> None:
@@ -324,12 +347,16 @@ def check_against_tensors(config: dict, shapes: dict[str, list[int]]) -> None:
     name = next((n for n in EMBEDDINGS if n in shapes), None)
     want = [config["vocab_size"], config["hidden_size"]]
     if name is not None and list(shapes[name]) != want:
-        raise ModelRefused(f"config.json says vocab_size x hidden_size is {want[0]} x {want[1]}, but "
-                           f"{name} has shape {list(shapes[name])}")
+        raise ModelRefused(
+            f"config.json says vocab_size x hidden_size is {want[0]} x {want[1]}, but "
+            f"{name} has shape {list(shapes[name])}"
+        )
     layers = {int(m[1]) for key in shapes if (m := _LAYER.match(key))}
     if layers and layers != set(range(config["num_hidden_layers"])):
-        raise ModelRefused(f"config.json says {config['num_hidden_layers']} layers (num_hidden_layers), the weights "
-                           f"hold {len(layers)} (numbered {min(layers)} to {max(layers)})")
+        raise ModelRefused(
+            f"config.json says {config['num_hidden_layers']} layers (num_hidden_layers), the weights "
+            f"hold {len(layers)} (numbered {min(layers)} to {max(layers)})"
+        )
 
 
 def _short(value: object) -> str:
@@ -341,8 +368,9 @@ def _tokenizer_auto_map(files: dict[str, Path]) -> bool:
     if "tokenizer_config.json" not in files:
         return False
     try:
-        found = _json(_read_at_most(files["tokenizer_config.json"], MAX_METADATA, "a tokenizer's config"),
-                      "tokenizer_config.json")
+        found = _json(
+            _read_at_most(files["tokenizer_config.json"], MAX_METADATA, "a tokenizer's config"), "tokenizer_config.json"
+        )
     except ValueError:
         return False
     return isinstance(found, dict) and "auto_map" in found
@@ -355,8 +383,10 @@ def read_headers(shards: dict[str, Path]) -> dict[str, dict[str, dict]]:
         headers[name] = read_header(path, name)
         listed += len(headers[name])
         if listed > MAX_MODEL_TENSORS:
-            raise ModelRefused(f"the model's safetensors headers list more than {MAX_MODEL_TENSORS} tensors in all; "
-                               "a real model lists at most a few hundred thousand")
+            raise ModelRefused(
+                f"the model's safetensors headers list more than {MAX_MODEL_TENSORS} tensors in all; "
+                "a real model lists at most a few hundred thousand"
+            )
     return headers
 
 
@@ -375,14 +405,17 @@ def read_header(path: Path, name: str | None = None) -> dict[str, dict]:
         if n > size - 8:
             raise ModelRefused(f"{name} is not a safetensors file or is truncated (header of {n} bytes)")
         if n > MAX_HEADER:
-            raise ModelRefused(f"{name} has a header of {n} bytes; a safetensors shard's header is at most "
-                               f"{MAX_HEADER}")
+            raise ModelRefused(
+                f"{name} has a header of {n} bytes; a safetensors shard's header is at most {MAX_HEADER}"
+            )
         raw = f.read(n)
     # Every tensor's entry is an object, and JSON writes each with a "{" (inside names too: an overcount at most):
     # counted before parsing, the table of a header that lists too many is never built.
     if raw.count(b"{") > MAX_TENSORS + 2:  # + the header itself and __metadata__
-        raise ModelRefused(f"{name} lists more than {MAX_TENSORS} tensors in its header; a real model's shard lists "
-                           "at most tens of thousands")
+        raise ModelRefused(
+            f"{name} lists more than {MAX_TENSORS} tensors in its header; a real model's shard lists "
+            "at most tens of thousands"
+        )
     try:
         header = _json(raw, f"the header of {name}")
     except ValueError:
@@ -401,11 +434,15 @@ def read_header(path: Path, name: str | None = None) -> dict[str, dict]:
         if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
             raise ModelRefused(f"{name}: tensor {_short(key)} has unknown dtype {_short(dtype)}")
         if not _integers(shape) or len(shape) > MAX_RANK:
-            raise ModelRefused(f"{name}: tensor {_short(key)} has shape {_short(shape)}; a shape is a list of at most "
-                               f"{MAX_RANK} non-negative integers")
+            raise ModelRefused(
+                f"{name}: tensor {_short(key)} has shape {_short(shape)}; a shape is a list of at most "
+                f"{MAX_RANK} non-negative integers"
+            )
         if not _integers(offsets) or len(offsets) != 2 or offsets[0] > offsets[1]:
-            raise ModelRefused(f"{name}: tensor {_short(key)} has data_offsets {_short(offsets)}; they must be two "
-                               "non-negative integers, begin <= end")
+            raise ModelRefused(
+                f"{name}: tensor {_short(key)} has data_offsets {_short(offsets)}; they must be two "
+                "non-negative integers, begin <= end"
+            )
         begin, stop = offsets
         expected = DTYPE_BYTES[dtype]
         for d in shape:

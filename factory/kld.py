@@ -93,9 +93,13 @@ def _compact(logp: torch.Tensor, generator: torch.Generator) -> dict[str, torch.
     tail[empty] = 1.0
     tail_ids = torch.multinomial(tail, TAIL_SAMPLES, replacement=True, generator=generator)
     del tail
-    return {"top_ids": top_ids.int().cpu(), "top_logp": top_logp.float().cpu(), "tail_ids": tail_ids.int().cpu(),
-            "tail_logp": logp.gather(-1, tail_ids).float().cpu(),
-            "tail_mass": mass.masked_fill(empty, 0.0).float().cpu()}
+    return {
+        "top_ids": top_ids.int().cpu(),
+        "top_logp": top_logp.float().cpu(),
+        "tail_ids": tail_ids.int().cpu(),
+        "tail_logp": logp.gather(-1, tail_ids).float().cpu(),
+        "tail_mass": mass.masked_fill(empty, 0.0).float().cpu(),
+    }
 
 
 def summarize(kls: list[torch.Tensor], same: list[torch.Tensor]) -> Divergence:

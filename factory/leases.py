@@ -33,8 +33,13 @@ class Holding:
 
 
 @contextmanager
-def held(catalog: Catalog, lease: Lease, seconds: float, alive: Callable[[], str | None] = lambda: None,
-         on_lost: Callable[[str], None] = lambda reason: None) -> Iterator[Holding]:
+def held(
+    catalog: Catalog,
+    lease: Lease,
+    seconds: float,
+    alive: Callable[[], str | None] = lambda: None,
+    on_lost: Callable[[str], None] = lambda reason: None,
+) -> Iterator[Holding]:
     """Renew `lease` every third of `seconds` while the block runs. `alive()` returns None while the job makes
     progress, else why not (one sentence)."""
     holding, stop = Holding(lease), threading.Event()

@@ -99,23 +99,33 @@ class Factory(Planning, Conversions, Evaluations):
             return job
         try:
             if job.state != JobState.running:  # running: taken over from a holder whose lease expired
-                self.catalog.transition(job_id, JobState.running, self.token,
-                                        only_from=frozenset({JobState.queued, JobState.failed}))
+                self.catalog.transition(
+                    job_id, JobState.running, self.token, only_from=frozenset({JobState.queued, JobState.failed})
+                )
             self.catalog.check_lease(job_id, self.token)
             self.catalog.interrupt_steps(job_id, self.token)  # an earlier attempt that was killed left them running
             prepared = self._inspect(job)
-            keys = {s.tag: self._measurement_key(job, s) for s in prepared.specs
-                    if engines.get(s.method).needs_measurement}
+            keys = {
+                s.tag: self._measurement_key(job, s) for s in prepared.specs if engines.get(s.method).needs_measurement
+            }
             units = graph.units(prepared.specs, keys, publish, bool(self.settings.hub_owner))
             made = _Made()
             self._stop.clear()
             packer, needs = self.costs.packer(job), self.costs.needs(job, prepared.model, units)
             self._expect(job, prepared.model, units, needs, packer)
-            packing.run(units, lambda unit: self._unit(job, prepared, unit, made), lambda unit: needs[unit.name],
-                        packer, self._stop, self._note, lambda unit: self.held_elsewhere(job, unit))
+            packing.run(
+                units,
+                lambda unit: self._unit(job, prepared, unit, made),
+                lambda unit: needs[unit.name],
+                packer,
+                self._stop,
+                self._note,
+                lambda unit: self.held_elsewhere(job, unit),
+            )
             if not publish:
-                handed = self.catalog.transition(job_id, JobState.queued, self.token,
-                                                 only_from=frozenset({JobState.running}))
+                handed = self.catalog.transition(
+                    job_id, JobState.queued, self.token, only_from=frozenset({JobState.running})
+                )
                 if not handed:
                     self.catalog.check_lease(job_id, self.token)  # says why: cancelled, or taken over
                 return self.catalog.job(job_id)
@@ -167,8 +177,11 @@ class Factory(Planning, Conversions, Evaluations):
             return False
         done = self.catalog.done_steps(job_id)
         published = {q.tag for q in self.catalog.quants(job_id=job_id)}
-        return bool(tags) and tags <= published and (
-            not self.settings.hub_owner or all(f"push:{tag}" in done for tag in tags))
+        return (
+            bool(tags)
+            and tags <= published
+            and (not self.settings.hub_owner or all(f"push:{tag}" in done for tag in tags))
+        )
 
     def _note(self, message: str) -> None:
         self.emit(events.note(message))
@@ -177,8 +190,11 @@ class Factory(Planning, Conversions, Evaluations):
         """One unit's work; what it makes goes into `made` for the units after it."""
         spec = unit.spec
         if unit.kind == "measure":  # unless every quant that needs it is made already (a job run again)
-            if any(self._quantized(job, s) is None for s in prepared.specs
-                   if engines.get(s.method).needs_measurement and self._measurement_key(job, s) == unit.measurement):
+            if any(
+                self._quantized(job, s) is None
+                for s in prepared.specs
+                if engines.get(s.method).needs_measurement and self._measurement_key(job, s) == unit.measurement
+            ):
                 made.measurements[unit.name] = self._measurement(job, prepared, spec, unit.measurement)
         elif unit.kind == "quantize":
             measurement = made.measurements.get(unit.measurement) if unit.measurement else None
@@ -194,9 +210,14 @@ class Factory(Planning, Conversions, Evaluations):
         elif unit.kind == "gate":
             made.refused = self._gate(job, made.ppls, made.fp16, made.divergences)
         elif unit.kind == "publish" and spec.tag not in made.refused:
-            scores = publishing.Scores(made.ppls[spec.tag], made.fp16, made.divergences.get(spec.tag),
-                                       made.extra.get(spec.tag, {}), len(prepared.stream.windows),
-                                       prepared.stream.window_length)
+            scores = publishing.Scores(
+                made.ppls[spec.tag],
+                made.fp16,
+                made.divergences.get(spec.tag),
+                made.extra.get(spec.tag, {}),
+                len(prepared.stream.windows),
+                prepared.stream.window_length,
+            )
             self._publish(job, prepared, spec, made.outputs[spec.tag], scores)
         elif unit.kind == "push" and spec.tag not in made.refused:
             self._push(job, prepared, spec)
@@ -218,8 +239,9 @@ class Factory(Planning, Conversions, Evaluations):
         self.emit(events.note(f"{what}, expected to take {tables.duration(wall)} ({at_once})"))
 
     @contextmanager
-    def _step(self, job_id: str, name: str, claim: tuple[str, int] | None = None,
-              on_success: Callable[[], None] | None = None):
+    def _step(
+        self, job_id: str, name: str, claim: tuple[str, int] | None = None, on_success: Callable[[], None] | None = None
+    ):
         """Record one attempt at a step; yields `progress(**fields)`, which forwards progress events and keeps
         the highest `peak_gpu_bytes` any of them reports. `claim` (key, token): the unit's claim, which fences the
         step's records besides the job's lease; `on_success` runs under those fences as the step succeeds."""
@@ -246,16 +268,18 @@ class Factory(Planning, Conversions, Evaluations):
         except LeaseLost:  # the step is the new holder's now
             raise
         except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (qf run turns it into one)
-            self.catalog.end_step(step_id, StepState.interrupted, "interrupted", max(peak, default=None), self.token,
-                                  claim)
+            self.catalog.end_step(
+                step_id, StepState.interrupted, "interrupted", max(peak, default=None), self.token, claim
+            )
             raise
         except BaseException as e:
             error = mask_url(e.message if isinstance(e, FactoryError) else f"{type(e).__name__}: {e}")
             self.catalog.end_step(step_id, StepState.failed, error, max(peak, default=None), self.token, claim)
             self.emit(events.step_failed(name, error))
             raise
-        self.catalog.end_step(step_id, StepState.succeeded, None, max(peak, default=None), self.token, claim,
-                              on_success)
+        self.catalog.end_step(
+            step_id, StepState.succeeded, None, max(peak, default=None), self.token, claim, on_success
+        )
         seconds = round(time.monotonic() - start, 3)
         self.emit(events.step_succeeded(name, seconds, max(peak, default=None)))
 
@@ -281,13 +305,18 @@ class Factory(Planning, Conversions, Evaluations):
                 fetched = self._bf16(job, fetched or self._local_folder(job), progress)
         with self._step(job.id, "inspect"):
             prepared = self._read(job, fetched, self.settings.work / job.id)
-            self.catalog.set_job_specs(job.id, [s.model_dump() for s in prepared.specs], self.token,
-                                       parameters=prepared.model.parameters)
+            self.catalog.set_job_specs(
+                job.id, [s.model_dump() for s in prepared.specs], self.token, parameters=prepared.model.parameters
+            )
         for s in prepared.specs:
             if s.tag in prepared.calibration:  # what the engine takes of the text, said before it runs for minutes
                 used = engines.get(s.method).describe_calibration(s.model_dump(), job.calibration)
-                self.emit(events.note(f"{s.tag}: calibration {used}; eval {job.eval} "
-                           f"{job.eval_windows} x {prepared.stream.window_length} tokens on {job.device}"))
+                self.emit(
+                    events.note(
+                        f"{s.tag}: calibration {used}; eval {job.eval} "
+                        f"{job.eval_windows} x {prepared.stream.window_length} tokens on {job.device}"
+                    )
+                )
         return prepared
 
     def _read(self, job: Job, fetched: Path | None, where: Path) -> Prepared:
@@ -315,12 +344,23 @@ class Factory(Planning, Conversions, Evaluations):
             if asked := engine.calibration_windows(s):
                 windows[s.tag] = calibration.token_windows(cal_ids, *asked, job.calibration)
         cal_file = calibration.write_parquet(cal, where / "calibration.parquet")
-        eval_ids = self._tokens(job, folder, _text(job.eval, job.eval_sha),
-                                first=job.eval_windows * evaluate.window_length(info.max_positions))
+        eval_ids = self._tokens(
+            job,
+            folder,
+            _text(job.eval, job.eval_sha),
+            first=job.eval_windows * evaluate.window_length(info.max_positions),
+        )
         stream = evaluate.stream(eval_ids, job.eval_windows, info.max_positions, job.eval)
         up = upstream.read(job.base_model, files.upstream_card(source_folder), folder)
-        return Prepared(folder=folder, specs=specs, calibration=windows, calibration_file=cal_file, stream=stream,
-                         upstream=up, model=Sized(shape, params, stream.window_length, layered.walkable(config)))
+        return Prepared(
+            folder=folder,
+            specs=specs,
+            calibration=windows,
+            calibration_file=cal_file,
+            stream=stream,
+            upstream=up,
+            model=Sized(shape, params, stream.window_length, layered.walkable(config)),
+        )
 
     def _bf16(self, job: Job, folder: Path, progress: Callable[..., None] = lambda **_: None) -> Path:
         """The folder the units read: the source, or its BF16 copy when it is FP8 or MXFP4 (factory/dequantize.py),
@@ -340,8 +380,9 @@ class Factory(Planning, Conversions, Evaluations):
         name = f"{key}.npy" if first is None else f"{key}-first{first}.npy"
         return evaluate.cached_tokens(folder, text.text, self.settings.cache / "tokens" / name, first)
 
-    def _gate(self, job: Job, ppls: dict[str, float], fp16: float,
-              divergences: dict[str, kld.Divergence | None]) -> dict[str, QualityGateRefused]:
+    def _gate(
+        self, job: Job, ppls: dict[str, float], fp16: float, divergences: dict[str, kld.Divergence | None]
+    ) -> dict[str, QualityGateRefused]:
         """The quants the recipe's gate refuses: perplexity not finite or above max_ppl_ratio x FP16, or (with
         max_kld) a mean KL divergence from FP16 above it."""
         refused = {}
@@ -374,8 +415,10 @@ class Factory(Planning, Conversions, Evaluations):
         if out.is_relative_to(self.settings.registry):  # a published quant reused: its evaluation is added to it
             twin = self.catalog.quant_with_weights(publishing.weights_key(job, spec))
             if twin is None:
-                raise JobFailed(f"{job.name}:{spec.tag} was removed while this job evaluated it; run the same "
-                                "command again to make it")
+                raise JobFailed(
+                    f"{job.name}:{spec.tag} was removed while this job evaluated it; run the same "
+                    "command again to make it"
+                )
             note = f"{twin.name}:{twin.tag}@{twin.rev} is published (job {twin.job_id}); this evaluation is added to it"
             self.catalog.reuse_step(job.id, f"publish:{spec.tag}", note, self.token)
             self.emit(events.note(f"publish:{spec.tag}: {note}"))
@@ -391,9 +434,15 @@ class Factory(Planning, Conversions, Evaluations):
             self.publisher.to_hub(job, spec, prepared.upstream, lambda: self._check_ours(job.id))
 
     def _result(self, job: Job) -> None:
-        self.emit(events.result(job.id, job.state, job.error, job.exit_code or 0,
-                                [q.row().to_json() for q in self.catalog.quants(job_id=job.id)]))
-
+        self.emit(
+            events.result(
+                job.id,
+                job.state,
+                job.error,
+                job.exit_code or 0,
+                [q.row().to_json() for q in self.catalog.quants(job_id=job.id)],
+            )
+        )
 
 
 def _text(name: str, sha256: str) -> calibration.TextSet:

@@ -52,15 +52,37 @@ class QuantRow:
 
     def to_json(self) -> dict:
         """`name` as people type it (`name:tag`), with `tag` and `rev` apart too."""
-        row = {"name": self.ref, "model": self.name, "tag": self.tag, "rev": self.rev, "method": self.method,
-               "bits": self.bits, "bytes": self.bytes, "ppl": self.ppl, "fp16_ppl": self.fp16_ppl,
-               "change": self.change, "kld": self.kld, "kld_p99": self.kld_p99, "top1": self.top1,
-               "source": self.source, "source_identity": self.source_identity,
-               "calibration": self.calibration, "eval": self.eval, "versions": self.versions, "job": self.job,
-               "path": self.path, "spec": self.spec, "fit": self.fit, "created_at": self.created_at}
-        return {**row, **({"fits": self.fits} if self.fits else {}),
-                **({"load_note": self.load_note} if self.load_note else {}),
-                **({"evaluations": self.evaluations} if self.evaluations is not None else {})}
+        row = {
+            "name": self.ref,
+            "model": self.name,
+            "tag": self.tag,
+            "rev": self.rev,
+            "method": self.method,
+            "bits": self.bits,
+            "bytes": self.bytes,
+            "ppl": self.ppl,
+            "fp16_ppl": self.fp16_ppl,
+            "change": self.change,
+            "kld": self.kld,
+            "kld_p99": self.kld_p99,
+            "top1": self.top1,
+            "source": self.source,
+            "source_identity": self.source_identity,
+            "calibration": self.calibration,
+            "eval": self.eval,
+            "versions": self.versions,
+            "job": self.job,
+            "path": self.path,
+            "spec": self.spec,
+            "fit": self.fit,
+            "created_at": self.created_at,
+        }
+        return {
+            **row,
+            **({"fits": self.fits} if self.fits else {}),
+            **({"load_note": self.load_note} if self.load_note else {}),
+            **({"evaluations": self.evaluations} if self.evaluations is not None else {}),
+        }
 
     @classmethod
     def from_json(cls, row: dict) -> QuantRow:

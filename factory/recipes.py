@@ -39,8 +39,9 @@ class Settings(Closed):
     @classmethod
     def _windows(cls, value: int | None) -> int | None:
         if value is not None and not 1 <= value <= MAX_EVAL_WINDOWS:
-            raise ValueError(f"must be between 1 and {MAX_EVAL_WINDOWS} (2048-token windows of the eval text), "
-                             f"not {value}")
+            raise ValueError(
+                f"must be between 1 and {MAX_EVAL_WINDOWS} (2048-token windows of the eval text), not {value}"
+            )
         return value
 
 
@@ -59,8 +60,10 @@ class Recipe:
 
     def to_dict(self) -> dict:
         """The recipe as YAML would hold it (None values left out)."""
-        return {**{n: t.model_dump(exclude_none=True) for n, t in self.targets.items()},
-                **self.settings.model_dump(exclude_none=True)}
+        return {
+            **{n: t.model_dump(exclude_none=True) for n, t in self.targets.items()},
+            **self.settings.model_dump(exclude_none=True),
+        }
 
 
 def _keys() -> str:
@@ -120,12 +123,18 @@ def recipe_from_yaml(text: str, where: str) -> Recipe:
 
 @functools.cache  # package data; build_recipe copies it (to_dict) before changing anything
 def standard_recipe() -> Recipe:
-    return recipe_from_yaml(resources.files("configs").joinpath(STANDARD).read_text(encoding="utf-8"),
-                             f"the standard recipe (configs/{STANDARD})")
+    return recipe_from_yaml(
+        resources.files("configs").joinpath(STANDARD).read_text(encoding="utf-8"),
+        f"the standard recipe (configs/{STANDARD})",
+    )
 
 
-def build_recipe(path: Path | None = None, flags: dict[str, str | bool | None] | None = None,
-                 written: Recipe | None = None, **overrides: object) -> Recipe:
+def build_recipe(
+    path: Path | None = None,
+    flags: dict[str, str | bool | None] | None = None,
+    written: Recipe | None = None,
+    **overrides: object,
+) -> Recipe:
     """The recipe a command line asks for: --recipe FILE (or `written`, one already read), else the standard
     recipe. Engine flags (`flags`, or
     keyword arguments named after an engine: `<engine>="4.0,5.0"`, `<engine>=True`) replace its targets, keeping its

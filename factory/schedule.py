@@ -73,8 +73,9 @@ def entry(target: str, recipe: dict, filter: dict | None = None) -> WatchEntry:
     parsed = recipe_from_dict(recipe, f"the recipe of watch {target}")
     if not parsed.specs():
         known = engines.available()
-        raise SpecError(f"the recipe of watch {target} makes nothing: give it {', '.join(known[:-1])} or {known[-1]} "
-                        "targets")
+        raise SpecError(
+            f"the recipe of watch {target} makes nothing: give it {', '.join(known[:-1])} or {known[-1]} targets"
+        )
     filter = dict(filter or {})
     if unknown := set(filter) - FILTER_KEYS:
         raise SpecError(f"watch {target}: unknown filter keys {sorted(unknown)}; allowed: {sorted(FILTER_KEYS)}")
@@ -104,8 +105,9 @@ def load(path: Path) -> list[WatchEntry]:
     return [entry(str(i["target"]), i.get("recipe") or {}, i.get("filter")) for i in items]
 
 
-def plan(watches: list[WatchEntry], releases: list[Release], done: set[tuple[str, str, str]],
-         supported: dict[str, set[str]]) -> list[Planned]:
+def plan(
+    watches: list[WatchEntry], releases: list[Release], done: set[tuple[str, str, str]], supported: dict[str, set[str]]
+) -> list[Planned]:
     """One Planned per (watch, release) that matches and is not done yet; `done` holds (watch, repo, sha);
     `supported`: engine name -> the architectures it converts (a release is skipped when no engine of the
     watch's recipe converts it)."""
@@ -189,7 +191,14 @@ def watch_rows(catalog) -> list[dict]:
     seen: dict[str, list] = {}
     for u in catalog.upstream():
         seen.setdefault(u.watch, []).append(u)
-    return [{"target": w.target, "recipe": w.recipe, "filter": w.filter,
-             "seen": [{"repo": u.repo, "sha": u.sha, "job": u.job_id, "skipped": u.skipped}
-                      for u in seen.get(w.target, [])]}
-            for w in catalog.watches()]
+    return [
+        {
+            "target": w.target,
+            "recipe": w.recipe,
+            "filter": w.filter,
+            "seen": [
+                {"repo": u.repo, "sha": u.sha, "job": u.job_id, "skipped": u.skipped} for u in seen.get(w.target, [])
+            ],
+        }
+        for w in catalog.watches()
+    ]

@@ -145,7 +145,7 @@ def _one_of(variable: str, value: str, allowed: tuple[str, ...]) -> str:
 
 
 def database_kind(url: str) -> str:
-    """"sqlite" or "postgresql" for the catalog URLs the factory takes; SpecError (exit 2) for any other."""
+    """ "sqlite" or "postgresql" for the catalog URLs the factory takes; SpecError (exit 2) for any other."""
     if url.startswith("sqlite:///"):
         return "sqlite"
     if POSTGRES_URL.match(url):

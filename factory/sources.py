@@ -24,8 +24,10 @@ VERIFIED = ".quantfactory-verified"  # written into a fetched Hub folder once ev
 _HUB_PART = r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?"  # the Hub's own grammar (huggingface_hub)
 _HUB_REPO = re.compile(rf"{_HUB_PART}/{_HUB_PART}")
 _HUB_REVISION = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_./-]{0,254}")  # a branch, tag or commit
-NOT_A_HUB_REPO = ("neither a folder here nor a Hub repo owner/name[@revision] (ASCII letters, digits, '-', '_' and "
-                  "'.', at most 96 each, no '--' or '..')")
+NOT_A_HUB_REPO = (
+    "neither a folder here nor a Hub repo owner/name[@revision] (ASCII letters, digits, '-', '_' and "
+    "'.', at most 96 each, no '--' or '..')"
+)
 
 
 @dataclass(frozen=True)
@@ -117,8 +119,7 @@ def fetch_hub(identity: str, cache: Path, progress: Callable[..., None]) -> Path
         return dest
     with hub.errors(identity):
         info = hub.retrying(lambda: hub.client(hub.token()).model_info(repo, revision=sha, files_metadata=True))
-        files = [s for s in info.siblings if "/" not in s.rfilename
-                 and is_source_file(s.rfilename)]
+        files = [s for s in info.siblings if "/" not in s.rfilename and is_source_file(s.rfilename)]
         if not any(s.rfilename.endswith(".safetensors") for s in files):
             raise ModelRefused(f"{identity} has no safetensors weights; quantfactory reads only safetensors")
         index = next((s for s in files if s.rfilename == "model.safetensors.index.json"), None)

@@ -22,20 +22,32 @@ from datetime import UTC, datetime
 from factory.errors import ServiceUnavailable, database_error, mask_url
 from factory.settings import DEVICE_QUEUES, POSTGRES_URL, WORKER_BEAT_SECONDS, WORKERS_KEY, database_kind
 
-_JOBS = ("SELECT id, name, state, error, exit_code, source, source_identity, specs, created_at, worker, lease_until, "
-         "attempts, expected_end, device FROM jobs")
-_STEPS = ("SELECT job_id, name, state, started_at, ended_at, error, peak_gpu_bytes, expected_seconds, holder, note "
-          "FROM steps")
+_JOBS = (
+    "SELECT id, name, state, error, exit_code, source, source_identity, specs, created_at, worker, lease_until, "
+    "attempts, expected_end, device FROM jobs"
+)
+_STEPS = (
+    "SELECT job_id, name, state, started_at, ended_at, error, peak_gpu_bytes, expected_seconds, holder, note FROM steps"
+)
 
 
-def job_rows(url: str, job_id: str | None = None, name: str | None = None, limit: int = 20,
-             user: str | None = None, broker_url: str | None = None) -> list[dict]:
+def job_rows(
+    url: str,
+    job_id: str | None = None,
+    name: str | None = None,
+    limit: int = 20,
+    user: str | None = None,
+    broker_url: str | None = None,
+) -> list[dict]:
     """The newest `limit` jobs (of model `name`, or the one job `job_id`; of those, the ones `user` submitted
     through the service), newest first; [] for a new catalog. With `broker_url`, a queued job that no worker
     would take now says why in `waiting` (else None)."""
     clauses, args = [], []
-    for clause, value in (("id = ?", job_id), ("name = ?", name),
-                          ("id IN (SELECT job_id FROM submissions WHERE username = ?)", user)):
+    for clause, value in (
+        ("id = ?", job_id),
+        ("name = ?", name),
+        ("id IN (SELECT job_id FROM submissions WHERE username = ?)", user),
+    ):
         if value is not None:
             clauses.append(clause)
             args.append(value)
@@ -57,16 +69,38 @@ def job_rows(url: str, job_id: str | None = None, name: str | None = None, limit
     by_job: dict[str, list[dict]] = {i: [] for i in ids}
     for job, step, state, started, ended, error, peak, expected, holder, note in steps:
         seconds = (_time(ended) - _time(started)).total_seconds() if ended else None
-        by_job[job].append({"name": step, "state": state, "started_at": _time(started).isoformat(), "seconds": seconds,
-                            "expected_seconds": expected, "error": error, "peak_gpu_bytes": peak,
-                            "holder": holder, "note": note})
+        by_job[job].append(
+            {
+                "name": step,
+                "state": state,
+                "started_at": _time(started).isoformat(),
+                "seconds": seconds,
+                "expected_seconds": expected,
+                "error": error,
+                "peak_gpu_bytes": peak,
+                "holder": holder,
+                "note": note,
+            }
+        )
     now = datetime.now(UTC).replace(tzinfo=None)  # the catalog's clock: naive UTC
     rows = [
-        {"id": i, "name": n, "state": s, "error": e, "exit_code": code, "source": src, "source_identity": ident,
-         "specs": json.loads(specs) if isinstance(specs, str) else specs, "device": device,
-         "created_at": _time(created).isoformat(timespec="seconds"), "steps": by_job[i],
-         "holder": worker if until is not None and _time(until) > now else None, "attempts": attempts,
-         **_eta(s, end, now), "waiting": None}
+        {
+            "id": i,
+            "name": n,
+            "state": s,
+            "error": e,
+            "exit_code": code,
+            "source": src,
+            "source_identity": ident,
+            "specs": json.loads(specs) if isinstance(specs, str) else specs,
+            "device": device,
+            "created_at": _time(created).isoformat(timespec="seconds"),
+            "steps": by_job[i],
+            "holder": worker if until is not None and _time(until) > now else None,
+            "attempts": attempts,
+            **_eta(s, end, now),
+            "waiting": None,
+        }
         for i, n, s, e, code, src, ident, specs, created, worker, until, attempts, end, device in jobs
     ]
     if broker_url is not None:

@@ -14,11 +14,22 @@ def sizer() -> engines.Engine:
     return next(e for e in engines.all_engines() if e.sizes_to_budget)
 
 
-def request(source: str, flags: dict, recipe: Path | None = None, calibration: str | None = None,
-            eval_set: str | None = None, eval_windows: int | None = None, name: str | None = None,
-            base_model: str | None = None, device: str | None = None, fit: str | None = None,
-            ctx: int | None = None, kv_cache: str = "fp16", say: Callable[[str], None] = lambda line: None,
-            recipe_text: str | None = None):
+def request(
+    source: str,
+    flags: dict,
+    recipe: Path | None = None,
+    calibration: str | None = None,
+    eval_set: str | None = None,
+    eval_windows: int | None = None,
+    name: str | None = None,
+    base_model: str | None = None,
+    device: str | None = None,
+    fit: str | None = None,
+    ctx: int | None = None,
+    kv_cache: str = "fp16",
+    say: Callable[[str], None] = lambda line: None,
+    recipe_text: str | None = None,
+):
     """The Request for SOURCE: the recipe (a file, or its YAML text from a service's client) with the engine flags
     (`--<engine> 3.0,4.0`) and options applied; `fit` (VRAM budgets) becomes the sizing engine's sizes, each
     choice told to `say`."""
@@ -33,7 +44,8 @@ def request(source: str, flags: dict, recipe: Path | None = None, calibration: s
             raise SpecError(f"give --{engine.name} sizes or --fit budgets, not both")
         written = build_recipe(recipe, written=written_recipe).to_dict().get(engine.name, {})
         flags[engine.name] = engine.fit_budgets(source, fit, ctx, kv_cache, written, say)
-    chosen = build_recipe(recipe, flags, written=written_recipe, calibration=calibration, eval=eval_set,
-                          eval_windows=eval_windows)
+    chosen = build_recipe(
+        recipe, flags, written=written_recipe, calibration=calibration, eval=eval_set, eval_windows=eval_windows
+    )
     asked = {name for name, value in flags.items() if value}
     return Request(source=source, recipe=chosen, asked=asked, name=name, base_model=base_model, device=device)

@@ -125,17 +125,22 @@ def duration(seconds: float) -> str:
 def quants(rows: list, width: int | None, title: str | None = None, shows: str = WIDE) -> Table:
     """`rows`: the catalog's QuantRows. The method and the bits are in the tag, so they give way first (after the
     source); then top-1 agreement, then the KL divergence."""
-    return layout([
-        Col("NAME:TAG", [f"{r.ref}@{r.rev}" for r in rows]),
-        Col("METHOD", [r.method for r in rows], priority=4),
-        Col("BITS", [f"{r.bits:g}" for r in rows], priority=3, right=True),
-        Col("SIZE", [size(r.bytes) for r in rows], right=True),
-        Col("PPL", [f"{r.ppl:.4f}" for r in rows], right=True),
-        Col("VS FP16", [f"{r.change * 100:+.2f}%" for r in rows], right=True),
-        Col("KLD", ["-" if r.kld is None else kld(r.kld) for r in rows], priority=1, right=True),
-        Col("TOP-1", ["-" if r.top1 is None else f"{r.top1 * 100:.1f}%" for r in rows], priority=2, right=True),
-        Col("SOURCE", [r.source_identity[:19] for r in rows], priority=5),
-    ], width, title, shows)
+    return layout(
+        [
+            Col("NAME:TAG", [f"{r.ref}@{r.rev}" for r in rows]),
+            Col("METHOD", [r.method for r in rows], priority=4),
+            Col("BITS", [f"{r.bits:g}" for r in rows], priority=3, right=True),
+            Col("SIZE", [size(r.bytes) for r in rows], right=True),
+            Col("PPL", [f"{r.ppl:.4f}" for r in rows], right=True),
+            Col("VS FP16", [f"{r.change * 100:+.2f}%" for r in rows], right=True),
+            Col("KLD", ["-" if r.kld is None else kld(r.kld) for r in rows], priority=1, right=True),
+            Col("TOP-1", ["-" if r.top1 is None else f"{r.top1 * 100:.1f}%" for r in rows], priority=2, right=True),
+            Col("SOURCE", [r.source_identity[:19] for r in rows], priority=5),
+        ],
+        width,
+        title,
+        shows,
+    )
 
 
 def _steps(steps: list[dict], state: str) -> str:
@@ -152,27 +157,45 @@ def _steps(steps: list[dict], state: str) -> str:
 
 
 def jobs(rows: list[dict], width: int | None, title: str | None = None, shows: str = "--json") -> Table:
-    return layout([
-        Col("JOB", [r["id"] for r in rows]),
-        Col("NAME", [r["name"] for r in rows]),
-        Col("STATE", [r["state"] for r in rows]),
-        Col("STEPS", [_steps(r["steps"], r["state"]) for r in rows], priority=2),
-        Col("CREATED", [r["created_at"].replace("T", " ") for r in rows], priority=3),
-        Col("ERROR", [r["error"] or "" for r in rows], priority=1, flex=True),
-    ], width, title, shows)
+    return layout(
+        [
+            Col("JOB", [r["id"] for r in rows]),
+            Col("NAME", [r["name"] for r in rows]),
+            Col("STATE", [r["state"] for r in rows]),
+            Col("STEPS", [_steps(r["steps"], r["state"]) for r in rows], priority=2),
+            Col("CREATED", [r["created_at"].replace("T", " ") for r in rows], priority=3),
+            Col("ERROR", [r["error"] or "" for r in rows], priority=1, flex=True),
+        ],
+        width,
+        title,
+        shows,
+    )
 
 
 def steps(row: dict, width: int | None, shows: str = "--json") -> Table:
     """One job's steps (`qf status JOB`): each with its state, seconds, peak GPU memory, and its error or note (a
     reused quant's name). A step superseded (its quant removed, the job queued to make it again) says so."""
     s = row["steps"]
-    return layout([
-        Col("STEP", [x["name"] for x in s]),
-        Col("STATE", ["to redo" if x["state"] == "superseded" else x["state"] for x in s]),
-        Col("SECONDS", ["" if x["seconds"] is None else f"{x['seconds']:.1f}" for x in s], right=True),
-        Col("EXPECTED", ["" if x.get("expected_seconds") is None else f"{x['expected_seconds']:.0f}" for x in s],
-            priority=2, right=True),
-        Col("PEAK GPU", [size(x["peak_gpu_bytes"]) if x.get("peak_gpu_bytes") else "" for x in s], priority=2,
-            right=True),
-        Col("ERROR / NOTE", [x["error"] or x.get("note") or "" for x in s], priority=1, flex=True),
-    ], width, f"job {row['id']} ({row['name']}): {row['state']}", shows)
+    return layout(
+        [
+            Col("STEP", [x["name"] for x in s]),
+            Col("STATE", ["to redo" if x["state"] == "superseded" else x["state"] for x in s]),
+            Col("SECONDS", ["" if x["seconds"] is None else f"{x['seconds']:.1f}" for x in s], right=True),
+            Col(
+                "EXPECTED",
+                ["" if x.get("expected_seconds") is None else f"{x['expected_seconds']:.0f}" for x in s],
+                priority=2,
+                right=True,
+            ),
+            Col(
+                "PEAK GPU",
+                [size(x["peak_gpu_bytes"]) if x.get("peak_gpu_bytes") else "" for x in s],
+                priority=2,
+                right=True,
+            ),
+            Col("ERROR / NOTE", [x["error"] or x.get("note") or "" for x in s], priority=1, flex=True),
+        ],
+        width,
+        f"job {row['id']} ({row['name']}): {row['state']}",
+        shows,
+    )

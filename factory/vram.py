@@ -55,11 +55,16 @@ class Shape:
     @classmethod
     def of(cls, config: dict) -> Shape:
         heads = config["num_attention_heads"]
-        return cls(hidden=config["hidden_size"], layers=config["num_hidden_layers"], heads=heads,
-                   kv_heads=config.get("num_key_value_heads") or heads,
-                   head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-                   intermediate=config["intermediate_size"], vocab=config["vocab_size"],
-                   max_positions=config.get("max_position_embeddings") or 2048)
+        return cls(
+            hidden=config["hidden_size"],
+            layers=config["num_hidden_layers"],
+            heads=heads,
+            kv_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            intermediate=config["intermediate_size"],
+            vocab=config["vocab_size"],
+            max_positions=config.get("max_position_embeddings") or 2048,
+        )
 
 
 @dataclass(frozen=True)
@@ -83,16 +88,25 @@ class Params:
         groups = {"embed": 0, "head": 0, "linear": 0, "other": 0, "vision": 0}
         for name, dims in tensors.items():
             n = math.prod(dims)
-            group = ("vision" if VISION_PART.match(name) else "embed" if "embed_tokens" in name
-                     else "head" if name.startswith(("lm_head", "language_model.lm_head"))
-                     else "linear" if len(dims) == 2 else "other")
+            group = (
+                "vision"
+                if VISION_PART.match(name)
+                else "embed"
+                if "embed_tokens" in name
+                else "head"
+                if name.startswith(("lm_head", "language_model.lm_head"))
+                else "linear"
+                if len(dims) == 2
+                else "other"
+            )
             groups[group] += n
         groups["head"] = groups["head"] or shape.vocab * shape.hidden
         return cls(**groups)
 
 
-def plan_room(shape: Shape, budget: int, ctx: int | None, cache: str, caches: tuple[str, ...], gpus: int,
-              headroom: int) -> tuple[int, int]:
+def plan_room(
+    shape: Shape, budget: int, ctx: int | None, cache: str, caches: tuple[str, ...], gpus: int, headroom: int
+) -> tuple[int, int]:
     """A memory plan's context (the model's maximum by default) and the room it fills, or one sentence on why
     the question cannot be answered."""
     ctx = ctx or shape.max_positions
@@ -115,8 +129,10 @@ def best_bpw(total: Callable[[float], int], room: int, lowest: float, highest: f
 
 
 def too_small(need: int, room: int, budget: int, headroom: int, ctx: int, cache: str, lowest: float) -> SpecError:
-    return SpecError(f"even {lowest:.1f} bpw needs {human(need)} with a {ctx}-token {cache} cache, "
-                     f"{human(need - room)} more than {human(budget)} minus {human(headroom)} of headroom")
+    return SpecError(
+        f"even {lowest:.1f} bpw needs {human(need)} with a {ctx}-token {cache} cache, "
+        f"{human(need - room)} more than {human(budget)} minus {human(headroom)} of headroom"
+    )
 
 
 def tensor_bytes(folder: Path) -> dict[str, int]:
@@ -127,8 +143,15 @@ def tensor_bytes(folder: Path) -> dict[str, int]:
     for shard in sorted(folder.glob("*.safetensors")):
         for name, info in read_header(shard).items():
             begin, end = info["data_offsets"]
-            group = ("embed" if "embed_tokens" in name else "head" if "lm_head" in name
-                     else "layers" if ".layers." in name else "other")
+            group = (
+                "embed"
+                if "embed_tokens" in name
+                else "head"
+                if "lm_head" in name
+                else "layers"
+                if ".layers." in name
+                else "other"
+            )
             groups[group] = groups.get(group, 0) + end - begin
     return groups
 

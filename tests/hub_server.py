@@ -30,9 +30,40 @@ import yaml
 TOKENS = {"hf_alice_write": ("alice", True), "hf_alice_read": ("alice", False), "hf_bob_write": ("bob", True)}
 
 # Suffixes the Hub's default .gitattributes sends to LFS; binary samples and files of 10 MiB or more go there too.
-LFS_SUFFIXES = (".7z", ".arrow", ".bin", ".bz2", ".ckpt", ".ftz", ".gguf", ".gz", ".h5", ".joblib", ".mlmodel",
-                ".model", ".msgpack", ".npy", ".npz", ".onnx", ".ot", ".parquet", ".pb", ".pickle", ".pkl", ".pt",
-                ".pth", ".rar", ".safetensors", ".tar", ".tflite", ".tgz", ".wasm", ".xz", ".zip", ".zst")
+LFS_SUFFIXES = (
+    ".7z",
+    ".arrow",
+    ".bin",
+    ".bz2",
+    ".ckpt",
+    ".ftz",
+    ".gguf",
+    ".gz",
+    ".h5",
+    ".joblib",
+    ".mlmodel",
+    ".model",
+    ".msgpack",
+    ".npy",
+    ".npz",
+    ".onnx",
+    ".ot",
+    ".parquet",
+    ".pb",
+    ".pickle",
+    ".pkl",
+    ".pt",
+    ".pth",
+    ".rar",
+    ".safetensors",
+    ".tar",
+    ".tflite",
+    ".tgz",
+    ".wasm",
+    ".xz",
+    ".zip",
+    ".zst",
+)
 GITATTRIBUTES = "".join(f"*{s} filter=lfs diff=lfs merge=lfs -text\n" for s in LFS_SUFFIXES).encode()
 STALE_PARENT = "A commit has happened since. Please refresh and try again."
 
@@ -181,8 +212,15 @@ class HubServer:
 
     # ---- test hooks ----
 
-    def add_repo(self, repo_id: str, files: dict[str, bytes], branch: str = "main", *,
-                 message: str = "Upstream release", private: bool = False) -> str:
+    def add_repo(
+        self,
+        repo_id: str,
+        files: dict[str, bytes],
+        branch: str = "main",
+        *,
+        message: str = "Upstream release",
+        private: bool = False,
+    ) -> str:
         """Commit `files` (added/overwritten on top of the branch head) straight into the store, creating the repo and
         the branch (from main) as needed, as an upstream release would appear; returns the new commit sha."""
         with self.lock:
@@ -239,8 +277,16 @@ class HubServer:
         repo.blobs[oid] = bytearray(data)
         return Entry(oid, len(data), lfs)
 
-    def _new_commit(self, repo: Repo, branch: str, tree: dict[str, Entry], title: str, message: str, author: str,
-                    parent: str | None = "head") -> Commit:
+    def _new_commit(
+        self,
+        repo: Repo,
+        branch: str,
+        tree: dict[str, Entry],
+        title: str,
+        message: str,
+        author: str,
+        parent: str | None = "head",
+    ) -> Commit:
         parent = repo.branches.get(branch) if parent == "head" else parent
         key = json.dumps([parent, title, message, sorted((p, e.oid) for p, e in tree.items())])
         commit = Commit(hashlib.sha1(key.encode()).hexdigest(), parent, tree, title, message, author)
@@ -336,9 +382,17 @@ class HubServer:
         name, can_write = req.user
         role = "write" if can_write else "read"
         orgs = [{"type": "org", "name": org} for org, members in self.orgs.items() if name in members]
-        return {"type": "user", "id": name, "name": name, "fullname": name, "email": f"{name}@example.com",
-                "emailVerified": True, "isPro": False, "orgs": orgs,
-                "auth": {"type": "access_token", "accessToken": {"displayName": f"{name}-{role}", "role": role}}}
+        return {
+            "type": "user",
+            "id": name,
+            "name": name,
+            "fullname": name,
+            "email": f"{name}@example.com",
+            "emailVerified": True,
+            "isPro": False,
+            "orgs": orgs,
+            "auth": {"type": "access_token", "accessToken": {"displayName": f"{name}-{role}", "role": role}},
+        }
 
     def _validate_yaml(self, req: Request):
         return {"errors": [], "warnings": []}
@@ -358,14 +412,29 @@ class HubServer:
 
     def _info(self, repo: Repo, commit: Commit, siblings: bool = True, blobs: bool = False) -> dict:
         card = self._card(repo, commit)
-        info = {"id": repo.id, "modelId": repo.id, "author": repo.id.split("/")[0], "sha": commit.sha,
-                "lastModified": commit.date, "createdAt": repo.created, "private": repo.private,
-                "gated": "manual" if repo.gated else False, "disabled": False, "downloads": 0, "likes": 0,
-                "tags": _tags(card, commit), "library_name": card.get("library_name"), "cardData": card or None}
+        info = {
+            "id": repo.id,
+            "modelId": repo.id,
+            "author": repo.id.split("/")[0],
+            "sha": commit.sha,
+            "lastModified": commit.date,
+            "createdAt": repo.created,
+            "private": repo.private,
+            "gated": "manual" if repo.gated else False,
+            "disabled": False,
+            "downloads": 0,
+            "likes": 0,
+            "tags": _tags(card, commit),
+            "library_name": card.get("library_name"),
+            "cardData": card or None,
+        }
         if siblings:
             info["siblings"] = [
-                {"rfilename": p, **({"size": e.size, "blobId": e.blob_id()} if blobs else {}),
-                 **({"lfs": e.lfs_info("sha256")} if blobs and e.lfs else {})}
+                {
+                    "rfilename": p,
+                    **({"size": e.size, "blobId": e.blob_id()} if blobs else {}),
+                    **({"lfs": e.lfs_info("sha256")} if blobs and e.lfs else {}),
+                }
                 for p, e in sorted(commit.tree.items())
             ]
         return info
@@ -412,19 +481,33 @@ class HubServer:
             raise HubError(404, f"Entry not found: {path}", "EntryNotFound")
         out, dirs = [], set()
         for p, e in sorted(files.items()):
-            parts = p[len(prefix):].split("/")
+            parts = p[len(prefix) :].split("/")
             dirs.update(prefix + "/".join(parts[:i]) for i in range(1, len(parts)) if recursive or i == 1)
             if recursive or len(parts) == 1:
-                out.append({"type": "file", "oid": e.blob_id(), "size": e.size, "path": p,
-                            **({"lfs": e.lfs_info("oid")} if e.lfs else {})})
+                out.append(
+                    {
+                        "type": "file",
+                        "oid": e.blob_id(),
+                        "size": e.size,
+                        "path": p,
+                        **({"lfs": e.lfs_info("oid")} if e.lfs else {}),
+                    }
+                )
         return [{"type": "directory", "oid": git_sha1(d.encode()), "size": 0, "path": d} for d in sorted(dirs)] + out
 
     def _commits(self, req: Request, repo_id: str, rev: str):
         repo = self._repo(req, repo_id)
         commit, out = self._rev(repo, rev), []
         while commit is not None:
-            out.append({"id": commit.sha, "title": commit.title, "message": commit.message, "date": commit.date,
-                        "authors": [{"user": commit.author}]})
+            out.append(
+                {
+                    "id": commit.sha,
+                    "title": commit.title,
+                    "message": commit.message,
+                    "date": commit.date,
+                    "authors": [{"user": commit.author}],
+                }
+            )
             commit = repo.commits.get(commit.parent) if commit.parent else None
         return out
 
@@ -462,8 +545,14 @@ class HubServer:
         for f in req.json()["files"]:
             lfs = is_lfs(f["path"], f["size"], base64.b64decode(f.get("sample") or ""))
             old = commit.tree.get(f["path"])
-            files.append({"path": f["path"], "uploadMode": "lfs" if lfs else "regular", "shouldIgnore": False,
-                          "oid": old.oid if old is not None and old.lfs == lfs else None})
+            files.append(
+                {
+                    "path": f["path"],
+                    "uploadMode": "lfs" if lfs else "regular",
+                    "shouldIgnore": False,
+                    "oid": old.oid if old is not None and old.lfs == lfs else None,
+                }
+            )
         return {"files": files, "commitOid": commit.sha}
 
     def _lfs_batch(self, req: Request, repo_id: str):
@@ -477,11 +566,16 @@ class HubServer:
             if oid in repo.blobs:  # already stored: no actions, the client skips the upload
                 objects.append({"oid": oid, "size": size})
                 continue
-            actions = {"upload": {"href": f"{self.url}/_lfs/{repo_id}/{oid}?size={size}"},
-                       "verify": {"href": f"{self.url}/{repo_id}.git/info/lfs/objects/verify"}}
+            actions = {
+                "upload": {"href": f"{self.url}/_lfs/{repo_id}/{oid}?size={size}"},
+                "verify": {"href": f"{self.url}/{repo_id}.git/info/lfs/objects/verify"},
+            }
             objects.append({"oid": oid, "size": size, "authenticated": True, "actions": actions})
-        return 200, {"transfer": "basic", "objects": objects, "hash_algo": "sha256"}, {
-            "Content-Type": "application/vnd.git-lfs+json"}
+        return (
+            200,
+            {"transfer": "basic", "objects": objects, "hash_algo": "sha256"},
+            {"Content-Type": "application/vnd.git-lfs+json"},
+        )
 
     def _lfs_put(self, req: Request, repo_id: str, oid: str):
         """The PUT to the upload href (unauthenticated, as to a presigned S3 URL)."""
@@ -498,7 +592,6 @@ class HubServer:
         if body["oid"] not in repo.blobs or len(repo.blobs[body["oid"]]) != body["size"]:
             raise HubError(404, f"LFS object {body['oid']} not found")
         return {}
-
 
     def _commit_post(self, req: Request, repo_id: str, rev: str):
         """NDJSON: a header {summary, description, parentCommit?}, then file / lfsFile / deletedFile / deletedFolder
@@ -534,8 +627,14 @@ class HubServer:
                 for p in gone:
                     del tree[p]
         commit = self._new_commit(repo, rev, tree, header["summary"], header.get("description", ""), req.user[0])
-        return {"success": True, "commitOid": commit.sha, "commitUrl": f"{self.url}/{repo_id}/commit/{commit.sha}",
-                "commitMessage": commit.title, "hookOutput": "", "pullRequestUrl": None}
+        return {
+            "success": True,
+            "commitOid": commit.sha,
+            "commitUrl": f"{self.url}/{repo_id}/commit/{commit.sha}",
+            "commitMessage": commit.title,
+            "hookOutput": "",
+            "pullRequestUrl": None,
+        }
 
     def _resolve(self, req: Request, repo_id: str, rev: str, path: str):
         """A direct 200 (no redirect to a CDN) with the headers file_download.py reads; honours a simple Range."""

@@ -1,5 +1,5 @@
 """`qf` with the test engines of tests/round_engine.py registered, for tests that run it as a real process:
-    python -m tests.qf_with_test_engines run SOURCE --recipe R.yaml ..."""
+python -m tests.qf_with_test_engines run SOURCE --recipe R.yaml ..."""
 
 from factory import engines
 from factory.cli import main

@@ -63,11 +63,19 @@ class RoundEngine(Engine):
 
     def quantize(self, request: QuantizeRequest, emit) -> None:
         shutil.rmtree(request.out_dir, ignore_errors=True)
-        payload = {"source_dir": str(request.source_dir), "out_dir": str(request.out_dir), "spec": request.spec,
-                   "seconds": float(os.environ.get("QF_TEST_ROUND_SECONDS", "0"))}
+        payload = {
+            "source_dir": str(request.source_dir),
+            "out_dir": str(request.out_dir),
+            "spec": request.spec,
+            "seconds": float(os.environ.get("QF_TEST_ROUND_SECONDS", "0")),
+        }
         child.run(__name__, payload, request.work_dir, emit, what=f"rounding to {request.spec['mantissa']} bits")
-        check_quant_folder(request.out_dir, "model.safetensors",
-                           {"quant_method": "round", "mantissa": request.spec["mantissa"]}, "the round engine")
+        check_quant_folder(
+            request.out_dir,
+            "model.safetensors",
+            {"quant_method": "round", "mantissa": request.spec["mantissa"]},
+            "the round engine",
+        )
 
     def load(self, folder: Path, device: str):
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -75,8 +83,9 @@ class RoundEngine(Engine):
         quiet_transformers()
         config = json.loads((folder / "config.json").read_text())
         config.pop("quantization_config")
-        model = AutoModelForCausalLM.from_pretrained(folder, config=AutoConfig.for_model(**config),
-                                                     dtype=torch_dtype(device))
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, config=AutoConfig.for_model(**config), dtype=torch_dtype(device)
+        )
         return transformers_logits(model, device)
 
     def how_to_load(self, folder: str) -> str:
@@ -119,8 +128,9 @@ class MeasuredRoundEngine(RoundEngine):
     def measurement_settings(self, spec) -> tuple[int, int]:
         return 2, 16
 
-    def measure(self, source_dir: Path, calibration_file: Path, rows: int, length: int, work_dir: Path,
-                measurement: Path, emit) -> None:
+    def measure(
+        self, source_dir: Path, calibration_file: Path, rows: int, length: int, work_dir: Path, measurement: Path, emit
+    ) -> None:
         payload = {"measure": str(measurement), "seconds": self.measure_seconds}
         child.run(__name__, payload, work_dir, emit, what="measuring")
 

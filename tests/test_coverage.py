@@ -25,8 +25,12 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = coverage.results()
 UNPROVEN = {
     "exl3": {
-        "Olmo3ForCausalLM": "not run", "Phi3ForCausalLM": "not run", "Qwen3ForCausalLM": "not run",
-        "Qwen3NextForCausalLM": "not run", "SeedOssForCausalLM": "not run", "SmolLM3ForCausalLM": "not run",
+        "Olmo3ForCausalLM": "not run",
+        "Phi3ForCausalLM": "not run",
+        "Qwen3ForCausalLM": "not run",
+        "Qwen3NextForCausalLM": "not run",
+        "SeedOssForCausalLM": "not run",
+        "SmolLM3ForCausalLM": "not run",
         "AfmoeForCausalLM": "the factory's chunked evaluation lost exllamav3's recurrent state (fixed since)",
         "GptOssForCausalLM": "the factory's chunked evaluation lost exllamav3's recurrent state (fixed since)",
         "Lfm2ForCausalLM": "the factory's chunked evaluation lost exllamav3's recurrent state (fixed since)",
@@ -51,8 +55,10 @@ def test_each_engine_claims_what_its_coverage_proved(name):
     unproven = set(UNPROVEN.get(name, {}))
     claims = set(engines.get(name).architectures)
     assert not proven & unproven, f"{sorted(proven & unproven)} are proven now: take them out of UNPROVEN"
-    assert claims == proven | unproven, (f"claimed but not proven: {sorted(claims - proven - unproven)}; "
-                                         f"proven but not claimed: {sorted(proven - claims)}")
+    assert claims == proven | unproven, (
+        f"claimed but not proven: {sorted(claims - proven - unproven)}; "
+        f"proven but not claimed: {sorted(proven - claims)}"
+    )
 
 
 def test_the_readme_table_is_the_committed_results():
@@ -73,9 +79,13 @@ def test_the_totals_the_readme_states():
 # GPT-J's separate projections with their own names, GPT-NeoX's fused query-key-value. QF_COVERAGE=all proves
 # every family a CPU engine claims (about 45 s each here; the committed results did, benchmarks/coverage.py).
 CI_FAMILIES = {"gptj", "gpt_neox"}
-CPU_CLAIMS = [(name, t) for name in engines.available() if not engines.get(name).requires_cuda and name in RESULTS
-              for t, arch in sorted(_architectures(name).items()) if arch in engines.get(name).architectures
-              and (t in CI_FAMILIES or os.environ.get("QF_COVERAGE") == "all")]
+CPU_CLAIMS = [
+    (name, t)
+    for name in engines.available()
+    if not engines.get(name).requires_cuda and name in RESULTS
+    for t, arch in sorted(_architectures(name).items())
+    if arch in engines.get(name).architectures and (t in CI_FAMILIES or os.environ.get("QF_COVERAGE") == "all")
+]
 
 
 @pytest.mark.parametrize(("name", "model_type"), CPU_CLAIMS, ids=[f"{n}-{t}" for n, t in CPU_CLAIMS])
@@ -87,6 +97,9 @@ def test_a_cpu_engine_still_converts_each_family_it_claims(name, model_type, tmp
     assert outcome["status"] == "quantized", outcome
     committed = RESULTS[name]["architectures"][model_type]
     assert abs(outcome["ppl"] - committed["ppl"]) < 0.01 * committed["ppl"], (outcome, committed)
-    assert json.loads((tmp_path / "models").joinpath(f"{model_type}-{coverage.WIDTH.get(name, 128)}",
-                                                      "config.json").read_text())["architectures"][0] == \
-        committed["architecture"]
+    assert (
+        json.loads(
+            (tmp_path / "models").joinpath(f"{model_type}-{coverage.WIDTH.get(name, 128)}", "config.json").read_text()
+        )["architectures"][0]
+        == committed["architecture"]
+    )

@@ -25,8 +25,15 @@ from tests.tiny_archs import make_tiny
 
 ROOT = Path(__file__).resolve().parent.parent
 FP8_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
-MXFP4_CONFIG = {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
-                                           "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"}
+MXFP4_CONFIG = {
+    "modules_to_not_convert": [
+        "model.layers.*.self_attn",
+        "model.layers.*.mlp.router",
+        "model.embed_tokens",
+        "lm_head",
+    ],
+    "quant_method": "mxfp4",
+}
 
 
 # -- the formats, written as their releases write them ---------------------------------------------------------------
@@ -74,8 +81,9 @@ def mxfp4_formula(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return values.flatten(-2).transpose(1, 2).to(torch.bfloat16)
 
 
-def write_source(bf16: dict[str, torch.Tensor], quantized: dict[str, torch.Tensor], like: Path, out: Path,
-                 qc: dict, shards: int = 1) -> Path:
+def write_source(
+    bf16: dict[str, torch.Tensor], quantized: dict[str, torch.Tensor], like: Path, out: Path, qc: dict, shards: int = 1
+) -> Path:
     """A release folder: `like`'s companions, config.json with `qc`, the tensors in `shards` shards (with an
     index when more than one; a weight's scales in another shard than the weight itself)."""
     shutil.copytree(like, out, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
@@ -157,8 +165,9 @@ def test_fp8_as_the_formula_transformers_and_its_bf16_class_say(fp8, tmp_path):
         else:
             assert torch.equal(tensor, bf16[name]), name  # the other tensors keep their bytes
     # transformers' own dequantization of the release, and the names and shapes its BF16 class saves
-    model = AutoModelForCausalLM.from_pretrained(source, quantization_config=FineGrainedFP8Config(dequantize=True),
-                                                 dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(
+        source, quantization_config=FineGrainedFP8Config(dequantize=True), dtype=torch.bfloat16
+    )
     state = model.state_dict()
     assert set(state) == set(ours) and all(torch.equal(state[k], ours[k]) for k in ours)
     model.save_pretrained(tmp_path / "saved")
@@ -167,12 +176,16 @@ def test_fp8_as_the_formula_transformers_and_its_bf16_class_say(fp8, tmp_path):
     assert sorted(p.name for p in copy.glob("*.safetensors")) == sorted(p.name for p in source.glob("*.safetensors"))
     index = json.loads((copy / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(ours) and index["metadata"]["total_size"] == sum(
-        t.numel() * t.element_size() for t in ours.values())
+        t.numel() * t.element_size() for t in ours.values()
+    )
     config = json.loads((copy / "config.json").read_text())
     assert "quantization_config" not in config and config["dtype"] == "bfloat16"
     assert (copy / "tokenizer.json").read_bytes() == (source / "tokenizer.json").read_bytes()
-    assert progress[-1] == {"done": index["metadata"]["total_size"], "total": index["metadata"]["total_size"],
-                            "unit": "B"}
+    assert progress[-1] == {
+        "done": index["metadata"]["total_size"],
+        "total": index["metadata"]["total_size"],
+        "unit": "B",
+    }
     assert AutoModelForCausalLM.from_pretrained(copy).dtype == torch.bfloat16
     assert dequantize.bf16(source, "sha256:fp8", tmp_path, _events(progress)) == (copy, False)
 
@@ -182,8 +195,10 @@ def test_fp8_partial_blocks_and_pieces(tiny, tmp_path, monkeypatch):
     rows (CHUNK made small): still the formula, element for element."""
     monkeypatch.setattr(dequantize, "CHUNK", 4096)
     block = (48, 80)
-    weights = {"model.layers.0.mlp.down_proj.weight": torch.randn(200, 300),
-               "model.layers.0.mlp.experts.weight": torch.randn(3, 100, 170)}
+    weights = {
+        "model.layers.0.mlp.down_proj.weight": torch.randn(200, 300),
+        "model.layers.0.mlp.experts.weight": torch.randn(3, 100, 170),
+    }
     quantized = {}
     for name, w in weights.items():
         quantized[name], quantized[f"{name}_scale_inv"] = quantize_fp8(w, block)
@@ -212,8 +227,9 @@ def test_mxfp4_as_the_formula_transformers_and_its_bf16_class_say(gpt_oss, tmp_p
     assert all(torch.equal(ours[k], v) for k, v in bf16.items())
     # the names and shapes transformers' BF16 class saves (the plain tiny gpt-oss), and its own dequantization
     assert {k: s for k, (_, s) in headers_of(copy).items()} == {k: s for k, (_, s) in headers_of(plain).items()}
-    model = AutoModelForCausalLM.from_pretrained(source, quantization_config=Mxfp4Config(dequantize=True),
-                                                 dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(
+        source, quantization_config=Mxfp4Config(dequantize=True), dtype=torch.bfloat16
+    )
     state = model.state_dict()
     assert set(state) == set(ours) and all(torch.equal(state[k], ours[k]) for k in ours)
     # qf plan and a job's estimate size the model by its BF16 copy's shapes
@@ -236,8 +252,9 @@ dequantize.bf16(Path(sys.argv[1]), "sha256:killed", Path(sys.argv[2]), stop)
 
 def test_a_kill_leaves_no_copy(qf, fp8):
     source, _, _ = fp8
-    child = subprocess.Popen([sys.executable, "-c", KILLED, str(source), str(qf.home)], cwd=ROOT,
-                             stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", KILLED, str(source), str(qf.home)], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert child.stdout.readline() == "writing\n"  # its first piece is written
         waited = []  # a second job of the source meanwhile waits for that copy, saying so, until it is stopped
@@ -258,10 +275,14 @@ def test_a_kill_leaves_no_copy(qf, fp8):
     assert not dequantize.folder(qf.home, "sha256:killed").exists()
     planned = qf.json("gc", "--dry-run")
     assert [(i["path"], i["why"]) for i in planned["items"]] == [
-        (str(tmp), "BF16 copy of a source whose dequantization was killed")]
+        (str(tmp), "BF16 copy of a source whose dequantization was killed")
+    ]
     copy, made = dequantize.bf16(source, "sha256:killed", qf.home, lambda **_: None)  # takes over what it left
-    assert made and not tmp.exists() and sorted(p.name for p in root.iterdir() if not p.name.endswith(".lock")) == [
-        copy.name]
+    assert (
+        made
+        and not tmp.exists()
+        and sorted(p.name for p in root.iterdir() if not p.name.endswith(".lock")) == [copy.name]
+    )
 
     def interrupt(**event):  # Ctrl-C (or a cancel) while a copy is written: nothing is left of it
         raise KeyboardInterrupt
@@ -278,8 +299,12 @@ def test_run_awq_of_an_fp8_source_publishes_and_a_second_job_reuses_its_copy(qf,
     events = [json.loads(line) for line in result.stdout.splitlines()]
     job = events[0]["job"]
     steps = [(e["step"], e["state"]) for e in events if e["event"] == "step"]
-    assert steps[:4] == [("dequantize", "running"), ("dequantize", "succeeded"), ("inspect", "running"),
-                         ("inspect", "succeeded")]
+    assert steps[:4] == [
+        ("dequantize", "running"),
+        ("dequantize", "succeeded"),
+        ("inspect", "running"),
+        ("inspect", "succeeded"),
+    ]
     assert any(e["event"] == "progress" and e["step"] == "dequantize" and e["unit"] == "B" for e in events)
     [row] = qf.json("ls")
     assert row["name"] == "tiny-fp8:awq-w4g128" and row["ppl"] < 1.5 * row["fp16_ppl"]
@@ -293,13 +318,18 @@ def test_run_awq_of_an_fp8_source_publishes_and_a_second_job_reuses_its_copy(qf,
     assert again.exit_code == 0, again.output
     events = [json.loads(line) for line in again.stdout.splitlines()]
     assert events[0]["job"] != job and events[0]["created"]
-    assert any(e["event"] == "note" and e["message"].startswith("dequantize: the BF16 copy of this source made "
-                                                                "earlier is reused") for e in events)
-    assert copy.stat().st_mtime_ns == stamp and not any(e["event"] == "progress" and e["step"] == "dequantize"
-                                                        for e in events)
+    assert any(
+        e["event"] == "note"
+        and e["message"].startswith("dequantize: the BF16 copy of this source made earlier is reused")
+        for e in events
+    )
+    assert copy.stat().st_mtime_ns == stamp and not any(
+        e["event"] == "progress" and e["step"] == "dequantize" for e in events
+    )
     planned = qf.json("gc", "--dry-run")  # both jobs succeeded: nothing unfinished needs the copy any more
     assert (str(copy), "BF16 copy of an FP8/MXFP4 source that no unfinished job needs") in {
-        (i["path"], i["why"]) for i in planned["items"]}
+        (i["path"], i["why"]) for i in planned["items"]
+    }
 
 
 # -- what is refused -------------------------------------------------------------------------------------------------
@@ -308,6 +338,7 @@ def _config(qc):
         config = json.loads((m / "config.json").read_text())
         config["quantization_config"] = qc
         (m / "config.json").write_text(json.dumps(config))
+
     return change
 
 
@@ -317,6 +348,7 @@ def _file(name: str, keep_weights: bool = True):
         if not keep_weights:
             (m / "model.safetensors").unlink()
             (m / "config.json").unlink()
+
     return change
 
 
@@ -329,36 +361,76 @@ def _fp8_without_scales(m: Path):
 
 
 REFUSED = [
-    ("awq", _config({"quant_method": "awq", "bits": 4}),
-     "config.json says the model is already quantized (awq); pass the FP16 checkpoint"),
-    ("gptq", _config({"quant_method": "gptq", "bits": 4}),
-     "config.json says the model is already quantized (gptq); pass the FP16 checkpoint"),
-    ("exl2", _config({"quant_method": "exl2", "bits": 4.0}),
-     "config.json says the model is already quantized (exl2); pass the FP16 checkpoint"),
-    ("bitsandbytes", _config({"quant_method": "bitsandbytes", "load_in_4bit": True}),
-     "config.json says the model is already quantized (bitsandbytes); pass the FP16 checkpoint"),
-    ("compressed-tensors", _config({"quant_method": "compressed-tensors"}),
-     "config.json says the model is already quantized (compressed-tensors); pass the FP16 checkpoint"),
-    ("not-an-object", _config("fp8"), "config.json says the model is already quantized (unknown); pass the FP16 "
-                                      "checkpoint"),
-    ("exl2-files", _file("measurement.json"),
-     "measurement.json says the model is already quantized (EXL2); pass the FP16 checkpoint"),
-    ("gptq-files", _file("quantize_config.json"),
-     "quantize_config.json says the model is already quantized (GPTQ); pass the FP16 checkpoint"),
-    ("awq-files", _file("quant_config.json"),
-     "quant_config.json says the model is already quantized (AWQ); pass the FP16 checkpoint"),
-    ("gguf", _file("tiny.Q4_K_M.gguf", keep_weights=False),
-     "tiny.Q4_K_M.gguf is a GGUF file, a quantized format the factory does not read; pass the FP16 checkpoint "
-     "(safetensors)"),
-    ("fp8-per-tensor", _config({**FP8_CONFIG, "weight_block_size": None}),
-     "config.json: fp8's weight_block_size is null; the factory reads FP8 with one scale per block of two positive "
-     "integers (e.g. [128, 128])"),
-    ("fp8-static", _config({**FP8_CONFIG, "activation_scheme": "static"}),
-     "config.json: fp8 with 'static' activation scales is not read; the factory reads FP8 with dynamic activations "
-     "(activation_scheme: dynamic)"),
-    ("fp8-without-scales", _fp8_without_scales,
-     "model.layers.0.mlp.gate_proj.weight is FP8 ([256, 128]) and needs model.layers.0.mlp.gate_proj.weight_scale_inv "
-     "of shape [2, 1] for blocks of 128 x 128; the checkpoint has none"),
+    (
+        "awq",
+        _config({"quant_method": "awq", "bits": 4}),
+        "config.json says the model is already quantized (awq); pass the FP16 checkpoint",
+    ),
+    (
+        "gptq",
+        _config({"quant_method": "gptq", "bits": 4}),
+        "config.json says the model is already quantized (gptq); pass the FP16 checkpoint",
+    ),
+    (
+        "exl2",
+        _config({"quant_method": "exl2", "bits": 4.0}),
+        "config.json says the model is already quantized (exl2); pass the FP16 checkpoint",
+    ),
+    (
+        "bitsandbytes",
+        _config({"quant_method": "bitsandbytes", "load_in_4bit": True}),
+        "config.json says the model is already quantized (bitsandbytes); pass the FP16 checkpoint",
+    ),
+    (
+        "compressed-tensors",
+        _config({"quant_method": "compressed-tensors"}),
+        "config.json says the model is already quantized (compressed-tensors); pass the FP16 checkpoint",
+    ),
+    (
+        "not-an-object",
+        _config("fp8"),
+        "config.json says the model is already quantized (unknown); pass the FP16 checkpoint",
+    ),
+    (
+        "exl2-files",
+        _file("measurement.json"),
+        "measurement.json says the model is already quantized (EXL2); pass the FP16 checkpoint",
+    ),
+    (
+        "gptq-files",
+        _file("quantize_config.json"),
+        "quantize_config.json says the model is already quantized (GPTQ); pass the FP16 checkpoint",
+    ),
+    (
+        "awq-files",
+        _file("quant_config.json"),
+        "quant_config.json says the model is already quantized (AWQ); pass the FP16 checkpoint",
+    ),
+    (
+        "gguf",
+        _file("tiny.Q4_K_M.gguf", keep_weights=False),
+        "tiny.Q4_K_M.gguf is a GGUF file, a quantized format the factory does not read; pass the FP16 checkpoint "
+        "(safetensors)",
+    ),
+    (
+        "fp8-per-tensor",
+        _config({**FP8_CONFIG, "weight_block_size": None}),
+        "config.json: fp8's weight_block_size is null; the factory reads FP8 with one scale per block of two positive "
+        "integers (e.g. [128, 128])",
+    ),
+    (
+        "fp8-static",
+        _config({**FP8_CONFIG, "activation_scheme": "static"}),
+        "config.json: fp8 with 'static' activation scales is not read; the factory reads FP8 with dynamic activations "
+        "(activation_scheme: dynamic)",
+    ),
+    (
+        "fp8-without-scales",
+        _fp8_without_scales,
+        "model.layers.0.mlp.gate_proj.weight is FP8 ([256, 128]) and needs "
+        "model.layers.0.mlp.gate_proj.weight_scale_inv of shape [2, 1] for blocks of 128 x 128; "
+        "the checkpoint has none",
+    ),
 ]
 
 

@@ -40,11 +40,16 @@ def test_every_link_leads_into_the_repository(doc):
 
 def test_nothing_points_outside_the_repository():
     """No file the repository tracks sends its reader to ../shared (GPU.md, DESIGN.md): the facts are stated."""
-    files = subprocess.run(["git", "ls-files", "*.py", "*.md", "scripts/*"], cwd=ROOT, capture_output=True,
-                           text=True, check=True).stdout.split()
-    found = [f"{name}:{n}: {line.strip()}" for name in files if name != "tests/test_docs.py"
-             for n, line in enumerate((ROOT / name).read_text(errors="replace").splitlines(), 1)
-             if OUTSIDE.search(line)]
+    files = subprocess.run(
+        ["git", "ls-files", "*.py", "*.md", "scripts/*"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    found = [
+        f"{name}:{n}: {line.strip()}"
+        for name in files
+        if name != "tests/test_docs.py"
+        for n, line in enumerate((ROOT / name).read_text(errors="replace").splitlines(), 1)
+        if OUTSIDE.search(line)
+    ]
     assert not found, "\n".join(found)
 
 

@@ -169,8 +169,12 @@ def test_a_mixture_of_experts_is_quantized_and_scores_like_its_source(moe_quant,
 def test_the_mixtures_of_experts_tested_here_are_claimed():
     """The engine's claims are what benchmarks/coverage.py proved (tests/test_coverage.py); the layouts checked
     here are among them."""
-    names = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
-             "deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
+    names = {
+        "qwen3_moe": "Qwen3MoeForCausalLM",
+        "mixtral": "MixtralForCausalLM",
+        "deepseek_v3": "DeepseekV3ForCausalLM",
+        "glm4_moe": "Glm4MoeForCausalLM",
+    }
     assert {"LlamaForCausalLM"} | {names[t] for t in MOE} <= ARCHITECTURES
 
 

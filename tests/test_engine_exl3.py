@@ -28,8 +28,12 @@ def test_conversion_transcript_becomes_one_event_per_module():
     parse = exl3._parser(modules=4 + 3)
     events = [e for e in map(parse, (FIXTURES / "convert_exl3_tiny.log").read_text().splitlines(True)) if e]
     done = [e for e in events if "done" in e]
-    assert [e["module"] for e in done] == ["model.embed_tokens", *(f"model.layers.{i}" for i in range(4)),
-                                          "model.norm", "lm_head"]
+    assert [e["module"] for e in done] == [
+        "model.embed_tokens",
+        *(f"model.layers.{i}" for i in range(4)),
+        "model.norm",
+        "lm_head",
+    ]
     assert [e["done"] for e in done] == list(range(1, 8)) and {e["total"] for e in done} == {7}
     etas = [e["eta"] for e in events if "eta" in e]
     assert etas[0] == "warming up (1/3 timed blocks)" and etas[-1] == "< 1 minute"
@@ -95,8 +99,10 @@ def test_calibration_is_the_jobs_token_rows_in_exllamav3s_format(tmp_path):
     assert tensors["input_ids"].tolist() == rows
 
 
-@pytest.mark.parametrize("bpw, head, tag", [(4.0, 6, "exl3-4.0bpw"), (3.0, 8, "exl3-3.0bpw-h8"),
-                                            (1.0, 6, "exl3-1.0bpw"), (2.25, 16, "exl3-2.25bpw-h16")])
+@pytest.mark.parametrize(
+    "bpw, head, tag",
+    [(4.0, 6, "exl3-4.0bpw"), (3.0, 8, "exl3-3.0bpw-h8"), (1.0, 6, "exl3-1.0bpw"), (2.25, 16, "exl3-2.25bpw-h16")],
+)
 def test_tags(bpw, head, tag):
     assert Exl3Spec(bpw=bpw, head_bits=head).tag == tag
     assert naming.parse(f"gemma-3-270m:{tag}").tag == tag
@@ -137,8 +143,10 @@ def test_a_hidden_size_exllamav3_cannot_pad_is_refused_at_submit(factory, tiny19
     request = Request(source=str(tiny192), recipe=build_recipe(exl3="4.0"), asked={"exl3"}, device="cuda")
     with pytest.raises(ModelRefused) as e:
         factory.submit(request)
-    assert e.value.message == ("EXL3 cannot convert a model whose hidden size (192) is not a multiple of 128: "
-                               "exllamav3 pads it and its MLP does not crop the padding back")
+    assert e.value.message == (
+        "EXL3 cannot convert a model whose hidden size (192) is not a multiple of 128: "
+        "exllamav3 pads it and its MLP does not crop the padding back"
+    )
     assert e.value.exit_code == 3 and factory.catalog.job_states() == {}
 
 
@@ -156,9 +164,11 @@ def test_each_engine_says_which_architectures_it_takes(factory, tiny, tmp_path):
 def test_no_cuda_is_one_sentence(qf, tiny):
     result = qf("run", tiny, "--exl3", "4.0")
     assert result.exit_code == 2
-    assert result.stderr.strip().splitlines()[-1] == ("error: EXL3 (--exl3) needs a CUDA GPU and this machine has "
-                                                      "none; AWQ runs without one (--awq), AWQ-CT runs without "
-                                                      "one (--awqct)")
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: EXL3 (--exl3) needs a CUDA GPU and this machine has "
+        "none; AWQ runs without one (--awq), AWQ-CT runs without "
+        "one (--awqct)"
+    )
 
 
 def test_text_only_gemma3_sources_are_read_with_exllamav3s_dotted_names(tmp_path, tiny):
@@ -169,10 +179,18 @@ def test_text_only_gemma3_sources_are_read_with_exllamav3s_dotted_names(tmp_path
     config = json.loads((gemma3 / "config.json").read_text())
     (gemma3 / "config.json").write_text(json.dumps({**config, "architectures": ["Gemma3ForCausalLM"]}))
     assert compat.needs_dots(gemma3) and not compat.needs_dots(tiny)
-    header = {"model.embed_tokens.weight": {"dtype": "F16"}, "lm_head.weight": {}, ".model.norm.weight": {},
-              "_header_offset": 8}
-    assert compat.dotted(header) == {".model.embed_tokens.weight": {"dtype": "F16"}, "lm_head.weight": {},
-                                     ".model.norm.weight": {}, "_header_offset": 8}
+    header = {
+        "model.embed_tokens.weight": {"dtype": "F16"},
+        "lm_head.weight": {},
+        ".model.norm.weight": {},
+        "_header_offset": 8,
+    }
+    assert compat.dotted(header) == {
+        ".model.embed_tokens.weight": {"dtype": "F16"},
+        "lm_head.weight": {},
+        ".model.norm.weight": {},
+        "_header_offset": 8,
+    }
     qtensors = tmp_path / "qtensors"  # what its conversion saves per module, hidden files for Gemma 3
     qtensors.mkdir()
     for name in (".model.layers.0.safetensors", "lm_head.safetensors"):
@@ -211,9 +229,13 @@ def test_a_quant_without_its_layers_is_refused(tmp_path, tiny):
     spec = {"bpw": 4.0, "head_bits": 6}
     qc = {"quant_method": "exl3", "bits": 4.0, "head_bits": 6}
     out = _quant(tmp_path / "whole", qc, True)
-    save_file({".model.embed_tokens.weight": torch.zeros(8, 8, dtype=torch.float16),
-               ".model.layers.0.mlp.down_proj.trellis": torch.zeros(int(linear * 4.0 / 8) // 2, dtype=torch.int16)},
-              str(out / "model.safetensors"))
+    save_file(
+        {
+            ".model.embed_tokens.weight": torch.zeros(8, 8, dtype=torch.float16),
+            ".model.layers.0.mlp.down_proj.trellis": torch.zeros(int(linear * 4.0 / 8) // 2, dtype=torch.int16),
+        },
+        str(out / "model.safetensors"),
+    )
     exl3.check_output(out, spec, tmp_path / "engine.log", staged)
     empty = _quant(tmp_path / "empty", qc, True)
     save_file({".model.embed_tokens.weight": torch.zeros(8, 8, dtype=torch.float16)}, str(empty / "model.safetensors"))

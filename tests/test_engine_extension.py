@@ -52,19 +52,50 @@ def test_an_unknown_engine_key_lists_the_registered_ones(qf, tiny, tmp_path, rou
 # or inside a function alike. The leaves import nothing but errors; engines never see the catalog or publishing.
 LAYERS = [
     ["factory.errors"],
-    ["factory.settings", "factory.specs", "factory.naming", "factory.files", "factory.tables", "factory.events",
-     "factory.published", "factory.kld", "factory.layered", "calibration"],
-    ["factory.identity", "factory.inspect", "factory.dequantize", "factory.hubclient", "factory.catalog",
-     "factory.status", "factory.evaluate", "factory.publish.upstream"],
+    [
+        "factory.settings",
+        "factory.specs",
+        "factory.naming",
+        "factory.files",
+        "factory.tables",
+        "factory.events",
+        "factory.published",
+        "factory.kld",
+        "factory.layered",
+        "calibration",
+    ],
+    [
+        "factory.identity",
+        "factory.inspect",
+        "factory.dequantize",
+        "factory.hubclient",
+        "factory.catalog",
+        "factory.status",
+        "factory.evaluate",
+        "factory.publish.upstream",
+    ],
     ["factory.sources", "factory.vram"],
     ["factory.engines"],
     ["factory.recipes", "factory.schedule", "factory.publish", "factory.jobs"],
     ["factory.pipeline", "factory.housekeeping", "factory.leases", "factory.submission", "factory.lookup"],
-    ["factory.cli", "factory.cli_fleet", "factory.cli_registry", "factory.cli_service", "factory.cli_watch",
-     "factory.service", "workers"],
+    [
+        "factory.cli",
+        "factory.cli_fleet",
+        "factory.cli_registry",
+        "factory.cli_service",
+        "factory.cli_watch",
+        "factory.service",
+        "workers",
+    ],
 ]
-LEAVES = {"factory.errors", "factory.settings", "factory.specs", "factory.naming", "factory.events",
-          "factory.published"}
+LEAVES = {
+    "factory.errors",
+    "factory.settings",
+    "factory.specs",
+    "factory.naming",
+    "factory.events",
+    "factory.published",
+}
 
 
 def _modules():
@@ -95,19 +126,34 @@ def _layer(module: str) -> int:
     return layer
 
 
-@pytest.mark.parametrize(("entry", "sentence"), [
-    ("tests.round_engine:ENGINE", None),
-    ("tests.nowhere:ENGINE", "FACTORY_ENGINES names 'tests.nowhere:ENGINE', which cannot be loaded: No module named"),
-    ("tests.round_engine:RoundSpec", "FACTORY_ENGINES names 'tests.round_engine:RoundSpec', which is not an engine"),
-])
+@pytest.mark.parametrize(
+    ("entry", "sentence"),
+    [
+        ("tests.round_engine:ENGINE", None),
+        (
+            "tests.nowhere:ENGINE",
+            "FACTORY_ENGINES names 'tests.nowhere:ENGINE', which cannot be loaded: No module named",
+        ),
+        (
+            "tests.round_engine:RoundSpec",
+            "FACTORY_ENGINES names 'tests.round_engine:RoundSpec', which is not an engine",
+        ),
+    ],
+)
 def test_engines_named_in_the_environment(tmp_path, entry, sentence):
     """FACTORY_ENGINES registers engines in every process (workers and their job processes); one that cannot be
     loaded is one sentence and exit 2 at the first command, not a traceback at import."""
     env = {**os.environ, "FACTORY_ENGINES": entry, "FACTORY_HOME": str(tmp_path), "FACTORY_DB_URL": ""}
     recipe = tmp_path / "round.yaml"
     recipe.write_text("round: {mantissa: [3]}\n")
-    result = subprocess.run([sys.executable, "-m", "factory.cli", "run", str(tmp_path), "--recipe", str(recipe)],
-                            env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "factory.cli", "run", str(tmp_path), "--recipe", str(recipe)],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     if sentence is None:  # registered: its recipe key is known (the folder is no model: refused by inspection)
         assert result.returncode == 3 and "config.json" in result.stderr, result.stderr
     else:
@@ -122,11 +168,15 @@ def test_lower_layers_never_import_higher_ones():
         if name in LEAVES:
             problems += [f"{name} imports {m}" for m in imported if not m.startswith("factory.errors")]
         here = _layer(name)
-        problems += [f"{name} (layer {here}) imports {m} (layer {_layer(m)})" for m in sorted(imported)
-                     if _layer(m) > here]
+        problems += [
+            f"{name} (layer {here}) imports {m} (layer {_layer(m)})" for m in sorted(imported) if _layer(m) > here
+        ]
         if name.startswith("factory.engines"):  # engines keep no books and publish nothing
-            problems += [f"{name} imports {m}" for m in sorted(imported)
-                         if m.split(".")[:2] in (["factory", "catalog"], ["factory", "publish"])]
+            problems += [
+                f"{name} imports {m}"
+                for m in sorted(imported)
+                if m.split(".")[:2] in (["factory", "catalog"], ["factory", "publish"])
+            ]
     assert problems == []
 
 
@@ -137,6 +187,9 @@ def test_no_module_outside_the_engines_names_a_method():
         where = str(path.relative_to(ROOT))
         if name.startswith("factory.engines"):
             continue
-        problems += [f"{where}:{node.lineno} {node.value!r}" for node in ast.walk(tree)
-                     if isinstance(node, ast.Constant) and node.value in methods]
+        problems += [
+            f"{where}:{node.lineno} {node.value!r}"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and node.value in methods
+        ]
     assert problems == []

@@ -29,10 +29,13 @@ def test_history_in_the_size_bucket_scaled_by_parameters_else_the_estimate():
 
 
 def test_a_jobs_wall_time_follows_the_packing_rule():
-    units = [Unit("quantize:a", "quantize"), Unit("quantize:b", "quantize"),
-             Unit("evaluate:a", "evaluate", frozenset({"quantize:a"})),
-             Unit("evaluate:b", "evaluate", frozenset({"quantize:b"})),
-             Unit("gate", "gate", frozenset({"evaluate:a", "evaluate:b"}))]
+    units = [
+        Unit("quantize:a", "quantize"),
+        Unit("quantize:b", "quantize"),
+        Unit("evaluate:a", "evaluate", frozenset({"quantize:a"})),
+        Unit("evaluate:b", "evaluate", frozenset({"quantize:b"})),
+        Unit("gate", "gate", frozenset({"evaluate:a", "evaluate:b"})),
+    ]
     seconds = {"quantize:a": 100.0, "quantize:b": 100.0, "evaluate:a": 10.0, "evaluate:b": 10.0, "gate": 1.0}
 
     def need(unit: Unit) -> Need:
@@ -50,8 +53,9 @@ def test_an_evaluation_walked_layer_by_layer_is_predicted_by_its_largest_layer()
     from factory.jobs.costs import Sized, evaluation_bytes
     from factory.vram import Params, Shape
 
-    shape = Shape(hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, intermediate=14336, vocab=128256,
-                  max_positions=8192)
+    shape = Shape(
+        hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, intermediate=14336, vocab=128256, max_positions=8192
+    )
     params = Params(embed=128256 * 4096, head=128256 * 4096, linear=32 * 218_103_808, other=32 * 8192 + 4096)
     model = Sized(shape, params, 2048, walkable=True)
     whole, walked = evaluation_bytes(model, 48, walked=False), evaluation_bytes(model, 48, walked=True)

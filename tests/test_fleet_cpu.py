@@ -42,8 +42,14 @@ def _as_compose_runs(service: str, places: dict) -> tuple[dict, list[str]]:
 
 
 def _start_worker(env: dict, args: list[str], log_path: Path) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "factory.cli", *args], env=env, cwd=ROOT,
-                            stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "factory.cli", *args],
+        env=env,
+        cwd=ROOT,
+        stdout=open(log_path, "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 60
     while "ready." not in log_path.read_text():
         assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
@@ -69,12 +75,13 @@ def test_the_service_and_cpu_worker_of_compose_run_what_they_can(factory_env, tm
     assert service_env["FACTORY_WORKER_DEVICE"] == COMPOSE["worker-cpu"]["environment"]["FACTORY_WORKER_DEVICE"]
     assert serve_args[0] == "serve"
     port = serve_args.index("--port")  # Server picks a free one
-    server = Server(service_env, tmp_path / "server.log", *serve_args[1:port], *serve_args[port + 2:])
+    server = Server(service_env, tmp_path / "server.log", *serve_args[1:port], *serve_args[port + 2 :])
     workers = []
     try:
         alice = user_env(server, server.token("alice"), tmp_path / "alice")
-        api = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {alice['FACTORY_TOKEN']}"},
-                           timeout=60)
+        api = httpx.Client(
+            base_url=server.url, headers={"Authorization": f"Bearer {alice['FACTORY_TOKEN']}"}, timeout=60
+        )
         model = str(Path(factory_env["FACTORY_SERVE_SOURCES"]) / "tiny")
 
         def submit(flags: dict) -> str:
@@ -110,9 +117,11 @@ def test_the_service_and_cpu_worker_of_compose_run_what_they_can(factory_env, tm
         workers.append(_start_worker(gpu_env, gpu_args, tmp_path / "worker-gpu.log"))
         failed = _until(api, exl2, lambda j: j["state"] != "queued", 60)
         host = failed["error"].split(" on ", 1)[1].split()[0]
-        assert failed["error"] == (f"job {exl2} needs a CUDA GPU and the worker on {host} that took it from the gpu "
-                                   f"queue has none; start workers without one with `qf worker --queues cpu`, then "
-                                   f"`qf retry {exl2}`")
+        assert failed["error"] == (
+            f"job {exl2} needs a CUDA GPU and the worker on {host} that took it from the gpu "
+            f"queue has none; start workers without one with `qf worker --queues cpu`, then "
+            f"`qf retry {exl2}`"
+        )
         assert (failed["state"], failed["exit_code"], failed["steps"]) == ("failed", 2, [])
         status = qf(alice, "status", exl2)
         assert status.returncode == 1 and f"error: {failed['error']}\n" in status.stdout, status

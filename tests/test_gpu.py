@@ -50,15 +50,25 @@ def _save() -> None:
     out = Path(os.environ.get("QF_GPU_RESULTS", ROOT / "benchmarks" / "results" / "gpu_suite.json"))
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "commit": os.environ.get("QF_COMMIT") or commit or "unknown",
-        "gpu": torch.cuda.get_device_name(0),
-        "versions": {"torch": torch.__version__, "transformers": _version("transformers"),
-                     "exllamav2": _version("exllamav2"), "exllamav3": _version("exllamav3"),
-                     "autoawq": _version("autoawq")},
-        "command": "scripts/gpu_suite (pytest -m gpu)",
-        **RESULTS,
-    }, indent=2) + "\n")
+    out.write_text(
+        json.dumps(
+            {
+                "commit": os.environ.get("QF_COMMIT") or commit or "unknown",
+                "gpu": torch.cuda.get_device_name(0),
+                "versions": {
+                    "torch": torch.__version__,
+                    "transformers": _version("transformers"),
+                    "exllamav2": _version("exllamav2"),
+                    "exllamav3": _version("exllamav3"),
+                    "autoawq": _version("autoawq"),
+                },
+                "command": "scripts/gpu_suite (pytest -m gpu)",
+                **RESULTS,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
 
 
 class _Made(dict):
@@ -77,10 +87,12 @@ class _Made(dict):
 def models(tmp_path_factory) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("models")
     gguf = os.environ.get("QF_SMOLLM2_GGUF")
-    return _Made({
-        "tiny-llama": lambda: make_tiny_llama(base / "tiny-llama", hidden=256, layers=4),
-        "smollm2-135m-instruct": lambda: convert(base / "SmolLM2-135M-Instruct", Path(gguf) if gguf else None),
-    })
+    return _Made(
+        {
+            "tiny-llama": lambda: make_tiny_llama(base / "tiny-llama", hidden=256, layers=4),
+            "smollm2-135m-instruct": lambda: convert(base / "SmolLM2-135M-Instruct", Path(gguf) if gguf else None),
+        }
+    )
 
 
 def _events(result) -> list[dict]:
@@ -94,26 +106,47 @@ def _rows(model: str, events: list[dict]) -> None:
     fp16 = next((e["ppl"] for e in events if e["event"] == "evaluation" and e["subject"] == "fp16"), None)
     result = events[-1]
     if fp16 is not None:
-        RESULTS["rows"].append({"model": model, "method": "fp16", "evaluator": "transformers", "bits": 16,
-                                "ppl": fp16, "eval_windows": result["quants"][0]["eval"]["windows"],
-                                "seconds": {"evaluate": steps["evaluate:fp16"]["seconds"]},
-                                "peak_gpu_bytes": steps["evaluate:fp16"]["peak_gpu_bytes"]})
+        RESULTS["rows"].append(
+            {
+                "model": model,
+                "method": "fp16",
+                "evaluator": "transformers",
+                "bits": 16,
+                "ppl": fp16,
+                "eval_windows": result["quants"][0]["eval"]["windows"],
+                "seconds": {"evaluate": steps["evaluate:fp16"]["seconds"]},
+                "peak_gpu_bytes": steps["evaluate:fp16"]["peak_gpu_bytes"],
+            }
+        )
     for q in result["quants"]:
         tag = q["name"].split(":", 1)[1]
         quantize = steps[f"quantize:{tag}"]
         seconds = {"quantize": quantize["seconds"], "evaluate": steps[f"evaluate:{tag}"]["seconds"]}
         if q["method"] == "exl2" and measure is not None:
             seconds["measure"] = measure["seconds"]
-        RESULTS["rows"].append({
-            "model": model, "method": q["method"], "tag": tag,
-            "evaluator": engines.get(q["method"]).evaluator, "bits": q["bits"], "bytes": q["bytes"],
-            "ppl": q["ppl"], "fp16_ppl": q["fp16_ppl"], "change": q["change"], "kld": q["kld"],
-            "kld_p99": q["kld_p99"], "top1": q["top1"],
-            "eval_windows": q["eval"]["windows"], "seconds": seconds,
-            "peak_gpu_bytes": {"quantize": quantize["peak_gpu_bytes"],
-                               "evaluate": steps[f"evaluate:{tag}"]["peak_gpu_bytes"],
-                               **({"measure": measure["peak_gpu_bytes"]} if q["method"] == "exl2" and measure else {})},
-        })
+        RESULTS["rows"].append(
+            {
+                "model": model,
+                "method": q["method"],
+                "tag": tag,
+                "evaluator": engines.get(q["method"]).evaluator,
+                "bits": q["bits"],
+                "bytes": q["bytes"],
+                "ppl": q["ppl"],
+                "fp16_ppl": q["fp16_ppl"],
+                "change": q["change"],
+                "kld": q["kld"],
+                "kld_p99": q["kld_p99"],
+                "top1": q["top1"],
+                "eval_windows": q["eval"]["windows"],
+                "seconds": seconds,
+                "peak_gpu_bytes": {
+                    "quantize": quantize["peak_gpu_bytes"],
+                    "evaluate": steps[f"evaluate:{tag}"]["peak_gpu_bytes"],
+                    **({"measure": measure["peak_gpu_bytes"]} if q["method"] == "exl2" and measure else {}),
+                },
+            }
+        )
     _save()
 
 
@@ -208,9 +241,18 @@ def test_exllamav2_fp16_matches_transformers(standard):
     ids = evaluate.tokenize(source, calibration.resolve("builtin:wiki").text)
     exl2 = engines.get("exl2")
     result = evaluate.evaluate(source, exl2.load, exl2.evaluator, evaluate.stream(ids, windows, None, "builtin:wiki"))
-    RESULTS["rows"].append({"model": name, "method": "fp16", "evaluator": "exllamav2", "bits": 16, "ppl": result.ppl,
-                            "eval_windows": windows, "seconds": {"evaluate": result.seconds},
-                            "peak_gpu_bytes": result.peak_gpu_bytes})
+    RESULTS["rows"].append(
+        {
+            "model": name,
+            "method": "fp16",
+            "evaluator": "exllamav2",
+            "bits": 16,
+            "ppl": result.ppl,
+            "eval_windows": windows,
+            "seconds": {"evaluate": result.seconds},
+            "peak_gpu_bytes": result.peak_gpu_bytes,
+        }
+    )
     _save()
     assert result.ppl == pytest.approx(fp16, rel=0.001)
 
@@ -274,8 +316,12 @@ def test_resume_after_kills(models, tmp_path, monkeypatch):
     assert json.loads(job_file.read_text())["progress"] == "quant"
 
     # now the whole qf process, while its conversion runs
-    proc = subprocess.Popen([sys.executable, "-m", "factory.cli", "run", source, "--exl2", "3.5", "--eval-windows",
-                             "4", "--json"], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "factory.cli", "run", source, "--exl2", "3.5", "--eval-windows", "4", "--json"],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
     for line in proc.stdout:
         if _quantizing(json.loads(line)):
             proc.send_signal(signal.SIGKILL)
@@ -299,8 +345,9 @@ def test_corrupt_work_folder_restarts_clean(models, tmp_path, monkeypatch):
     monkeypatch.setenv("FACTORY_HOME", str(tmp_path / "home"))
     monkeypatch.delenv("FACTORY_DB_URL", raising=False)
     factory = Factory(settings.load(), _kill_conversion_once())
-    job, _ = factory.submit(Request(source=str(models["tiny-llama"]), recipe=build_recipe(exl2="2.5", eval_windows=4),
-                                    asked={"exl2"}))
+    job, _ = factory.submit(
+        Request(source=str(models["tiny-llama"]), recipe=build_recipe(exl2="2.5", eval_windows=4), asked={"exl2"})
+    )
     with pytest.raises(JobFailed):
         factory.execute(job.id)
     job_file = tmp_path / "home" / "work" / job.id / "exl2-2.5bpw" / "convert" / "job_new.json"
@@ -323,8 +370,9 @@ def test_engine_transcripts(models, tmp_path):
     measurement = tmp_path / "measurement.json"
     engine.measure(source, cal, 16, 2048, tmp_path / "measure", measurement, events.append)
     spec = {"method": "exl2", "bpw": 4.0, "head_bits": 6, "rows": 100, "length": 2048}
-    request = engines.QuantizeRequest(source, tmp_path / "out", tmp_path / "quant", spec, calibration_file=cal,
-                                      measurement=measurement)
+    request = engines.QuantizeRequest(
+        source, tmp_path / "out", tmp_path / "quant", spec, calibration_file=cal, measurement=measurement
+    )
     engine.quantize(request, events.append)
     assert {e["stage"] for e in events if "stage" in e} >= {"Quantizing", "Compiling"}
     assert all(0 <= e["done"] <= 100 for e in events if "stage" in e)

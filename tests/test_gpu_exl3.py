@@ -26,8 +26,11 @@ from tests.gemma import convert
 from tests.test_gpu import RESULTS, _events, _rows, _save
 from tests.tiny_model import LLAMA_1B, make_tiny_llama
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-              pytest.mark.skipif(importlib.util.find_spec("exllamav3") is None, reason="needs exllamav3")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(importlib.util.find_spec("exllamav3") is None, reason="needs exllamav3"),
+]
 ROOT = Path(__file__).resolve().parent.parent
 GEMMA_BPWS = os.environ.get("QF_GEMMA_BPWS", "2.0,3.0,4.0,5.0,6.0")
 
@@ -70,10 +73,21 @@ def test_exl3_conversion_killed_and_resumed(tiny_llama, tmp_path):
     """SIGKILL the whole `qf run` while exllamav3 converts; the same command resumes its work folder (-r) and
     finishes."""
     env = {**os.environ, "FACTORY_HOME": str(tmp_path / "home"), "FACTORY_DB_URL": ""}
-    cmd = [sys.executable, "-m", "factory.cli", "run", str(tiny_llama), "--exl3", "3.0", "--eval-windows", "2",
-           "--json"]
-    first = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "factory.cli",
+        "run",
+        str(tiny_llama),
+        "--exl3",
+        "3.0",
+        "--eval-windows",
+        "2",
+        "--json",
+    ]
+    first = subprocess.Popen(
+        cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     deadline = time.monotonic() + 300
     log = None
     while time.monotonic() < deadline:
@@ -111,9 +125,19 @@ def test_gemma_fp16_through_exllamav3_agrees_with_transformers(gemma):
     exl3 = engines.get("exl3")
     theirs = evaluate.evaluate(gemma, evaluate.load_fp16, evaluate.FP16_EVALUATOR, data)
     ours = evaluate.evaluate(gemma, exl3.load, exl3.evaluator, data)
-    RESULTS["rows"] += [{"model": "gemma-3-270m", "method": "fp16", "evaluator": r.evaluator, "bits": 16, "ppl": r.ppl,
-                         "eval_windows": 48, "seconds": {"evaluate": r.seconds}, "peak_gpu_bytes": r.peak_gpu_bytes}
-                        for r in (theirs, ours)]
+    RESULTS["rows"] += [
+        {
+            "model": "gemma-3-270m",
+            "method": "fp16",
+            "evaluator": r.evaluator,
+            "bits": 16,
+            "ppl": r.ppl,
+            "eval_windows": 48,
+            "seconds": {"evaluate": r.seconds},
+            "peak_gpu_bytes": r.peak_gpu_bytes,
+        }
+        for r in (theirs, ours)
+    ]
     RESULTS["checks"]["gemma_fp16_exllamav3_vs_transformers"] = ours.ppl / theirs.ppl - 1
     _save()
     assert abs(ours.ppl / theirs.ppl - 1) < 0.001, (ours.ppl, theirs.ppl)
@@ -125,8 +149,9 @@ def test_exl3_against_exl2_at_equal_bits_on_the_random_1b_llama(tmp_path):
     model = make_tiny_llama(tmp_path / "llama-1.1b", device="cuda", **LLAMA_1B)
     qf = Qf(home=tmp_path / "home")
     bpw = os.environ.get("QF_LLAMA_BPWS", "4.0")
-    events = _events(qf("run", model, "--exl2", bpw, "--exl3", bpw, "--calibration", "builtin:mix",
-                        "--eval-windows", "8", "--json"))
+    events = _events(
+        qf("run", model, "--exl2", bpw, "--exl3", bpw, "--calibration", "builtin:mix", "--eval-windows", "8", "--json")
+    )
     _rows("llama-1.1b-random", events)
     quants = {(q["method"], q["bits"]): q for q in events[-1]["quants"]}
     for bits in map(float, bpw.split(",")):

@@ -26,8 +26,16 @@ from tests.tiny_model import LLAMA_1B, make_tiny_llama
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 ROOT = Path(__file__).resolve().parent.parent
-LLAMA_8B = dict(hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336, vocab=128256, max_positions=8192,
-                rope_theta=500000.0)
+LLAMA_8B = dict(
+    hidden=4096,
+    layers=32,
+    heads=32,
+    kv_heads=8,
+    intermediate=14336,
+    vocab=128256,
+    max_positions=8192,
+    rope_theta=500000.0,
+)
 LIMIT = 8 * 2**30
 WINDOWS = int(os.environ.get("QF_GPU_KLD_WINDOWS", "48"))
 RESULTS: dict = {"rows": [], "checks": {}}
@@ -37,9 +45,19 @@ def _save() -> None:
     out = Path(os.environ.get("QF_GPU_RESULTS", ROOT / "benchmarks" / "results" / "gpu_kld.json"))
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"commit": os.environ.get("QF_COMMIT") or commit or "unknown",
-                               "gpu": torch.cuda.get_device_name(0), "versions": {"torch": torch.__version__},
-                               "command": "pytest -m gpu tests/test_gpu_kld.py", **RESULTS}, indent=2) + "\n")
+    out.write_text(
+        json.dumps(
+            {
+                "commit": os.environ.get("QF_COMMIT") or commit or "unknown",
+                "gpu": torch.cuda.get_device_name(0),
+                "versions": {"torch": torch.__version__},
+                "command": "pytest -m gpu tests/test_gpu_kld.py",
+                **RESULTS,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
 
 
 def _stream(folder: Path) -> evaluate.Stream:
@@ -72,11 +90,27 @@ def test_an_8b_llama_is_scored_layer_by_layer_in_less_than_8_gb(tmp_path):
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
     RESULTS["rows"] += [
-        {"model": "random-llama-8b", "method": "fp16", "evaluator": "transformers", "bits": 16, "ppl": whole_ppl,
-         "eval_windows": WINDOWS, "seconds": {"evaluate": whole_seconds}, "peak_gpu_bytes": whole_peak},
-        {"model": "random-llama-8b", "method": "fp16", "evaluator": "transformers-by-layer", "bits": 16,
-         "ppl": layered_ppl, "eval_windows": WINDOWS, "seconds": {"evaluate": layered_seconds},
-         "peak_gpu_bytes": layered_peak, "memory_limit_bytes": LIMIT},
+        {
+            "model": "random-llama-8b",
+            "method": "fp16",
+            "evaluator": "transformers",
+            "bits": 16,
+            "ppl": whole_ppl,
+            "eval_windows": WINDOWS,
+            "seconds": {"evaluate": whole_seconds},
+            "peak_gpu_bytes": whole_peak,
+        },
+        {
+            "model": "random-llama-8b",
+            "method": "fp16",
+            "evaluator": "transformers-by-layer",
+            "bits": 16,
+            "ppl": layered_ppl,
+            "eval_windows": WINDOWS,
+            "seconds": {"evaluate": layered_seconds},
+            "peak_gpu_bytes": layered_peak,
+            "memory_limit_bytes": LIMIT,
+        },
     ]
     _save()
     assert layered_peak < LIMIT < whole_peak
@@ -103,9 +137,15 @@ def test_the_kl_pass_costs_at_most_1_3x_the_perplexity_pass(tmp_path):
     reference = kld.Reference()
     _, keeping, _ = _timed(model, data, keep=reference)
     against_ppl, against, _ = _timed(model, data, reference=reference)
-    RESULTS["checks"]["kld_cost"] = {"model": "random-llama-1.1b", "eval_windows": WINDOWS, "plain_seconds": plain,
-                                     "keeping_reference_seconds": keeping, "against_reference_seconds": against,
-                                     "keeping_ratio": keeping / plain, "against_ratio": against / plain}
+    RESULTS["checks"]["kld_cost"] = {
+        "model": "random-llama-1.1b",
+        "eval_windows": WINDOWS,
+        "plain_seconds": plain,
+        "keeping_reference_seconds": keeping,
+        "against_reference_seconds": against,
+        "keeping_ratio": keeping / plain,
+        "against_ratio": against / plain,
+    }
     _save()
     assert against_ppl == plain_ppl
     assert keeping / plain <= 1.3 and against / plain <= 1.3

@@ -83,7 +83,8 @@ def test_a_bracket_in_help_is_text_not_markup(monkeypatch, capsys):
 def test_the_qf_entry_point_renders_the_same_help():
     """`qf --help` and `qf worker --help` at 80 columns, as a terminal of that width shows them."""
     for args in (["--help"], ["worker", "--help"]):
-        out = subprocess.run([str(QF), *args], capture_output=True, text=True, check=True,
-                             env={"COLUMNS": "80", "PATH": "/usr/bin:/bin"}).stdout
+        out = subprocess.run(
+            [str(QF), *args], capture_output=True, text=True, check=True, env={"COLUMNS": "80", "PATH": "/usr/bin:/bin"}
+        ).stdout
         assert "<bool>" not in out and "(default 1)" not in out
         assert max(len(line) for line in out.splitlines()) <= 80

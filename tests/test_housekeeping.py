@@ -36,8 +36,9 @@ def test_rm_removes_one_quant_and_nothing_else(qf, model_copy):
 
     both = qf("rm", "tiny:awq-w4g128")
     assert both.exit_code == 2
-    assert last_line(both) == (f"error: tiny:awq-w4g128 has 2 revisions ({second['rev']}, {first['rev']}); name one: "
-                               "qf rm tiny:awq-w4g128@REV")
+    assert last_line(both) == (
+        f"error: tiny:awq-w4g128 has 2 revisions ({second['rev']}, {first['rev']}); name one: qf rm tiny:awq-w4g128@REV"
+    )
     result = qf("rm", f"tiny:awq-w4g128@{first['rev']}")
     assert result.exit_code == 0, result.output
     assert last_line(result).startswith(f"removed tiny:awq-w4g128@{first['rev']} (") and "KiB freed)" in result.stderr
@@ -46,8 +47,10 @@ def test_rm_removes_one_quant_and_nothing_else(qf, model_copy):
     assert not list((qf.home / "registry" / "tiny").glob(".tmp-*"))
     gone = qf("rm", f"tiny:awq-w4g128@{first['rev']}")
     assert gone.exit_code == 4
-    assert last_line(gone) == f"error: tiny:awq-w4g128@{first['rev']} does not exist; tags of tiny: awq-w4g128@" \
-                              f"{second['rev']}"
+    assert (
+        last_line(gone) == f"error: tiny:awq-w4g128@{first['rev']} does not exist; tags of tiny: awq-w4g128@"
+        f"{second['rev']}"
+    )
 
 
 def test_gc_frees_what_finished_work_left(qf, tiny, tmp_path):

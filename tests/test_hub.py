@@ -70,9 +70,16 @@ def test_fetch_takes_only_the_indexed_shards_at_the_top(qf, tiny, hub):
     with safe_open(str(tiny / "model.safetensors"), "pt") as f:
         names = list(f.keys())
     index = {"metadata": {}, "weight_map": {n: "model-00001-of-00001.safetensors" for n in names}}
-    hub.add_repo("meta/sharded", {**files, "model-00001-of-00001.safetensors": weights,
-                                  "model.safetensors.index.json": json.dumps(index).encode(),
-                                  "consolidated.safetensors": weights, "original/model.safetensors": weights})
+    hub.add_repo(
+        "meta/sharded",
+        {
+            **files,
+            "model-00001-of-00001.safetensors": weights,
+            "model.safetensors.index.json": json.dumps(index).encode(),
+            "consolidated.safetensors": weights,
+            "original/model.safetensors": weights,
+        },
+    )
     events = _events(qf("run", "meta/sharded", "--awq", "--eval-windows", 1, "--json"))
     assert events[-1]["state"] == "succeeded"
     fetched = {p.name for p in (qf.home / "cache" / "hub" / "meta--sharded").rglob("*.safetensors")}
@@ -87,12 +94,15 @@ def test_a_hub_that_fails_mid_download_is_unreachable_not_missing(qf, tiny, hub)
     assert "cannot be reached" in result.stderr
 
 
-@pytest.mark.parametrize(("source", "code", "sentence"), [
-    ("meta/missing", 4, "meta/missing does not exist on the Hub (or is private to another account)"),
-    ("meta/tiny-llama@v9", 4, "meta/tiny-llama@v9: the Hub has no such revision"),
-    ("meta/gated", 4, "meta/gated is gated and this token has no access"),
-    ("meta/no-config", 3, "meta/no-config has no config.json; quantfactory takes transformers checkpoints"),
-])
+@pytest.mark.parametrize(
+    ("source", "code", "sentence"),
+    [
+        ("meta/missing", 4, "meta/missing does not exist on the Hub (or is private to another account)"),
+        ("meta/tiny-llama@v9", 4, "meta/tiny-llama@v9: the Hub has no such revision"),
+        ("meta/gated", 4, "meta/gated is gated and this token has no access"),
+        ("meta/no-config", 3, "meta/no-config has no config.json; quantfactory takes transformers checkpoints"),
+    ],
+)
 def test_hub_source_refusals(qf, tiny, hub, source, code, sentence):
     hub.add_repo("meta/tiny-llama", _files(tiny))
     hub.add_repo("meta/gated", _files(tiny))
@@ -111,17 +121,22 @@ def test_unreachable_hub(qf, hub, monkeypatch):
     assert "the Hub at http://127.0.0.1:9 cannot be reached" in result.stderr
 
 
-@pytest.mark.parametrize(("endpoint", "cause"), [
-    ("http://127.0.0.1:9", "port 9 of 127.0.0.1 refuses connections"),
-    ("http://no-such-hub.invalid", "its name 'no-such-hub.invalid' does not resolve: offline?"),
-])
+@pytest.mark.parametrize(
+    ("endpoint", "cause"),
+    [
+        ("http://127.0.0.1:9", "port 9 of 127.0.0.1 refuses connections"),
+        ("http://no-such-hub.invalid", "its name 'no-such-hub.invalid' does not resolve: offline?"),
+    ],
+)
 def test_an_unreachable_hub_is_named_at_once(qf, hub, monkeypatch, endpoint, cause):
     """No 25 s of huggingface_hub's retries and their log lines before the sentence: one connection says why."""
     monkeypatch.setenv("HF_ENDPOINT", endpoint)
     result = qf("ls", "--remote", "alice")
     assert result.exit_code == 5
-    assert result.stderr.strip() == (f"error: the Hub at {endpoint} cannot be reached ({cause}); set HF_ENDPOINT for "
-                                     "another Hub, or quantize local folders")
+    assert result.stderr.strip() == (
+        f"error: the Hub at {endpoint} cannot be reached ({cause}); set HF_ENDPOINT for "
+        "another Hub, or quantize local folders"
+    )
 
 
 def test_corrupted_download_fails_the_job(qf, tiny, hub):
@@ -204,12 +219,15 @@ def test_a_new_source_revision_is_published_and_the_old_one_stays_pullable(qf, m
         assert manifest["source_identity"] == quant["source_identity"]
 
 
-@pytest.mark.parametrize(("owner", "token", "sentence"), [
-    ("alice", None, "publishing to the Hub needs a token with write access"),
-    ("alice", "hf_alice_read", "the Hub token of alice is read-only"),
-    ("bob", "hf_alice_write", "the Hub token of alice cannot publish under 'bob'"),
-    ("alice", "hf_wrong", "the Hub rejected the token"),
-])
+@pytest.mark.parametrize(
+    ("owner", "token", "sentence"),
+    [
+        ("alice", None, "publishing to the Hub needs a token with write access"),
+        ("alice", "hf_alice_read", "the Hub token of alice is read-only"),
+        ("bob", "hf_alice_write", "the Hub token of alice cannot publish under 'bob'"),
+        ("alice", "hf_wrong", "the Hub rejected the token"),
+    ],
+)
 def test_publishing_refusals_come_before_any_work(qf, tiny, hub, monkeypatch, owner, token, sentence):
     monkeypatch.setenv("FACTORY_HUB_OWNER", owner)
     if token:
@@ -265,14 +283,17 @@ def test_concurrent_publishes_to_one_branch(tmp_path, hub, monkeypatch):
     assert final in [{n: p.read_bytes() for n, p in files.items()} for files in sets]
 
 
-@pytest.mark.skipif(not (os.environ.get("HF_TOKEN") and os.environ.get("QF_TEST_REAL_HUB_OWNER")),
-                    reason="needs HF_TOKEN, QF_TEST_REAL_HUB_OWNER and network to the real Hub")
+@pytest.mark.skipif(
+    not (os.environ.get("HF_TOKEN") and os.environ.get("QF_TEST_REAL_HUB_OWNER")),
+    reason="needs HF_TOKEN, QF_TEST_REAL_HUB_OWNER and network to the real Hub",
+)
 def test_real_hub_round_trip(tmp_path):
     owner = os.environ["QF_TEST_REAL_HUB_OWNER"]
     api = hub_api.writer(owner)
     note = tmp_path / "notes.txt"
     note.write_text("quantfactory round trip\n")
     hub_api.put_branch(api, f"{owner}/quantfactory-test-exl2", "4.0bpw", {"notes.txt": note}, "round trip")
-    files = hub_api.pull(hub_api.Place(f"{owner}/quantfactory-test-exl2", "4.0bpw"), None, tmp_path / "out",
-                         lambda **_: None)
+    files = hub_api.pull(
+        hub_api.Place(f"{owner}/quantfactory-test-exl2", "4.0bpw"), None, tmp_path / "out", lambda **_: None
+    )
     assert "notes.txt" in files

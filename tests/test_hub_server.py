@@ -29,8 +29,10 @@ from huggingface_hub.errors import (
 pytestmark = pytest.mark.filterwarnings("ignore:Use 'content=<...>':DeprecationWarning")  # the client's PUT
 
 ALICE, ALICE_READ, BOB = "hf_alice_write", "hf_alice_read", "hf_bob_write"
-CARD = (b"---\nlicense: apache-2.0\nlibrary_name: transformers\nbase_model: org/base\nbase_model_relation: quantized\n"
-        b"tags:\n- exl2\n---\n# tiny quant\n")
+CARD = (
+    b"---\nlicense: apache-2.0\nlibrary_name: transformers\nbase_model: org/base\nbase_model_relation: quantized\n"
+    b"tags:\n- exl2\n---\n# tiny quant\n"
+)
 
 
 def weights(size: int = 1_500_000, seed: int = 0) -> bytes:
@@ -95,9 +97,16 @@ def test_commit_lfs_and_regular_files_then_download(hub, api, tmp_path):
     parent = api.model_info(repo, revision="4.0bpw").sha
     blob, config = weights(), b'{"model_type": "llama"}\n'
     info = api.create_commit(
-        repo, revision="4.0bpw", parent_commit=parent, commit_message="4.0bpw quant", commit_description="made here",
-        operations=[CommitOperationAdd("model.safetensors", blob), CommitOperationAdd("config.json", config),
-                    CommitOperationAdd("README.md", CARD)],
+        repo,
+        revision="4.0bpw",
+        parent_commit=parent,
+        commit_message="4.0bpw quant",
+        commit_description="made here",
+        operations=[
+            CommitOperationAdd("model.safetensors", blob),
+            CommitOperationAdd("config.json", config),
+            CommitOperationAdd("README.md", CARD),
+        ],
     )
     sha = info.oid
     assert info.commit_url == f"{hub.url}/{repo}/commit/{sha}" and len(sha) == 40
@@ -116,14 +125,19 @@ def test_commit_lfs_and_regular_files_then_download(hub, api, tmp_path):
     assert meta.card_data.base_model == "org/base"
     commits = api.list_repo_commits(repo, revision="4.0bpw")
     assert [c.commit_id for c in commits] == [sha, parent] and commits[0].title == "4.0bpw quant"
-    assert sorted(api.list_repo_files(repo, revision=sha)) == [".gitattributes", "README.md", "config.json",
-                                                                  "model.safetensors"]
+    assert sorted(api.list_repo_files(repo, revision=sha)) == [
+        ".gitattributes",
+        "README.md",
+        "config.json",
+        "model.safetensors",
+    ]
 
     path = hf_hub_download(repo, "model.safetensors", revision=sha, token=ALICE)
     assert Path(path).read_bytes() == blob
     assert Path(hf_hub_download(repo, "config.json", revision="4.0bpw")).read_bytes() == config  # no token: public
-    snap = snapshot_download(repo, revision=sha, allow_patterns=["*.safetensors", "*.json"],
-                             local_dir=tmp_path / "snap")
+    snap = snapshot_download(
+        repo, revision=sha, allow_patterns=["*.safetensors", "*.json"], local_dir=tmp_path / "snap"
+    )
     got = {p.name: p.read_bytes() for p in Path(snap).iterdir() if p.is_file()}
     assert got == {"model.safetensors": blob, "config.json": config}
 
@@ -135,8 +149,13 @@ def test_commit_lfs_and_regular_files_then_download(hub, api, tmp_path):
     api.upload_folder(repo_id=repo, folder_path=folder, revision="4.0bpw")
     assert hub.count("PUT", r"^/_lfs/") == 2
     api.create_commit(repo, revision="4.0bpw", commit_message="rm", operations=[CommitOperationDelete("README.md")])
-    assert sorted(hub.files(repo, "4.0bpw")) == [".gitattributes", "config.json", "model.safetensors",
-                                                 "sub/extra.safetensors", "sub/notes.txt"]
+    assert sorted(hub.files(repo, "4.0bpw")) == [
+        ".gitattributes",
+        "config.json",
+        "model.safetensors",
+        "sub/extra.safetensors",
+        "sub/notes.txt",
+    ]
     assert hub.files(repo, "4.0bpw")["sub/extra.safetensors"] == weights(5000, seed=3)
     assert api.file_exists(repo, "sub/notes.txt", revision="4.0bpw") and not api.file_exists(repo, "sub/notes.txt")
     assert api.repo_exists(repo) and not api.repo_exists("alice/nope") and not api.revision_exists(repo, "nope")
@@ -147,11 +166,13 @@ def test_commit_lfs_and_regular_files_then_download(hub, api, tmp_path):
 def test_stale_parent_commit_is_refused(hub, api):
     hub.add_repo("alice/m", {"a.txt": b"a"})
     parent = api.model_info("alice/m").sha
-    first = api.create_commit("alice/m", operations=[CommitOperationAdd("b.txt", b"b")], commit_message="first",
-                              parent_commit=parent)
+    first = api.create_commit(
+        "alice/m", operations=[CommitOperationAdd("b.txt", b"b")], commit_message="first", parent_commit=parent
+    )
     with pytest.raises(HfHubHTTPError) as exc:  # plain HfHubHTTPError (no subclass), status 412, the Hub's message
-        api.create_commit("alice/m", operations=[CommitOperationAdd("c.txt", b"c")], commit_message="second",
-                          parent_commit=parent)
+        api.create_commit(
+            "alice/m", operations=[CommitOperationAdd("c.txt", b"c")], commit_message="second", parent_commit=parent
+        )
     assert type(exc.value) is HfHubHTTPError and exc.value.response.status_code == 412
     assert "A commit has happened since" in str(exc.value)
     assert hub.head("alice/m") == first.oid and "c.txt" not in hub.files("alice/m")
@@ -191,20 +212,25 @@ def test_gated_private_missing_repo_and_revision(hub, api, tmp_path):
     assert Path(hf_hub_download("meta/llama", "config.json", token=ALICE)).read_bytes() == b"{}"
 
     api.create_repo("alice/secret", private=True)
-    for call in (lambda: HfApi(token=BOB).model_info("alice/secret"),
-                 lambda: hf_hub_download("alice/secret", ".gitattributes", token=BOB),
-                 lambda: api.model_info("alice/missing"),
-                 lambda: hf_hub_download("alice/missing", "a.txt"),
-                 lambda: snapshot_download("alice/missing", local_dir=tmp_path / "m")):
+    for call in (
+        lambda: HfApi(token=BOB).model_info("alice/secret"),
+        lambda: hf_hub_download("alice/secret", ".gitattributes", token=BOB),
+        lambda: api.model_info("alice/missing"),
+        lambda: hf_hub_download("alice/missing", "a.txt"),
+        lambda: snapshot_download("alice/missing", local_dir=tmp_path / "m"),
+    ):
         with pytest.raises(RepositoryNotFoundError):
             call()
     assert api.model_info("alice/secret").private is True
 
-    for call in (lambda: api.model_info("meta/llama", revision="nope"),
-                 lambda: hf_hub_download("meta/llama", "config.json", revision="nope", token=ALICE),
-                 lambda: snapshot_download("meta/llama", revision="nope", token=ALICE, local_dir=tmp_path / "r"),
-                 lambda: api.create_commit("alice/secret", revision="nope", commit_message="x",
-                                           operations=[CommitOperationAdd("b.txt", b"b")])):
+    for call in (
+        lambda: api.model_info("meta/llama", revision="nope"),
+        lambda: hf_hub_download("meta/llama", "config.json", revision="nope", token=ALICE),
+        lambda: snapshot_download("meta/llama", revision="nope", token=ALICE, local_dir=tmp_path / "r"),
+        lambda: api.create_commit(
+            "alice/secret", revision="nope", commit_message="x", operations=[CommitOperationAdd("b.txt", b"b")]
+        ),
+    ):
         with pytest.raises(RevisionNotFoundError):
             call()
     with pytest.raises(EntryNotFoundError):
@@ -215,8 +241,9 @@ def test_one_500_on_the_lfs_put_is_retried_by_the_client(hub, api):
     hub.add_repo("alice/m", {})
     hub.fail("PUT", r"^/_lfs/", 500)
     started = time.monotonic()
-    info = api.create_commit("alice/m", operations=[CommitOperationAdd("model.safetensors", weights())],
-                             commit_message="w")
+    info = api.create_commit(
+        "alice/m", operations=[CommitOperationAdd("model.safetensors", weights())], commit_message="w"
+    )
     assert hub.count("PUT", r"^/_lfs/") == 2  # http_backoff retried the PUT itself, after ~1 s
     assert time.monotonic() - started >= 1 and hub.files("alice/m", info.oid)["model.safetensors"] == weights()
 
@@ -228,8 +255,9 @@ def test_a_put_that_keeps_failing_raises_after_the_clients_five_retries(hub, api
     hub.add_repo("alice/m", {})
     hub.fail("PUT", r"^/_lfs/", 500, times=6)
     with pytest.raises(RuntimeError, match="Error while uploading 'model.safetensors'") as exc:
-        api.create_commit("alice/m", operations=[CommitOperationAdd("model.safetensors", weights())],
-                          commit_message="w")
+        api.create_commit(
+            "alice/m", operations=[CommitOperationAdd("model.safetensors", weights())], commit_message="w"
+        )
     assert type(exc.value.__cause__) is HfHubHTTPError and exc.value.__cause__.response.status_code == 500
     assert hub.count("PUT", r"^/_lfs/") == 6 and hub.count("POST", "/commit/") == 0
 

@@ -20,8 +20,7 @@ def test_a_second_job_with_other_windows_reuses_the_quant(qf, tiny):
     second = qf("run", tiny, "--awq", "--eval-windows", "2")
     assert second.exit_code == 0, second.output
     assert "reused " in second.output
-    assert _files(qf) == before and (folder.stat().st_ino, folder.stat().st_mtime_ns) == (stat.st_ino,
-                                                                                          stat.st_mtime_ns)
+    assert _files(qf) == before and (folder.stat().st_ino, folder.stat().st_mtime_ns) == (stat.st_ino, stat.st_mtime_ns)
     [again] = qf.json("ls")
     assert (again["name"], again["rev"], again["ppl"]) == (quant["name"], quant["rev"], quant["ppl"])
     [shown] = qf.json("show", quant["name"])["quants"]

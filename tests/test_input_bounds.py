@@ -23,8 +23,14 @@ def last_line(result) -> str:
 
 def qf_process(qf: Qf, *args) -> subprocess.CompletedProcess:
     """The real CLI in its own process: a traceback shows as it would to a user."""
-    return subprocess.run([sys.executable, "-m", "factory.cli", *map(str, args)], env={**os.environ, **qf.env},
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "factory.cli", *map(str, args)],
+        env={**os.environ, **qf.env},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def refused(result, code: int, message: str) -> None:
@@ -40,9 +46,11 @@ def refused(result, code: int, message: str) -> None:
 
 # --- eval_windows: bounded where a recipe's settings are validated (flags, recipe files, the service) ---
 
-WINDOWS_REFUSED = ("options: eval_windows: must be between 1 and 100000 (2048-token windows of the eval text), not "
-                   "3000000000 (recipe keys: awq, awqct, exl2, exl3, calibration, eval, eval_windows, max_ppl_ratio, "
-                   "max_kld)")
+WINDOWS_REFUSED = (
+    "options: eval_windows: must be between 1 and 100000 (2048-token windows of the eval text), not "
+    "3000000000 (recipe keys: awq, awqct, exl2, exl3, calibration, eval, eval_windows, max_ppl_ratio, "
+    "max_kld)"
+)
 
 
 @pytest.mark.parametrize("command", ["run", "submit"])
@@ -72,6 +80,7 @@ def test_eval_windows_bound_itself_is_allowed():
 
 # --- config.json: bounded in depth and size before any job exists ---
 
+
 def _nest(model, depth: int) -> None:
     config = json.loads((model / "config.json").read_text())
     text = json.dumps(config)[:-1] + ', "a": ' + '{"a": ' * depth + "1" + "}" * depth + "}"
@@ -81,11 +90,9 @@ def _nest(model, depth: int) -> None:
 def test_a_config_nested_900_deep_is_refused_before_a_job(qf, model_copy):
     model = model_copy()
     _nest(model, 900)
-    refused(qf_process(qf, "run", model, "--awq"), 3,
-            "config.json is nested too deeply to be a model's metadata")
+    refused(qf_process(qf, "run", model, "--awq"), 3, "config.json is nested too deeply to be a model's metadata")
     assert qf.json("jobs") == []
-    refused(qf("plan", model, "--vram", "24GB"), 3,
-            "config.json is nested too deeply to be a model's metadata")
+    refused(qf("plan", model, "--vram", "24GB"), 3, "config.json is nested too deeply to be a model's metadata")
 
 
 def test_a_config_as_deep_as_real_ones_is_read(qf, model_copy):
@@ -99,12 +106,13 @@ def test_a_config_larger_than_a_config_can_be_is_refused(qf, model_copy):
     config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**config, "padding": "x" * (2 << 20)}))
     size = (model / "config.json").stat().st_size
-    refused(qf("plan", model, "--vram", "24GB"), 3,
-            f"config.json is {size} bytes; a model's config is at most 1048576")
+    refused(qf("plan", model, "--vram", "24GB"), 3, f"config.json is {size} bytes; a model's config is at most 1048576")
 
 
-@pytest.mark.parametrize("name, what", [("model.safetensors.index.json", "a safetensors index"),
-                                        ("tokenizer_config.json", "a tokenizer's config")])
+@pytest.mark.parametrize(
+    "name, what",
+    [("model.safetensors.index.json", "a safetensors index"), ("tokenizer_config.json", "a tokenizer's config")],
+)
 def test_other_metadata_larger_than_real_is_refused_before_a_job(qf, model_copy, name, what):
     model = model_copy()
     with open(model / name, "wb") as f:
@@ -115,23 +123,41 @@ def test_other_metadata_larger_than_real_is_refused_before_a_job(qf, model_copy,
 
 # --- Hub ids: owner/name in the Hub's own grammar, refused before any Hub call ---
 
-HUB_ID = ("neither a folder here nor a Hub repo owner/name[@revision] (ASCII letters, digits, '-', '_' and '.', "
-          "at most 96 each, no '--' or '..')")
+HUB_ID = (
+    "neither a folder here nor a Hub repo owner/name[@revision] (ASCII letters, digits, '-', '_' and '.', "
+    "at most 96 each, no '--' or '..')"
+)
 
 
-@pytest.mark.parametrize("command, source", [
-    (("run",), "alice/.."),
-    (("submit",), "alice/mödel"),
-    (("plan", "--vram", "24GB"), "alice/.."),
-])
+@pytest.mark.parametrize(
+    "command, source",
+    [
+        (("run",), "alice/.."),
+        (("submit",), "alice/mödel"),
+        (("plan", "--vram", "24GB"), "alice/.."),
+    ],
+)
 def test_hub_ids_that_are_not_owner_name_are_refused_by_the_cli(qf, hub, command, source):
     result = qf_process(qf, command[0], source, *(["--awq"] if command[0] != "plan" else command[1:]))
     refused(result, 2, f"source {source!r} is {HUB_ID}")
     assert hub.requests == []
 
 
-@pytest.mark.parametrize("source", ["alice/.", "alice/x/y", "alice/x--y", "alice/-x", "alice/x.", "alice/x.git",
-                                    "alice/x@../main", "alice/x@", "al ice/x", "alice/" + "x" * 97])
+@pytest.mark.parametrize(
+    "source",
+    [
+        "alice/.",
+        "alice/x/y",
+        "alice/x--y",
+        "alice/-x",
+        "alice/x.",
+        "alice/x.git",
+        "alice/x@../main",
+        "alice/x@",
+        "al ice/x",
+        "alice/" + "x" * 97,
+    ],
+)
 def test_more_hub_ids_that_are_not_owner_name(qf, hub, source):
     refused(qf("run", source, "--awq"), 2, f"source {source!r} is {HUB_ID}")
     assert hub.requests == [] and qf.json("jobs") == []
@@ -139,17 +165,30 @@ def test_more_hub_ids_that_are_not_owner_name(qf, hub, source):
 
 def test_paths_that_do_not_exist_stay_not_found(qf, tmp_path):
     for missing in (tmp_path / "nope", "../nope-not-here", "~/nope-not-here"):
-        refused(qf("run", missing, "--awq"), 4,
-                f"source {str(missing)!r} does not exist; pass a local folder with config.json and safetensors weights")
+        refused(
+            qf("run", missing, "--awq"),
+            4,
+            f"source {str(missing)!r} does not exist; pass a local folder with config.json and safetensors weights",
+        )
 
 
-@pytest.mark.parametrize("name", ["meta-llama/Llama-3.1-8B", "HuggingFaceTB/SmolLM2-135M-Instruct@main",
-                                  "org/name@refs/pr/1", "a/b@0123abc", "Qwen/Qwen2.5-0.5B@v1.0", "x_/_y"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "meta-llama/Llama-3.1-8B",
+        "HuggingFaceTB/SmolLM2-135M-Instruct@main",
+        "org/name@refs/pr/1",
+        "a/b@0123abc",
+        "Qwen/Qwen2.5-0.5B@v1.0",
+        "x_/_y",
+    ],
+)
 def test_real_hub_ids_are_hub_names(name):
     assert is_hub_name(name)
 
 
 # --- safetensors headers: bounded in bytes and tensor count before the table is built ---
+
 
 def _empty_tensors_header(path, count: int, prefix: str = "e") -> int:
     """A safetensors file whose header lists `count` empty tensors (no data), written directly; its header's size."""
@@ -163,14 +202,19 @@ def test_the_issues_header_of_96_mib_is_refused(qf, model_copy):
     model = model_copy()
     n = _empty_tensors_header(model / "extra.safetensors", 1_700_000)
     assert n > 90 << 20
-    refused(qf("plan", model, "--vram", "24GB"), 3,
-            f"extra.safetensors has a header of {n} bytes; a safetensors shard's header is at most 67108864")
+    refused(
+        qf("plan", model, "--vram", "24GB"),
+        3,
+        f"extra.safetensors has a header of {n} bytes; a safetensors shard's header is at most 67108864",
+    )
 
 
 # Runs a command and prints its exit code and peak RSS (KiB). A child's peak counts the memory of the process it was
 # forked from (pytest's, here), so the command is started from this small process instead.
-PEAK = ("import os, subprocess, sys; p = subprocess.Popen(sys.argv[1:], stdout=subprocess.DEVNULL); "
-        "_, status, usage = os.wait4(p.pid, 0); print(os.waitstatus_to_exitcode(status), usage.ru_maxrss)")
+PEAK = (
+    "import os, subprocess, sys; p = subprocess.Popen(sys.argv[1:], stdout=subprocess.DEVNULL); "
+    "_, status, usage = os.wait4(p.pid, 0); print(os.waitstatus_to_exitcode(status), usage.ru_maxrss)"
+)
 
 
 def test_a_header_of_a_million_tensors_is_refused_without_building_it(qf, model_copy):
@@ -178,12 +222,19 @@ def test_a_header_of_a_million_tensors_is_refused_without_building_it(qf, model_
     took 700 MiB and 7 s in `qf plan`; refused, the process stays near its baseline (about 40 MiB) plus the header."""
     model = model_copy()
     _empty_tensors_header(model / "extra.safetensors", 1_000_000)
-    result = subprocess.run([sys.executable, "-c", PEAK, sys.executable, "-m", "factory.cli", "plan", model, "--vram",
-                             "24GB"], env={**os.environ, **qf.env}, cwd=ROOT, capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-c", PEAK, sys.executable, "-m", "factory.cli", "plan", model, "--vram", "24GB"],
+        env={**os.environ, **qf.env},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     code, peak = map(int, result.stdout.split())
     assert code == 3, result.stderr
-    assert result.stderr.strip() == ("error: extra.safetensors lists more than 262144 tensors in its header; a real "
-                                     "model's shard lists at most tens of thousands")
+    assert result.stderr.strip() == (
+        "error: extra.safetensors lists more than 262144 tensors in its header; a real "
+        "model's shard lists at most tens of thousands"
+    )
     assert peak < 300 << 10, f"peak {peak >> 10} MiB"
 
 
@@ -191,6 +242,9 @@ def test_more_tensors_over_all_shards_than_a_model_has_are_refused(qf, model_cop
     model = model_copy()
     for i, count in enumerate([1 << 18, 1 << 18, 1]):  # each shard within its bound, one more than 512k in all
         _empty_tensors_header(model / f"extra-{i}.safetensors", count, prefix=f"s{i}.")
-    refused(qf("plan", model, "--vram", "24GB"), 3,
-            "the model's safetensors headers list more than 524288 tensors in all; a real model lists at most a few "
-            "hundred thousand")
+    refused(
+        qf("plan", model, "--vram", "24GB"),
+        3,
+        "the model's safetensors headers list more than 524288 tensors in all; a real model lists at most a few "
+        "hundred thousand",
+    )

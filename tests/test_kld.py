@@ -103,6 +103,8 @@ def test_kld_is_published_falls_as_bits_rise_and_the_gate_can_refuse_on_it(qf, t
     assert "FP16 perplexity" in next(e["message"] for e in events if e["event"] == "note" and "reused" in e["message"])
     [scored] = [e for e in events if e["event"] == "evaluation" and e["subject"] == "round-m2"]
     assert scored["kld"] == pytest.approx(coarse["kld"], rel=1e-6)  # the same reference, the same positions
-    message = (f"quality gate refused round-m2: KL divergence from FP16 {scored['kld']:.4g}, allowed at most "
-               f"{limit:g} (max_kld)")
+    message = (
+        f"quality gate refused round-m2: KL divergence from FP16 {scored['kld']:.4g}, allowed at most "
+        f"{limit:g} (max_kld)"
+    )
     assert result.stderr.strip().splitlines()[-1] == f"error: {message}"

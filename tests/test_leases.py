@@ -27,10 +27,22 @@ _made = itertools.count()
 def _job(catalog: Catalog, state: JobState = JobState.queued) -> str:
     n = next(_made)
     catalog.name_for(f"/models/m{n}", f"m{n}", None)
-    job, _ = catalog.create_job(key=f"key-{n}", name=f"m{n}", source=f"/models/m{n}", source_identity=f"sha256:{n}",
-                                base_model=f"m{n}", specs=[], calibration="builtin:mix", calibration_sha="c",
-                                eval="builtin:wiki", eval_sha="e", eval_windows=1, max_ppl_ratio=1.5, versions={},
-                                device="cpu")
+    job, _ = catalog.create_job(
+        key=f"key-{n}",
+        name=f"m{n}",
+        source=f"/models/m{n}",
+        source_identity=f"sha256:{n}",
+        base_model=f"m{n}",
+        specs=[],
+        calibration="builtin:mix",
+        calibration_sha="c",
+        eval="builtin:wiki",
+        eval_sha="e",
+        eval_windows=1,
+        max_ppl_ratio=1.5,
+        versions={},
+        device="cpu",
+    )
     _force(catalog, job.id, state)
     return job.id
 
@@ -75,11 +87,31 @@ def test_a_stale_holder_writes_nothing(catalog):
     with pytest.raises(LeaseLost, match=lost):
         catalog.start_step(job_id, "quantize:awq-w4g128", a.token)
     with pytest.raises(LeaseLost, match=lost):
-        catalog.add_evaluation(a.token, job_id=job_id, subject="fp16", source_identity="s", evaluator="e",
-                               device="cpu", eval_sha="e", windows=1, window_length=8, ppl=1.0, seconds=1.0)
+        catalog.add_evaluation(
+            a.token,
+            job_id=job_id,
+            subject="fp16",
+            source_identity="s",
+            evaluator="e",
+            device="cpu",
+            eval_sha="e",
+            windows=1,
+            window_length=8,
+            ppl=1.0,
+            seconds=1.0,
+        )
     with pytest.raises(LeaseLost, match=lost):
-        catalog.add_measurement(job_id, a.token, key="k", path="p", source_identity="s", calibration_sha="c",
-                                rows=1, length=8, tool_version="v")
+        catalog.add_measurement(
+            job_id,
+            a.token,
+            key="k",
+            path="p",
+            source_identity="s",
+            calibration_sha="c",
+            rows=1,
+            length=8,
+            tool_version="v",
+        )
     published = []
     with pytest.raises(LeaseLost, match=lost):
         catalog.put_quant(_quant(catalog, job_id), a.token, publish=lambda: published.append("A"))
@@ -91,7 +123,12 @@ def test_a_stale_holder_writes_nothing(catalog):
     catalog.release_lease(a)  # a no-op for A now
     job = catalog.job(job_id)
     assert (job.state, job.worker, job.lease_until is not None, job.steps, published) == (
-        JobState.running, "host-b:2", True, [], [])
+        JobState.running,
+        "host-b:2",
+        True,
+        [],
+        [],
+    )
     assert catalog.quants(job_id=job_id) == [] and catalog.evaluations(job_id) == []
 
     step = catalog.start_step(job_id, "quantize:awq-w4g128", b.token)
@@ -137,9 +174,25 @@ def test_a_cancel_before_the_publish_means_no_publish(catalog):
 
 def _quant(catalog: Catalog, job_id: str) -> Quant:
     name = catalog.job(job_id).name
-    return Quant(job_id=job_id, name=name, tag="awq-w4g128", rev="abc", method="awq", bits=4.0, spec={}, bytes=1,
-                 path=str(Path("m") / "awq-w4g128@abc"), source="/models/m", source_identity="s",
-                 calibration="builtin:mix", calibration_sha="c", versions={}, ppl=1.0, fp16_ppl=1.0, eval={})
+    return Quant(
+        job_id=job_id,
+        name=name,
+        tag="awq-w4g128",
+        rev="abc",
+        method="awq",
+        bits=4.0,
+        spec={},
+        bytes=1,
+        path=str(Path("m") / "awq-w4g128@abc"),
+        source="/models/m",
+        source_identity="s",
+        calibration="builtin:mix",
+        calibration_sha="c",
+        versions={},
+        ppl=1.0,
+        fp16_ppl=1.0,
+        eval={},
+    )
 
 
 def test_a_cancel_during_the_publish_waits_for_it(catalog):

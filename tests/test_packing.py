@@ -92,10 +92,13 @@ class _Recorder:
 
 
 def _units() -> list[Unit]:
-    return [Unit("quantize:a", "quantize"), Unit("quantize:b", "quantize"),
-            Unit("evaluate:a", "evaluate", frozenset({"quantize:a"})),
-            Unit("evaluate:b", "evaluate", frozenset({"quantize:b"})),
-            Unit("gate", "gate", frozenset({"evaluate:a", "evaluate:b"}))]
+    return [
+        Unit("quantize:a", "quantize"),
+        Unit("quantize:b", "quantize"),
+        Unit("evaluate:a", "evaluate", frozenset({"quantize:a"})),
+        Unit("evaluate:b", "evaluate", frozenset({"quantize:b"})),
+        Unit("gate", "gate", frozenset({"evaluate:a", "evaluate:b"})),
+    ]
 
 
 def _need(unit: Unit) -> Need:
@@ -121,8 +124,9 @@ def test_a_unit_out_of_memory_beside_others_runs_again_alone():
     packing.run(_units(), work, _need, Packer(4, 10 * GiB, 4), threading.Event(), notes.append)
     assert len(work.spans["quantize:b"]) == 2  # the first, packed, ran out; the second ran alone
     alone = work.spans["quantize:b"][1]
-    assert all(not (s < alone[1] and alone[0] < e) for n, spans in work.spans.items() if n != "quantize:b"
-               for s, e in spans)
+    assert all(
+        not (s < alone[1] and alone[0] < e) for n, spans in work.spans.items() if n != "quantize:b" for s, e in spans
+    )
     assert notes == ["quantize:b ran out of GPU memory beside other units; running it again alone"]
 
 
@@ -167,17 +171,21 @@ def test_qf_run_packs_conversions_of_a_real_engine(qf, tiny, tmp_path, round_eng
     (a0, a1), (b0, b1) = spans["quantize:round-m3"], spans["quantize:round-m5"]
     assert (a0 < b1 and b0 < a1) is together
     # what the run said would run at once bounds what did: the most steps whose spans overlap
-    [said] = [e["message"] for e in map(json.loads, result.stdout.splitlines())
-              if e["event"] == "note" and "expected to take" in e["message"]]
+    [said] = [
+        e["message"]
+        for e in map(json.loads, result.stdout.splitlines())
+        if e["event"] == "note" and "expected to take" in e["message"]
+    ]
     most = max(sum(1 for s, e in spans.values() if s <= t < e) for t, _ in spans.values())
     if together:
-        assert (said.endswith(" at once)") and 2 <= most <= int(said.split("up to ")[1].split()[0])), (said, spans)
+        assert said.endswith(" at once)") and 2 <= most <= int(said.split("up to ")[1].split()[0]), (said, spans)
     else:
         assert (said.endswith("(one at a time)"), most) == (True, 1), said
 
 
-def test_units_record_what_was_expected_and_a_later_job_learns_from_an_earlier_one(qf, tiny, tmp_path, round_engine,
-                                                                                    monkeypatch):
+def test_units_record_what_was_expected_and_a_later_job_learns_from_an_earlier_one(
+    qf, tiny, tmp_path, round_engine, monkeypatch
+):
     from factory import settings
     from factory.pipeline import Factory
 
@@ -205,11 +213,22 @@ def test_units_record_what_was_expected_and_a_later_job_learns_from_an_earlier_o
 def _qf_process(qf, tiny, tmp_path, mantissa: int, **env: str):
     recipe = tmp_path / f"mround-{mantissa}.yaml"
     recipe.write_text(f"mround: {{mantissa: [{mantissa}]}}\n")
-    cmd = [sys.executable, "-m", "tests.qf_with_test_engines", "run", str(tiny), "--recipe", str(recipe),
-           "--eval-windows", "2", "--json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tests.qf_with_test_engines",
+        "run",
+        str(tiny),
+        "--recipe",
+        str(recipe),
+        "--eval-windows",
+        "2",
+        "--json",
+    ]
     env = {**os.environ, **qf.env, "QF_TEST_MEASURE_SECONDS": "20", **env}  # long enough to be waited for
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
 
 
 def _steps_of_all_jobs(qf) -> list[dict]:

@@ -24,8 +24,10 @@ from tests.test_safety import ROOT, qf_process, wait_until
 RUN = ("--awq", "--eval-windows", 1)
 BOMB = "{% for a in range(99999) %}{% for b in range(99999) %}x{% endfor %}{% endfor %}"  # 80 bytes, 10^10 x
 SLOW = "{% for a in range(99999) %}{% for b in range(99999) %}{% endfor %}{% endfor %}"  # no output, ~400 s
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def _agree(qf: Qf) -> tuple[dict, list[dict]]:
@@ -35,8 +37,11 @@ def _agree(qf: Qf) -> tuple[dict, list[dict]]:
     ended)."""
     [job] = qf.json("status")  # the recent jobs, this one alone
     listed = qf.json("ls")
-    folders = {str(p.relative_to(qf.home / "registry")) for p in (qf.home / "registry").glob("*/*")
-               if p.is_dir() and not p.name.startswith(registry.STAGING)}
+    folders = {
+        str(p.relative_to(qf.home / "registry"))
+        for p in (qf.home / "registry").glob("*/*")
+        if p.is_dir() and not p.name.startswith(registry.STAGING)
+    }
     assert folders == {q["path"] for q in listed}, (folders, listed)
     for q in listed:
         registry.verify(qf.home / "registry" / q["path"])
@@ -60,14 +65,22 @@ def _card(qf: Qf) -> str:
 # -- a chat template cannot burn the publish step ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("template", "example", "why_not"), [
-    (CHATML, "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nWhat is the capital of "
-     "France?<|im_end|>\n<|im_start|>assistant\n", None),
-    ("{{ tools[0].name }}", "{{ tools[0].name }}", None),  # needs more than the usual variables: shown as it is
-    (BOMB, None, "it renders to more than 64 KiB"),
-    (SLOW, None, "rendering it took longer than 5 s"),
-    ("{{ 'x' * 2000000000 }}", None, "rendering it needed more than 512 MiB"),
-], ids=["chatml", "other-variables", "output-bomb", "loop-bomb", "memory-bomb"])
+@pytest.mark.parametrize(
+    ("template", "example", "why_not"),
+    [
+        (
+            CHATML,
+            "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nWhat is the capital of "
+            "France?<|im_end|>\n<|im_start|>assistant\n",
+            None,
+        ),
+        ("{{ tools[0].name }}", "{{ tools[0].name }}", None),  # needs more than the usual variables: shown as it is
+        (BOMB, None, "it renders to more than 64 KiB"),
+        (SLOW, None, "rendering it took longer than 5 s"),
+        ("{{ 'x' * 2000000000 }}", None, "rendering it needed more than 512 MiB"),
+    ],
+    ids=["chatml", "other-variables", "output-bomb", "loop-bomb", "memory-bomb"],
+)
 def test_the_prompt_example_is_rendered_with_bounds(template, example, why_not):
     start = time.monotonic()
     assert prompt.example(template) == prompt.Example(example, why_not)
@@ -105,9 +118,13 @@ def test_sigterm_while_publishing_leaves_a_state_that_says_what_was_published(qf
 
 def _stopped_at(qf: Qf, moment: str, *args, **env: str) -> subprocess.Popen:
     """`qf run` stopped at `moment` of publishing (publishing.moment: a SIGSTOP to itself)."""
-    proc = subprocess.Popen([sys.executable, "-m", "factory.cli", "run", *map(str, args)], cwd=ROOT,
-                            env={**os.environ, **qf.env, STOP_AT: moment, **env}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "factory.cli", "run", *map(str, args)],
+        cwd=ROOT,
+        env={**os.environ, **qf.env, STOP_AT: moment, **env},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         wait_until(lambda: psutil.Process(proc.pid).status() == psutil.STATUS_STOPPED, 120)
     except BaseException:
@@ -150,8 +167,11 @@ def test_a_kill_at_any_moment_of_publishing_leaves_status_ls_and_registry_agreei
 
     _killed_at(qf, "recorded", model, *RUN)
     job, [quant] = _agree(qf)
-    assert (job["state"], quant["path"], _steps(job)["publish:awq-w4g128"]) == ("running", f"tiny/{placed.name}",
-                                                                               "running")
+    assert (job["state"], quant["path"], _steps(job)["publish:awq-w4g128"]) == (
+        "running",
+        f"tiny/{placed.name}",
+        "running",
+    )
 
     _killed_at(qf, "ended", model, *RUN)
     job, [_] = _agree(qf)
@@ -201,8 +221,9 @@ def test_a_template_bomb_and_a_companion_swapped_after_inspect(qf, model_copy, t
     job, [quant] = _agree(qf)
     assert job["state"] == "succeeded"
     text = _card(qf)
-    assert ("The quants carry the base model's chat template. No example is shown: it renders "
-            "to more than 64 KiB.\n") in text
+    assert (
+        "The quants carry the base model's chat template. No example is shown: it renders to more than 64 KiB.\n"
+    ) in text
     assert "xxxx" not in text
     assert (qf.home / "registry" / quant["path"] / "tokenizer_config.json").read_bytes() == inspected
     assert _holds(qf, b"s3cret") == []
@@ -219,5 +240,6 @@ def test_weights_swapped_for_a_link_after_inspect_are_refused_at_publish(qf, mod
     assert done.stderr.splitlines()[-1] == (
         f"error: source folder {str(model)!r} changed since it was inspected (model.safetensors is a link to "
         f"'{other}', outside the model folder; copy the file into the folder if it belongs to the model); nothing "
-        "was published")
+        "was published"
+    )
     assert qf.json("ls") == [] and not (qf.home / "registry" / "tiny").exists()

@@ -101,10 +101,8 @@ class HostileServer:
                     return self._endless(scenario)
                 if path == f"/api/quants/{MODEL}/{TAG}":
                     quant = {"name": f"{MODEL}:{TAG}", "model": MODEL, "tag": TAG, "rev": REV, **answer.quant}
-                    manifest = {"name": quant["model"], "tag": quant["tag"], "rev": quant["rev"],
-                                "files": answer.files}
-                    return self._send(json.dumps({"quant": quant, "manifest": manifest}).encode(),
-                                      "application/json")
+                    manifest = {"name": quant["model"], "tag": quant["tag"], "rev": quant["rev"], "files": answer.files}
+                    return self._send(json.dumps({"quant": quant, "manifest": manifest}).encode(), "application/json")
                 fname = path.rsplit("/files/", 1)[-1]
                 body = answer.bodies[fname]
                 self._send(body, "application/octet-stream", answer.content_length.get(fname, len(body)))
@@ -135,16 +133,20 @@ class HostileServer:
 
 def _tree(root: Path) -> dict[Path, tuple]:
     """Every path under `root`: a folder as such, a file with its inode, size, mtime and bytes."""
-    return {p.relative_to(root): ("dir",) if p.is_dir() else (p.lstat().st_ino, p.lstat().st_size,
-                                                             p.lstat().st_mtime_ns, p.read_bytes())
-            for p in root.rglob("*")}
+    return {
+        p.relative_to(root): ("dir",)
+        if p.is_dir()
+        else (p.lstat().st_ino, p.lstat().st_size, p.lstat().st_mtime_ns, p.read_bytes())
+        for p in root.rglob("*")
+    }
 
 
 def _the_client_own(rel: Path) -> bool:
     """Where a pull into pulls/out may write: -o itself and its staging folder `.qf-pull-out-<rev>` beside it."""
     parts = rel.parts
-    return parts[0] == "pulls" and (len(parts) == 1 or parts[1] == "out"
-                                    or re.fullmatch(r"\.qf-pull-out-[0-9a-f]{7,64}", parts[1]) is not None)
+    return parts[0] == "pulls" and (
+        len(parts) == 1 or parts[1] == "out" or re.fullmatch(r"\.qf-pull-out-[0-9a-f]{7,64}", parts[1]) is not None
+    )
 
 
 def _staged_sizes(case: Path) -> dict[str, int]:
@@ -155,8 +157,12 @@ def _problems(case: Path, answer: Answer, before: dict, code, stdout: str, stder
     """What went wrong in one pull from the hostile server: anything but exit 1 with one sentence naming it, a
     touched victim, a path changed outside the client's own, a staged file larger than the manifest says."""
     problems = []
-    if (code, stdout) != (1, "") or not stderr.startswith("error: ") or f" the factory's service at {url} " \
-            not in stderr or stderr.count("\n") != 1:
+    if (
+        (code, stdout) != (1, "")
+        or not stderr.startswith("error: ")
+        or f" the factory's service at {url} " not in stderr
+        or stderr.count("\n") != 1
+    ):
         problems.append(f"exit {code}, stdout {stdout!r}, stderr {stderr[-1500:]!r}")
     if not (case / "victim" / "config.json").exists() or (case / "victim" / "config.json").read_bytes() != VICTIM:
         problems.append("the victim file was changed, moved or deleted")
@@ -181,10 +187,17 @@ def test_a_hostile_server_cannot_write_delete_or_flood(tmp_path):
     try:
         before = {name: _tree(case) for name, case in cases.items()}
         started = time.monotonic()
-        pulls = {name: subprocess.Popen([sys.executable, "-m", "factory.cli", "pull", f"{MODEL}:{TAG}", "-o",
-                                         case / "pulls" / "out"], env=user_env(server, name, case / "home"),
-                                        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                 for name, case in cases.items()}
+        pulls = {
+            name: subprocess.Popen(
+                [sys.executable, "-m", "factory.cli", "pull", f"{MODEL}:{TAG}", "-o", case / "pulls" / "out"],
+                env=user_env(server, name, case / "home"),
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for name, case in cases.items()
+        }
         ended = {}
         for name, pull in pulls.items():
             try:
@@ -195,8 +208,11 @@ def test_a_hostile_server_cannot_write_delete_or_flood(tmp_path):
                 ended[name] = ("still running after 30 s", *pull.communicate())
     finally:
         server.stop()
-    wrong = {name: problems for name, case in cases.items()
-             if (problems := _problems(case, answers[name], before[name], *ended[name], server.url))}
+    wrong = {
+        name: problems
+        for name, case in cases.items()
+        if (problems := _problems(case, answers[name], before[name], *ended[name], server.url))
+    }
     for name, most in (("endless-body", 16 << 20), ("endless-manifest", MAX_ANSWER + (16 << 20))):
         if server.sent[name] > most:  # what the client may read, and what socket buffers hold
             wrong[name] = [*wrong.get(name, []), f"read {server.sent[name]} bytes of an endless body"]
@@ -210,9 +226,14 @@ def test_a_200_answer_to_a_range_request_starts_the_file_again(tmp_path):
         staged = tmp_path / f".qf-pull-out-{REV}"
         staged.mkdir()
         (staged / "model.safetensors").write_bytes(b"\xff" * (len(WEIGHTS) // 2))
-        pulled = subprocess.run([sys.executable, "-m", "factory.cli", "pull", f"{MODEL}:{TAG}", "-o", tmp_path / "out"],
-                                env=user_env(server, "honest", tmp_path / "home"), cwd=ROOT, capture_output=True,
-                                text=True, timeout=60)
+        pulled = subprocess.run(
+            [sys.executable, "-m", "factory.cli", "pull", f"{MODEL}:{TAG}", "-o", tmp_path / "out"],
+            env=user_env(server, "honest", tmp_path / "home"),
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert pulled.returncode == 0, pulled.stderr
         assert (tmp_path / "out" / "model.safetensors").read_bytes() == WEIGHTS
         assert (tmp_path / "out" / "config.json").read_bytes() == CONFIG
@@ -235,4 +256,3 @@ def test_a_local_pull_copies_and_never_shares_the_registry_files(finished, tmp_p
             f.write(b"edited by the user")
         assert theirs.read_bytes() == kept, theirs.name
     folder.verify(registry)
-

@@ -42,8 +42,11 @@ def test_run_events_and_result(finished, tiny):
     for e in events:
         if e["event"] == "progress" and e.get("unit") == "layer":
             layers.setdefault(e["step"], []).append((e["done"], e["total"]))
-    assert layers == {"quantize:awq-w4g128": [(0, 2), (1, 2), (2, 2)], "evaluate:fp16": [(1, 2), (2, 2)],
-                      "evaluate:awq-w4g128": [(1, 2), (2, 2)]}
+    assert layers == {
+        "quantize:awq-w4g128": [(0, 2), (1, 2), (2, 2)],
+        "evaluate:fp16": [(1, 2), (2, 2)],
+        "evaluate:awq-w4g128": [(1, 2), (2, 2)],
+    }
     result = events[-1]
     assert (result["state"], result["exit_code"], result["error"]) == ("succeeded", 0, None)
     [row] = result["quants"]
@@ -216,8 +219,10 @@ def test_refused_before_a_job(qf, tiny, args, code, message):
 def test_exl2_without_cuda(qf, tiny):
     result = qf("run", tiny, "--exl2", "4.0")
     assert result.exit_code == 2
-    assert last_line(result) == ("error: EXL2 (--exl2, --fit) needs a CUDA GPU and this machine has none; AWQ runs "
-                                 "without one (--awq), AWQ-CT runs without one (--awqct)")
+    assert last_line(result) == (
+        "error: EXL2 (--exl2, --fit) needs a CUDA GPU and this machine has none; AWQ runs "
+        "without one (--awq), AWQ-CT runs without one (--awqct)"
+    )
 
 
 def test_recipe_with_unknown_keys(qf, tiny, tmp_path):
@@ -305,8 +310,10 @@ def test_model_card(finished):
         "quantized_by": "quantfactory",
     }
     assert "| `tiny:awq-w4g128` (this folder) | awq | 4 |" in text
-    assert (f"{row['ppl']:.4f} | {row['change'] * 100:+.2f}% | {row['kld']:.4f} | {row['top1'] * 100:.1f}% | "
-            "builtin:c4, 16 x 128 tokens, clipping off | builtin:wiki, 2 x 2048 tokens, cpu") in text
+    assert (
+        f"{row['ppl']:.4f} | {row['change'] * 100:+.2f}% | {row['kld']:.4f} | {row['top1'] * 100:.1f}% | "
+        "builtin:c4, 16 x 128 tokens, clipping off | builtin:wiki, 2 x 2048 tokens, cpu"
+    ) in text
     assert "Read the base model's license on the original model's card." in text
     assert "qf pull tiny:awq-w4g128 -o tiny-awq-w4g128" in text and row["source_identity"] in text
     manifest = json.loads((qf.home / "registry" / row["path"] / MANIFEST).read_text())
@@ -363,9 +370,11 @@ def test_catalog_of_another_schema_is_refused(tmp_path):
         db.execute("CREATE TABLE jobs (id TEXT PRIMARY KEY)")
     result = Qf(home=home)("ls")
     assert result.exit_code == 5
-    assert last_line(result) == (f"error: the catalog at sqlite:///{home / 'catalog.db'} has schema version 0, this "
-                                 f"quantfactory needs {SCHEMA_VERSION}; point FACTORY_DB_URL at a new database "
-                                 "(no migration from it exists)")
+    assert last_line(result) == (
+        f"error: the catalog at sqlite:///{home / 'catalog.db'} has schema version 0, this "
+        f"quantfactory needs {SCHEMA_VERSION}; point FACTORY_DB_URL at a new database "
+        "(no migration from it exists)"
+    )
 
 
 def test_a_catalog_of_schema_4_gains_the_divergence_columns_in_place(finished):
@@ -379,8 +388,15 @@ def test_a_catalog_of_schema_4_gains_the_divergence_columns_in_place(finished):
     home = qf.home.parent / "schema4"
     shutil.copytree(qf.home, home)
     with sqlite3.connect(home / "catalog.db") as db:
-        for table, column in [("evaluations", "kld"), ("evaluations", "kld_p99"), ("evaluations", "top1"),
-                              ("quants", "kld"), ("quants", "kld_p99"), ("quants", "top1"), ("jobs", "max_kld")]:
+        for table, column in [
+            ("evaluations", "kld"),
+            ("evaluations", "kld_p99"),
+            ("evaluations", "top1"),
+            ("quants", "kld"),
+            ("quants", "kld_p99"),
+            ("quants", "top1"),
+            ("jobs", "max_kld"),
+        ]:
             db.execute(f"ALTER TABLE {table} DROP COLUMN {column}")
         db.execute("DROP TABLE tokens")
         db.execute("DROP TABLE submissions")

@@ -35,8 +35,13 @@ def last_line(result) -> str:
 
 
 def qf_process(qf: Qf, *args, **popen) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "factory.cli", *map(str, args)], env={**os.environ, **qf.env},
-                            cwd=ROOT, text=True, **popen)
+    return subprocess.Popen(
+        [sys.executable, "-m", "factory.cli", *map(str, args)],
+        env={**os.environ, **qf.env},
+        cwd=ROOT,
+        text=True,
+        **popen,
+    )
 
 
 def wait_until(check, seconds: float = 60.0):
@@ -62,8 +67,10 @@ def _link_out(name):
         secret = _secret(m)
         (m / name).unlink(missing_ok=True)
         (m / name).symlink_to(secret)
-        return f"{name} is a link to '{secret}', outside the model folder; copy the file into the folder if it " \
-               "belongs to the model"
+        return (
+            f"{name} is a link to '{secret}', outside the model folder; copy the file into the folder if it "
+            "belongs to the model"
+        )
 
     breaks.__name__ = f"link_{name}"
     return breaks
@@ -74,8 +81,10 @@ def _weights_link_out(m):
     elsewhere.mkdir()
     (m / "model.safetensors").rename(elsewhere / "model.safetensors")
     (m / "model.safetensors").symlink_to(elsewhere / "model.safetensors")
-    return f"model.safetensors is a link to '{elsewhere / 'model.safetensors'}', outside the model folder; copy the " \
-           "file into the folder if it belongs to the model"
+    return (
+        f"model.safetensors is a link to '{elsewhere / 'model.safetensors'}', outside the model folder; copy the "
+        "file into the folder if it belongs to the model"
+    )
 
 
 def _dangling(m):
@@ -89,8 +98,14 @@ def _config_is_a_folder(m):
     return "config.json is a folder, not a regular file; the factory reads only regular files"
 
 
-LINKS = [_link_out("tokenizer.model"), _link_out("special_tokens_map.json"), _link_out("chat_template.jinja"),
-         _weights_link_out, _dangling, _config_is_a_folder]
+LINKS = [
+    _link_out("tokenizer.model"),
+    _link_out("special_tokens_map.json"),
+    _link_out("chat_template.jinja"),
+    _weights_link_out,
+    _dangling,
+    _config_is_a_folder,
+]
 
 
 @pytest.mark.parametrize("command", ["run", "plan"])
@@ -115,8 +130,9 @@ def test_a_fifo_does_not_hang_it(qf, model_copy, command):
     proc = qf_process(qf, command, model, *args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 3, err
-    assert err.splitlines()[-1] == ("error: model-00001.safetensors is a FIFO, not a regular file; the factory reads "
-                                    "only regular files")
+    assert err.splitlines()[-1] == (
+        "error: model-00001.safetensors is a FIFO, not a regular file; the factory reads only regular files"
+    )
     assert qf.json("jobs") == []
 
 
@@ -163,14 +179,20 @@ HEADERS = [
     ("string_offsets", _tensor(data_offsets=["0", "2"]), f"{F}: tensor 'w' has data_offsets ['0', '2']{OFFSETS}"),
     ("offsets_backwards", _tensor(data_offsets=[2, 0]), f"{F}: tensor 'w' has data_offsets [2, 0]{OFFSETS}"),
     ("unknown_dtype", _tensor(dtype="Q4"), f"{F}: tensor 'w' has unknown dtype 'Q4'"),
-    ("offsets_past_the_data", _tensor(shape=[2], data_offsets=[0, 4]),
-     f"{F} is truncated or padded: its tensors need 4 bytes of data, it holds 2"),
+    (
+        "offsets_past_the_data",
+        _tensor(shape=[2], data_offsets=[0, 4]),
+        f"{F} is truncated or padded: its tensors need 4 bytes of data, it holds 2",
+    ),
     ("nested", b"[" * 200_000 + b"]" * 200_000, f"the header of {F} is nested too deeply to be a model's metadata"),
     ("not_utf8", b'{"\xff": 1}', f"the header of {F} is not UTF-8 text"),
     ("not_an_object", b"[1, 2]", f"{F} has an unparsable safetensors header"),
     ("entry_not_an_object", {"w": 5}, f"{F} has an unparsable entry for tensor 'w'"),
-    ("bad_metadata", {"__metadata__": {"a": {"b": 1}}, **_tensor()},
-     f"{F} has an unparsable __metadata__ entry (it must map names to strings)"),
+    (
+        "bad_metadata",
+        {"__metadata__": {"a": {"b": 1}}, **_tensor()},
+        f"{F} has an unparsable __metadata__ entry (it must map names to strings)",
+    ),
 ]
 
 
@@ -203,23 +225,44 @@ def _config_bytes(data: bytes):
 
 CONFIGS = [
     ("not_utf8", _config_bytes(b'{"hidden_size": "\xff"}'), "config.json is not UTF-8 text"),
-    ("nested", _config_bytes(b"[" * 200_000 + b"]" * 200_000), "config.json is nested too deeply to be a model's "
-     "metadata"),
-    ("zero_heads", _config(num_attention_heads=0), "config.json: num_attention_heads is 0; it must be between 1 and "
-     "4096"),
+    (
+        "nested",
+        _config_bytes(b"[" * 200_000 + b"]" * 200_000),
+        "config.json is nested too deeply to be a model's metadata",
+    ),
+    (
+        "zero_heads",
+        _config(num_attention_heads=0),
+        "config.json: num_attention_heads is 0; it must be between 1 and 4096",
+    ),
     ("float_hidden", _config(hidden_size=128.0), "config.json: hidden_size must be an integer, not 128.0"),
     ("string_layers", _config(num_hidden_layers="2"), "config.json: num_hidden_layers must be an integer, not '2'"),
-    ("huge_vocab", _config(vocab_size=10**12), "config.json: vocab_size is 1000000000000; it must be between 1 and "
-     "16777216"),
-    ("heads_do_not_divide", _config(num_attention_heads=3), "config.json: hidden_size 128 is not divisible by "
-     "num_attention_heads 3"),
-    ("kv_heads_do_not_divide", _config(num_key_value_heads=3), "config.json: num_attention_heads 4 is not a multiple "
-     "of num_key_value_heads 3"),
+    (
+        "huge_vocab",
+        _config(vocab_size=10**12),
+        "config.json: vocab_size is 1000000000000; it must be between 1 and 16777216",
+    ),
+    (
+        "heads_do_not_divide",
+        _config(num_attention_heads=3),
+        "config.json: hidden_size 128 is not divisible by num_attention_heads 3",
+    ),
+    (
+        "kv_heads_do_not_divide",
+        _config(num_key_value_heads=3),
+        "config.json: num_attention_heads 4 is not a multiple of num_key_value_heads 3",
+    ),
     ("no_vocab", _config(vocab_size=...), "config.json has no vocab_size; the factory needs it to size the model"),
-    ("vocab_disagrees", _config(vocab_size=2048), "config.json says vocab_size x hidden_size is 2048 x 128, but "
-     "model.embed_tokens.weight has shape [1024, 128]"),
-    ("layers_disagree", _config(num_hidden_layers=3), "config.json says 3 layers (num_hidden_layers), the weights "
-     "hold 2 (numbered 0 to 1)"),
+    (
+        "vocab_disagrees",
+        _config(vocab_size=2048),
+        "config.json says vocab_size x hidden_size is 2048 x 128, but model.embed_tokens.weight has shape [1024, 128]",
+    ),
+    (
+        "layers_disagree",
+        _config(num_hidden_layers=3),
+        "config.json says 3 layers (num_hidden_layers), the weights hold 2 (numbered 0 to 1)",
+    ),
 ]
 
 
@@ -254,18 +297,27 @@ def test_the_exl2_staging_folder_holds_only_the_allowlist(model_copy, tmp_path):
     model = model_copy("tiny")
     _strays(model)
     staged = files.stage(model, tmp_path / "staged")
-    assert {p.name for p in staged.iterdir()} == {"config.json", "generation_config.json", "tokenizer.json",
-                                                 "tokenizer_config.json", "chat_template.jinja", "model.safetensors"}
+    assert {p.name for p in staged.iterdir()} == {
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        "model.safetensors",
+    }
     for p in staged.iterdir():  # the companions copied (what inspect hashed), the weights linked
         copied = not p.is_symlink() and p.read_bytes() == (model / p.name).read_bytes()
         assert p.resolve().parent == model.resolve() if p.name == "model.safetensors" else copied, p.name
 
 
-@pytest.mark.parametrize("stranger, message", [
-    ("notes.txt", "notes.txt in {f} is not on the list of files a quant may carry; nothing was published"),
-    ("optimizer.pt", "optimizer.pt in {f} is not on the list of files a quant may carry; nothing was published"),
-    ("link", "tokenizer.model in {f} is not a regular file; nothing was published"),
-])
+@pytest.mark.parametrize(
+    "stranger, message",
+    [
+        ("notes.txt", "notes.txt in {f} is not on the list of files a quant may carry; nothing was published"),
+        ("optimizer.pt", "optimizer.pt in {f} is not on the list of files a quant may carry; nothing was published"),
+        ("link", "tokenizer.model in {f} is not a regular file; nothing was published"),
+    ],
+)
 def test_publishing_checks_the_folder_against_the_allowlist(tmp_path, stranger, message):
     folder = tmp_path / "out"
     folder.mkdir()
@@ -289,11 +341,14 @@ def test_engine_children_get_a_scrubbed_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("FACTORY_BROKER_URL", "redis://:brokerpass@redis:6379/0")
     monkeypatch.setenv("HF_ENDPOINT", "https://user:endpointpass@hub.example")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
-    dump = ("import json; env = dict(v.split('=', 1) for v in open('/proc/self/environ').read().split('\\0') if v);"
-            " print(json.dumps({'event': 'env', 'env': env}))")
+    dump = (
+        "import json; env = dict(v.split('=', 1) for v in open('/proc/self/environ').read().split('\\0') if v);"
+        " print(json.dumps({'event': 'env', 'env': env}))"
+    )
     events = []
-    child.run_command([sys.executable, "-c", dump], tmp_path / "log", events.append, "env",
-                      env={"EXLLAMA_NO_SDPA": "1"})
+    child.run_command(
+        [sys.executable, "-c", dump], tmp_path / "log", events.append, "env", env={"EXLLAMA_NO_SDPA": "1"}
+    )
     env = events[0]["env"]
     assert not {"HF_TOKEN", "FACTORY_DB_URL", "FACTORY_BROKER_URL", "HF_ENDPOINT"} & set(env)
     assert not [v for v in env.values() if "pass" in v or "hf_secret" in v]
@@ -301,13 +356,16 @@ def test_engine_children_get_a_scrubbed_environment(tmp_path, monkeypatch):
     assert env["PATH"] == os.environ["PATH"]
 
 
-@pytest.mark.parametrize("url, masked", [
-    ("postgresql://qf:s3cret@db:5432/catalog", "postgresql://qf:***@db:5432/catalog"),
-    ("https://user:s3cret@hub.example/api", "https://user:***@hub.example/api"),
-    ("redis://:s3cret@redis:6379/0", "redis://:***@redis:6379/0"),
-    ("https://hub.example/api?token=s3cret&x=1", "https://hub.example/api?token=***&x=1"),
-    ("postgresql://root@127.0.0.1:5432/test", "postgresql://root@127.0.0.1:5432/test"),
-])
+@pytest.mark.parametrize(
+    "url, masked",
+    [
+        ("postgresql://qf:s3cret@db:5432/catalog", "postgresql://qf:***@db:5432/catalog"),
+        ("https://user:s3cret@hub.example/api", "https://user:***@hub.example/api"),
+        ("redis://:s3cret@redis:6379/0", "redis://:***@redis:6379/0"),
+        ("https://hub.example/api?token=s3cret&x=1", "https://hub.example/api?token=***&x=1"),
+        ("postgresql://root@127.0.0.1:5432/test", "postgresql://root@127.0.0.1:5432/test"),
+    ],
+)
 def test_mask_url(url, masked):
     assert mask_url(url) == masked
 
@@ -316,9 +374,11 @@ def test_an_endpoint_with_credentials_is_printed_masked(qf, hub, monkeypatch):
     monkeypatch.setenv("HF_ENDPOINT", "http://user:s3cret@127.0.0.1:9")
     result = qf("run", "meta/tiny-llama", "--awq")
     assert result.exit_code == 5
-    assert last_line(result) == ("error: the Hub at http://user:***@127.0.0.1:9 cannot be reached (port 9 of "
-                                 "127.0.0.1 refuses connections); set HF_ENDPOINT for another Hub, or quantize local "
-                                 "folders")
+    assert last_line(result) == (
+        "error: the Hub at http://user:***@127.0.0.1:9 cannot be reached (port 9 of "
+        "127.0.0.1 refuses connections); set HF_ENDPOINT for another Hub, or quantize local "
+        "folders"
+    )
     assert "s3cret" not in result.output
 
 
@@ -377,8 +437,10 @@ def test_pull_refuses_outputs_it_must_not_touch(finished, tmp_path):
         (tmp_path / "link", f"-o '{tmp_path / 'link'}' is a symbolic link; pass a real folder"),
         (tmp_path / "dangling", f"-o '{tmp_path / 'dangling'}' is a symbolic link; pass a real folder"),
         (tmp_path / "a-file", f"-o '{tmp_path / 'a-file'}' is a file; pass a new or empty folder"),
-        (qf.home / "registry" / "x", f"-o '{qf.home / 'registry' / 'x'}' is inside FACTORY_HOME ({qf.home}); pull "
-         "into a folder outside it"),
+        (
+            qf.home / "registry" / "x",
+            f"-o '{qf.home / 'registry' / 'x'}' is inside FACTORY_HOME ({qf.home}); pull into a folder outside it",
+        ),
     ]
     for output, message in cases:
         result = qf("pull", "tiny:awq-w4g128", "-o", output)
@@ -424,15 +486,21 @@ def test_interrupted_runs_continue(qf, tiny):
     proc.wait(30)
     wait_until(lambda: _gone(engine), 30)  # the engine got SIGTERM when its parent died
     [job] = qf.json("jobs")
-    assert [(s["name"], s["state"]) for s in job["steps"]] == [*steps, ("inspect", "succeeded"),
-                                                                ("quantize:awq-w4g128", "running")]
+    assert [(s["name"], s["state"]) for s in job["steps"]] == [
+        *steps,
+        ("inspect", "succeeded"),
+        ("quantize:awq-w4g128", "running"),
+    ]
 
     again = qf(*args)
     assert again.exit_code == 0, again.output
     [job] = qf.json("jobs")
     assert job["state"] == "succeeded"
-    assert [(s["name"], s["state"]) for s in job["steps"]][:4] == [*steps, ("inspect", "succeeded"),
-                                                                   ("quantize:awq-w4g128", "interrupted")]
+    assert [(s["name"], s["state"]) for s in job["steps"]][:4] == [
+        *steps,
+        ("inspect", "succeeded"),
+        ("quantize:awq-w4g128", "interrupted"),
+    ]
 
 
 def test_two_runs_of_one_job_run_it_once(qf, tiny):
@@ -446,8 +514,10 @@ def test_two_runs_of_one_job_run_it_once(qf, tiny):
     assert (held["holder"], held["attempts"]) == (f"{socket.gethostname()}:{first.pid}", 1)
     second = qf(*args)
     assert second.exit_code == 1
-    assert last_line(second) == (f"error: job {job['id']} is running on {socket.gethostname()} pid {first.pid}; "
-                                 f"`qf status {job['id']} --follow` follows it")
+    assert last_line(second) == (
+        f"error: job {job['id']} is running on {socket.gethostname()} pid {first.pid}; "
+        f"`qf status {job['id']} --follow` follows it"
+    )
     _, err = first.communicate(timeout=300)
     assert first.returncode == 0, err
     [job] = qf.json("jobs")
@@ -484,14 +554,26 @@ def test_publish_sweeps_its_own_stale_staging(tmp_path):
 # -- names say what they mean -------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name, message", [
-    ("tiny:awq-w4g64", "--name 'tiny:awq-w4g64' holds a tag or revision; use --name NAME; tags come from the spec and "
-     "revisions from the source"),
-    ("x@deadbeef", "--name 'x@deadbeef' holds a tag or revision; use --name NAME; tags come from the spec and "
-     "revisions from the source"),
-    ("\u212aiwi", "not a valid quant name '\u212aiwi': name '\u212aiwi' must be 1-96 of [a-z0-9._-], start with a "
-     "letter or digit, no '..'"),
-])
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        (
+            "tiny:awq-w4g64",
+            "--name 'tiny:awq-w4g64' holds a tag or revision; use --name NAME; tags come from the spec and "
+            "revisions from the source",
+        ),
+        (
+            "x@deadbeef",
+            "--name 'x@deadbeef' holds a tag or revision; use --name NAME; tags come from the spec and "
+            "revisions from the source",
+        ),
+        (
+            "\u212aiwi",
+            "not a valid quant name '\u212aiwi': name '\u212aiwi' must be 1-96 of [a-z0-9._-], start with a "
+            "letter or digit, no '..'",
+        ),
+    ],
+)
 def test_name_refusals(qf, tiny, name, message):
     result = qf("run", tiny, "--awq", "--name", name)
     assert (result.exit_code, last_line(result)) == (2, f"error: {message}")
@@ -502,8 +584,10 @@ def test_a_name_that_differs_from_the_catalogs_is_an_error(finished, tiny):
     qf, _ = finished
     result = qf("run", tiny, "--awq", "--eval-windows", 2, "--name", "other")
     assert result.exit_code == 2
-    assert last_line(result) == (f"error: '{tiny}' is already named 'tiny' in the catalog, not 'other'; drop --name "
-                                 "(its quants are published as 'tiny')")
+    assert last_line(result) == (
+        f"error: '{tiny}' is already named 'tiny' in the catalog, not 'other'; drop --name "
+        "(its quants are published as 'tiny')"
+    )
     assert len(qf.json("jobs")) == 1
     assert qf("run", tiny, "--awq", "--eval-windows", 2, "--name", "TINY").exit_code == 0  # the same name: fine
 

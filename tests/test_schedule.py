@@ -28,15 +28,25 @@ def _plan(watches, releases, done=()):
 def test_plan_matches_repos_and_patterns_once():
     repo = schedule.entry("meta/Tiny-Llama", {"awq": {}})
     pattern = schedule.entry("meta/*-chat", {"exl2": {"bpw": [4.0]}})
-    releases = [schedule.Release(repo, sha * 40, LLAMA) for repo, sha in
-                [("meta/tiny-llama", "a"), ("meta/tiny-chat", "b"), ("meta/tiny-base", "c"), ("other/x-chat", "d")]]
+    releases = [
+        schedule.Release(repo, sha * 40, LLAMA)
+        for repo, sha in [
+            ("meta/tiny-llama", "a"),
+            ("meta/tiny-chat", "b"),
+            ("meta/tiny-base", "c"),
+            ("other/x-chat", "d"),
+        ]
+    ]
     planned = _plan([repo, pattern], releases)
-    assert [(p.watch, p.repo, p.skipped) for p in planned] == [("meta/Tiny-Llama", "meta/tiny-llama", None),
-                                                               ("meta/*-chat", "meta/tiny-chat", None)]
+    assert [(p.watch, p.repo, p.skipped) for p in planned] == [
+        ("meta/Tiny-Llama", "meta/tiny-llama", None),
+        ("meta/*-chat", "meta/tiny-chat", None),
+    ]
     assert _plan([repo, pattern], releases, {(p.watch, p.repo, p.sha) for p in planned}) == []
     newer = schedule.Release("meta/tiny-llama", "e" * 40, LLAMA)
     assert [(p.repo, p.sha) for p in _plan([repo], [newer], {(p.watch, p.repo, p.sha) for p in planned})] == [
-        ("meta/tiny-llama", "e" * 40)]
+        ("meta/tiny-llama", "e" * 40)
+    ]
 
 
 def test_each_watch_takes_what_its_engines_convert():
@@ -45,7 +55,9 @@ def test_each_watch_takes_what_its_engines_convert():
     awq = schedule.entry("google/gemma-3-270m", {"awq": {}})
     exl3 = schedule.entry("google/*", {"exl3": {"bpw": [4.0]}})
     assert {p.watch: p.skipped for p in _plan([awq, exl3], gemma)} == {
-        "google/gemma-3-270m": "architecture Gemma3ForCausalLM is not supported by awq", "google/*": None}
+        "google/gemma-3-270m": "architecture Gemma3ForCausalLM is not supported by awq",
+        "google/*": None,
+    }
 
 
 def test_plan_skips_with_a_reason():
@@ -68,14 +80,17 @@ def test_plan_skips_with_a_reason():
     }
 
 
-@pytest.mark.parametrize(("target", "recipe", "filter", "message"), [
-    ("tiny-llama", {"awq": {}}, None, "is neither org/name nor org/pattern"),
-    ("me*/x", {"awq": {}}, None, "is neither org/name nor org/pattern"),
-    ("meta/x", {}, None, "makes nothing: give it awq, awqct, exl2 or exl3 targets"),
-    ("meta/x", {"awq": {"w_bit": 3}}, None, "w_bit"),
-    ("meta/x", {"awq": {}}, {"size": 1}, "unknown filter keys ['size']"),
-    ("meta/x", {"awq": {}}, {"max_params": "big"}, "max_params must be a number"),
-])
+@pytest.mark.parametrize(
+    ("target", "recipe", "filter", "message"),
+    [
+        ("tiny-llama", {"awq": {}}, None, "is neither org/name nor org/pattern"),
+        ("me*/x", {"awq": {}}, None, "is neither org/name nor org/pattern"),
+        ("meta/x", {}, None, "makes nothing: give it awq, awqct, exl2 or exl3 targets"),
+        ("meta/x", {"awq": {"w_bit": 3}}, None, "w_bit"),
+        ("meta/x", {"awq": {}}, {"size": 1}, "unknown filter keys ['size']"),
+        ("meta/x", {"awq": {}}, {"max_params": "big"}, "max_params must be a number"),
+    ],
+)
 def test_bad_watches_are_refused(target, recipe, filter, message):
     with pytest.raises(SpecError, match=message.replace("[", r"\[").replace("]", r"\]")):
         schedule.entry(target, recipe, filter)
@@ -91,16 +106,27 @@ def test_the_shipped_watchlist_loads():
 @pytest.fixture
 def env(tmp_path, db_url, hub, monkeypatch):
     redis.Redis.from_url(BROKER).flushdb()
-    for name, value in {"FACTORY_HOME": str(tmp_path / "home"), "FACTORY_DB_URL": db_url,
-                        "FACTORY_BROKER_URL": BROKER, "FACTORY_WORKER_DEVICE": "cpu",
-                        "FACTORY_HUB_BACKOFF": "0.01"}.items():
+    for name, value in {
+        "FACTORY_HOME": str(tmp_path / "home"),
+        "FACTORY_DB_URL": db_url,
+        "FACTORY_BROKER_URL": BROKER,
+        "FACTORY_WORKER_DEVICE": "cpu",
+        "FACTORY_HUB_BACKOFF": "0.01",
+    }.items():
         monkeypatch.setenv(name, value)
     return dict(os.environ)
 
 
 def qf(*args, check=True) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "factory.cli", *map(str, args)], env=dict(os.environ), cwd=ROOT,
-                          capture_output=True, text=True, check=check, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "factory.cli", *map(str, args)],
+        env=dict(os.environ),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=check,
+        timeout=120,
+    )
 
 
 def watch_check(*flags) -> dict:
@@ -124,7 +150,9 @@ def test_new_releases_become_one_job_per_watch_and_only_once(env, hub, tiny):
 
     dry = watch_check("--dry-run")
     assert sorted((p["watch"], p["repo"], p["skipped"]) for p in dry["planned"]) == [
-        ("meta/*-chat", "meta/tiny-chat", None), ("meta/tiny-llama", "meta/tiny-llama", None)]
+        ("meta/*-chat", "meta/tiny-chat", None),
+        ("meta/tiny-llama", "meta/tiny-llama", None),
+    ]
     assert jobs() == [] and json.loads(qf("watch", "ls", "--json").stdout)[0]["seen"] == []
 
     tick = watch_check()
@@ -148,8 +176,16 @@ def test_new_releases_become_one_job_per_watch_and_only_once(env, hub, tiny):
 def test_two_schedulers_still_one_job(env, hub, tiny):
     hub.add_repo("meta/tiny-llama", _files(tiny))
     qf("watch", "add", "meta/tiny-llama", "--awq")
-    procs = [subprocess.Popen([sys.executable, "-m", "factory.cli", "watch", "check", "--json"], env=dict(os.environ),
-                              cwd=ROOT, stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "factory.cli", "watch", "check", "--json"],
+            env=dict(os.environ),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
     results = [json.loads(p.communicate(timeout=120)[0]) for p in procs]
     assert len(jobs()) == 1
     assert sum(1 for r in results for p in r["planned"] if p.get("job")) == 1
@@ -180,7 +216,6 @@ def test_a_config_the_hub_cannot_serve_now_is_an_error_not_a_skip(env, hub, tiny
 
     from huggingface_hub.utils import _http
 
-
     monkeypatch.setattr(_http, "time", types.SimpleNamespace(sleep=lambda seconds: None))  # its backoff, not ours
     hub.add_repo("meta/tiny-llama", _files(tiny))
     hub.fail("*", r"/resolve/[^/]+/config\.json$", 503, times=100)
@@ -195,14 +230,17 @@ def test_gated_and_unsupported_models_are_skipped_once(env, hub, tiny):
     hub.add_repo("meta/tiny-gated", _files(tiny))
     hub.set_gated("meta/tiny-gated")
     config = json.loads((tiny / "config.json").read_text())
-    hub.add_repo("meta/tiny-bert", {**_files(tiny), "config.json": json.dumps(
-        {**config, "architectures": ["BertModel"]}).encode()})
+    hub.add_repo(
+        "meta/tiny-bert",
+        {**_files(tiny), "config.json": json.dumps({**config, "architectures": ["BertModel"]}).encode()},
+    )
     qf("watch", "add", "meta/tiny-*", "--awq")
     tick = watch_check()
     assert {p["repo"]: p["skipped"] for p in tick["planned"]} == {
         "meta/tiny-bert": "architecture BertModel is not supported by awq",
         "meta/tiny-gated": "meta/tiny-gated is gated and this token has no access; accept its terms on the Hub, or "
-                           "use a token (HF_TOKEN) that has"}
+        "use a token (HF_TOKEN) that has",
+    }
     assert watch_check()["planned"] == [] and jobs() == []
     [watch] = json.loads(qf("watch", "ls", "--json").stdout)
     assert sorted(s["repo"] for s in watch["seen"] if s["skipped"]) == ["meta/tiny-bert", "meta/tiny-gated"]
@@ -212,8 +250,10 @@ def test_a_skipped_release_is_quantized_once_an_engine_takes_it(env, hub, tiny, 
     """Skipped because no engine of the watch converted it, the release is looked at again at every check: with a
     factory whose AWQ takes it, the next check submits it, and `qf watch ls` shows the job in the skip's place."""
     config = json.loads((tiny / "config.json").read_text())
-    hub.add_repo("meta/tiny-bert", {**_files(tiny), "config.json": json.dumps(
-        {**config, "architectures": ["BertModel"]}).encode()})
+    hub.add_repo(
+        "meta/tiny-bert",
+        {**_files(tiny), "config.json": json.dumps({**config, "architectures": ["BertModel"]}).encode()},
+    )
     qf("watch", "add", "meta/tiny-bert", "--awq")
     assert [p["skipped"] for p in watch_check()["planned"]] == ["architecture BertModel is not supported by awq"]
     monkeypatch.setenv("FACTORY_ENGINES", "tests.later_awq:ENGINE")
@@ -230,6 +270,8 @@ def test_watch_add_refusals_and_rm(env):
     assert qf("watch", "rm", "meta/none", check=False).returncode == 4
     qf("watch", "add", "--file", ROOT / "configs" / "watchlist.yaml")
     assert [w["target"] for w in json.loads(qf("watch", "ls", "--json").stdout)] == [
-        "HuggingFaceTB/SmolLM2-135M-Instruct", "Qwen/*-Instruct"]
+        "HuggingFaceTB/SmolLM2-135M-Instruct",
+        "Qwen/*-Instruct",
+    ]
     qf("watch", "rm", "Qwen/*-Instruct")
     assert len(json.loads(qf("watch", "ls", "--json").stdout)) == 1

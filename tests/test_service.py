@@ -38,8 +38,13 @@ class Server:
         self.env, self.port = env, _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
-        self.proc = subprocess.Popen([sys.executable, "-m", "factory.cli", "serve", "--port", str(self.port), *args],
-                                     env=env, cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "factory.cli", "serve", "--port", str(self.port), *args],
+            env=env,
+            cwd=ROOT,
+            stdout=open(log, "w"),
+            stderr=subprocess.STDOUT,
+        )
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -58,8 +63,15 @@ class Server:
 
 
 def qf(env, *args, check=False) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "factory.cli", *map(str, args)], env=env, cwd=ROOT,
-                          capture_output=True, text=True, check=check, timeout=180)
+    return subprocess.run(
+        [sys.executable, "-m", "factory.cli", *map(str, args)],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=check,
+        timeout=180,
+    )
 
 
 @pytest.fixture
@@ -68,8 +80,14 @@ def factory_env(tmp_path, db_url, tiny):
     redis.Redis.from_url(BROKER).flushdb()
     models = tmp_path / "models"
     shutil.copytree(tiny, models / "tiny")
-    return {**os.environ, "FACTORY_HOME": str(tmp_path / "home"), "FACTORY_DB_URL": db_url,
-            "FACTORY_BROKER_URL": BROKER, "FACTORY_WORKER_DEVICE": "cpu", "FACTORY_SERVE_SOURCES": str(models)}
+    return {
+        **os.environ,
+        "FACTORY_HOME": str(tmp_path / "home"),
+        "FACTORY_DB_URL": db_url,
+        "FACTORY_BROKER_URL": BROKER,
+        "FACTORY_WORKER_DEVICE": "cpu",
+        "FACTORY_SERVE_SOURCES": str(models),
+    }
 
 
 @pytest.fixture
@@ -82,8 +100,13 @@ def server(factory_env, tmp_path):
 def user_env(server: Server, token: str | None, home: Path) -> dict:
     """A user's machine: its own FACTORY_HOME, the server and a token, and no catalog or broker it could reach."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FACTORY_")}
-    return {**env, **NOWHERE, "FACTORY_HOME": str(home), "FACTORY_SERVER": server.url,
-            **({"FACTORY_TOKEN": token} if token else {})}
+    return {
+        **env,
+        **NOWHERE,
+        "FACTORY_HOME": str(home),
+        "FACTORY_SERVER": server.url,
+        **({"FACTORY_TOKEN": token} if token else {}),
+    }
 
 
 def test_a_user_submits_follows_and_pulls_from_another_machine(server, factory_env, tmp_path):
@@ -131,31 +154,43 @@ def test_other_users_tokens_scopes_and_revocation(server, factory_env, tmp_path)
 
     for args in (("status", job_id), ("cancel", job_id), ("retry", job_id)):
         refused = qf(bob, *args)
-        assert (refused.returncode, refused.stderr) == (4, f"error: no job {job_id!r}; `qf status` lists the "
-                                                            "recent ones\n")
+        assert (refused.returncode, refused.stderr) == (
+            4,
+            f"error: no job {job_id!r}; `qf status` lists the recent ones\n",
+        )
     assert json.loads(qf(bob, "status", "--json", check=True).stdout) == []
     assert [j["id"] for j in json.loads(qf(admin, "status", "--json", check=True).stdout)] == [job_id]
     refused = qf(reader, "submit", model, "--awq")
-    assert (refused.returncode, refused.stderr) == (5, "error: this token of carol lacks the 'submit' scope; ask the "
-                                                       "factory's admin for a token that has it\n")
+    assert (refused.returncode, refused.stderr) == (
+        5,
+        "error: this token of carol lacks the 'submit' scope; ask the factory's admin for a token that has it\n",
+    )
     early = qf(alice, "retry", job_id)
-    assert (early.returncode, early.stderr) == (2, f"error: job {job_id} is queued; only failed or cancelled jobs "
-                                                   "can be retried\n")
+    assert (early.returncode, early.stderr) == (
+        2,
+        f"error: job {job_id} is queued; only failed or cancelled jobs can be retried\n",
+    )
     assert qf(alice, "cancel", job_id).stderr == f"job {job_id}: cancelled\n"
     assert qf(alice, "retry", job_id).stdout.strip() == job_id
 
-    [alice_token] = [t for t in json.loads(qf(factory_env, "token", "ls", "--json", check=True).stdout)
-                     if t["user"] == "alice"]
+    [alice_token] = [
+        t for t in json.loads(qf(factory_env, "token", "ls", "--json", check=True).stdout) if t["user"] == "alice"
+    ]
     assert "token" not in alice_token and alice_token["scopes"] == ["read", "submit", "pull"]
     qf(factory_env, "token", "revoke", alice_token["id"], check=True)
     refused = qf(alice, "status", job_id)
-    assert (refused.returncode, refused.stderr) == (5, "error: the token is not valid here (revoked, or not one of "
-                                                       "this factory's); ask the factory's admin for a new one\n")
+    assert (refused.returncode, refused.stderr) == (
+        5,
+        "error: the token is not valid here (revoked, or not one of "
+        "this factory's); ask the factory's admin for a new one\n",
+    )
     nobody = qf(user_env(server, None, tmp_path / "nobody"), "ls")
     assert nobody.returncode == 5 and "this request has no token; set FACTORY_TOKEN" in nobody.stderr
     wrong = qf({**bob, "FACTORY_SERVER": "http://127.0.0.1:1"}, "ls")
-    assert (wrong.returncode, wrong.stderr) == (5, "error: the factory's service at http://127.0.0.1:1 cannot be "
-                                                   "reached\n")
+    assert (wrong.returncode, wrong.stderr) == (
+        5,
+        "error: the factory's service at http://127.0.0.1:1 cannot be reached\n",
+    )
 
 
 def test_quotas_refuse_the_next_job_with_when_it_resets(server, factory_env, tmp_path):
@@ -165,16 +200,20 @@ def test_quotas_refuse_the_next_job_with_when_it_resets(server, factory_env, tmp
         qf(daily, "submit", model, "--awq", "--eval-windows", windows, check=True)
     refused = qf(daily, "submit", model, "--awq", "--eval-windows", 3)
     assert refused.returncode == 5, refused.stderr
-    assert refused.stderr.startswith("error: dora has submitted 2 jobs in the last 24 hours, the quota is 2 a day; "
-                                     "the next one may be submitted at ")
+    assert refused.stderr.startswith(
+        "error: dora has submitted 2 jobs in the last 24 hours, the quota is 2 a day; the next one may be submitted at "
+    )
     assert len(json.loads(qf(daily, "status", "--json", check=True).stdout)) == 2
 
     running = user_env(server, server.token("erin", "--max-running", "1"), tmp_path / "erin")
     first = qf(running, "submit", model, "--awq", "--eval-windows", 4, check=True).stdout.strip()
     refused = qf(running, "submit", model, "--awq", "--eval-windows", 5)
-    assert (refused.returncode, refused.stderr) == (5, "error: erin has 1 jobs queued or running, at most 1 are "
-                                                       "allowed at once; the next one may be submitted when one of "
-                                                       "them ends\n")
+    assert (refused.returncode, refused.stderr) == (
+        5,
+        "error: erin has 1 jobs queued or running, at most 1 are "
+        "allowed at once; the next one may be submitted when one of "
+        "them ends\n",
+    )
     qf(running, "cancel", first, check=True)
     bad = qf(running, "submit", model, "--awq", "--eval-windows", 5, "--kv-cache", "q3", "--fit", "24GB")
     assert bad.returncode == 2, bad.stderr  # refused input takes no place in the quota
@@ -201,8 +240,15 @@ def test_a_quota_holds_when_submissions_race(server, factory_env, tmp_path):
     model = str(Path(factory_env["FACTORY_SERVE_SOURCES"]) / "tiny")
     token = server.token("frank", "--quota-jobs-per-day", "3")
     start = time.time() + 4
-    racers = [subprocess.Popen([sys.executable, "-c", RACER, server.url, token, str(w), str(start), model],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for w in range(1, 9)]
+    racers = [
+        subprocess.Popen(
+            [sys.executable, "-c", RACER, server.url, token, str(w), str(start), model],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for w in range(1, 9)
+    ]
     answers = [r.communicate(timeout=120) for r in racers]
     assert all(r.returncode == 0 for r in racers), answers
     codes = sorted(int(out.split()[0]) for out, _ in answers)
@@ -216,16 +262,26 @@ def test_a_quota_holds_when_submissions_race(server, factory_env, tmp_path):
 
 def test_bad_requests_get_one_sentence_and_never_reach_the_filesystem(finished, tmp_path):
     qf_finished, _ = finished
-    env = {**os.environ, "FACTORY_HOME": str(qf_finished.home), "FACTORY_DB_URL": qf_finished.db_url,
-           "FACTORY_BROKER_URL": BROKER, "FACTORY_SERVE_SOURCES": str(tmp_path / "models")}
+    env = {
+        **os.environ,
+        "FACTORY_HOME": str(qf_finished.home),
+        "FACTORY_DB_URL": qf_finished.db_url,
+        "FACTORY_BROKER_URL": BROKER,
+        "FACTORY_SERVE_SOURCES": str(tmp_path / "models"),
+    }
     server = Server(env, tmp_path / "server.log")
     try:
         token = server.token("mallory")
         api = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {token}"})
-        for path in ("/api/quants/tiny/awq-w4g128/files/..%2Fcatalog.db",
-                     "/api/quants/tiny/awq-w4g128/files/..%2F..%2F..%2Fcatalog.db",
-                     "/api/quants/..%2F..%2Fcatalog.db/x", "/api/quants/tiny/..%2F..%2F/files/manifest.json",
-                     "/api/jobs/..%2F..%2Fetc", "/api/../catalog.db", "/registry/tiny"):
+        for path in (
+            "/api/quants/tiny/awq-w4g128/files/..%2Fcatalog.db",
+            "/api/quants/tiny/awq-w4g128/files/..%2F..%2F..%2Fcatalog.db",
+            "/api/quants/..%2F..%2Fcatalog.db/x",
+            "/api/quants/tiny/..%2F..%2F/files/manifest.json",
+            "/api/jobs/..%2F..%2Fetc",
+            "/api/../catalog.db",
+            "/registry/tiny",
+        ):
             answer = api.get(path)
             assert answer.status_code in (404, 422), (path, answer.status_code, answer.text)
             assert answer.headers["content-type"] == "application/json" and set(answer.json()) == {"error", "exit_code"}
@@ -236,10 +292,13 @@ def test_bad_requests_get_one_sentence_and_never_reach_the_filesystem(finished, 
         answer = api.post("/api/jobs", json={"source": "org/model", "calibration": "file:/etc/passwd"})
         assert answer.status_code in (403, 422, 503), answer.text
         big = api.post("/api/jobs", content=b"{" + b" " * 100_000 + b"}", headers={"Content-Type": "application/json"})
-        assert (big.status_code, big.json()["error"]) == (413, "the request body is over 64 KiB, the most this "
-                                                               "factory takes")
-        assert api.post("/api/jobs", content=b"{not json", headers={"Content-Type": "application/json"}
-                        ).status_code == 422
+        assert (big.status_code, big.json()["error"]) == (
+            413,
+            "the request body is over 64 KiB, the most this factory takes",
+        )
+        assert (
+            api.post("/api/jobs", content=b"{not json", headers={"Content-Type": "application/json"}).status_code == 422
+        )
         extra = api.post("/api/jobs", json={"source": "org/model", "surprise": 1})
         assert extra.status_code == 422 and "surprise" in extra.json()["error"]
         assert api.get("/api/jobs", params={"limit": 0}).status_code == 422
@@ -254,13 +313,20 @@ def test_the_api_tells_a_user_nothing_of_the_server(finished, tmp_path):
     """One answer for a source that is not allowed and one that is not there; no server path outside the served
     folders, no database or broker address, to anyone but the admin; eval_windows of 3e9 is one sentence."""
     qf_finished, _ = finished
-    env = {**os.environ, "FACTORY_HOME": str(qf_finished.home), "FACTORY_DB_URL": qf_finished.db_url,
-           "FACTORY_BROKER_URL": BROKER, "FACTORY_SERVE_SOURCES": str(tmp_path / "models")}
+    env = {
+        **os.environ,
+        "FACTORY_HOME": str(qf_finished.home),
+        "FACTORY_DB_URL": qf_finished.db_url,
+        "FACTORY_BROKER_URL": BROKER,
+        "FACTORY_SERVE_SOURCES": str(tmp_path / "models"),
+    }
     (tmp_path / "models").mkdir()
     server = Server(env, tmp_path / "server.log")
     try:
-        user, admin = (httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {server.token(name, *a)}"},
-                                    timeout=60) for name, *a in (("mallory",), ("root", "--scope", "admin")))
+        user, admin = (
+            httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {server.token(name, *a)}"}, timeout=60)
+            for name, *a in (("mallory",), ("root", "--scope", "admin"))
+        )
 
         def answer(source: str) -> tuple[int, str]:
             got = user.post("/api/jobs", json={"source": source, "flags": {"awq": True}})
@@ -271,8 +337,9 @@ def test_the_api_tells_a_user_nothing_of_the_server(finished, tmp_path):
         assert len(set(there + not_there)) == 1 and there[0][0] == 403, there + not_there
         # Hub-shaped, and a path where `qf serve` was started (this repository) or not: the Hub is asked for both
         assert answer("factory/cli.py") == answer("factory/nothing.py"), answer("factory/cli.py")
-        windows = user.post("/api/jobs", json={"source": "org/model", "flags": {"awq": True},
-                                               "eval_windows": 3_000_000_000})
+        windows = user.post(
+            "/api/jobs", json={"source": "org/model", "flags": {"awq": True}, "eval_windows": 3_000_000_000}
+        )
         assert windows.status_code == 422 and windows.json()["exit_code"] == 2, windows.text
         assert "eval_windows: must be between 1 and 100000" in windows.json()["error"]
         home = str(qf_finished.home)
@@ -287,11 +354,17 @@ def test_the_api_tells_a_user_nothing_of_the_server(finished, tmp_path):
     try:
         token = unreachable.token("mallory")
         (tmp_path / "models" / "tiny").mkdir()
-        down = httpx.post(unreachable.url + "/api/jobs", json={"source": str(tmp_path / "models" / "tiny")},
-                          headers={"Authorization": f"Bearer {token}"}, timeout=60)
+        down = httpx.post(
+            unreachable.url + "/api/jobs",
+            json={"source": str(tmp_path / "models" / "tiny")},
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=60,
+        )
         assert down.status_code == 503 and down.json() == {
             "error": "the factory's service cannot reach a service it needs (its catalog, broker or the Hub) now; try "
-                     "again later (its log says which)", "exit_code": 5}
+            "again later (its log says which)",
+            "exit_code": 5,
+        }
         assert "redis://:***@127.0.0.1:1/0 cannot be reached" in (tmp_path / "down.log").read_text()
     finally:
         unreachable.stop()
@@ -327,8 +400,12 @@ class SlowProxy:
 
 def test_a_pull_killed_half_way_resumes_and_a_corrupt_one_is_refused(finished, tmp_path):
     qf_finished, _ = finished
-    env = {**os.environ, "FACTORY_HOME": str(qf_finished.home), "FACTORY_DB_URL": qf_finished.db_url,
-           "FACTORY_BROKER_URL": BROKER}
+    env = {
+        **os.environ,
+        "FACTORY_HOME": str(qf_finished.home),
+        "FACTORY_DB_URL": qf_finished.db_url,
+        "FACTORY_BROKER_URL": BROKER,
+    }
     server = Server(env, tmp_path / "server.log")
     try:
         user = user_env(server, server.token("paul", "--scope", "read,pull"), tmp_path / "paul")
@@ -337,8 +414,13 @@ def test_a_pull_killed_half_way_resumes_and_a_corrupt_one_is_refused(finished, t
         biggest = max((p for p in registry.iterdir() if p.name != "manifest.json"), key=lambda p: p.stat().st_size)
         partial = tmp_path / f".qf-pull-out-{row['rev']}" / biggest.name
         slow = {**user, "FACTORY_SERVER": SlowProxy(server.port).url}
-        pull = subprocess.Popen([sys.executable, "-m", "factory.cli", "pull", row["name"], "-o", tmp_path / "out"],
-                                env=slow, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        pull = subprocess.Popen(
+            [sys.executable, "-m", "factory.cli", "pull", row["name"], "-o", tmp_path / "out"],
+            env=slow,
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + 60
         while not (partial.exists() and partial.stat().st_size > biggest.stat().st_size // 4):
             assert pull.poll() is None and time.monotonic() < deadline, "the pull ended before it could be killed"
@@ -355,9 +437,12 @@ def test_a_pull_killed_half_way_resumes_and_a_corrupt_one_is_refused(finished, t
         staging.mkdir()
         (staging / biggest.name).write_bytes(b"\0" * (biggest.stat().st_size // 2))  # a partial download gone wrong
         refused = qf(user, "pull", row["name"], "-o", tmp_path / "bad")
-        assert (refused.returncode, refused.stderr) == (1, f"error: {biggest.name} of {row['name']}@{row['rev']} "
-                                                           f"from the factory's service at {server.url} does not "
-                                                           "match its sha256 in the manifest; pull again\n")
+        assert (refused.returncode, refused.stderr) == (
+            1,
+            f"error: {biggest.name} of {row['name']}@{row['rev']} "
+            f"from the factory's service at {server.url} does not "
+            "match its sha256 in the manifest; pull again\n",
+        )
         assert not (tmp_path / "bad").exists() and not (staging / biggest.name).exists()
         assert qf(user, "pull", row["name"], "-o", tmp_path / "bad").returncode == 0
     finally:
@@ -371,10 +456,20 @@ DOCS = ROOT / "docs"
 def _browse(url: str, screenshot: Path | None = None, wait_ms: int = 0) -> str:
     """The page's DOM after Chromium rendered it (and, where asked, a screenshot of it); `wait_ms` of (virtual)
     time for a page's scripts to finish first. No network but this machine's (Chromium's own is switched off)."""
-    flags = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--window-size=1280,900",
-             "--disable-background-networking", "--disable-component-update", "--disable-sync", "--no-first-run",
-             *([f"--virtual-time-budget={wait_ms}"] if wait_ms else []),
-             f"--user-data-dir={Path(os.environ.get('TMPDIR', '/tmp')) / 'qf-chromium'}"]
+    flags = [
+        CHROMIUM,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--hide-scrollbars",
+        "--window-size=1280,900",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+        *([f"--virtual-time-budget={wait_ms}"] if wait_ms else []),
+        f"--user-data-dir={Path(os.environ.get('TMPDIR', '/tmp')) / 'qf-chromium'}",
+    ]
     if screenshot is not None:
         subprocess.run([*flags, f"--screenshot={screenshot}", url], capture_output=True, timeout=120, check=True)
     return subprocess.run([*flags, "--dump-dom", url], capture_output=True, text=True, timeout=120, check=True).stdout
@@ -384,11 +479,15 @@ def _browse(url: str, screenshot: Path | None = None, wait_ms: int = 0) -> str:
 def test_the_dashboard_in_a_browser(finished, tmp_path):
     assert CHROMIUM, "QF_REQUIRE_BROWSER is set and chromium is not installed"
     qf_finished, _ = finished
-    env = {**os.environ, "FACTORY_HOME": str(qf_finished.home), "FACTORY_DB_URL": qf_finished.db_url,
-           "FACTORY_BROKER_URL": BROKER}
+    env = {
+        **os.environ,
+        "FACTORY_HOME": str(qf_finished.home),
+        "FACTORY_DB_URL": qf_finished.db_url,
+        "FACTORY_BROKER_URL": BROKER,
+    }
     private = Server(env, tmp_path / "private.log")
     try:
-        assert "<form method=\"post\" action=\"/login\">" in httpx.get(private.url + "/", follow_redirects=True).text
+        assert '<form method="post" action="/login">' in httpx.get(private.url + "/", follow_redirects=True).text
     finally:
         private.stop()
     server = Server(env, tmp_path / "server.log", "--public")
@@ -397,9 +496,9 @@ def test_the_dashboard_in_a_browser(finished, tmp_path):
         [row] = json.loads(qf({**env, "FACTORY_SERVER": server.url}, "ls", "--json", check=True).stdout)
         index = _browse(server.url + "/", shots / "dashboard.png")
         assert f'data-job="{row["job"]}"' in index and 'class="state-succeeded">succeeded<' in index
-        assert f'data-quant="{row["name"]}"' in index and f'{row["ppl"]:.3f}' in index
+        assert f'data-quant="{row["name"]}"' in index and f"{row['ppl']:.3f}" in index
         model = _browse(server.url + "/models/tiny", shots / "dashboard-model.png")
-        assert f'{row["ppl"]:.3f}' in model and f'{row["kld"]:.4f}' in model
+        assert f"{row['ppl']:.3f}" in model and f"{row['kld']:.4f}" in model
         assert 'src="/models/tiny/ppl.png"' in model and 'src="/models/tiny/kld.png"' in model
         for plot in ("ppl", "kld"):
             png = httpx.get(f"{server.url}/models/tiny/{plot}.png")
@@ -425,11 +524,15 @@ def test_the_watchlist_through_the_service_is_for_admins(server, tmp_path):
     [row] = json.loads(qf(admin, "watch", "ls", "--json", check=True).stdout)
     assert (row["target"], list(row["recipe"]), row["filter"]) == ("Qwen/*-Instruct", ["awq"], {"max_params": 2e9})
     refused = qf(alice, "watch", "ls")
-    assert (refused.returncode, refused.stderr) == (5, "error: this token of alice lacks the 'admin' scope; ask the "
-                                                       "factory's admin for a token that has it\n")
+    assert (refused.returncode, refused.stderr) == (
+        5,
+        "error: this token of alice lacks the 'admin' scope; ask the factory's admin for a token that has it\n",
+    )
     bad = qf(admin, "watch", "add", "not-a-repo", "--awq")
     assert bad.returncode == 2 and "not-a-repo" in bad.stderr
     assert qf(admin, "watch", "rm", "Qwen/*-Instruct").returncode == 0
     gone = qf(admin, "watch", "rm", "Qwen/*-Instruct")
-    assert (gone.returncode, gone.stderr) == (4, "error: 'Qwen/*-Instruct' is not on the watchlist; `qf watch ls` "
-                                                 "shows it\n")
+    assert (gone.returncode, gone.stderr) == (
+        4,
+        "error: 'Qwen/*-Instruct' is not on the watchlist; `qf watch ls` shows it\n",
+    )

@@ -24,8 +24,15 @@ from tests.test_service import RACER, Server, factory_env, qf, server, user_env 
 def _race(server: Server, token: str, model: str, n: int) -> list[tuple[int, str]]:
     """`n` processes, each with a different job, submit at the same instant: their (status, id or error)."""
     start = time.time() + 4
-    racers = [subprocess.Popen([sys.executable, "-c", RACER, server.url, token, str(w), str(start), model],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for w in range(1, n + 1)]
+    racers = [
+        subprocess.Popen(
+            [sys.executable, "-c", RACER, server.url, token, str(w), str(start), model],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for w in range(1, n + 1)
+    ]
     answers = [r.communicate(timeout=120) for r in racers]
     assert all(r.returncode == 0 for r in racers), answers
     return [(int(out.split()[0]), out.split(" ", 1)[1].strip()) for out, _ in answers]
@@ -36,8 +43,11 @@ def test_max_running_holds_when_16_submissions_race(server, factory_env, tmp_pat
     token = server.token("frank", "--max-running", "2")
     answers = _race(server, token, model, 16)
     assert sorted(code for code, _ in answers) == [201] * 2 + [429] * 14, answers
-    assert all(said.startswith("frank has 2 jobs queued or running, at most 2 are allowed at once")
-               for code, said in answers if code == 429), answers
+    assert all(
+        said.startswith("frank has 2 jobs queued or running, at most 2 are allowed at once")
+        for code, said in answers
+        if code == 429
+    ), answers
     frank = user_env(server, token, tmp_path / "frank")
     jobs = json.loads(qf(frank, "status", "--json", check=True).stdout)
     assert sorted(j["id"] for j in jobs) == sorted(said for code, said in answers if code == 201)
@@ -59,8 +69,15 @@ print(answer.status_code, answer.text)
 def _at_once(server: Server, calls: list[tuple[str, str]]) -> list[tuple[int, dict]]:
     """POST each (token, path) from its own process at the same instant: their (status, body)."""
     start = time.time() + 3
-    procs = [subprocess.Popen([sys.executable, "-c", POST, server.url, token, path, str(start)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for token, path in calls]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", POST, server.url, token, path, str(start)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for token, path in calls
+    ]
     answers = [p.communicate(timeout=120) for p in procs]
     assert all(p.returncode == 0 for p in procs), answers
     return [(int(out.split(" ", 1)[0]), json.loads(out.split(" ", 1)[1])) for out, _ in answers]
@@ -78,8 +95,9 @@ def test_another_user_who_submits_the_same_job_cannot_cancel_it_for_its_owner(se
 
     cancelled = qf(bob, "cancel", job_id)
     assert cancelled.returncode == 0, cancelled.stderr
-    assert cancelled.stderr.strip() == (f"job {job_id}: withdrawn; it goes on (queued) for 1 other user(s) who "
-                                        "submitted it too")
+    assert cancelled.stderr.strip() == (
+        f"job {job_id}: withdrawn; it goes on (queued) for 1 other user(s) who submitted it too"
+    )
     assert json.loads(qf(alice, "status", job_id, "--json", check=True).stdout)["state"] == "queued"
     assert qf(alice, "cancel", job_id, check=True).stderr.strip() == f"job {job_id}: cancelled"
 
@@ -88,8 +106,9 @@ def test_another_user_who_submits_the_same_job_cannot_cancel_it_for_its_owner(se
     assert json.loads(qf(bob, "status", job_id, "--json", check=True).stdout)["state"] == "queued"
     assert qf(alice, "submit", model, "--awq", "--eval-windows", 1, check=True).stdout.strip() == job_id
     for _ in range(3):  # both owners cancel at one instant: the last withdrawal, whichever it is, cancels the job
-        answers = _at_once(server, [(alice_token, f"/api/jobs/{job_id}/cancel"),
-                                    (bob_token, f"/api/jobs/{job_id}/cancel")])
+        answers = _at_once(
+            server, [(alice_token, f"/api/jobs/{job_id}/cancel"), (bob_token, f"/api/jobs/{job_id}/cancel")]
+        )
         assert [code for code, _ in answers] == [200, 200], answers
         assert sorted(body["others"] for _, body in answers) == [0, 1], answers
         assert json.loads(qf(alice, "status", job_id, "--json").stdout)["state"] == "cancelled"
@@ -102,8 +121,9 @@ def test_another_user_who_submits_the_same_job_cannot_cancel_it_for_its_owner(se
 
 
 def _pending_places(db_url: str, home: str) -> int:
-    engine = create_engine((db_url or f"sqlite:///{home}/catalog.db").replace("postgresql://",
-                                                                            "postgresql+psycopg2://", 1))
+    engine = create_engine(
+        (db_url or f"sqlite:///{home}/catalog.db").replace("postgresql://", "postgresql+psycopg2://", 1)
+    )
     try:
         with engine.connect() as conn:
             return conn.execute(text("SELECT count(*) FROM submissions WHERE job_id IS NULL")).scalar()
@@ -125,8 +145,13 @@ def test_a_place_held_by_a_server_killed_mid_submission_is_let_go(factory_env, t
     server = Server(env, tmp_path / "server.log", "--workers", "1")
     token = server.token("dora", "--max-running", "1")
     dora = user_env(server, token, tmp_path / "dora")
-    submitting = subprocess.Popen([sys.executable, "-m", "factory.cli", "submit", str(slow), "--awq"], env=dora,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    submitting = subprocess.Popen(
+        [sys.executable, "-m", "factory.cli", "submit", str(slow), "--awq"],
+        env=dora,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 60
     while _pending_places(env["FACTORY_DB_URL"], env["FACTORY_HOME"]) == 0:
         assert submitting.poll() is None and time.monotonic() < deadline, submitting.communicate()
@@ -153,8 +178,9 @@ class Follower:
     """One open `GET /api/jobs/J/events` stream, read in a thread until it is closed."""
 
     def __init__(self, url: str, token: str, job_id: str):
-        self.http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"},
-                                 timeout=httpx.Timeout(30, read=None))
+        self.http = httpx.Client(
+            base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=httpx.Timeout(30, read=None)
+        )
         self.response = self.http.send(self.http.build_request("GET", f"/api/jobs/{job_id}/events"), stream=True)
         self.status = self.response.status_code
         if self.status == 200:
@@ -194,14 +220,19 @@ def _followers_bounded(server: Server, factory_env: dict, tmp_path: Path) -> Non
     ninth = Follower(server.url, tokens[0], job_id)
     assert [f.status for f in followers] == [200] * 8 and ninth.status == 429
     ninth.response.read()
-    assert ninth.response.json() == {"error": "user0 follows 8 jobs at once on this server, the most it allows; "
-                                              "stop one (Ctrl-C its `qf status --follow`) and follow again",
-                                     "exit_code": 5}
+    assert ninth.response.json() == {
+        "error": "user0 follows 8 jobs at once on this server, the most it allows; "
+        "stop one (Ctrl-C its `qf status --follow`) and follow again",
+        "exit_code": 5,
+    }
     followers += [Follower(server.url, token, job_id) for token in tokens[1:8] for _ in range(8)]
     assert [f.status for f in followers] == [200] * 64
     refused = Follower(server.url, tokens[8], job_id)
-    assert refused.status == 429 and refused.response.read() and refused.response.json()["error"].startswith(
-        "this server has 64 followers, the most it allows")
+    assert (
+        refused.status == 429
+        and refused.response.read()
+        and refused.response.json()["error"].startswith("this server has 64 followers, the most it allows")
+    )
     broker = redis.Redis.from_url(BROKER)
     channel = f"quantfactory:events:{job_id}"
     assert broker.pubsub_numsub(channel) == [(channel.encode(), 64)]

@@ -75,8 +75,9 @@ def test_the_pulled_quant_applies_the_chat_template_as_the_source_does(smollm2, 
     messages = [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Capital of France?"}]
 
     def prompt(folder):
-        return AutoTokenizer.from_pretrained(folder).apply_chat_template(messages, tokenize=False,
-                                                                         add_generation_prompt=True)
+        return AutoTokenizer.from_pretrained(folder).apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
 
     assert prompt(tmp_path / "pulled") == prompt(smollm2)
     assert "<|im_start|>user\nCapital of France?<|im_end|>" in prompt(smollm2)

@@ -13,14 +13,34 @@ def test_plain_sql_reads_what_the_catalog_wrote(finished):
     job = Catalog(url).job(events[-1]["job"])
     (row,) = status.job_rows(url, job_id=job.id)
     assert row == {
-        "id": job.id, "name": job.name, "state": "succeeded", "error": None, "exit_code": job.exit_code,
-        "source": job.source, "source_identity": job.source_identity, "specs": job.specs, "device": job.device,
+        "id": job.id,
+        "name": job.name,
+        "state": "succeeded",
+        "error": None,
+        "exit_code": job.exit_code,
+        "source": job.source,
+        "source_identity": job.source_identity,
+        "specs": job.specs,
+        "device": job.device,
         "created_at": job.created_at.isoformat(timespec="seconds"),
-        "steps": [{"name": s.name, "state": s.state, "started_at": s.started_at.isoformat(), "seconds": s.seconds,
-                   "expected_seconds": s.expected_seconds, "error": s.error, "peak_gpu_bytes": s.peak_gpu_bytes,
-                   "holder": s.holder, "note": s.note} for s in job.steps],
-        "holder": None, "attempts": 1,  # `qf run` held it once and released it
-        "expected_end": None, "eta_seconds": None,  # only while it runs
+        "steps": [
+            {
+                "name": s.name,
+                "state": s.state,
+                "started_at": s.started_at.isoformat(),
+                "seconds": s.seconds,
+                "expected_seconds": s.expected_seconds,
+                "error": s.error,
+                "peak_gpu_bytes": s.peak_gpu_bytes,
+                "holder": s.holder,
+                "note": s.note,
+            }
+            for s in job.steps
+        ],
+        "holder": None,
+        "attempts": 1,  # `qf run` held it once and released it
+        "expected_end": None,
+        "eta_seconds": None,  # only while it runs
         "waiting": None,  # only for a queued job that no worker takes (tests/test_fleet_cpu.py)
     }
     assert [s["name"] for s in row["steps"]][:2] == ["inspect", "quantize:awq-w4g128"]

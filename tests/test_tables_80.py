@@ -28,8 +28,14 @@ TARGET = "HuggingFaceTB/SmolLM2-135M-Instruct-with-a-long-repository-name"
 
 def qf(home: Path, *args: object, columns: int = 80, check: bool = True) -> subprocess.CompletedProcess:
     env = {**os.environ, "FACTORY_HOME": str(home), "FACTORY_DB_URL": "", "COLUMNS": str(columns)}
-    result = subprocess.run([sys.executable, "-m", "factory.cli", *map(str, args)], env=env, cwd=ROOT,
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "factory.cli", *map(str, args)],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     if check:
         assert result.returncode == 0, result.stderr
     return result
@@ -118,8 +124,18 @@ def test_jobs_table_names_what_it_hides(home):
 def test_watch_ls_keeps_the_target_whole(home, tmp_path):
     watched = tmp_path / "home"
     shutil.copytree(home, watched)
-    qf(watched, "watch", "add", TARGET, "--exl2", "3.0,4.0,5.0,6.0", "--arch", "LlamaForCausalLM",
-       "--max-params", "8e9")
+    qf(
+        watched,
+        "watch",
+        "add",
+        TARGET,
+        "--exl2",
+        "3.0,4.0,5.0,6.0",
+        "--arch",
+        "LlamaForCausalLM",
+        "--max-params",
+        "8e9",
+    )
     shown = qf(watched, "watch", "ls")
     plain(shown.stdout)
     out = lines(shown.stdout)
@@ -162,8 +178,10 @@ def screen_lines(text: str, width: int = 80) -> int:
 
 def test_plan_leaves_out_an_engine_that_refuses_the_model(tiny576, tmp_path):
     plans = json.loads(qf(tmp_path, "plan", tiny576, "--vram", "24GB", "--json").stdout)
-    reason = ("EXL3 cannot convert a model whose hidden size (576) is not a multiple of 128: exllamav3 pads it and its "
-              "MLP does not crop the padding back")
+    reason = (
+        "EXL3 cannot convert a model whose hidden size (576) is not a multiple of 128: exllamav3 pads it and its "
+        "MLP does not crop the padding back"
+    )
     assert plans["exl3"] == {"refused": reason}
     assert plans["exl2"]["best_bpw"] == 8.0 and set(plans["awq"]) >= {"fp16", "fp8"}
     shown = qf(tmp_path, "plan", tiny576, "--vram", "24GB")
@@ -204,8 +222,11 @@ def test_progress_reads_layer_3_of_30(monkeypatch, capsys):
         render({"event": "step", "step": "quantize:awq-w4g64", "state": "running"})
         render({"event": "progress", "step": "quantize:awq-w4g64", "done": 3, "total": 30, "unit": "layer"})
         render({"event": "progress", "step": "quantize:awq-w4g64", "done": 37.5, "total": 100, "unit": "%"})
-    assert capsys.readouterr().err.splitlines() == ["quantize:awq-w4g64 ...", "quantize:awq-w4g64: layer 3 of 30",
-                                                    "quantize:awq-w4g64: 37.5%"]
+    assert capsys.readouterr().err.splitlines() == [
+        "quantize:awq-w4g64 ...",
+        "quantize:awq-w4g64: layer 3 of 30",
+        "quantize:awq-w4g64: 37.5%",
+    ]
     screen = io.StringIO()
     monkeypatch.setattr(cli, "err", Console(file=screen, force_terminal=True, width=100, color_system=None))
     with cli.Renderer(as_json=False) as render:
@@ -220,18 +241,31 @@ def test_divergence_line_never_says_minus_zero(monkeypatch, capsys):
 
     monkeypatch.setattr(cli, "err", Console(stderr=True, soft_wrap=True, force_terminal=False))
     with cli.Renderer(as_json=False) as render:
-        render({"event": "evaluation", "subject": "awq-w4g64", "ppl": 12.5, "kld": KLD_BELOW_ZERO, "kld_p99": -1e-4,
-                "top1": 0.99})
-    assert capsys.readouterr().err.strip() == ("perplexity awq-w4g64: 12.5000, KL divergence from FP16 0.0000 (p99 "
-                                               "0.000), top-1 99.0%")
+        render(
+            {
+                "event": "evaluation",
+                "subject": "awq-w4g64",
+                "ppl": 12.5,
+                "kld": KLD_BELOW_ZERO,
+                "kld_p99": -1e-4,
+                "top1": 0.99,
+            }
+        )
+    assert capsys.readouterr().err.strip() == (
+        "perplexity awq-w4g64: 12.5000, KL divergence from FP16 0.0000 (p99 0.000), top-1 99.0%"
+    )
 
 
 def test_the_cards_table_never_says_minus_zero(tmp_path):
     from factory.publish import card, upstream
     from tests.quant_rows import quant_row
 
-    row = quant_row("llama:awq-w4g64", kld=KLD_BELOW_ZERO, top1=0.99,
-                    eval={"text": "builtin:wiki", "windows": 8, "window_length": 2048, "device": "cpu"})
+    row = quant_row(
+        "llama:awq-w4g64",
+        kld=KLD_BELOW_ZERO,
+        top1=0.99,
+        eval={"text": "builtin:wiki", "windows": 8, "window_length": 2048, "device": "cpu"},
+    )
     text = card.render("llama", upstream.read("meta-llama/Llama-3.2-1B", None, tmp_path), row, [row])
     assert "-0.0000" not in text and "| 0.0000 |" in text
 
@@ -240,4 +274,10 @@ def test_a_duration_under_a_second_never_reads_zero():
     from factory.tables import duration
 
     assert [duration(s) for s in (0.0, 0.3, 0.6, 12.4, 240, 7200)] == [
-        "under 1 s", "under 1 s", "1 s", "12 s", "4 min", "2.0 h"]
+        "under 1 s",
+        "under 1 s",
+        "1 s",
+        "12 s",
+        "4 min",
+        "2.0 h",
+    ]

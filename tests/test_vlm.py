@@ -88,7 +88,8 @@ def test_engines_that_do_not_convert_it_refuse_before_any_job(qf, vlms):
     result = qf("run", vlms["gemma3"], "--awq")  # EXL2's and EXL3's refusals: `qf plan` below (they need CUDA here)
     assert result.exit_code == 3, result.output
     assert result.output.strip().splitlines()[-1] == (
-        "error: AWQ does not convert the vision-language Gemma3ForConditionalGeneration; it converts text models only")
+        "error: AWQ does not convert the vision-language Gemma3ForConditionalGeneration; it converts text models only"
+    )
     assert qf.json("jobs") == []
 
 
@@ -98,13 +99,17 @@ def test_plan_sizes_the_language_model_and_the_vision_tower_apart(qf, vlms):
     assert plans["awqct"]["fp16"]["vision"] == 2 * info.vision.params  # kept at 16 bits
     assert plans["awqct"]["fp16"]["weights"] < 2 * 800_000  # the language model at 4 bits (and its fp16 embeddings)
     for name, label in (("awq", "AWQ"), ("exl2", "EXL2"), ("exl3", "EXL3")):
-        assert plans[name] == {"refused": f"{label} does not convert the vision-language "
-                                          "Qwen2_5_VLForConditionalGeneration; it converts text models only"}
+        assert plans[name] == {
+            "refused": f"{label} does not convert the vision-language "
+            "Qwen2_5_VLForConditionalGeneration; it converts text models only"
+        }
     shown = qf("plan", vlms["qwen2_5_vl"], "--vram", "24GB").stdout.splitlines()
     assert shown[0] == info.parts()
     assert shown[1].startswith("AWQ-CT w4 with vLLM, fp16 KV cache (estimate): needs about ")
-    assert f", vision tower and projector {human(2 * info.vision.params)} (16-bit), KV cache 2 MiB for 4096 tokens" \
+    assert (
+        f", vision tower and projector {human(2 * info.vision.params)} (16-bit), KV cache 2 MiB for 4096 tokens"
         in shown[1]
+    )
 
 
 # transformers as AWQ-CT's packages have it (5.17), as a user of the quant would: the processor and the model from
@@ -144,18 +149,26 @@ def test_gemma3_keeps_its_vision_tower_publishes_its_processor_and_the_quant_tak
     assert vision and all(torch.equal(quant[f"model.{k}"], fp16[k]) for k in vision)
     assert "model.language_model.layers.0.mlp.up_proj.weight_packed" in quant  # the language model, 4-bit
     qc = json.loads((pulled / "config.json").read_text())["quantization_config"]
-    assert qc["ignore"][-2:] == [r"re:(.*\.)?lm_head$",
-                                 r"re:(.*\.)?(vision_tower|visual|vision_model|multi_modal_projector|mm_projector)\..*"]
+    assert qc["ignore"][-2:] == [
+        r"re:(.*\.)?lm_head$",
+        r"re:(.*\.)?(vision_tower|visual|vision_model|multi_modal_projector|mm_projector)\..*",
+    ]
 
     card = (pulled / "README.md").read_text()
     assert "pipeline_tag: image-text-to-text" in card
-    assert "its vision tower (`siglip_vision_model`) and the projector into its language model are kept at 16 bits" \
-        in card
+    assert (
+        "its vision tower (`siglip_vision_model`) and the projector into its language model are kept at 16 bits" in card
+    )
     assert "a system message and a user message with an image become:" in card
     assert "<start_of_turn>user\n<start_of_image>What is in this picture?<end_of_turn>" in card
 
-    done = subprocess.run([sys.executable, "-c", WITH_AN_IMAGE, str(pulled)], env={**os.environ, **env.child_path()},
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", WITH_AN_IMAGE, str(pulled)],
+        env={**os.environ, **env.child_path()},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     version, prompt, generated = done.stdout.split()[-3:]
     assert version == "5.17.0" and int(generated) == int(prompt) + 1
@@ -169,7 +182,8 @@ def test_the_watchlist_plans_a_vision_language_release_for_awq_ct_and_says_why_a
     supported = {e.name: set(e.architectures) for e in engines.all_engines()}
     assert {p.watch: p.skipped for p in schedule.plan(watches, release, set(), supported)} == {
         "google/gemma-3-4b-it": "architecture Gemma3ForConditionalGeneration is not supported by awq",
-        "google/*": None}
+        "google/*": None,
+    }
 
 
 def test_plan_of_a_vision_language_repo_on_the_hub(qf, hub, vlms):

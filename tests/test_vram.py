@@ -58,8 +58,9 @@ def test_exl3_weights_before_a_quant_exists_match_the_real_quants():
 
 
 def test_exl3_plan_and_its_refusals():
-    shape = exl3_memory.Shape(hidden=2048, layers=16, heads=32, kv_heads=8, head_dim=64, intermediate=8192,
-                              vocab=32000, max_positions=32768)
+    shape = exl3_memory.Shape(
+        hidden=2048, layers=16, heads=32, kv_heads=8, head_dim=64, intermediate=8192, vocab=32000, max_positions=32768
+    )
     params = exl3_memory.dense_params(shape)
     small = exl3_memory.plan(shape, params, int(2.25 * 2**30), 32768, "q4")["best_bpw"]
     assert 1.0 <= small < exl3_memory.plan(shape, params, int(2.5 * 2**30), 32768, "q4")["best_bpw"] < 8.0
@@ -101,16 +102,25 @@ def test_weights_before_a_quant_exists_match_the_real_quants():
 
 
 def test_cache_sizes():
-    shape = vram.Shape(hidden=576, layers=30, heads=9, kv_heads=3, head_dim=64, intermediate=1536, vocab=49152,
-                       max_positions=8192)
+    shape = vram.Shape(
+        hidden=576, layers=30, heads=9, kv_heads=3, head_dim=64, intermediate=1536, vocab=49152, max_positions=8192
+    )
     assert vram.cache_bytes(shape, 2048, "fp16") == 30 * 2 * 2048 * 192 * 2
     q4 = vram.cache_bytes(shape, 2048, "q4")
     assert q4 == 30 * 2 * 2048 * 192 // 2 + 30 * 2 * (2048 * 192 // 32) * 2 + 2 * 2048 * 192 * 2
     assert vram.cache_bytes(shape, 2048, "q8") > q4 and vram.cache_bytes(shape, 8192, "q4") == 4 * q4
 
 
-@pytest.mark.parametrize(("text", "size"), [("24GB", 24 * 2**30), ("24 GiB", 24 * 2**30), ("16g", 16 * 2**30),
-                                            ("12288MB", 12 * 2**30), ("1.5GB", int(1.5 * 2**30))])
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [
+        ("24GB", 24 * 2**30),
+        ("24 GiB", 24 * 2**30),
+        ("16g", 16 * 2**30),
+        ("12288MB", 12 * 2**30),
+        ("1.5GB", int(1.5 * 2**30)),
+    ],
+)
 def test_sizes(text, size):
     assert vram.parse_size(text) == size
 
@@ -143,15 +153,19 @@ def test_plan_on_the_cli(qf, tiny):
     assert "converting with EXL2 on a GPU: the measurement about 60 s (estimate), then each size about" in table.stdout
     lines = table.stdout.splitlines()
     assert lines.index(next(x for x in lines if "highest EXL3 bpw" in x)) < lines.index(
-        next(x for x in lines if x.startswith("AWQ w4 with vLLM, fp16")))
+        next(x for x in lines if x.startswith("AWQ w4 with vLLM, fp16"))
+    )
 
 
-@pytest.mark.parametrize(("args", "sentence"), [
-    (["--vram", "700MB"], "even 2.0 bpw needs"),
-    (["--vram", "24GB", "--ctx", "99999"], "a context of 99999 tokens is more than the model's 4096 positions"),
-    (["--vram", "24 parsecs"], "is not a number with a unit"),
-    (["--vram", "24GB", "--kv-cache", "q3"], "KV cache 'q3' is not one of fp16, q8, q6, q4"),
-])
+@pytest.mark.parametrize(
+    ("args", "sentence"),
+    [
+        (["--vram", "700MB"], "even 2.0 bpw needs"),
+        (["--vram", "24GB", "--ctx", "99999"], "a context of 99999 tokens is more than the model's 4096 positions"),
+        (["--vram", "24 parsecs"], "is not a number with a unit"),
+        (["--vram", "24GB", "--kv-cache", "q3"], "KV cache 'q3' is not one of fp16, q8, q6, q4"),
+    ],
+)
 def test_plan_refusals(qf, tiny, args, sentence):
     result = qf("plan", tiny, *args)
     assert result.exit_code == 2, result.output
@@ -159,10 +173,12 @@ def test_plan_refusals(qf, tiny, args, sentence):
 
 
 def test_too_small_says_by_how_much():
-    shape = vram.Shape(hidden=2048, layers=16, heads=32, kv_heads=8, head_dim=64, intermediate=8192, vocab=32000,
-                       max_positions=32768)
-    params = vram.Params(embed=32000 * 2048, head=32000 * 2048, linear=16 * (2048 * 2048 * 2 + 2048 * 512 * 2
-                                                                              + 3 * 2048 * 8192), other=0)
+    shape = vram.Shape(
+        hidden=2048, layers=16, heads=32, kv_heads=8, head_dim=64, intermediate=8192, vocab=32000, max_positions=32768
+    )
+    params = vram.Params(
+        embed=32000 * 2048, head=32000 * 2048, linear=16 * (2048 * 2048 * 2 + 2048 * 512 * 2 + 3 * 2048 * 8192), other=0
+    )
     with pytest.raises(SpecError, match=r"even 2.0 bpw needs .* more than 2.00 GiB minus 512 MiB of headroom"):
         vram.plan(shape, params, 2 * 2**30, 32768, "fp16")
     one = vram.plan(shape, params, int(3.5 * 2**30), 32768, "q4")["best_bpw"]
@@ -181,8 +197,10 @@ def test_fit_chooses_the_sizes_and_records_the_budget(qf, tiny, monkeypatch):
     result = qf("submit", tiny, "--fit", "2GB,1500MB", "--ctx", 2048, "--kv-cache", "q4")
     assert result.exit_code == 0, result.output
     job = qf.json("status", result.stdout.strip())
-    plans = {b: qf.json("plan", tiny, "--vram", b, "--ctx", 2048, "--kv-cache", "q4")["exl2"]["best_bpw"]
-             for b in ("2GB", "1500MB")}
+    plans = {
+        b: qf.json("plan", tiny, "--vram", b, "--ctx", 2048, "--kv-cache", "q4")["exl2"]["best_bpw"]
+        for b in ("2GB", "1500MB")
+    }
     assert plans == {"2GB": 8.0, "1500MB": 8.0}  # the tiny model's weights are nothing: both budgets take 8.0
     assert [(s["bpw"], s["fit"]) for s in job["specs"]] == [(8.0, {"vram": 1500 * 2**20, "ctx": 2048, "cache": "q4"})]
     assert "--fit 1500MB: EXL2 8.00 bpw for 2048 tokens with a q4 cache" in result.stderr
@@ -201,10 +219,14 @@ def _exl2_shaped(folder: Path) -> dict:
     folder.mkdir(parents=True)
     (folder / "config.json").write_text(json.dumps(quant["config"]))
     sizes = quant["tensor_bytes"]
-    save_file({"model.embed_tokens.weight": torch.zeros(sizes["embed"] // 2, dtype=torch.float16),
-               "lm_head.q_weight": torch.zeros(sizes["head"] // 2, dtype=torch.int16),
-               "model.layers.0.mlp.q_weight": torch.zeros(sizes["layers"] // 2, dtype=torch.int16)},
-              str(folder / "output.safetensors"))
+    save_file(
+        {
+            "model.embed_tokens.weight": torch.zeros(sizes["embed"] // 2, dtype=torch.float16),
+            "lm_head.q_weight": torch.zeros(sizes["head"] // 2, dtype=torch.int16),
+            "model.layers.0.mlp.q_weight": torch.zeros(sizes["layers"] // 2, dtype=torch.int16),
+        },
+        str(folder / "output.safetensors"),
+    )
     return sizes
 
 
@@ -217,8 +239,12 @@ def test_fits_table_of_a_finished_quant_and_its_card(tmp_path):
     fits = vram.quant_fits(folder)
     assert [f["budget"] for f in fits] == list(vram.FIT_BUDGETS)
     assert all(f["fp16"] == 8192 and f["q4"] == 8192 for f in fits)  # a 135M model fits 8 GB at its full context
-    row = quant_row("smollm2:exl2-4.0bpw", fits=fits, spec={"fit": {"vram": 8 * 2**30, "ctx": 8192, "cache": "q4"}},
-                    eval={"kv_cache": {"fp16": 16.2, "q8": 16.21, "q4": 16.5}})
+    row = quant_row(
+        "smollm2:exl2-4.0bpw",
+        fits=fits,
+        spec={"fit": {"vram": 8 * 2**30, "ctx": 8192, "cache": "q4"}},
+        eval={"kv_cache": {"fp16": 16.2, "q8": 16.21, "q4": 16.5}},
+    )
     text = exl2_card.fits(row)
     assert "| 8 GB | 8,192 tokens | 8,192 tokens |" in text and "Made to fit 8 GiB with 8192 tokens of q4" in text
     assert "fp16 16.2000, q8 16.2100, q4 16.5000" in text
@@ -236,8 +262,12 @@ def test_qf_show_lists_where_an_exl2_quant_fits_and_its_kv_cache_perplexities(qf
     awq = catalog.quants(name="tiny")[0]
     _exl2_shaped(qf.home / "registry" / "tiny" / "exl2-4.0bpw" / awq.rev)
     fields = {c.name: getattr(awq, c.name) for c in Quant.__table__.columns if c.name not in ("id", "created_at")}
-    fields.update(tag="exl2-4.0bpw", method="exl2", path=f"tiny/exl2-4.0bpw/{awq.rev}",
-                  eval={**awq.eval, "kv_cache": {"fp16": 16.635, "q8": 16.627, "q4": None}})
+    fields.update(
+        tag="exl2-4.0bpw",
+        method="exl2",
+        path=f"tiny/exl2-4.0bpw/{awq.rev}",
+        eval={**awq.eval, "kv_cache": {"fp16": 16.635, "q8": 16.627, "q4": None}},
+    )
     catalog.put_quant(Quant(**fields))
     shown = qf("show", "tiny")
     assert shown.exit_code == 0, shown.output

@@ -29,8 +29,9 @@ def test_the_wheel_runs_without_the_source_tree(tiny, tmp_path):
         if (ROOT / name).is_file():
             (source / name).parent.mkdir(parents=True, exist_ok=True)
             (source / name).write_bytes((ROOT / name).read_bytes())
-    _run(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", tmp_path / "dist",
-         source)
+    _run(
+        sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", tmp_path / "dist", source
+    )
     [wheel] = (tmp_path / "dist").glob("quantfactory-*.whl")
 
     env_dir = tmp_path / "venv"
@@ -43,12 +44,14 @@ def test_the_wheel_runs_without_the_source_tree(tiny, tmp_path):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "FACTORY_DB_URL")}
-    env.update(FACTORY_HOME=str(tmp_path / "home"), VIRTUAL_ENV=str(env_dir),
-               PATH=f"{env_dir / 'bin'}{os.pathsep}{env['PATH']}")
+    env.update(
+        FACTORY_HOME=str(tmp_path / "home"),
+        VIRTUAL_ENV=str(env_dir),
+        PATH=f"{env_dir / 'bin'}{os.pathsep}{env['PATH']}",
+    )
     imports = "import factory.cli, configs; print(factory.cli.__file__, configs.__file__)"
     where = _run(python, "-c", imports, cwd=elsewhere, env=env).stdout.split()
     assert all(Path(w).is_relative_to(site) for w in where), where
-    result = _run(env_dir / "bin" / "qf", "run", tiny, "--awq", "--eval-windows", 1, "--json", cwd=elsewhere,
-                  env=env)
+    result = _run(env_dir / "bin" / "qf", "run", tiny, "--awq", "--eval-windows", 1, "--json", cwd=elsewhere, env=env)
     final = json.loads(result.stdout.splitlines()[-1])
     assert final["state"] == "succeeded" and final["quants"][0]["name"] == "tiny:awq-w4g128"

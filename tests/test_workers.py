@@ -21,19 +21,37 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture
 def env(tmp_path, db_url):
     redis.Redis.from_url(BROKER).flushdb()
-    return {**os.environ, "FACTORY_HOME": str(tmp_path / "home"), "FACTORY_DB_URL": db_url,
-            "FACTORY_BROKER_URL": BROKER, "FACTORY_WORKER_DEVICE": "cpu"}
+    return {
+        **os.environ,
+        "FACTORY_HOME": str(tmp_path / "home"),
+        "FACTORY_DB_URL": db_url,
+        "FACTORY_BROKER_URL": BROKER,
+        "FACTORY_WORKER_DEVICE": "cpu",
+    }
 
 
 def qf(env, *args, check=False) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "factory.cli", *map(str, args)], env=env, cwd=ROOT,
-                          capture_output=True, text=True, check=check, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "factory.cli", *map(str, args)],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=check,
+        timeout=120,
+    )
 
 
 def _start_worker(env, log_path: Path, queues: str = "gpu,cpu") -> subprocess.Popen:
     log = open(log_path, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "factory.cli", "worker", "--queues", queues], env=env, cwd=ROOT,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "factory.cli", "worker", "--queues", queues],
+        env=env,
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 60
     while "ready." not in log_path.read_text():
         assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
@@ -106,9 +124,11 @@ def test_broker_unreachable(env, tiny):
 def test_submit_exl2_for_cpu_workers(env, tiny):
     result = qf(env, "submit", tiny, "--exl2", "4.0")
     assert result.returncode == 2
-    assert result.stderr.strip() == ("error: EXL2 (--exl2, --fit) needs a CUDA GPU and the workers "
-                                     "(FACTORY_WORKER_DEVICE) have none; AWQ runs without one (--awq), AWQ-CT "
-                                     "runs without one (--awqct)")
+    assert result.stderr.strip() == (
+        "error: EXL2 (--exl2, --fit) needs a CUDA GPU and the workers "
+        "(FACTORY_WORKER_DEVICE) have none; AWQ runs without one (--awq), AWQ-CT "
+        "runs without one (--awqct)"
+    )
 
 
 def test_cancel_a_queued_job(env, tiny, tmp_path):
@@ -116,8 +136,9 @@ def test_cancel_a_queued_job(env, tiny, tmp_path):
     assert qf(env, "cancel", job_id, check=True).stderr.strip() == f"job {job_id}: cancelled"
     # a worker that starts afterwards takes the message and leaves the job alone
     log = open(tmp_path / "late-worker.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "factory.cli", "worker"], env=env, cwd=ROOT, stdout=log,
-                            stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "factory.cli", "worker"], env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT
+    )
     try:
         deadline = time.monotonic() + 60
         while "succeeded in" not in (tmp_path / "late-worker.log").read_text():
@@ -150,10 +171,14 @@ def test_cancel_a_running_job_then_retry(env, worker, tiny):
     assert [r["job"] for r in json.loads(qf(env, "ls", "--json", check=True).stdout)] == [job_id]
     again = qf(env, "retry", job_id)
     assert (again.returncode, again.stderr.strip()) == (
-        2, f"error: job {job_id} is succeeded; only failed or cancelled jobs can be retried")
+        2,
+        f"error: job {job_id} is succeeded; only failed or cancelled jobs can be retried",
+    )
     unknown = qf(env, "retry", "0123456789ab")
     assert (unknown.returncode, unknown.stderr.strip()) == (
-        4, "error: no job '0123456789ab'; `qf status` lists the recent ones")
+        4,
+        "error: no job '0123456789ab'; `qf status` lists the recent ones",
+    )
 
 
 def test_a_dead_job_process_fails_the_job_and_the_worker_goes_on(env, worker, tiny):
@@ -196,8 +221,17 @@ def test_concurrent_submissions(env, tiny):
     """50 submissions from 5 processes at once, 10 of them repeats: 40 jobs, 40 queued messages, none lost."""
     windows = [str(i) for i in range(1, 41)] + [str(i) for i in range(1, 41, 4)]  # eval windows make jobs distinct
     batches = [windows[i::5] for i in range(5)]
-    procs = [subprocess.Popen([sys.executable, "-c", SUBMITTER, str(tiny), *batch], env=env, cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for batch in batches]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", SUBMITTER, str(tiny), *batch],
+            env=env,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for batch in batches
+    ]
     lines = []
     for proc in procs:
         out, errors = proc.communicate(timeout=300)
@@ -226,8 +260,22 @@ class OwnRedis:
         folder.mkdir(parents=True, exist_ok=True)
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--appendonly",
-                                      "yes", "--dir", str(self.folder), "--save", ""], stdout=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            [
+                "redis-server",
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--appendonly",
+                "yes",
+                "--dir",
+                str(self.folder),
+                "--save",
+                "",
+            ],
+            stdout=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + 10
         while True:
             try:
@@ -252,8 +300,9 @@ def test_queued_jobs_survive_a_redis_restart(env, tiny, tmp_path):
         server.start()
         assert redis.Redis.from_url(server.url).llen("cpu") == 3
         log = open(tmp_path / "worker.log", "w")
-        worker = subprocess.Popen([sys.executable, "-m", "factory.cli", "worker"], env=env, cwd=ROOT, stdout=log,
-                                  stderr=subprocess.STDOUT)
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "factory.cli", "worker"], env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT
+        )
         try:
             assert [wait_for(env, job_id)["state"] for job_id in ids] == ["succeeded"] * 3
         finally:
@@ -306,8 +355,14 @@ def test_reconcile_requeues_a_job_the_broker_lost(env, tiny):
 
 def test_status_follow_streams_the_workers_events(env, tiny, tmp_path):
     job_id = qf(env, "submit", tiny, "--awq", "--eval-windows", 1, check=True).stdout.strip()
-    follower = subprocess.Popen([sys.executable, "-m", "factory.cli", "status", job_id, "--follow", "--json"],
-                                env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "factory.cli", "status", job_id, "--follow", "--json"],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     time.sleep(3)  # subscribed before the worker starts
     worker = _start_worker(env, tmp_path / "worker.log")
     try:
@@ -370,8 +425,10 @@ def _catalog(env):
 def _published(env, job_id: str) -> tuple:
     """What the job published: its quant rows' ids and the registry folders with their manifests."""
     folders = sorted((Path(env["FACTORY_HOME"]) / "registry" / "tiny").iterdir())
-    return ([q.id for q in _catalog(env).quants(job_id=job_id)],
-            [(f.name, (f / "manifest.json").read_text()) for f in folders])
+    return (
+        [q.id for q in _catalog(env).quants(job_id=job_id)],
+        [(f.name, (f / "manifest.json").read_text()) for f in folders],
+    )
 
 
 def _tree(pid: int) -> list[int]:
@@ -467,7 +524,8 @@ def test_a_worker_that_cannot_reach_its_services_exits_5(env):
     catalog = qf({**env, "FACTORY_DB_URL": "postgresql://qf:secret@127.0.0.1:1/qf"}, "worker")
     assert catalog.returncode == 5
     assert catalog.stderr.strip().splitlines()[-1] == (
-        "error: the catalog database at postgresql://qf:***@127.0.0.1:1/qf cannot be reached")
+        "error: the catalog database at postgresql://qf:***@127.0.0.1:1/qf cannot be reached"
+    )
 
 
 def test_reconcile_skips_a_malformed_message(env, tiny):
@@ -476,11 +534,19 @@ def test_reconcile_skips_a_malformed_message(env, tiny):
     job_id = qf(env, "submit", tiny, "--awq", "--eval-windows", 1, check=True).stdout.strip()
     client = redis.Redis.from_url(BROKER)
     client.delete("cpu")  # the job's message is lost
-    client.lpush("cpu", b"not a message", json.dumps({"headers": {"task": "quantfactory.run_job",
-                                                                  "argsrepr": "(oops"}}))
-    client.hset("unacked", mapping={"t1": "not json", "t2": json.dumps({"a": 1}), "t3": "[]", "t4": "[1, 2]",
-                                    "t5": json.dumps([{"headers": {"task": "quantfactory.run_job",
-                                                                   "argsrepr": "(oops"}}, "", "cpu"])})
+    client.lpush(
+        "cpu", b"not a message", json.dumps({"headers": {"task": "quantfactory.run_job", "argsrepr": "(oops"}})
+    )
+    client.hset(
+        "unacked",
+        mapping={
+            "t1": "not json",
+            "t2": json.dumps({"a": 1}),
+            "t3": "[]",
+            "t4": "[1, 2]",
+            "t5": json.dumps([{"headers": {"task": "quantfactory.run_job", "argsrepr": "(oops"}}, "", "cpu"]),
+        },
+    )
     _queued_long_ago(env, job_id)
     result = qf(env, "reconcile")
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
@@ -619,8 +685,14 @@ def test_a_gpu_worker_with_two_slots_runs_two_jobs_at_once(env, tiny, tmp_path):
         recipe.write_text(f"round: {{mantissa: [{mantissa}]}}\nmax_ppl_ratio: 100.0\n")
         jobs.append(qf(env, "submit", tiny, "--recipe", recipe, "--eval-windows", 1, check=True).stdout.strip())
     log = tmp_path / "worker.log"
-    worker = subprocess.Popen([sys.executable, "-m", "factory.cli", "worker", "--slots", "2"], env=env, cwd=ROOT,
-                              stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "factory.cli", "worker", "--slots", "2"],
+        env=env,
+        cwd=ROOT,
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         statuses = [wait_for(env, job_id) for job_id in jobs]
         slots = psutil.Process(worker.pid).children()

@@ -15,8 +15,16 @@ from pathlib import Path
 from calibration import builtin_text
 
 # The random 1.1B Llama of docs/measured.md (make_tiny_llama(out, device="cuda", **LLAMA_1B): seconds on a GPU).
-LLAMA_1B = dict(hidden=2048, layers=16, heads=32, kv_heads=8, intermediate=8192, vocab=32000, max_positions=32768,
-                rope_theta=500000.0)
+LLAMA_1B = dict(
+    hidden=2048,
+    layers=16,
+    heads=32,
+    kv_heads=8,
+    intermediate=8192,
+    vocab=32000,
+    max_positions=32768,
+    rope_theta=500000.0,
+)
 
 
 def make_tiny_tokenizer(out: Path, vocab: int = 1024):
@@ -27,17 +35,29 @@ def make_tiny_tokenizer(out: Path, vocab: int = 1024):
     bpe = Tokenizer(models.BPE(unk_token=None))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     bpe.train_from_iterator(builtin_text("c4").splitlines(), trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>")
     tokenizer.save_pretrained(out)
     return tokenizer
 
 
-def make_tiny_llama(out: Path, *, hidden: int = 128, layers: int = 2, seed: int = 0, heads: int = 4, kv_heads: int = 2,
-                    intermediate: int | None = None, vocab: int = 1024, max_positions: int = 4096,
-                    rope_theta: float = 10000.0, device: str = "cpu") -> Path:
+def make_tiny_llama(
+    out: Path,
+    *,
+    hidden: int = 128,
+    layers: int = 2,
+    seed: int = 0,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int | None = None,
+    vocab: int = 1024,
+    max_positions: int = 4096,
+    rope_theta: float = 10000.0,
+    device: str = "cpu",
+) -> Path:
     """Defaults: the tests' tiny model; LLAMA_1B the 1.1B one."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM

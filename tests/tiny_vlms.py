@@ -24,9 +24,20 @@ FAMILIES = {
 }
 # The tiny language model's rotary sections over time, height and width (heads of 32: they sum to 16)
 MROPE = {"qwen2_5_vl": [4, 6, 6], "qwen3_vl": [6, 5, 5], "glm4v": [4, 6, 6]}
-VISION = {"hidden_size": 64, "num_hidden_layers": 2, "depth": 2, "num_attention_heads": 2, "num_heads": 2,
-          "intermediate_size": 128, "out_hidden_size": HIDDEN, "image_size": 28, "patch_size": 14,
-          "vision_output_dim": 64, "projector_input_dim": 64, "projector_output_dim": HIDDEN}
+VISION = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "depth": 2,
+    "num_attention_heads": 2,
+    "num_heads": 2,
+    "intermediate_size": 128,
+    "out_hidden_size": HIDDEN,
+    "image_size": 28,
+    "patch_size": 14,
+    "vision_output_dim": 64,
+    "projector_input_dim": 64,
+    "projector_output_dim": HIDDEN,
+}
 
 
 def vlm_config(model_type: str, bos: int, eos: int, hidden: int = HIDDEN):
@@ -78,8 +89,12 @@ def gemma3_processor(out: Path, tokenizer, config) -> None:
     config.boi_token_id, config.image_token_id, config.eoi_token_id = ids
     config.mm_tokens_per_image = (VISION["image_size"] // VISION["patch_size"]) ** 2
     image = Gemma3ImageProcessorPil(size={"height": VISION["image_size"], "width": VISION["image_size"]})
-    Gemma3Processor(image_processor=image, tokenizer=tokenizer, chat_template=GEMMA3_TEMPLATE,
-                    image_seq_length=config.mm_tokens_per_image).save_pretrained(out)
+    Gemma3Processor(
+        image_processor=image,
+        tokenizer=tokenizer,
+        chat_template=GEMMA3_TEMPLATE,
+        image_seq_length=config.mm_tokens_per_image,
+    ).save_pretrained(out)
 
 
 PROCESSORS = {"gemma3": gemma3_processor}  # the families whose tiny checkpoints carry a processor that takes images

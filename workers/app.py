@@ -29,8 +29,11 @@ app.conf.update(
     worker_concurrency=1,
     task_track_started=True,
     task_default_queue="cpu",  # run_job and help_job name their job's queue when they are sent (tasks.enqueue)
-    task_routes={"quantfactory.publish_job": {"queue": "cpu"}, "quantfactory.reconcile": {"queue": "cpu"},
-                 "quantfactory.check_watchlist": {"queue": "cpu"}},
+    task_routes={
+        "quantfactory.publish_job": {"queue": "cpu"},
+        "quantfactory.reconcile": {"queue": "cpu"},
+        "quantfactory.check_watchlist": {"queue": "cpu"},
+    },
     broker_transport_options={"visibility_timeout": _settings.visibility_timeout},
     result_backend_transport_options={"visibility_timeout": _settings.visibility_timeout},
     broker_connection_retry_on_startup=True,

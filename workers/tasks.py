@@ -119,8 +119,9 @@ def _run(job_id: str, publish: bool) -> bool:
     if lease is None:
         return False  # another worker holds it
     if lease.attempts > config.max_attempts:
-        message = (f"job lost its worker {lease.attempts - 1} times; giving up "
-                   f"(FACTORY_MAX_ATTEMPTS={config.max_attempts})")
+        message = (
+            f"job lost its worker {lease.attempts - 1} times; giving up (FACTORY_MAX_ATTEMPTS={config.max_attempts})"
+        )
         factory.catalog.fail_job(job_id, message, lease.token)  # and the lost attempt's step that was left running
         return False
     if not publish:
@@ -269,10 +270,18 @@ def _refused_for_its_device(factory: Factory, lease: Lease) -> bool:
     job = factory.catalog.job(lease.job_id)
     if job.device != "cuda" or evaluate.device() == "cuda":
         return False
-    message = (f"job {job.id} needs a CUDA GPU and the worker on {socket.gethostname()} that took it from the gpu "
-               f"queue has none; start workers without one with `qf worker --queues cpu`, then `qf retry {job.id}`")
-    factory.catalog.transition(job.id, JobState.failed, lease.token, message, SpecError.exit_code,
-                               only_from=frozenset({JobState.queued, JobState.running}))
+    message = (
+        f"job {job.id} needs a CUDA GPU and the worker on {socket.gethostname()} that took it from the gpu "
+        f"queue has none; start workers without one with `qf worker --queues cpu`, then `qf retry {job.id}`"
+    )
+    factory.catalog.transition(
+        job.id,
+        JobState.failed,
+        lease.token,
+        message,
+        SpecError.exit_code,
+        only_from=frozenset({JobState.queued, JobState.running}),
+    )
     return True
 
 
@@ -466,12 +475,18 @@ def enqueue(factory: Factory, job_id: str) -> None:
     if not factory.catalog.transition(job_id, JobState.queued, only_from=frozenset({JobState.queued, *RETRYABLE})):
         return
     try:
-        run_job.apply_async(args=[job_id], queue=settings.DEVICE_QUEUES[factory.catalog.job(job_id).device],
-                            retry=False)
+        run_job.apply_async(
+            args=[job_id], queue=settings.DEVICE_QUEUES[factory.catalog.job(job_id).device], retry=False
+        )
     except OperationalError:
         unreachable = _broker_unreachable()
-        factory.catalog.transition(job_id, JobState.failed, error=unreachable.message,
-                                   exit_code=unreachable.exit_code, only_from=frozenset({JobState.queued}))
+        factory.catalog.transition(
+            job_id,
+            JobState.failed,
+            error=unreachable.message,
+            exit_code=unreachable.exit_code,
+            only_from=frozenset({JobState.queued}),
+        )
         raise unreachable from None
 
 
@@ -519,8 +534,9 @@ def _carry_out(factory: Factory, p: schedule.Planned, errors: list[str]) -> dict
     if skipped is None:
         recipe = recipe_from_dict(p.recipe, f"the recipe of watch {p.watch}")
         try:
-            job_id = submit(factory, Request(source=f"{p.repo}@{p.sha}", recipe=recipe,
-                                             device=factory.settings.worker_device)).id
+            job_id = submit(
+                factory, Request(source=f"{p.repo}@{p.sha}", recipe=recipe, device=factory.settings.worker_device)
+            ).id
         except ServiceUnavailable as e:
             errors.append(e.message)
             return {"job": None, "error": e.message}

@@ -113,6 +113,21 @@ def check_plugins() -> None:
 _builtin()
 _plugins(os.environ.get("FACTORY_ENGINES", ""))
 
-__all__ = ["Emit", "Engine", "Evaluation", "Flag", "Logits", "QuantSpec", "QuantizeRequest", "all_engines",
-           "available", "check_plugins", "check_quant_folder", "get", "of_tag", "register", "spec_from_dict",
-           "unregister"]
+__all__ = [
+    "Emit",
+    "Engine",
+    "Evaluation",
+    "Flag",
+    "Logits",
+    "QuantSpec",
+    "QuantizeRequest",
+    "all_engines",
+    "available",
+    "check_plugins",
+    "check_quant_folder",
+    "get",
+    "of_tag",
+    "register",
+    "spec_from_dict",
+    "unregister",
+]

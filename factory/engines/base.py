@@ -152,8 +152,17 @@ class MemoryPlan:
     def by_bpw(cls, result: dict, title: str, label: str, per_gpu: bool = False) -> MemoryPlan:
         """A bits-per-weight engine's plan: a row per size (weights, cache, the rest, the peak) and the best size."""
         h = human
-        rows = [(f"{r['bpw']:.1f}", h(r["weights"]), h(r["cache"]), h(r["total"] - r["weights"] - r["cache"]),
-                 h(r["total"]), "yes" if r["fits"] else "no") for r in result["rows"]]
+        rows = [
+            (
+                f"{r['bpw']:.1f}",
+                h(r["weights"]),
+                h(r["cache"]),
+                h(r["total"] - r["weights"] - r["cache"]),
+                h(r["total"]),
+                "yes" if r["fits"] else "no",
+            )
+            for r in result["rows"]
+        ]
         columns = ("BPW", "WEIGHTS", "CACHE", "OTHER", "PEAK" + (" PER GPU" if per_gpu else ""), "FITS")
         return cls(result, title, columns, rows, [f"highest {label} bpw that fits: {result['best_bpw']:.2f}"])
 
@@ -192,8 +201,9 @@ class Engine:
         """The recipe key for this engine that `--<name> VALUE` asks for, keeping the recipe's other settings."""
         return written
 
-    def fit_budgets(self, source: str, budgets: str, ctx: int | None, cache: str, written: dict,
-                    note: Callable[[str], None]) -> dict:
+    def fit_budgets(
+        self, source: str, budgets: str, ctx: int | None, cache: str, written: dict, note: Callable[[str], None]
+    ) -> dict:
         """`--fit 24GB,16GB`: the recipe key for the sizes that fit those budgets (engines with sizes_to_budget)."""
         raise NotImplementedError
 
@@ -204,8 +214,10 @@ class Engine:
             return None
         if info.vision is not None:
             taken = sorted(a for a in self.architectures if not a.endswith("ForCausalLM"))
-            return (f"{self.label} does not convert the vision-language {arch}; it converts "
-                    f"{', '.join(taken) if taken else 'text models only'}")
+            return (
+                f"{self.label} does not convert the vision-language {arch}; it converts "
+                f"{', '.join(taken) if taken else 'text models only'}"
+            )
         return f"{self.label} does not convert {arch}; it converts {', '.join(sorted(self.architectures))}"
 
     def resolve(self, spec: QuantSpec, info: ModelInfo, device: str) -> QuantSpec:
@@ -244,8 +256,9 @@ class Engine:
         """Scores beyond perplexity (EXL2: through quantized KV caches)."""
         return []
 
-    def memory_plan(self, shape: Shape, params: Params, budget: int, ctx: int | None, cache: str,
-                    gpus: int) -> MemoryPlan | None:
+    def memory_plan(
+        self, shape: Shape, params: Params, budget: int, ctx: int | None, cache: str, gpus: int
+    ) -> MemoryPlan | None:
         """What its runtime needs on a card of `budget` bytes (x `gpus`) for `ctx` tokens with a `cache` KV cache,
         if the engine has a memory model."""
         return None
@@ -306,8 +319,11 @@ class Engine:
 
     def describe_scores(self, row: QuantRow) -> list[str]:
         """Lines `qf show` prints about a quant's scores beyond perplexity."""
-        return [f"perplexity through {text}: {format_scores(row.eval[group])}"
-                for group, text in self.scores_about.items() if row.eval.get(group)]
+        return [
+            f"perplexity through {text}: {format_scores(row.eval[group])}"
+            for group, text in self.scores_about.items()
+            if row.eval.get(group)
+        ]
 
     def card_sections(self, rows: list[QuantRow]) -> tuple[str, str]:
         """Markdown sections the card adds about this engine's quants (`rows`): one before the prompt format and

@@ -31,12 +31,51 @@ _PR_SET_PDEATHSIG = 1
 # What a tool may need: locale and paths, the compiler for JIT-built kernels (exllamav2 and exllamav3 build their
 # extensions on first import; a compiler setting that differs from the build's, e.g. CUDAHOSTCXX, which exllamav3
 # passes to nvcc as -ccbin, makes torch rebuild it: 250 s on an H200 box), CUDA, torch and thread settings.
-PASSED_ON = {"PATH", "HOME", "USER", "LOGNAME", "LANG", "TERM", "TMPDIR", "TZ", "VIRTUAL_ENV", "PYTHONPATH",
-             "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "LD_LIBRARY_PATH", "LIBRARY_PATH", "CPATH",
-             "C_INCLUDE_PATH", "CPLUS_INCLUDE_PATH", "CC", "CXX", "CUDAHOSTCXX", "MAX_JOBS", "XDG_CACHE_HOME",
-             "HF_HOME", "HF_HUB_CACHE", "TOKENIZERS_PARALLELISM"}
-PASSED_ON_PREFIXES = ("LC_", "CUDA_", "NVIDIA_", "NVCC_", "TORCH_", "PYTORCH_", "EXLLAMA_", "TRITON_", "NCCL_",
-                      "OMP_", "MKL_", "KMP_", "OPENBLAS_", "NVPL_", "GOMP_", "MALLOC_")  # BLAS and threading too
+PASSED_ON = {
+    "PATH",
+    "HOME",
+    "USER",
+    "LOGNAME",
+    "LANG",
+    "TERM",
+    "TMPDIR",
+    "TZ",
+    "VIRTUAL_ENV",
+    "PYTHONPATH",
+    "PYTHONUNBUFFERED",
+    "PYTHONDONTWRITEBYTECODE",
+    "LD_LIBRARY_PATH",
+    "LIBRARY_PATH",
+    "CPATH",
+    "C_INCLUDE_PATH",
+    "CPLUS_INCLUDE_PATH",
+    "CC",
+    "CXX",
+    "CUDAHOSTCXX",
+    "MAX_JOBS",
+    "XDG_CACHE_HOME",
+    "HF_HOME",
+    "HF_HUB_CACHE",
+    "TOKENIZERS_PARALLELISM",
+}
+PASSED_ON_PREFIXES = (
+    "LC_",
+    "CUDA_",
+    "NVIDIA_",
+    "NVCC_",
+    "TORCH_",
+    "PYTORCH_",
+    "EXLLAMA_",
+    "TRITON_",
+    "NCCL_",
+    "OMP_",
+    "MKL_",
+    "KMP_",
+    "OPENBLAS_",
+    "NVPL_",
+    "GOMP_",
+    "MALLOC_",
+)  # BLAS and threading too
 
 
 def json_event(line: str) -> dict | None:
@@ -111,8 +150,9 @@ def _reason(rc: int, log_path: Path) -> str:
         name = signal.Signals(-rc).name
         hint = " (out of memory?)" if rc == -signal.SIGKILL else ""
         return f"the engine process was killed by {name}{hint}; log: {log_path}"
-    lines = [ln.strip() for ln in log_path.read_text(errors="replace").splitlines()
-             if ln.strip() and not ln.startswith(PEAK)]
+    lines = [
+        ln.strip() for ln in log_path.read_text(errors="replace").splitlines() if ln.strip() and not ln.startswith(PEAK)
+    ]
     said = [ln for ln in lines if re.match(r"[\w.]*(Error|Exception)\b", ln)]  # a traceback's last line
     last = (said or lines or ["no output"])[-1]
     return f"{last[:300]} (exit {rc}; log: {log_path})"

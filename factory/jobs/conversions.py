@@ -60,13 +60,18 @@ class Conversions:
         job = self.catalog.job(job_id)
         if job.state != JobState.running:
             return
-        fetched = (sources.fetch_hub(job.source_identity, self.settings.cache, lambda **_: None)
-                   if identity.is_hub(job.source_identity) else None)
+        fetched = (
+            sources.fetch_hub(job.source_identity, self.settings.cache, lambda **_: None)
+            if identity.is_hub(job.source_identity)
+            else None
+        )
         prepared = self._read(job, fetched, self._helper_work(job))
-        keys = {s.tag: self._measurement_key(job, s) for s in prepared.specs
-                if engines.get(s.method).needs_measurement}
-        units = [replace(u, needs=frozenset()) for u in graph.units(prepared.specs, keys, False, False)
-                 if u.kind == "quantize"]
+        keys = {s.tag: self._measurement_key(job, s) for s in prepared.specs if engines.get(s.method).needs_measurement}
+        units = [
+            replace(u, needs=frozenset())
+            for u in graph.units(prepared.specs, keys, False, False)
+            if u.kind == "quantize"
+        ]
         self._stop.clear()
         packer, needs = self.costs.packer(job), self.costs.needs(job, prepared.model, units)
 
@@ -120,8 +125,9 @@ class Conversions:
         self.emit(events.note(f"quantize:{spec.tag}: {note}"))
         return folder
 
-    def _quantize(self, job: Job, prepared: Prepared, spec: QuantSpec, measurement: Path | None,
-                  helping: bool = False) -> Path | None:
+    def _quantize(
+        self, job: Job, prepared: Prepared, spec: QuantSpec, measurement: Path | None, helping: bool = False
+    ) -> Path | None:
         """The quant of `spec`, made here under the claim `unit:<job>:quantize:<tag>` unless it is made already.
         While another process holds the claim (a worker helping with the job), the job waits for its quant and
         makes it itself once the claim runs out; a helper (`helping`) leaves it and returns None."""
@@ -145,8 +151,15 @@ class Conversions:
                 self.catalog.release_claim(claim, token)
         return out
 
-    def _make_quant(self, job: Job, prepared: Prepared, spec: QuantSpec, measurement: Path | None,
-                    claim: tuple[str, int], helping: bool) -> None:
+    def _make_quant(
+        self,
+        job: Job,
+        prepared: Prepared,
+        spec: QuantSpec,
+        measurement: Path | None,
+        claim: tuple[str, int],
+        helping: bool,
+    ) -> None:
         """The job's holder converts in the job's work folder (a conversion taken over resumes there); a helper in
         a folder of its own, whose quant becomes the job's only under the claim's lock as its step succeeds, so
         a helper that lost its claim (stopped past it) never mixes its files with the new holder's."""
@@ -199,8 +212,7 @@ class Conversions:
         name, claim = f"measure:{key[:12]}", f"measure:{key}"
         while True:
             if (known := self._known_measurement(key)) is not None:
-                self.emit(events.note(f"reusing {engine.label} measurement {key[:12]} ({rows} x "
-                           f"{length} tokens)"))
+                self.emit(events.note(f"reusing {engine.label} measurement {key[:12]} ({rows} x {length} tokens)"))
                 return known
             if (token := self.catalog.claim(claim, self._claimer(job), self.settings.lease_seconds)) is not None:
                 if self._known_measurement(key) is None:  # not finished while we took the claim
@@ -243,8 +255,7 @@ class Conversions:
     def _wait_for_measurement(self, job: Job, claim: str, name: str, key: str) -> None:
         """Until the measurement exists or nobody holds its claim any more."""
         maker = self.catalog.claimant(claim)
-        self.emit(events.note(f"{name}: {_claim_holder(maker)} is making this measurement; "
-                   "waiting for it"))
+        self.emit(events.note(f"{name}: {_claim_holder(maker)} is making this measurement; waiting for it"))
         with self._step(job.id, f"wait:{name}") as progress:
             while self._known_measurement(key) is None and (maker := self.catalog.claimant(claim)) is not None:
                 progress(waiting_for=_claim_holder(maker))  # an event: this job is alive while it waits

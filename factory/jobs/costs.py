@@ -58,14 +58,19 @@ class Costs:
         """A unit's expected seconds (jobs/eta.py): history of its family near this size, else an estimate."""
         if unit.kind in ("measure", "quantize"):
             engine = engines.get(unit.spec.method)
-            guess = engine.unit_seconds(unit.kind, model.parameters, job.device,
-                                        engine.unit_cores(unit.kind, job.device))
+            guess = engine.unit_seconds(
+                unit.kind, model.parameters, job.device, engine.unit_cores(unit.kind, job.device)
+            )
         else:
-            guess = eta.other_seconds(unit.kind, model.parameters, job.eval_windows * model.window_length,
-                                      job.device, os.cpu_count() or 1)
+            guess = eta.other_seconds(
+                unit.kind, model.parameters, job.eval_windows * model.window_length, job.device, os.cpu_count() or 1
+            )
         family = eta.family(unit.name)
-        past = [eta.Past(seconds, parameters) for name, seconds, parameters
-                in self._unit_history(family, job.device) if eta.family(name) == family]
+        past = [
+            eta.Past(seconds, parameters)
+            for name, seconds, parameters in self._unit_history(family, job.device)
+            if eta.family(name) == family
+        ]
         return eta.expected(past, model.parameters, guess)[0]
 
     def _unit_history(self, family: str, device: str) -> list:
@@ -91,8 +96,11 @@ class Costs:
         engine = engines.get(unit.spec.method)
         family = "measure:" if unit.kind == "measure" else f"quantize:{unit.spec.tag.split('-')[0]}-"
         seen = peaks.get(unit.name) or max((p for n, p in peaks.items() if n.startswith(family)), default=None)
-        peak = int(seen * HISTORY_MARGIN) if seen else engine.unit_gpu_bytes(unit.kind, unit.spec, model.shape,
-                                                                               model.params)
+        peak = (
+            int(seen * HISTORY_MARGIN)
+            if seen
+            else engine.unit_gpu_bytes(unit.kind, unit.spec, model.shape, model.params)
+        )
         cores = min(engine.unit_cores(unit.kind, job.device), self._cores())
         if self.max_units:  # asked for: the job's cores are shared among them
             cores = min(cores, max(1, self._cores() // self.max_units))

@@ -49,8 +49,9 @@ def wall_seconds(units: list[Unit], seconds: dict[str, float], need: Callable[[U
     return packed(units, seconds, need, packer)[0]
 
 
-def packed(units: list[Unit], seconds: dict[str, float], need: Callable[[Unit], Need],
-           packer: Packer) -> tuple[float, int]:
+def packed(
+    units: list[Unit], seconds: dict[str, float], need: Callable[[Unit], Need], packer: Packer
+) -> tuple[float, int]:
     """(seconds, the most units that run at once) when packed by `packer`: packing.run's rule, simulated. A unit
     of 0 seconds (done already) takes its place for no time and is not counted as running."""
     clock, pending, done, most = 0.0, list(units), set(), 0
@@ -83,13 +84,13 @@ def other_seconds(kind: str, parameters: int, tokens: int, device: str, cores: i
     return 10.0 + flops / GPU_FLOPS if device == "cuda" else 5.0 + flops / (CPU_FLOPS_PER_CORE * max(cores, 1))
 
 
-
-def conversion(engine, parameters: int, history: Callable[[str], list[Past]], device: str = "cuda",
-               cores: int = 16) -> dict:
+def conversion(
+    engine, parameters: int, history: Callable[[str], list[Past]], device: str = "cuda", cores: int = 16
+) -> dict:
     """What `qf plan` says a conversion with `engine` costs: its measurement (if it has one) and each size, in
     seconds, with the basis of each guess. `history(family)` gives the finished units of a family on `device`."""
     out = {}
-    for kind in (("measure", "quantize") if engine.needs_measurement else ("quantize",)):
+    for kind in ("measure", "quantize") if engine.needs_measurement else ("quantize",):
         family_name = "measure" if kind == "measure" else f"quantize:{engine.name}"
         guess = engine.unit_seconds(kind, parameters, device, min(cores, engine.unit_cores(kind, device)))
         seconds, basis = expected(history(family_name), parameters, guess)

@@ -31,16 +31,26 @@ class Evaluations:
             self.emit(events.note(f"FP16 perplexity {ppl:.4f} and its KL reference reused from an earlier evaluation"))
             return ppl
         reference = kld.Reference()
-        return self._scored(job, stream, "fp16", folder, evaluate.load_fp16, evaluate.FP16_EVALUATOR,
-                            keep=reference, on_scored=lambda: reference.save(path)).ppl
+        return self._scored(
+            job,
+            stream,
+            "fp16",
+            folder,
+            evaluate.load_fp16,
+            evaluate.FP16_EVALUATOR,
+            keep=reference,
+            on_scored=lambda: reference.save(path),
+        ).ppl
 
     def _reference_path(self, job: Job, stream: evaluate.Stream) -> Path:
-        key = reference_key(job.source_identity, job.eval_sha, job.eval_windows, stream.window_length, job.device,
-                            kld.LAYOUT)
+        key = reference_key(
+            job.source_identity, job.eval_sha, job.eval_windows, stream.window_length, job.device, kld.LAYOUT
+        )
         return self.settings.references / f"{key}.safetensors"
 
-    def evaluate_quant(self, job: Job, spec: QuantSpec, out: Path,
-                       stream: evaluate.Stream) -> tuple[float, kld.Divergence | None]:
+    def evaluate_quant(
+        self, job: Job, spec: QuantSpec, out: Path, stream: evaluate.Stream
+    ) -> tuple[float, kld.Divergence | None]:
         """The quant's perplexity and its divergence from FP16 (whose reference evaluate:fp16 made or found)."""
         done = {e.subject: e for e in self.catalog.evaluations(job.id)}
         if spec.tag in done and f"evaluate:{spec.tag}" in self.catalog.done_steps(job.id):
@@ -48,8 +58,16 @@ class Evaluations:
             return found.ppl, kld.Divergence(found.kld, found.kld_p99, found.top1) if found.kld is not None else None
         engine = engines.get(spec.method)
         reference = kld.Reference.load(self._reference_path(job, stream))
-        result = self._scored(job, stream, spec.tag, out, engine.load, engine.evaluator, reference=reference,
-                              weights_key=weights_key(job, spec))
+        result = self._scored(
+            job,
+            stream,
+            spec.tag,
+            out,
+            engine.load,
+            engine.evaluator,
+            reference=reference,
+            weights_key=weights_key(job, spec),
+        )
         return result.ppl, result.divergence
 
     def evaluate_group(self, job: Job, spec: QuantSpec, group: str, out: Path, stream: evaluate.Stream) -> dict:
@@ -64,6 +82,7 @@ class Evaluations:
         scores = {}
         with self._step(job.id, f"evaluate:{spec.tag}:{group.split('_')[0]}") as progress:
             for e in mine:
+
                 def on_progress(d: int, t: int, unit: str, window: str = e.unit) -> None:
                     progress(done=d, total=t, unit=window if unit == "window" else unit)
 
@@ -72,16 +91,30 @@ class Evaluations:
                 self.emit(events.evaluation(subjects[e.key], result.ppl))
         return scores
 
-    def _scored(self, job: Job, stream: evaluate.Stream, subject: str, folder: Path, load, evaluator: str,
-                reference: kld.Reference | None = None, keep: kld.Reference | None = None,
-                on_scored: Callable[[], None] | None = None, weights_key: str | None = None) -> evaluate.Result:
+    def _scored(
+        self,
+        job: Job,
+        stream: evaluate.Stream,
+        subject: str,
+        folder: Path,
+        load,
+        evaluator: str,
+        reference: kld.Reference | None = None,
+        keep: kld.Reference | None = None,
+        on_scored: Callable[[], None] | None = None,
+        weights_key: str | None = None,
+    ) -> evaluate.Result:
         """One evaluation step: the model in `folder` scored on the job's stream (against FP16's `reference`, or
         keeping its own into `keep`); `on_scored` runs before the result is recorded (the reference is saved)."""
         with self._step(job.id, f"evaluate:{subject}") as progress:
             result = evaluate.evaluate(
-                folder, load, evaluator, stream,
+                folder,
+                load,
+                evaluator,
+                stream,
                 lambda done, total, unit: progress(done=done, total=total, unit=unit),
-                reference=reference, keep=keep,
+                reference=reference,
+                keep=keep,
             )
             if on_scored:
                 on_scored()
@@ -90,8 +123,15 @@ class Evaluations:
         self.emit(events.evaluation(subject, result.ppl, divergence))
         return result
 
-    def _record(self, job: Job, stream: evaluate.Stream, subject: str, result: evaluate.Result, progress,
-                weights_key: str | None = None) -> float:
+    def _record(
+        self,
+        job: Job,
+        stream: evaluate.Stream,
+        subject: str,
+        result: evaluate.Result,
+        progress,
+        weights_key: str | None = None,
+    ) -> float:
         progress(peak_gpu_bytes=result.peak_gpu_bytes)
         divergence = result.divergence
         self.catalog.add_evaluation(

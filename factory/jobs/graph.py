@@ -50,8 +50,15 @@ def units(specs: list[QuantSpec], measurement_keys: dict[str, str], publish: boo
         add(Unit(f"evaluate:{spec.tag}", "evaluate", frozenset({f"quantize:{spec.tag}", "evaluate:fp16"}), spec))
     for spec in specs:
         for group in dict.fromkeys(e.group for e in engines.get(spec.method).evaluations(spec)):
-            add(Unit(f"evaluate:{spec.tag}:{group.split('_')[0]}", "evaluate", frozenset({f"quantize:{spec.tag}"}),
-                     spec, group=group))
+            add(
+                Unit(
+                    f"evaluate:{spec.tag}:{group.split('_')[0]}",
+                    "evaluate",
+                    frozenset({f"quantize:{spec.tag}"}),
+                    spec,
+                    group=group,
+                )
+            )
     add(Unit("gate", "gate", frozenset(n for n, u in made.items() if u.kind == "evaluate")))
     if publish:
         for spec in specs:

@@ -59,9 +59,15 @@ class Stopped(KeyboardInterrupt):
     """Raised in a running unit (through its progress) when the job stops: another unit failed, or Ctrl-C."""
 
 
-def run(units: list[Unit], work: Callable[[Unit], None], need: Callable[[Unit], Need], packer: Packer,
-        stop: threading.Event, note: Callable[[str], None] = lambda message: None,
-        deferred: Callable[[Unit], bool] = lambda unit: False) -> None:
+def run(
+    units: list[Unit],
+    work: Callable[[Unit], None],
+    need: Callable[[Unit], Need],
+    packer: Packer,
+    stop: threading.Event,
+    note: Callable[[str], None] = lambda message: None,
+    deferred: Callable[[Unit], bool] = lambda unit: False,
+) -> None:
     """Run every unit once its `needs` are done. The first failure stops the rest (`stop` is set: their progress
     raises Stopped) and is raised once they have ended; so is a KeyboardInterrupt of this thread. A unit that is
     `deferred` (another machine makes it) waits, taking nothing from the packer, while others run; its work runs

@@ -62,8 +62,10 @@ class Planning:
         if request.name:
             ref = naming.parse(request.name)
             if ref.tag or ref.rev:
-                raise SpecError(f"--name {request.name!r} holds a tag or revision; use --name NAME; tags come from "
-                                "the spec and revisions from the source")
+                raise SpecError(
+                    f"--name {request.name!r} holds a tag or revision; use --name NAME; tags come from "
+                    "the spec and revisions from the source"
+                )
             name = self.catalog.name_for(source.source, ref.name, None)
         else:
             name = self.catalog.name_for(
@@ -101,31 +103,36 @@ class Planning:
         if not removed or not self.catalog.reopen(job.id, sorted({q.tag for q in removed})):
             return False
         for q in removed:
-            self.emit(events.note(f"job {job.id}: its quant {q.name}:{q.tag}@{q.rev} was removed with qf rm; "
-                                  "making it again"))
+            self.emit(
+                events.note(f"job {job.id}: its quant {q.name}:{q.tag}@{q.rev} was removed with qf rm; making it again")
+            )
         return True
 
     def _runnable(self, specs: list[QuantSpec], request: Request, device: str) -> list[QuantSpec]:
         """The specs this device can make: without CUDA, those of engines that need it are skipped with a note,
         or refused when a flag asked for them."""
         if device != "cuda":
-            for engine in sorted({engines.get(s.method) for s in specs if engines.get(s.method).requires_cuda},
-                                 key=lambda e: e.name):
+            for engine in sorted(
+                {engines.get(s.method) for s in specs if engines.get(s.method).requires_cuda}, key=lambda e: e.name
+            ):
                 if engine.name in request.asked:
-                    where = ("this machine has" if request.device is None
-                             else "the workers (FACTORY_WORKER_DEVICE) have")
+                    where = "this machine has" if request.device is None else "the workers (FACTORY_WORKER_DEVICE) have"
                     flags = f"--{engine.name}" + (", --fit" if engine.sizes_to_budget else "")
                     others = [e for e in engines.all_engines() if not e.requires_cuda and e.flag]
                     alternative = ", ".join(f"{e.label} runs without one (--{e.name})" for e in others)
-                    raise SpecError(f"{engine.label} ({flags}) needs a CUDA GPU and {where} none"
-                                    + (f"; {alternative}" if alternative else ""))
+                    raise SpecError(
+                        f"{engine.label} ({flags}) needs a CUDA GPU and {where} none"
+                        + (f"; {alternative}" if alternative else "")
+                    )
                 specs = [s for s in specs if s.method != engine.name]
                 self.emit(events.note(f"no CUDA GPU: skipping the recipe's {engine.label} targets"))
         if not specs:
-            flags = ", ".join(f"--{e.name}" + (" VALUE" if e.flag.takes_value else "")
-                              for e in engines.all_engines() if e.flag)
-            raise SpecError(f"nothing to make: pass {flags}, or a recipe with {' or '.join(engines.available())} "
-                            "targets")
+            flags = ", ".join(
+                f"--{e.name}" + (" VALUE" if e.flag.takes_value else "") for e in engines.all_engines() if e.flag
+            )
+            raise SpecError(
+                f"nothing to make: pass {flags}, or a recipe with {' or '.join(engines.available())} targets"
+            )
         return specs
 
     def estimate(self, job: Job) -> tuple[float, float] | None:
@@ -141,8 +148,9 @@ class Planning:
         except (FactoryError, ValueError):
             return None
         shape = Shape.of(config)
-        model = Sized(shape, Params.of(tensors, shape), min(evaluate.WINDOW, shape.max_positions),
-                      layered.walkable(config))
+        model = Sized(
+            shape, Params.of(tensors, shape), min(evaluate.WINDOW, shape.max_positions), layered.walkable(config)
+        )
         keys = {s.tag: self._measurement_key(job, s) for s in specs if engines.get(s.method).needs_measurement}
         return self.costs.estimate(job, model, graph.units(specs, keys, True, bool(self.settings.hub_owner)))
 

@@ -60,8 +60,7 @@ def _calibration(r: QuantRow) -> str:
 
 def _sections(rows: list[QuantRow]) -> tuple[str, str]:
     """What each engine adds about its quants: before the prompt format, and after the load snippets."""
-    parts = [engines.get(m).card_sections([r for r in rows if r.method == m])
-             for m in sorted({r.method for r in rows})]
+    parts = [engines.get(m).card_sections([r for r in rows if r.method == m]) for m in sorted({r.method for r in rows})]
     return "".join(p[0] for p in parts), "".join(p[1] for p in parts)
 
 
@@ -94,13 +93,15 @@ def _prompt(up: Upstream) -> str:
 def _vision(up: Upstream) -> str:
     if up.vision is None:
         return ""
-    return (f"\n## Images\n\nThe base model sees images: its vision tower (`{up.vision}`) and the projector into its "
-            "language model are kept at 16 bits in every quant, as in the FP16 checkpoint; only the language model is "
-            "quantized. The scores above are the language model's, on text. The processor's files travel with the "
-            "quants, so a processor loads from the quant's folder as from the base model's:\n\n```python\n"
-            "from transformers import AutoModelForImageTextToText, AutoProcessor\n"
-            'model = AutoModelForImageTextToText.from_pretrained("./quant")\n'
-            'processor = AutoProcessor.from_pretrained("./quant")\n```\n')
+    return (
+        f"\n## Images\n\nThe base model sees images: its vision tower (`{up.vision}`) and the projector into its "
+        "language model are kept at 16 bits in every quant, as in the FP16 checkpoint; only the language model is "
+        "quantized. The scores above are the language model's, on text. The processor's files travel with the "
+        "quants, so a processor loads from the quant's folder as from the base model's:\n\n```python\n"
+        "from transformers import AutoModelForImageTextToText, AutoProcessor\n"
+        'model = AutoModelForImageTextToText.from_pretrained("./quant")\n'
+        'processor = AutoProcessor.from_pretrained("./quant")\n```\n'
+    )
 
 
 def _evaluations(rows: list[QuantRow]) -> str:
@@ -115,8 +116,10 @@ def _evaluations(rows: list[QuantRow]) -> str:
         for e in r.evaluations:
             kld_text = "-" if e["kld"] is None else tables.kld(e["kld"])
             top1_text = "-" if e["top1"] is None else f"{e['top1'] * 100:.1f}%"
-            lines.append(f"| {public_name(e['text'])}, {e['device']} | {e['windows']} x {e['window_length']} "
-                         f"| {e['ppl']:.4f} | {kld_text} | {top1_text} | {e['job']} |")
+            lines.append(
+                f"| {public_name(e['text'])}, {e['device']} | {e['windows']} x {e['window_length']} "
+                f"| {e['ppl']:.4f} | {kld_text} | {top1_text} | {e['job']} |"
+            )
     return "\n## Evaluations\n" + "\n".join(lines) + "\n" if lines else ""
 
 
@@ -183,8 +186,9 @@ most likely next token.
 
 def plot(rows: list[QuantRow], path: Path) -> Path:
     """Perplexity against size for every variant, the FP16 model as a dashed line (a PNG for the Hub card)."""
-    return _plot(rows, path, lambda r: r.ppl, f"perplexity ({public_name(rows[0].eval['text'])})",
-                 fp16=rows[0].fp16_ppl)
+    return _plot(
+        rows, path, lambda r: r.ppl, f"perplexity ({public_name(rows[0].eval['text'])})", fp16=rows[0].fp16_ppl
+    )
 
 
 def _with_kld(rows: list[QuantRow]) -> list[QuantRow]:
@@ -198,8 +202,13 @@ def has_kld(rows: list[QuantRow]) -> bool:
 
 def plot_kld(rows: list[QuantRow], path: Path) -> Path:
     """KL divergence from FP16 against size for every variant that has one, on a log scale (FP16 itself is 0)."""
-    return _plot(_with_kld(rows), path, lambda r: r.kld,
-                 f"KL divergence from FP16 ({public_name(rows[0].eval['text'])})", log=True)
+    return _plot(
+        _with_kld(rows),
+        path,
+        lambda r: r.kld,
+        f"KL divergence from FP16 ({public_name(rows[0].eval['text'])})",
+        log=True,
+    )
 
 
 def _plot(rows: list[QuantRow], path: Path, value, label: str, fp16: float | None = None, log: bool = False) -> Path:

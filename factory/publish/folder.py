@@ -61,8 +61,9 @@ def content(table: dict[str, dict], card: str = CARD) -> dict[str, dict]:
     return {name: entry for name, entry in table.items() if name != card}
 
 
-def publish(registry: Path, name: str, tag: str, rev: str, files: Path, manifest: dict,
-            card: str = CARD) -> tuple[Path, dict]:
+def publish(
+    registry: Path, name: str, tag: str, rev: str, files: Path, manifest: dict, card: str = CARD
+) -> tuple[Path, dict]:
     """Put `files` (a flat folder) into the registry as name:tag@rev, or find them there; returns (folder, its
     manifest). Create-or-verify: a folder never changes once it is in place. The staging folder is renamed onto
     the name, which fails when another publisher put a folder there first (rename(2) onto a non-empty folder);

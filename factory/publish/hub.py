@@ -49,8 +49,9 @@ def writer(owner: str):
     """An HfApi that may write under `owner`; one sentence (exit 5) when the token is missing or cannot."""
     secret = token()
     if not secret:
-        raise ServiceUnavailable("publishing to the Hub needs a token with write access: set HF_TOKEN or log in "
-                                 "with `hf auth login`")
+        raise ServiceUnavailable(
+            "publishing to the Hub needs a token with write access: set HF_TOKEN or log in with `hf auth login`"
+        )
     api = client(secret)
     with errors("the token's account"):
         me = retrying(api.whoami)
@@ -59,13 +60,16 @@ def writer(owner: str):
         raise ServiceUnavailable(f"the Hub token of {me['name']} is read-only; publishing needs write access")
     allowed = {me["name"], *(o["name"] for o in me.get("orgs", []))}
     if owner not in allowed:
-        raise ServiceUnavailable(f"the Hub token of {me['name']} cannot publish under {owner!r} "
-                                 f"(FACTORY_HUB_OWNER); it may publish under {', '.join(sorted(allowed))}")
+        raise ServiceUnavailable(
+            f"the Hub token of {me['name']} cannot publish under {owner!r} "
+            f"(FACTORY_HUB_OWNER); it may publish under {', '.join(sorted(allowed))}"
+        )
     return api
 
 
-def put_branch(api, repo: str, branch: str, files: dict[str, Path] | Callable[[], dict[str, Path]],
-               message: str) -> str | None:
+def put_branch(
+    api, repo: str, branch: str, files: dict[str, Path] | Callable[[], dict[str, Path]], message: str
+) -> str | None:
     """Make `branch` of `repo` hold exactly `files` (path in repo -> local file) in one commit made against the
     head it read; None when it already does. A concurrent commit to the branch makes it read again and retry
     (with `files` made again when it is a function: a card that lists what the other commit added)."""
@@ -90,8 +94,11 @@ def put_branch(api, repo: str, branch: str, files: dict[str, Path] | Callable[[]
             if not ops:
                 return None
             try:
-                return retrying(lambda ops=ops, head=info.sha: api.create_commit(
-                    repo, ops, commit_message=message, revision=branch, parent_commit=head)).oid
+                return retrying(
+                    lambda ops=ops, head=info.sha: api.create_commit(
+                        repo, ops, commit_message=message, revision=branch, parent_commit=head
+                    )
+                ).oid
             except HfHubHTTPError as e:  # another commit moved the branch: read it again
                 if status(e) not in (409, 412) or attempt == 2:
                     raise
@@ -175,6 +182,9 @@ def published(owner: str, templates: dict[str, str]) -> list[dict]:
         for repo in models:
             if match := re.fullmatch(pattern, repo):
                 tag_of = engines.get(method).tag_of_branch
-                rows += [{"name": f"{match['model']}:{tag_of(b)}", "repo": repo, "branch": b, "commit": c}
-                         for b, c in sorted(refs(repo).items()) if b != "main"]
+                rows += [
+                    {"name": f"{match['model']}:{tag_of(b)}", "repo": repo, "branch": b, "commit": c}
+                    for b, c in sorted(refs(repo).items())
+                    if b != "main"
+                ]
     return rows

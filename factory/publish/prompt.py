@@ -20,16 +20,22 @@ from pathlib import Path
 SECONDS = 5.0
 MAX_BYTES = 64 << 10
 MEMORY = 512 << 20
-EXAMPLE = [{"role": "system", "content": "You are a helpful assistant."},
-           {"role": "user", "content": "What is the capital of France?"}]
+EXAMPLE = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "What is the capital of France?"},
+]
 # a vision-language model's: the user's message holds an image, which the template writes as its placeholder
-IMAGE_EXAMPLE = [{"role": "system", "content": [{"type": "text", "text": "You are a helpful assistant."}]},
-                 {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is in this picture?"}]}]
+IMAGE_EXAMPLE = [
+    {"role": "system", "content": [{"type": "text", "text": "You are a helpful assistant."}]},
+    {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is in this picture?"}]},
+]
 TOO_LONG, NOT_RENDERED, OUT_OF_MEMORY = 3, 4, 5  # the child's exit codes besides 0
 log = logging.getLogger("quantfactory")
 # this very module, wherever it was imported from (-I: no environment, no current folder, no user site)
-CHILD = f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r}); " \
-        "from factory.publish.prompt import _child; _child()"
+CHILD = (
+    f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r}); "
+    "from factory.publish.prompt import _child; _child()"
+)
 
 
 @dataclass(frozen=True)
@@ -44,16 +50,23 @@ class Example:
 def example(template: str, image: bool = False) -> Example:
     """The template applied to EXAMPLE, or to IMAGE_EXAMPLE with `image` (a vision-language model's)."""
     try:
-        done = subprocess.run([sys.executable, "-I", "-c", CHILD, *(["image"] if image else [])],
-                              input=template.encode(), capture_output=True, timeout=SECONDS, env={})
+        done = subprocess.run(
+            [sys.executable, "-I", "-c", CHILD, *(["image"] if image else [])],
+            input=template.encode(),
+            capture_output=True,
+            timeout=SECONDS,
+            env={},
+        )
     except subprocess.TimeoutExpired:  # subprocess.run has killed it (SIGKILL)
         return _none(f"rendering it took longer than {SECONDS:g} s")
     if done.returncode == 0:
         return Example(done.stdout.decode("utf-8", errors="replace"))
     if done.returncode == NOT_RENDERED:  # shown as it is
         return Example(template) if len(template.encode()) <= MAX_BYTES else _none("the template is over 64 KiB")
-    why = {TOO_LONG: f"it renders to more than {MAX_BYTES >> 10} KiB",
-           OUT_OF_MEMORY: f"rendering it needed more than {MEMORY >> 20} MiB"}.get(done.returncode)
+    why = {
+        TOO_LONG: f"it renders to more than {MAX_BYTES >> 10} KiB",
+        OUT_OF_MEMORY: f"rendering it needed more than {MEMORY >> 20} MiB",
+    }.get(done.returncode)
     return _none(why or f"rendering it failed (exit {done.returncode})")
 
 
@@ -73,8 +86,9 @@ def _render(template: str, messages: list[dict] = EXAMPLE) -> bytes:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
     out, size = [], 0
-    for piece in env.from_string(template).generate(messages=messages, add_generation_prompt=True, bos_token="",
-                                                     eos_token=""):
+    for piece in env.from_string(template).generate(
+        messages=messages, add_generation_prompt=True, bos_token="", eos_token=""
+    ):
         data = piece.encode("utf-8", errors="replace")
         size += len(data)
         if size > MAX_BYTES:

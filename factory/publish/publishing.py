@@ -60,8 +60,9 @@ class Publisher:
         self.catalog = catalog
         self._hub_writer = None  # an HfApi checked once for writing under FACTORY_HUB_OWNER
 
-    def to_registry(self, job: Job, spec: QuantSpec, out: Path, scores: Scores, upstream: Upstream,
-                    token: int | None) -> None:
+    def to_registry(
+        self, job: Job, spec: QuantSpec, out: Path, scores: Scores, upstream: Upstream, token: int | None
+    ) -> None:
         """The quant's row and its registry folder `<name>/<tag>@<rev>`, one act fenced by `token`: a cancel or a
         new holder either comes before it (nothing published) or waits for it."""
         engine = engines.get(spec.method)
@@ -80,8 +81,17 @@ class Publisher:
                 continue
         raise JobFailed(f"{job.name}:{spec.tag}: both {source_rev} and {source_rev + content[:9]} hold other files")
 
-    def _to_registry(self, job: Job, spec: QuantSpec, out: Path, scores: Scores, upstream: Upstream,
-                     token: int | None, rev: str, content: str) -> None:
+    def _to_registry(
+        self,
+        job: Job,
+        spec: QuantSpec,
+        out: Path,
+        scores: Scores,
+        upstream: Upstream,
+        token: int | None,
+        rev: str,
+        content: str,
+    ) -> None:
         engine = engines.get(spec.method)
         (out / card.FILENAME).unlink(missing_ok=True)
         quant = Quant(
@@ -93,8 +103,9 @@ class Publisher:
             bits=spec.bits,
             spec=spec.model_dump(),
             bytes=sum(p.stat().st_size for p in out.iterdir() if p.is_file()),
-            path=str(registry.quant_dir(self.settings.registry, job.name, spec.tag, rev)
-                     .relative_to(self.settings.registry)),
+            path=str(
+                registry.quant_dir(self.settings.registry, job.name, spec.tag, rev).relative_to(self.settings.registry)
+            ),
             source=job.source,
             source_identity=job.source_identity,
             calibration=job.calibration,
@@ -114,8 +125,10 @@ class Publisher:
                 "window_length": scores.window_length,
                 "device": job.device,
                 # the engine's other scores, e.g. kv_cache (JSON: no NaN or infinity, so null)
-                **{group: {k: p if math.isfinite(p) else None for k, p in values.items()}
-                   for group, values in scores.extra.items()},
+                **{
+                    group: {k: p if math.isfinite(p) else None for k, p in values.items()}
+                    for group, values in scores.extra.items()
+                },
             },
         )
         this = _with_engine_notes(quant.row(), engine, out)
@@ -130,8 +143,15 @@ class Publisher:
             "versions": this.versions,
             "job": job.id,
             "spec": spec.model_dump(),
-            "eval": {**quant.eval, "text": calibration.public_name(job.eval), "ppl": scores.ppl,
-                     "fp16_ppl": scores.fp16_ppl, "kld": quant.kld, "kld_p99": quant.kld_p99, "top1": quant.top1},
+            "eval": {
+                **quant.eval,
+                "text": calibration.public_name(job.eval),
+                "ppl": scores.ppl,
+                "fp16_ppl": scores.fp16_ppl,
+                "kld": quant.kld,
+                "kld_p99": quant.kld_p99,
+                "top1": quant.top1,
+            },
         }
         placed: list[Path] = []  # the folder this publish put in place, where there was none
 
@@ -179,10 +199,12 @@ class Publisher:
 
         def main_files() -> dict[str, Path]:  # made again after a concurrent commit to main
             on_hub = hub.refs(here.repo)
-            latest = {q.tag: q for q in sorted(self.catalog.quants(name=job.name), key=lambda q: q.created_at)
-                      if q.method == spec.method and where(q.tag).branch in on_hub and (s.registry / q.path).is_dir()}
-            rows = [_with_engine_notes(self.catalog.quant_row(q), engine, s.registry / q.path)
-                    for q in latest.values()]
+            latest = {
+                q.tag: q
+                for q in sorted(self.catalog.quants(name=job.name), key=lambda q: q.created_at)
+                if q.method == spec.method and where(q.tag).branch in on_hub and (s.registry / q.path).is_dir()
+            }
+            rows = [_with_engine_notes(self.catalog.quant_row(q), engine, s.registry / q.path) for q in latest.values()]
             newest = max(rows, key=lambda r: r.created_at)
             newest_dir = s.registry / newest.path
             main_quant = {name: newest_dir / name for name in engine.main_files(newest_dir)}
@@ -209,8 +231,9 @@ class Publisher:
 
 def weights_key(job: Job, spec: QuantSpec) -> str:
     """The key of the weights `spec` makes from the job's source (identity.weights_key)."""
-    return identity.weights_key(job.source_identity, spec.model_dump(), job.calibration_sha,
-                                job.versions.get(spec.method), job.device)
+    return identity.weights_key(
+        job.source_identity, spec.model_dump(), job.calibration_sha, job.versions.get(spec.method), job.device
+    )
 
 
 def moment(name: str) -> None:

@@ -94,15 +94,28 @@ class Accounts:
     def __init__(self, catalog: Catalog):
         self.catalog = catalog
 
-    def create(self, user: str, scopes: tuple[str, ...] = DEFAULT_SCOPES, quota_jobs_per_day: int | None = None,
-               max_running: int | None = None) -> tuple[str, Token]:
+    def create(
+        self,
+        user: str,
+        scopes: tuple[str, ...] = DEFAULT_SCOPES,
+        quota_jobs_per_day: int | None = None,
+        max_running: int | None = None,
+    ) -> tuple[str, Token]:
         """A new token for `user`: (the token, shown this once; its row)."""
         if not _USER.fullmatch(user):
-            raise SpecError(f"user {user!r}: lowercase letters, digits, '.', '_' and '-', at most 64, starting with "
-                            "a letter or digit")
+            raise SpecError(
+                f"user {user!r}: lowercase letters, digits, '.', '_' and '-', at most 64, starting with "
+                "a letter or digit"
+            )
         secret = PREFIX + secrets.token_urlsafe(32)
-        row = Token(id=secrets.token_hex(4), username=user, sha256=_digest(secret), scopes=list(scopes),
-                    quota_jobs_per_day=quota_jobs_per_day, max_running=max_running)
+        row = Token(
+            id=secrets.token_hex(4),
+            username=user,
+            sha256=_digest(secret),
+            scopes=list(scopes),
+            quota_jobs_per_day=quota_jobs_per_day,
+            max_running=max_running,
+        )
         with self.catalog.session() as s:
             s.add(row)
         return secret, row
@@ -121,15 +134,23 @@ class Accounts:
 
     def authenticate(self, secret: str | None) -> Account:
         if not secret:
-            raise Unauthenticated("this request has no token; set FACTORY_TOKEN (or send Authorization: Bearer "
-                                  "<token>); `qf token create` on the factory makes one")
+            raise Unauthenticated(
+                "this request has no token; set FACTORY_TOKEN (or send Authorization: Bearer "
+                "<token>); `qf token create` on the factory makes one"
+            )
         with self.catalog.session() as s:
             row = s.scalar(select(Token).where(Token.sha256 == _digest(secret)))
         if row is None or row.revoked_at is not None:
-            raise Unauthenticated("the token is not valid here (revoked, or not one of this factory's); ask the "
-                                  "factory's admin for a new one")
-        return Account(user=row.username, scopes=frozenset(row.scopes), quota_jobs_per_day=row.quota_jobs_per_day,
-                       max_running=row.max_running)
+            raise Unauthenticated(
+                "the token is not valid here (revoked, or not one of this factory's); ask the "
+                "factory's admin for a new one"
+            )
+        return Account(
+            user=row.username,
+            scopes=frozenset(row.scopes),
+            quota_jobs_per_day=row.quota_jobs_per_day,
+            max_running=row.max_running,
+        )
 
     def reserve(self, account: Account, place_seconds: float) -> int:
         """A place for one more submission by `account`'s user (its id, for `record` or `release`), or OverQuota
@@ -137,24 +158,36 @@ class Accounts:
         left by a submission that never ended (a killed server): they are let go here."""
         with self.catalog.session() as s:
             s.execute(update(Token).where(Token.username == account.user).values(last_used_at=now()))
-            s.execute(delete(Submission).where(Submission.username == account.user, Submission.job_id.is_(None),
-                                               Submission.created_at < now() - timedelta(seconds=place_seconds)))
+            s.execute(
+                delete(Submission).where(
+                    Submission.username == account.user,
+                    Submission.job_id.is_(None),
+                    Submission.created_at < now() - timedelta(seconds=place_seconds),
+                )
+            )
             if account.quota_jobs_per_day is not None:
                 since = now() - DAY
-                recent = s.scalars(select(Submission.created_at).where(
-                    Submission.username == account.user, Submission.created_at > since).order_by(Submission.created_at))
+                recent = s.scalars(
+                    select(Submission.created_at)
+                    .where(Submission.username == account.user, Submission.created_at > since)
+                    .order_by(Submission.created_at)
+                )
                 recent = list(recent)
                 if len(recent) >= account.quota_jobs_per_day:
                     resets = (recent[0] + DAY).isoformat(sep=" ", timespec="seconds")
-                    raise OverQuota(f"{account.user} has submitted {len(recent)} jobs in the last 24 hours, the quota "
-                                    f"is {account.quota_jobs_per_day} a day; the next one may be submitted at "
-                                    f"{resets} UTC")
+                    raise OverQuota(
+                        f"{account.user} has submitted {len(recent)} jobs in the last 24 hours, the quota "
+                        f"is {account.quota_jobs_per_day} a day; the next one may be submitted at "
+                        f"{resets} UTC"
+                    )
             if account.max_running is not None:
                 running = self._running(s, account.user)
                 if running >= account.max_running:
-                    raise OverQuota(f"{account.user} has {running} jobs queued or running, at most "
-                                    f"{account.max_running} are allowed at once; the next one may be submitted when "
-                                    "one of them ends")
+                    raise OverQuota(
+                        f"{account.user} has {running} jobs queued or running, at most "
+                        f"{account.max_running} are allowed at once; the next one may be submitted when "
+                        "one of them ends"
+                    )
             place = Submission(username=account.user, job_id=None)
             s.add(place)
             s.flush()
@@ -162,11 +195,18 @@ class Accounts:
 
     @staticmethod
     def _running(s, user: str) -> int:
-        jobs = s.scalar(select(func.count(func.distinct(Submission.job_id))).join(Job, Job.id == Submission.job_id)
-                        .where(Submission.username == user, Submission.withdrawn_at.is_(None),
-                               Job.state.not_in([str(t) for t in TERMINAL])))
-        pending = s.scalar(select(func.count()).select_from(Submission)
-                           .where(Submission.username == user, Submission.job_id.is_(None)))
+        jobs = s.scalar(
+            select(func.count(func.distinct(Submission.job_id)))
+            .join(Job, Job.id == Submission.job_id)
+            .where(
+                Submission.username == user,
+                Submission.withdrawn_at.is_(None),
+                Job.state.not_in([str(t) for t in TERMINAL]),
+            )
+        )
+        pending = s.scalar(
+            select(func.count()).select_from(Submission).where(Submission.username == user, Submission.job_id.is_(None))
+        )
         return (jobs or 0) + (pending or 0)
 
     def record(self, place: int, user: str, job_id: str) -> Job:
@@ -185,10 +225,18 @@ class Accounts:
         users still want it)."""
         with self.catalog.session() as s:
             s.get(Job, job_id, with_for_update=True)
-            s.execute(update(Submission).where(Submission.job_id == job_id, Submission.username == account.user,
-                                               Submission.withdrawn_at.is_(None)).values(withdrawn_at=now()))
-            others = s.scalar(select(func.count(func.distinct(Submission.username))).where(
-                Submission.job_id == job_id, Submission.withdrawn_at.is_(None), Submission.username != account.user))
+            s.execute(
+                update(Submission)
+                .where(
+                    Submission.job_id == job_id, Submission.username == account.user, Submission.withdrawn_at.is_(None)
+                )
+                .values(withdrawn_at=now())
+            )
+            others = s.scalar(
+                select(func.count(func.distinct(Submission.username))).where(
+                    Submission.job_id == job_id, Submission.withdrawn_at.is_(None), Submission.username != account.user
+                )
+            )
             if others and not account.admin:
                 return s.get(Job, job_id), others
             return self.catalog.cancel_job(job_id, session=s), others
@@ -196,8 +244,11 @@ class Accounts:
     def rejoin(self, account: Account, job_id: str) -> None:
         """`account` wants the job again (a retry): its withdrawn submissions of it count again."""
         with self.catalog.session() as s:
-            s.execute(update(Submission).where(Submission.job_id == job_id, Submission.username == account.user)
-                      .values(withdrawn_at=None))
+            s.execute(
+                update(Submission)
+                .where(Submission.job_id == job_id, Submission.username == account.user)
+                .values(withdrawn_at=None)
+            )
 
     def release(self, place: int) -> None:
         """A reserved place whose submission was refused (bad input): it does not count."""
@@ -209,8 +260,11 @@ class Accounts:
         if account.sees_every_job:
             return None
         with self.catalog.session() as s:
-            return set(s.scalars(select(Submission.job_id).where(Submission.username == account.user,
-                                                                  Submission.job_id.is_not(None))))
+            return set(
+                s.scalars(
+                    select(Submission.job_id).where(Submission.username == account.user, Submission.job_id.is_not(None))
+                )
+            )
 
     def check_job(self, account: Account, job_id: str) -> None:
         """NotFound unless the job exists and `account` submitted it (or is an admin): another user's job is

@@ -55,9 +55,17 @@ MAX_BODY = 64 * 1024  # a submission is a few hundred bytes; a recipe a few kilo
 COOKIE = "qf_token"  # the dashboard's sign-in (service/dashboard.py); the API takes the Authorization header only
 log = logging.getLogger("quantfactory.service")
 
-_STATUS = [(Unauthenticated, 401), (OverQuota, 429), (AccessDenied, 403), (NotFound, 404), (Conflict, 409),
-           (SpecError, 422),
-           (ModelRefused, 422), (ServiceUnavailable, 503), (JobFailed, 409)]
+_STATUS = [
+    (Unauthenticated, 401),
+    (OverQuota, 429),
+    (AccessDenied, 403),
+    (NotFound, 404),
+    (Conflict, 409),
+    (SpecError, 422),
+    (ModelRefused, 422),
+    (ServiceUnavailable, 503),
+    (JobFailed, 409),
+]
 
 
 def http_status(error: FactoryError) -> int:
@@ -148,8 +156,9 @@ Who = Annotated[Account, Depends(account)]
 def visible_jobs(config: settings.Settings, who: Account, **query) -> list[dict]:
     """status.job_rows of the jobs `who` may see: their own, or every job (admin, the public dashboard); server
     paths masked for all but the admin."""
-    rows = status.job_rows(config.db_url, user=None if who.sees_every_job else who.user, broker_url=config.broker_url,
-                           **query)
+    rows = status.job_rows(
+        config.db_url, user=None if who.sees_every_job else who.user, broker_url=config.broker_url, **query
+    )
     return shown(rows, who, config)
 
 
@@ -167,8 +176,9 @@ def create_app(config: settings.Settings | None = None) -> FastAPI:
     accounts = Accounts(factory.catalog)
     followers = Followers()
     # The API's docs (/docs, /redoc) from files in the fastapi-offline wheel: a factory without internet shows them too.
-    app = FastAPIOffline(title="quantfactory", summary="Submit quantization jobs, follow them, pull finished quants.",
-                         version="1")
+    app = FastAPIOffline(
+        title="quantfactory", summary="Submit quantization jobs, follow them, pull finished quants.", version="1"
+    )
     app.add_middleware(_BodyLimit)
     app.state.config, app.state.factory, app.state.accounts = config, factory, accounts
 
@@ -177,8 +187,10 @@ def create_app(config: settings.Settings | None = None) -> FastAPI:
         message = e.message if isinstance(e, _NotServed) else redact.paths(e.message, config)  # the log has it whole
         if isinstance(e, ServiceUnavailable):  # which database or broker, where: the admin's business
             log.warning("%s %s: %s", request.method, request.url.path, e.message)
-            message = ("the factory's service cannot reach a service it needs (its catalog, broker or the Hub) now; "
-                       "try again later (its log says which)")
+            message = (
+                "the factory's service cannot reach a service it needs (its catalog, broker or the Hub) now; "
+                "try again later (its log says which)"
+            )
         if not request.url.path.startswith("/api/") and "text/html" in request.headers.get("accept", ""):
             return dashboard.error_page(http_status(e), message)  # a person at a browser
         return refusal(http_status(e), message, e.exit_code)
@@ -212,9 +224,21 @@ def create_app(config: settings.Settings | None = None) -> FastAPI:
         place, notes = accounts.reserve(who, config.place_seconds), []
         try:
             request = submission.request(
-                body.source, body.flags, None, body.calibration, body.eval, body.eval_windows, body.name,
-                body.base_model, config.worker_device, body.fit, body.ctx, body.kv_cache, say=notes.append,
-                recipe_text=body.recipe)
+                body.source,
+                body.flags,
+                None,
+                body.calibration,
+                body.eval,
+                body.eval_windows,
+                body.name,
+                body.base_model,
+                config.worker_device,
+                body.fit,
+                body.ctx,
+                body.kv_cache,
+                say=notes.append,
+                recipe_text=body.recipe,
+            )
             for text in (request.recipe.calibration, request.recipe.eval):
                 _check_text(text, config)
             job = queue(factory, request)
@@ -224,8 +248,12 @@ def create_app(config: settings.Settings | None = None) -> FastAPI:
         if accounts.record(place, who.user, job.id).state == JobState.cancelled:
             job = queue(factory, request)  # its last other owner cancelled it just before this user's place counted
         guess = factory.estimate(job)
-        return {"id": job.id, "state": str(job.state), "notes": notes,
-                "estimate": {"packed": guess[0], "alone": guess[1]} if guess else None}
+        return {
+            "id": job.id,
+            "state": str(job.state),
+            "notes": notes,
+            "estimate": {"packed": guess[0], "alone": guess[1]} if guess else None,
+        }
 
     @app.get("/api/jobs")
     def jobs(who: Who, limit: Annotated[int, Query(ge=1, le=1000)] = 20, name: str | None = None) -> list[dict]:
@@ -279,9 +307,12 @@ def create_app(config: settings.Settings | None = None) -> FastAPI:
         """`qf show NAME[:TAG]`: the model's quants (with what fits each GPU) and the user's jobs of it."""
         who.require("read")
         ref = _ref(name, tag, rev, tag_required=False)
-        return {"quants": shown([r.to_json() for r in lookup.with_fits(factory.catalog, config.registry, ref)], who,
-                                config),
-                "jobs": visible_jobs(config, who, limit=50, name=ref.name)}
+        return {
+            "quants": shown(
+                [r.to_json() for r in lookup.with_fits(factory.catalog, config.registry, ref)], who, config
+            ),
+            "jobs": visible_jobs(config, who, limit=50, name=ref.name),
+        }
 
     @app.get("/api/quants/{name}/{tag}")
     def quant(name: str, tag: str, who: Who, rev: str | None = None) -> dict:
@@ -297,8 +328,7 @@ def create_app(config: settings.Settings | None = None) -> FastAPI:
         found, manifest = _quant(name, tag, rev)
         if fname != folder.MANIFEST and fname not in manifest["files"]:
             raise NotFound(f"{found.name}:{found.tag}@{found.rev} has no file {fname!r}")
-        return FileResponse(config.registry / found.path / fname, filename=fname,
-                            media_type="application/octet-stream")
+        return FileResponse(config.registry / found.path / fname, filename=fname, media_type="application/octet-stream")
 
     def _quant(name: str, tag: str, rev: str | None):
         ref = _ref(name, tag, rev, tag_required=True)
@@ -366,8 +396,10 @@ def _check_source(source: str, config: settings.Settings) -> None:
     else:  # a Hub repo, as `qf serve` runs in an empty folder (cli_service.serve): no relative name is found there
         allowed = sources.is_hub_name(source) and not path.exists()
     if not allowed:
-        raise _NotServed(f"source {source!r} is neither a Hub repo org/name[@revision] nor a folder this factory "
-                           "serves models from (FACTORY_SERVE_SOURCES, by its absolute path)")
+        raise _NotServed(
+            f"source {source!r} is neither a Hub repo org/name[@revision] nor a folder this factory "
+            "serves models from (FACTORY_SERVE_SOURCES, by its absolute path)"
+        )
 
 
 def _check_text(text: str | None, config: settings.Settings) -> None:
@@ -375,6 +407,7 @@ def _check_text(text: str | None, config: settings.Settings) -> None:
     if text and text.startswith("file:"):
         _check_source(text.removeprefix("file:"), config)
         if not Path(text.removeprefix("file:")).is_absolute():
-            raise _NotServed(f"{text!r}: a text file must be named by its absolute path in a folder this factory "
-                               "serves (FACTORY_SERVE_SOURCES)")
-
+            raise _NotServed(
+                f"{text!r}: a text file must be named by its absolute path in a folder this factory "
+                "serves (FACTORY_SERVE_SOURCES)"
+            )

@@ -46,8 +46,9 @@ class Client:
             answer = json.loads(body)
             message, exit_code = answer["error"], int(answer.get("exit_code", 5))
         except (ValueError, KeyError, TypeError):
-            return ServiceUnavailable(f"the factory's service at {mask_url(self.url)} answered HTTP "
-                                      f"{status} without saying why")
+            return ServiceUnavailable(
+                f"the factory's service at {mask_url(self.url)} answered HTTP {status} without saying why"
+            )
         if status == 429:
             return OverQuota(message)
         if status == 409:
@@ -79,8 +80,10 @@ class Client:
         try:
             return json.loads(body)
         except ValueError:
-            raise ServiceUnavailable(f"{mask_url(self.url)} answered {path} with something other than JSON; is "
-                                     "FACTORY_SERVER the factory's service?") from None
+            raise ServiceUnavailable(
+                f"{mask_url(self.url)} answered {path} with something other than JSON; is "
+                "FACTORY_SERVER the factory's service?"
+            ) from None
 
     def submit(self, body: dict) -> dict:
         return self.call("POST", "/api/jobs", json=body)
@@ -106,8 +109,9 @@ class Client:
     def events(self, job_id: str) -> Iterator[dict]:
         """The job's events (server-sent), until its result or its end."""
         try:
-            with self.http.stream("GET", f"/api/jobs/{_segment(job_id)}/events",
-                                  timeout=httpx.Timeout(60.0, connect=10.0, read=None)) as response:
+            with self.http.stream(
+                "GET", f"/api/jobs/{_segment(job_id)}/events", timeout=httpx.Timeout(60.0, connect=10.0, read=None)
+            ) as response:
                 if response.status_code >= 400:
                     raise self._error(response.status_code, self._read(response, "the job's events"))
                 for line in response.iter_lines():
@@ -142,8 +146,10 @@ class Client:
                 self._download(quant, fname, path, have, want["bytes"], lambda n, at=before: progress(at + n, total))
             if file_sha256(path) != want["sha256"]:
                 path.unlink()
-                raise JobFailed(f"{fname} of {quant['name']}@{quant['rev']} from the factory's service at "
-                                f"{mask_url(self.url)} does not match its sha256 in the manifest; pull again")
+                raise JobFailed(
+                    f"{fname} of {quant['name']}@{quant['rev']} from the factory's service at "
+                    f"{mask_url(self.url)} does not match its sha256 in the manifest; pull again"
+                )
             before += want["bytes"]
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
         if dest.exists():
@@ -151,8 +157,9 @@ class Client:
         staging.rename(dest)
         return quant, [dest / f for f in files]
 
-    def _download(self, quant: dict, fname: str, path: Path, have: int, size: int,
-                  progress: Callable[[int], None]) -> None:
+    def _download(
+        self, quant: dict, fname: str, path: Path, have: int, size: int, progress: Callable[[int], None]
+    ) -> None:
         """`path` completed from its byte `have` (or from its start, when the server sends the whole file) to the
         manifest's `size`, never past it: a longer body is cut off there, a shorter one (a Content-Length that
         stops early, say) is refused too, and the file goes."""
@@ -160,8 +167,9 @@ class Client:
         url = f"/api/quants/{quant['model']}/{quant['tag']}/files/{_segment(fname)}"
         headers = {"Range": f"bytes={have}-"} if have else {}
         try:
-            with self.http.stream("GET", url, params={"rev": quant["rev"]}, headers=headers,
-                                  timeout=httpx.Timeout(60.0, connect=10.0)) as response:
+            with self.http.stream(
+                "GET", url, params={"rev": quant["rev"]}, headers=headers, timeout=httpx.Timeout(60.0, connect=10.0)
+            ) as response:
                 if response.status_code >= 400:
                     raise self._error(response.status_code, self._read(response, what))
                 if response.status_code not in (200, 206):
@@ -171,8 +179,10 @@ class Client:
                     for chunk in response.iter_bytes():  # as they arrive: a killed pull keeps what it got
                         if at + len(chunk) > size:
                             path.unlink()
-                            raise self._refused(f"sent more than the {size} bytes the manifest gives {what}; the "
-                                                "download was stopped there")
+                            raise self._refused(
+                                f"sent more than the {size} bytes the manifest gives {what}; the "
+                                "download was stopped there"
+                            )
                         out.write(chunk)
                         at += len(chunk)
                         progress(at)
@@ -203,8 +213,12 @@ def _refusal(ref: naming.QuantRef, info) -> str | None:
         answered = naming.parse(text, tag_required=True)
     except SpecError:
         return f"answered {ref} with the quant {text!r}, which is not a valid quant name"
-    if (str(answered) != text or (answered.name, answered.tag) != (ref.name, ref.tag)
-            or not answered.rev.startswith(ref.rev or "") or quant.get("name") != f"{answered.name}:{answered.tag}"):
+    if (
+        str(answered) != text
+        or (answered.name, answered.tag) != (ref.name, ref.tag)
+        or not answered.rev.startswith(ref.rev or "")
+        or quant.get("name") != f"{answered.name}:{answered.tag}"
+    ):
         return f"answered {ref} with the quant {text!r}"
     if [manifest.get(key) for key in ("name", "tag", "rev")] != fields:
         return f"answered {ref} with the manifest of another quant"

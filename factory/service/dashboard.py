@@ -26,9 +26,19 @@ _pages.filters.update(size=tables.size, duration=tables.duration, ago=lambda t: 
 
 def running_units(rows: list[dict]) -> list[dict]:
     """What each worker process is running now: the jobs' running steps by holder (host:pid)."""
-    units = [{"holder": step["holder"] or "-", "job": row["id"], "model": row["name"], "unit": step["name"],
-              "started_at": step["started_at"], "expected_seconds": step["expected_seconds"]}
-             for row in rows for step in row["steps"] if step["state"] == "running"]
+    units = [
+        {
+            "holder": step["holder"] or "-",
+            "job": row["id"],
+            "model": row["name"],
+            "unit": step["name"],
+            "started_at": step["started_at"],
+            "expected_seconds": step["expected_seconds"],
+        }
+        for row in rows
+        for step in row["steps"]
+        if step["state"] == "running"
+    ]
     return sorted(units, key=lambda u: (u["holder"], u["started_at"]))
 
 
@@ -57,8 +67,15 @@ def mount(app: FastAPI, account: Callable[[Request], Account]) -> None:
         models = {}
         for q in catalog.quants():
             models.setdefault(q.name, []).append(q.row())
-        return page("index.html", request, who, jobs=jobs, units=running_units(recent),
-                    models=sorted(models.items()), live=any(j["state"] in ("queued", "running") for j in jobs))
+        return page(
+            "index.html",
+            request,
+            who,
+            jobs=jobs,
+            units=running_units(recent),
+            models=sorted(models.items()),
+            live=any(j["state"] in ("queued", "running") for j in jobs),
+        )
 
     @app.get("/jobs/{job_id}", response_class=HTMLResponse, include_in_schema=False)
     def job_page(job_id: str, request: Request):
@@ -77,8 +94,16 @@ def mount(app: FastAPI, account: Callable[[Request], Account]) -> None:
             return who
         ref = naming.parse(name)
         rows = lookup.with_fits(catalog, config.registry, ref)
-        return page("model.html", request, who, name=ref.name, rows=rows, jobs=visible_jobs(config, who, name=ref.name),
-                    has_kld=any(r.kld for r in rows), live=False)
+        return page(
+            "model.html",
+            request,
+            who,
+            name=ref.name,
+            rows=rows,
+            jobs=visible_jobs(config, who, name=ref.name),
+            has_kld=any(r.kld for r in rows),
+            live=False,
+        )
 
     @app.get("/models/{name}/{plot}.png", include_in_schema=False)
     def plot(name: str, plot: str, request: Request):

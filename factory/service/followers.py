@@ -33,17 +33,25 @@ class Followers:
 
     def response(self, user: str, events: Iterator[dict | None]) -> StreamingResponse:
         """`events` (None: a keep-alive) as a server-sent stream for `user`; OverQuota past a bound."""
-        return _Following(self._lines(events), self._admit(user), media_type="text/event-stream",
-                          headers={"Cache-Control": "no-store"})
+        return _Following(
+            self._lines(events),
+            self._admit(user),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-store"},
+        )
 
     def _admit(self, user: str) -> Callable[[], None]:
         with self._lock:
             if self._by_user[user] >= self.per_user:
-                raise OverQuota(f"{user} follows {self._by_user[user]} jobs at once on this server, the most it "
-                                "allows; stop one (Ctrl-C its `qf status --follow`) and follow again")
+                raise OverQuota(
+                    f"{user} follows {self._by_user[user]} jobs at once on this server, the most it "
+                    "allows; stop one (Ctrl-C its `qf status --follow`) and follow again"
+                )
             if self._by_user.total() >= self.per_process:
-                raise OverQuota(f"this server has {self._by_user.total()} followers, the most it allows; follow "
-                                "again in a while, or read the job's state with `qf status JOB`")
+                raise OverQuota(
+                    f"this server has {self._by_user.total()} followers, the most it allows; follow "
+                    "again in a while, or read the job's state with `qf status JOB`"
+                )
             self._by_user[user] += 1
 
         def release() -> None:
@@ -56,8 +64,9 @@ class Followers:
 
     async def _lines(self, events: Iterator[dict | None]) -> AsyncIterator[str]:
         try:
-            while (event := await anyio.to_thread.run_sync(next, events, StopIteration, limiter=self.limiter)) \
-                    is not StopIteration:
+            while (
+                event := await anyio.to_thread.run_sync(next, events, StopIteration, limiter=self.limiter)
+            ) is not StopIteration:
                 yield ": keep-alive\n\n" if event is None else f"data: {json.dumps(event, default=str)}\n\n"
         finally:
             with anyio.CancelScope(shield=True):

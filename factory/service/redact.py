@@ -30,4 +30,4 @@ def _shown(path: str, config: settings.Settings) -> str:
     pure = PurePosixPath(path.rstrip(".:"))
     if ".." not in pure.parts and any(pure.is_relative_to(root) for root in config.serve_sources):
         return path
-    return f"<server>/{pure.name}" + path[len(str(pure)):]
+    return f"<server>/{pure.name}" + path[len(str(pure)) :]

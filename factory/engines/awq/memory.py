@@ -16,8 +16,14 @@ def vllm_awq(shape: Shape, params: Params, ctx: int, kv: str = "fp16", group: in
     weights = int(params.linear * (4 + (16 + 4) / group) / 8 + (params.embed + params.head + params.other) * 2)
     kv_bytes = 2 * shape.layers * ctx * shape.kv_heads * shape.head_dim * (1 if kv == "fp8" else 2)
     activations = 2048 * max(shape.intermediate, shape.vocab) * 4 * 2
-    parts = {"context": CONTEXT_BYTES, "weights": weights, "vision": params.vision * 2, "cache": kv_bytes,
-             "cuda_graphs": 512 * MiB, "activations": activations}
+    parts = {
+        "context": CONTEXT_BYTES,
+        "weights": weights,
+        "vision": params.vision * 2,
+        "cache": kv_bytes,
+        "cuda_graphs": 512 * MiB,
+        "activations": activations,
+    }
     parts["total"] = sum(parts.values())
     parts["budget_needed"] = int(parts["total"] / 0.9)
     return parts
@@ -31,7 +37,9 @@ def plan(label: str, shape: Shape, params: Params, budget: int, ctx: int | None,
     for kv, e in estimates.items():
         fits = "fits" if e["budget_needed"] <= budget * gpus else "does not fit"
         vision = f", vision tower and projector {human(e['vision'])} (16-bit)" if e["vision"] else ""
-        lines.append(f"{label} w4 with vLLM, {kv} KV cache (estimate): needs about {human(e['budget_needed'])} at "
-                     f"gpu_memory_utilization 0.9, {fits}: language model {human(e['weights'])}{vision}, KV cache "
-                     f"{human(e['cache'])} for {ctx} tokens")
+        lines.append(
+            f"{label} w4 with vLLM, {kv} KV cache (estimate): needs about {human(e['budget_needed'])} at "
+            f"gpu_memory_utilization 0.9, {fits}: language model {human(e['weights'])}{vision}, KV cache "
+            f"{human(e['cache'])} for {ctx} tokens"
+        )
     return MemoryPlan(estimates, lines=lines)

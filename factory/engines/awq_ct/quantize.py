@@ -54,8 +54,11 @@ def decoder_layers(model):
     import torch
 
     count = layer_count(model)
-    return next(m for name, m in model.named_modules()
-                if isinstance(m, torch.nn.ModuleList) and len(m) == count and not re.match(VISION[3:], name + "."))
+    return next(
+        m
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.ModuleList) and len(m) == count and not re.match(VISION[3:], name + ".")
+    )
 
 
 def language_scoped(mappings: list) -> list:
@@ -137,8 +140,10 @@ def recipe(spec: dict, model, multimodal: bool) -> list:
     }
     return [
         AWQModifier(mappings=mappings, duo_scaling=spec["duo_scaling"]),
-        QuantizationModifier(config_groups={"group_0": {"targets": ["Linear"], "weights": weights}},
-                             ignore=[*IGNORE, VISION] if multimodal else IGNORE),
+        QuantizationModifier(
+            config_groups={"group_0": {"targets": ["Linear"], "weights": weights}},
+            ignore=[*IGNORE, VISION] if multimodal else IGNORE,
+        ),
     ]
 
 
@@ -239,8 +244,11 @@ def ignore_by_loaded_names(path: Path) -> None:
     for them (transformers 5.17, Gemma 3). The head and the vision parts become patterns, other names are renamed."""
     config = json.loads(path.read_text())
     qc = config["quantization_config"]
-    kept = [re.sub(r"^language_model\.model\.", "model.language_model.", n) for n in qc["ignore"]
-            if not re.match(VISION[3:], n) and not n.endswith("lm_head")]
+    kept = [
+        re.sub(r"^language_model\.model\.", "model.language_model.", n)
+        for n in qc["ignore"]
+        if not re.match(VISION[3:], n) and not n.endswith("lm_head")
+    ]
     qc["ignore"] = [*kept, r"re:(.*\.)?lm_head$", VISION]
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 

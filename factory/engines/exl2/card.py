@@ -37,10 +37,11 @@ def fits(row: QuantRow) -> str:
         lines += [f"Perplexity through exllamav2's KV cache ({KV_CHUNK_NOTE}): {format_scores(kv)}.", ""]
     if row.fit:
         f = row.fit
-        lines += [f"Made to fit {f['vram'] / 2**30:.0f} GiB with {f['ctx']} tokens of {f['cache']} cache (--fit).",
-                  ""]
-    lines += ["| GPU | " + " | ".join(f"longest context, {c} cache" for c in caches) + " |",
-              "|---|" + "---|" * len(caches)]
+        lines += [f"Made to fit {f['vram'] / 2**30:.0f} GiB with {f['ctx']} tokens of {f['cache']} cache (--fit).", ""]
+    lines += [
+        "| GPU | " + " | ".join(f"longest context, {c} cache" for c in caches) + " |",
+        "|---|" + "---|" * len(caches),
+    ]
     for r in row.fits:
         cells = [f"{r[c]:,} tokens" if r[c] else "does not fit" for c in caches]
         lines.append(f"| {r['budget'] / 2**30:.0f} GB | " + " | ".join(cells) + " |")
@@ -58,8 +59,15 @@ def picks(rows: list[QuantRow]) -> str:
         return ""
     longest = max(f[c] or 0 for r in exl2 for f in r.fits for c in ("fp16", "q4"))
     want = min(PICK_CONTEXT, longest)
-    lines = ["## Which one to pick", "", f"The largest EXL2 size that holds {want:,} tokens of context with exllamav2 "
-             "(an fp16 cache where it fits, else q4), by GPU memory:", "", "| GPU | pick | cache |", "|---|---|---|"]
+    lines = [
+        "## Which one to pick",
+        "",
+        f"The largest EXL2 size that holds {want:,} tokens of context with exllamav2 "
+        "(an fp16 cache where it fits, else q4), by GPU memory:",
+        "",
+        "| GPU | pick | cache |",
+        "|---|---|---|",
+    ]
     for i, budget in enumerate(f["budget"] for f in exl2[0].fits):
         pick = next(((r, c) for c in ("fp16", "q4") for r in exl2 if (r.fits[i][c] or 0) >= want), None)
         cell = f"`{pick[0].ref}` | {pick[1]}" if pick else "none of these | -"
@@ -73,6 +81,8 @@ def fits_on(rows: list[QuantRow]) -> str:
     tables = "\n".join(fits(r) for r in rows if r.fits)
     if not tables:
         return ""
-    return ("## Fits on\n\nThe longest context (powers of two up to the model's maximum) that exllamav2 holds "
-            f"with {human(HEADROOM)} of the card left free, as quantfactory's memory model of exllamav2 predicts it "
-            "(checked against real memory on an H200: benchmarks/results/vram_fit.json).\n\n" + tables)
+    return (
+        "## Fits on\n\nThe longest context (powers of two up to the model's maximum) that exllamav2 holds "
+        f"with {human(HEADROOM)} of the card left free, as quantfactory's memory model of exllamav2 predicts it "
+        "(checked against real memory on an H200: benchmarks/results/vram_fit.json).\n\n" + tables
+    )

@@ -114,8 +114,10 @@ class Exl2Engine(Engine):
             budget = memory.parse_size(text)
             plan = memory.plan(shape, params, budget, ctx, cache, head_bits=written.get("head_bits", 6))
             bpw = plan["best_bpw"]
-            note(f"--fit {text.strip()}: EXL2 {bpw:.2f} bpw for {plan['ctx']} tokens with a {cache} cache "
-                 f"({memory.human(budget)}, {memory.human(plan['headroom'])} left free)")
+            note(
+                f"--fit {text.strip()}: EXL2 {bpw:.2f} bpw for {plan['ctx']} tokens with a {cache} cache "
+                f"({memory.human(budget)}, {memory.human(plan['headroom'])} left free)"
+            )
             sizes.append(bpw)
             fits.append({"vram": budget, "ctx": plan["ctx"], "cache": cache})
         return {**written, "bpw": sizes, "fit": fits}
@@ -137,20 +139,26 @@ class Exl2Engine(Engine):
         return spec.measurement_rows, spec.measurement_length
 
     def describe_calibration(self, spec: dict, text: str) -> str:
-        return (f"{text}, {spec['rows']} x {spec['length']} tokens (measured on {spec['measurement_rows']} x "
-                f"{spec['measurement_length']})")
+        return (
+            f"{text}, {spec['rows']} x {spec['length']} tokens (measured on {spec['measurement_rows']} x "
+            f"{spec['measurement_length']})"
+        )
 
     def load(self, folder: Path, device: str):
         return evaluate.load(folder)
 
     def evaluations(self, spec: Exl2Spec) -> list[Evaluation]:
-        return [Evaluation("kv_cache", cache, evaluate.cached_loader(cache), f"{cache} cache window")
-                for cache in evaluate.KV_EVAL_CACHES]
+        return [
+            Evaluation("kv_cache", cache, evaluate.cached_loader(cache), f"{cache} cache window")
+            for cache in evaluate.KV_EVAL_CACHES
+        ]
 
     def memory_plan(self, shape, params, budget: int, ctx: int | None, cache: str, gpus: int) -> MemoryPlan:
         result, h = memory.plan(shape, params, budget, ctx, cache, gpus), memory.human
-        title = (f"EXL2 with exllamav2: {h(budget)}{f' x {gpus} GPUs (estimate)' if gpus > 1 else ''}, "
-                 f"{result['ctx']} tokens, {cache} cache, {h(result['headroom'])} left free")
+        title = (
+            f"EXL2 with exllamav2: {h(budget)}{f' x {gpus} GPUs (estimate)' if gpus > 1 else ''}, "
+            f"{result['ctx']} tokens, {cache} cache, {h(result['headroom'])} left free"
+        )
         return MemoryPlan.by_bpw(result, title, "EXL2", per_gpu=gpus > 1)
 
     def fits(self, folder: Path) -> list[dict] | None:
@@ -176,8 +184,9 @@ class Exl2Engine(Engine):
         cmd = [sys.executable, "-m", "factory.engines.script", SCRIPT, *args, *_resume_or_wipe(work_dir), "-so"]
         child.run_command(cmd, log, emit, what, parse=parse_status, env=ENV)
 
-    def measure(self, source_dir: Path, calibration_file: Path, rows: int, length: int, work_dir: Path,
-                measurement: Path, emit) -> None:
+    def measure(
+        self, source_dir: Path, calibration_file: Path, rows: int, length: int, work_dir: Path, measurement: Path, emit
+    ) -> None:
         log = work_dir.parent / f"{work_dir.name}.log"
         args = _flags(i=source_dir, o=work_dir, c=calibration_file, om=measurement, mr=rows, ml=length)
         self._run(args, work_dir, log, emit, what=f"EXL2 measurement ({rows} x {length} tokens)")
@@ -190,8 +199,17 @@ class Exl2Engine(Engine):
     def quantize(self, request: QuantizeRequest, emit) -> None:
         spec, work, log = request.spec, request.work_dir / "convert", request.work_dir / child.LOG_NAME
         shutil.rmtree(request.out_dir, ignore_errors=True)
-        args = _flags(i=request.source_dir, o=work, c=request.calibration_file, m=request.measurement,
-                      b=spec["bpw"], hb=spec["head_bits"], r=spec["rows"], l=spec["length"], cf=request.out_dir)
+        args = _flags(
+            i=request.source_dir,
+            o=work,
+            c=request.calibration_file,
+            m=request.measurement,
+            b=spec["bpw"],
+            hb=spec["head_bits"],
+            r=spec["rows"],
+            l=spec["length"],
+            cf=request.out_dir,
+        )
         self._run(args, work, log, emit, what=f"EXL2 conversion at {spec['bpw']} bpw")
         check_output(request.out_dir, spec, log)
         (request.out_dir / "model.safetensors.index.json").unlink(missing_ok=True)

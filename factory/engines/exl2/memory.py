@@ -123,9 +123,14 @@ def exllamav2(shape: Shape, weights: int, ctx: int, cache: str, gpus: int = 1) -
     """The predicted drop of free GPU memory, in parts and in total; with several GPUs, on each of them (each its
     own context, scratch and forward buffers, a share of the weights and cache: an estimate, exllamav2's autosplit
     fills them in order)."""
-    parts = {"context": CONTEXT_BYTES, "weights": weights // gpus, "scratch": scratch_bytes(shape),
-             "tables": tables_bytes(shape, ctx), "cache": cache_bytes(shape, ctx, cache) // gpus,
-             "forward": forward_bytes(shape, ctx)}
+    parts = {
+        "context": CONTEXT_BYTES,
+        "weights": weights // gpus,
+        "scratch": scratch_bytes(shape),
+        "tables": tables_bytes(shape, ctx),
+        "cache": cache_bytes(shape, ctx, cache) // gpus,
+        "forward": forward_bytes(shape, ctx),
+    }
     allocated = sum(v for k, v in parts.items() if k != "context")
     split_scores = score_bytes(shape, ctx) if ctx > MAX_INPUT_LEN else 0
     parts["reserve"] = max(int(allocated * SLACK) + split_scores, RESERVE_MIN)
@@ -133,8 +138,16 @@ def exllamav2(shape: Shape, weights: int, ctx: int, cache: str, gpus: int = 1) -
     return parts
 
 
-def plan(shape: Shape, params: Params, budget: int, ctx: int | None = None, cache: str = "fp16", gpus: int = 1,
-         headroom: int = HEADROOM, head_bits: int = 6) -> dict:
+def plan(
+    shape: Shape,
+    params: Params,
+    budget: int,
+    ctx: int | None = None,
+    cache: str = "fp16",
+    gpus: int = 1,
+    headroom: int = HEADROOM,
+    head_bits: int = 6,
+) -> dict:
     """Predicted peak for every bpw in [2.0, 8.0] and the highest that fits `budget` (per GPU) with `headroom`
     left; several GPUs split the layers evenly (an estimate: exllamav2's autosplit fills them in order)."""
     ctx, room = plan_room(shape, budget, ctx, cache, CACHES, gpus, headroom)
@@ -144,8 +157,16 @@ def plan(shape: Shape, params: Params, budget: int, ctx: int | None = None, cach
 
     rows = [{"bpw": b, **parts, "fits": parts["total"] <= room} for b in BPWS for parts in [per_gpu(b)]]
     best = best_bpw(lambda b: per_gpu(b)["total"], room, lowest=2.0)
-    result = {"budget": budget, "gpus": gpus, "headroom": headroom, "ctx": ctx, "cache": cache, "rows": rows,
-              "best_bpw": best, "estimate": gpus > 1}
+    result = {
+        "budget": budget,
+        "gpus": gpus,
+        "headroom": headroom,
+        "ctx": ctx,
+        "cache": cache,
+        "rows": rows,
+        "best_bpw": best,
+        "estimate": gpus > 1,
+    }
     if best is None:
         raise too_small(per_gpu(2.0)["total"], room, budget, headroom, ctx, cache, 2.0)
     return result

@@ -10,9 +10,11 @@ from factory.engines.exl3.evaluate import KV_CHUNK_NOTE
 if TYPE_CHECKING:
     from factory.published import QuantRow
 
-DOTTED_NOTE = ("Its tensors are named `.model.…` (a leading dot), as exllamav3 1.6.5 names a text-only Gemma 3's "
-               "modules, so exllamav3 1.6.5 loads it as it is; a release that fixes `Gemma3TextModel`'s key "
-               "prefix may look for `model.…` instead (`factory/engines/exl3/compat.py` says why).")
+DOTTED_NOTE = (
+    "Its tensors are named `.model.…` (a leading dot), as exllamav3 1.6.5 names a text-only Gemma 3's "
+    "modules, so exllamav3 1.6.5 loads it as it is; a release that fixes `Gemma3TextModel`'s key "
+    "prefix may look for `model.…` instead (`factory/engines/exl3/compat.py` says why)."
+)
 
 
 def how_to_load(folder: str) -> str:
@@ -36,6 +38,9 @@ def kv_section(rows: list[QuantRow]) -> str:
     lines = [f"- `{r.ref}`: {format_scores(r.eval['kv_cache'])}" for r in rows if r.eval.get("kv_cache")]
     if not lines:
         return ""
-    return ("## EXL3 through a quantized KV cache\n\n"
-            f"Perplexity through exllamav3's quantized cache ({KV_CHUNK_NOTE}), on the same windows:\n\n"
-            + "\n".join(lines) + "\n")
+    return (
+        "## EXL3 through a quantized KV cache\n\n"
+        f"Perplexity through exllamav3's quantized cache ({KV_CHUNK_NOTE}), on the same windows:\n\n"
+        + "\n".join(lines)
+        + "\n"
+    )

@@ -71,8 +71,13 @@ def _parser(modules: int):
             return {"event": "progress", "peak_gpu_bytes": int(line.removeprefix(child.PEAK))}
         if match := MODULE.match(line):
             done[0] += 1
-            return {"event": "progress", "done": min(done[0], modules), "total": modules, "unit": "module",
-                    "module": match["key"]}
+            return {
+                "event": "progress",
+                "done": min(done[0], modules),
+                "total": modules,
+                "unit": "module",
+                "module": match["key"],
+            }
         if match := ETA.match(line):
             return {"event": "progress", "eta": match["eta"]}
         if match := ERROR.match(line):
@@ -137,8 +142,10 @@ class Exl3Engine(Engine):
             return reason
         hidden = info.config["hidden_size"]
         if hidden % PAD:
-            return (f"EXL3 cannot convert a model whose hidden size ({hidden}) is not a multiple of {PAD}: exllamav3 "
-                    "pads it and its MLP does not crop the padding back")
+            return (
+                f"EXL3 cannot convert a model whose hidden size ({hidden}) is not a multiple of {PAD}: exllamav3 "
+                "pads it and its MLP does not crop the padding back"
+            )
         act = info.config.get("hidden_act", "silu")
         if info.architecture == "LlamaForCausalLM" and act != "silu":
             return f"EXL3 converts Llama models with the silu activation only, not {act}"
@@ -162,9 +169,25 @@ class Exl3Engine(Engine):
         cal = write_calibration(request.calibration, request.work_dir / "calibration.safetensors")
         config = read_config(request.source_dir / "config.json", check_numbers=False)  # Nemotron-H: no layer count
         modules = config["num_hidden_layers"] + 3  # the embedding, every layer, the final norm, the head
-        args = ["-i", request.source_dir, "-o", request.out_dir, "-w", work, "-b", spec["bpw"],
-                "-hb", spec["head_bits"], "-cd", cal, "-cr", len(request.calibration),
-                "-cc", len(request.calibration[0]), *resume]
+        args = [
+            "-i",
+            request.source_dir,
+            "-o",
+            request.out_dir,
+            "-w",
+            work,
+            "-b",
+            spec["bpw"],
+            "-hb",
+            spec["head_bits"],
+            "-cd",
+            cal,
+            "-cr",
+            len(request.calibration),
+            "-cc",
+            len(request.calibration[0]),
+            *resume,
+        ]
         parse = _parser(modules)
         cmd = [sys.executable, "-u", "-m", "factory.engines.exl3.compat", SCRIPT, *map(str, args)]
         child.run_command(cmd, log, emit, f"EXL3 conversion at {spec['bpw']} bpw", parse=parse)
@@ -181,16 +204,22 @@ class Exl3Engine(Engine):
         return evaluate.load(folder)
 
     def evaluations(self, spec: Exl3Spec) -> list[Evaluation]:
-        return [Evaluation("kv_cache", cache, evaluate.cached_loader(cache), f"{cache} cache window")
-                for cache in evaluate.KV_EVAL_CACHES]
+        return [
+            Evaluation("kv_cache", cache, evaluate.cached_loader(cache), f"{cache} cache window")
+            for cache in evaluate.KV_EVAL_CACHES
+        ]
 
     def memory_plan(self, shape, params, budget: int, ctx: int | None, cache: str, gpus: int) -> MemoryPlan:
         if gpus > 1:
-            return MemoryPlan({"gpus": gpus, "best_bpw": None},
-                              lines=["EXL3: no estimate for several GPUs yet (its memory model is one card's)"])
+            return MemoryPlan(
+                {"gpus": gpus, "best_bpw": None},
+                lines=["EXL3: no estimate for several GPUs yet (its memory model is one card's)"],
+            )
         result, h = memory.plan(shape, params, budget, ctx, cache), human
-        title = (f"EXL3 with exllamav3: {h(budget)}, {result['ctx']} tokens, {cache} cache, "
-                 f"{h(result['headroom'])} left free")
+        title = (
+            f"EXL3 with exllamav3: {h(budget)}, {result['ctx']} tokens, {cache} cache, "
+            f"{h(result['headroom'])} left free"
+        )
         plan = MemoryPlan.by_bpw(result, title, "EXL3", per_gpu=False)
         if note := memory.same_weights(result):
             plan.lines.append(note)
@@ -217,8 +246,9 @@ def check_output(out_dir: Path, spec: dict, log: Path, source_dir: Path | None =
     layers' sign vectors and scales (4.12 at -b 4.0 on a 256-wide test model, tests/fixtures/convert_exl3_tiny.log).
     With the source, the weights are weighed too: exllamav3 1.6.5 can write a quant without its layers and exit 0
     (compat.py), so the decoder layers must hold at least MIN_LAYER_SHARE of their linear weights at the bits asked."""
-    check_quant_folder(out_dir, "model*.safetensors", {"quant_method": "exl3", "head_bits": spec["head_bits"]},
-                       "exllamav3", log)
+    check_quant_folder(
+        out_dir, "model*.safetensors", {"quant_method": "exl3", "head_bits": spec["head_bits"]}, "exllamav3", log
+    )
     bits = json.loads((out_dir / "config.json").read_text())["quantization_config"].get("bits")
     if not isinstance(bits, (int, float)) or not spec["bpw"] - 0.01 <= bits <= spec["bpw"] + BITS_OVER:
         raise JobFailed(f"exllamav3 reached {bits} bits per weight, not the {spec['bpw']} asked for; see {log}")
@@ -230,8 +260,10 @@ def check_output(out_dir: Path, spec: dict, log: Path, source_dir: Path | None =
         wanted = Params.of(tensors, Shape.of(config)).linear * spec["bpw"] / 8
         got = tensor_bytes(out_dir).get("layers", 0)
         if got < MIN_LAYER_SHARE * wanted:
-            raise JobFailed(f"exllamav3 wrote {human(got)} of decoder layers where {spec['bpw']} bpw takes about "
-                            f"{human(wanted)}: the quant is incomplete; see {log}")
+            raise JobFailed(
+                f"exllamav3 wrote {human(got)} of decoder layers where {spec['bpw']} bpw takes about "
+                f"{human(wanted)}: the quant is incomplete; see {log}"
+            )
 
 
 ENGINE = Exl3Engine()

@@ -23,8 +23,9 @@ def _model(folder: Path, cache_bits: int | None = None):
         model = Model.from_config(config)
         cache = None
         if cache_bits is not None:  # made before the model loads, so its memory is planned with the weights
-            cache = Cache(model, max_num_tokens=WINDOW, layer_type=CacheLayer_quant, k_bits=cache_bits,
-                          v_bits=cache_bits)
+            cache = Cache(
+                model, max_num_tokens=WINDOW, layer_type=CacheLayer_quant, k_bits=cache_bits, v_bits=cache_bits
+            )
         model.load("cuda:0")
     return model, cache, config.vocab_size
 

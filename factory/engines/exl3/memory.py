@@ -43,14 +43,23 @@ def slabbed(sizes: list[int]) -> int:
 def layer_linears(shape: Shape) -> list[int]:
     """Weights of each linear of a dense decoder layer: q, k, v, o, gate, up, down."""
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    return [shape.hidden * q, shape.hidden * kv, shape.hidden * kv, q * shape.hidden,
-            *[shape.hidden * shape.intermediate] * 3]
+    return [
+        shape.hidden * q,
+        shape.hidden * kv,
+        shape.hidden * kv,
+        q * shape.hidden,
+        *[shape.hidden * shape.intermediate] * 3,
+    ]
 
 
 def dense_params(shape: Shape) -> Params:
     """A dense decoder's parameter counts from its shape alone (an untied head; four norms a layer)."""
-    return Params(embed=shape.vocab * shape.hidden, head=shape.vocab * shape.hidden,
-                  linear=shape.layers * sum(layer_linears(shape)), other=(4 * shape.layers + 1) * shape.hidden)
+    return Params(
+        embed=shape.vocab * shape.hidden,
+        head=shape.vocab * shape.hidden,
+        linear=shape.layers * sum(layer_linears(shape)),
+        other=(4 * shape.layers + 1) * shape.hidden,
+    )
 
 
 def exl3_weights(shape: Shape, params: Params, bpw: float, head_bits: int = 6) -> int:
@@ -70,8 +79,11 @@ def quant_weights(tensors: dict[str, int]) -> int:
 def quant_tensor_sizes(folder: Path) -> dict[str, int]:
     from factory.inspect import read_header
 
-    return {name: info["data_offsets"][1] - info["data_offsets"][0]
-            for shard in sorted(folder.glob("*.safetensors")) for name, info in read_header(shard).items()}
+    return {
+        name: info["data_offsets"][1] - info["data_offsets"][0]
+        for shard in sorted(folder.glob("*.safetensors"))
+        for name, info in read_header(shard).items()
+    }
 
 
 def cache_bytes(shape: Shape, ctx: int, cache: str) -> int:
@@ -89,8 +101,12 @@ def scratch_bytes(shape: Shape) -> int:
 
 def exllamav3(shape: Shape, weights: int, ctx: int, cache: str) -> dict[str, int]:
     """The predicted GPU memory in use, in parts and in total."""
-    parts = {"context": CONTEXT, "weights": weights, "cache": cache_bytes(shape, ctx, cache),
-             "scratch": scratch_bytes(shape)}
+    parts = {
+        "context": CONTEXT,
+        "weights": weights,
+        "cache": cache_bytes(shape, ctx, cache),
+        "scratch": scratch_bytes(shape),
+    }
     parts["reserve"] = max(int(SLACK * (parts["weights"] + parts["cache"] + parts["scratch"])), RESERVE_MIN)
     parts["total"] = sum(parts.values())
     return parts
@@ -102,12 +118,22 @@ def same_weights(result: dict) -> str | None:
     the same at 2.0 to 6.0 bpw, benchmarks/results/h200-2026-12-02). Not a flaw of the model: exllamav3 does that."""
     if len({r["weights"] for r in result["rows"]}) != 1:
         return None
-    return (f"EXL3 weights the same at every size: exllamav3 loads tensors of up to {SLAB_MAX_TENSOR // MiB} MiB into "
-            f"{SLAB // MiB} MiB blocks")
+    return (
+        f"EXL3 weights the same at every size: exllamav3 loads tensors of up to {SLAB_MAX_TENSOR // MiB} MiB into "
+        f"{SLAB // MiB} MiB blocks"
+    )
 
 
-def plan(shape: Shape, params: Params, budget: int, ctx: int | None = None, cache: str = "fp16", gpus: int = 1,
-         headroom: int = HEADROOM, head_bits: int = 6) -> dict:
+def plan(
+    shape: Shape,
+    params: Params,
+    budget: int,
+    ctx: int | None = None,
+    cache: str = "fp16",
+    gpus: int = 1,
+    headroom: int = HEADROOM,
+    head_bits: int = 6,
+) -> dict:
     """Predicted use for every bpw in [1.0, 8.0] and the highest that fits `budget` with `headroom` left (one GPU:
     exllamav3 splits over several, but this model has not been measured there)."""
     ctx, room = plan_room(shape, budget, ctx, cache, CACHES, 1, headroom)
@@ -119,5 +145,12 @@ def plan(shape: Shape, params: Params, budget: int, ctx: int | None = None, cach
     best = best_bpw(lambda b: parts(b)["total"], room, lowest=1.0)
     if best is None:
         raise too_small(parts(1.0)["total"], room, budget, headroom, ctx, cache, 1.0)
-    return {"budget": budget, "gpus": 1, "headroom": headroom, "ctx": ctx, "cache": cache, "rows": rows,
-            "best_bpw": best}
+    return {
+        "budget": budget,
+        "gpus": 1,
+        "headroom": headroom,
+        "ctx": ctx,
+        "cache": cache,
+        "rows": rows,
+        "best_bpw": best,
+    }
