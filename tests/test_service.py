@@ -336,7 +336,7 @@ def test_the_api_tells_a_user_nothing_of_the_server(finished, tmp_path):
         not_there = [answer(s) for s in ("/etc/nothing-here", "/nothing/at/all", "../../../../nothing", "not-here")]
         assert len(set(there + not_there)) == 1 and there[0][0] == 403, there + not_there
         # Hub-shaped, and a path where `qf serve` was started (this repository) or not: the Hub is asked for both
-        assert answer("factory/cli.py") == answer("factory/nothing.py"), answer("factory/cli.py")
+        assert answer("factory/pipeline.py") == answer("factory/nothing.py"), answer("factory/pipeline.py")
         windows = user.post(
             "/api/jobs", json={"source": "org/model", "flags": {"awq": True}, "eval_windows": 3_000_000_000}
         )

@@ -214,7 +214,7 @@ def test_exl3_weights_the_same_at_every_size_are_explained(tiny, tmp_path):
 
 def test_progress_reads_layer_3_of_30(monkeypatch, capsys):
     """Piped: the heartbeat line; on a terminal: the progress bar's text."""
-    from factory import cli
+    from factory.cli import render as cli  # what Renderer prints with
 
     monkeypatch.setattr(cli, "HEARTBEAT_SECONDS", 0)
     monkeypatch.setattr(cli, "err", Console(stderr=True, soft_wrap=True, force_terminal=False))
@@ -237,7 +237,7 @@ def test_progress_reads_layer_3_of_30(monkeypatch, capsys):
 
 
 def test_divergence_line_never_says_minus_zero(monkeypatch, capsys):
-    from factory import cli
+    from factory.cli import render as cli  # what Renderer prints with
 
     monkeypatch.setattr(cli, "err", Console(stderr=True, soft_wrap=True, force_terminal=False))
     with cli.Renderer(as_json=False) as render:

@@ -38,6 +38,7 @@ from factory.errors import AccessDenied, NotFound, OverQuota, SpecError
 SCOPES = ("read", "submit", "pull", "admin")
 DEFAULT_SCOPES = ("read", "submit", "pull")
 PREFIX = "qf_"
+COOKIE = "qf_token"  # the dashboard's sign-in (service/dashboard.py); the API takes the Authorization header only
 DAY = timedelta(days=1)
 _USER = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
 

@@ -33,7 +33,7 @@ from fastapi_offline import FastAPIOffline
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
-from factory import lookup, naming, schedule, settings, sources, status, submission
+from factory import lookup, naming, schedule, settings, sources, submission
 from factory.catalog import JobState
 from factory.errors import (
     AccessDenied,
@@ -48,11 +48,11 @@ from factory.errors import (
 )
 from factory.publish import folder
 from factory.service import redact
-from factory.service.accounts import PUBLIC, Account, Accounts, Unauthenticated
+from factory.service.accounts import COOKIE, PUBLIC, Account, Accounts, Unauthenticated
 from factory.service.followers import Followers
+from factory.service.redact import shown, visible_jobs
 
 MAX_BODY = 64 * 1024  # a submission is a few hundred bytes; a recipe a few kilobytes
-COOKIE = "qf_token"  # the dashboard's sign-in (service/dashboard.py); the API takes the Authorization header only
 log = logging.getLogger("quantfactory.service")
 
 _STATUS = [
@@ -151,20 +151,6 @@ def account(request: Request) -> Account:
 
 
 Who = Annotated[Account, Depends(account)]
-
-
-def visible_jobs(config: settings.Settings, who: Account, **query) -> list[dict]:
-    """status.job_rows of the jobs `who` may see: their own, or every job (admin, the public dashboard); server
-    paths masked for all but the admin."""
-    rows = status.job_rows(
-        config.db_url, user=None if who.sees_every_job else who.user, broker_url=config.broker_url, **query
-    )
-    return shown(rows, who, config)
-
-
-def shown(value, who: Account, config: settings.Settings):
-    """`value` as `who` may see it: whole for the admin, without the server's own paths for others."""
-    return value if who.admin else redact.paths(value, config)
 
 
 def create_app(config: settings.Settings | None = None) -> FastAPI:
@@ -393,7 +379,7 @@ def _check_source(source: str, config: settings.Settings) -> None:
     path = Path(source)
     if path.is_absolute():
         allowed = any(path.resolve().is_relative_to(root) for root in config.serve_sources)
-    else:  # a Hub repo, as `qf serve` runs in an empty folder (cli_service.serve): no relative name is found there
+    else:  # a Hub repo: `qf serve` runs in an empty folder (cli/services.py), where no relative name is found
         allowed = sources.is_hub_name(source) and not path.exists()
     if not allowed:
         raise _NotServed(

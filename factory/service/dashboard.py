@@ -16,8 +16,8 @@ from jinja2 import Environment, PackageLoader, select_autoescape
 
 from factory import lookup, naming, tables
 from factory.errors import AccessDenied, NotFound
-from factory.service.accounts import Account
-from factory.service.app import COOKIE, visible_jobs
+from factory.service.accounts import COOKIE, Account
+from factory.service.redact import visible_jobs
 
 REFRESH = 10
 _pages = Environment(loader=PackageLoader("factory.service", "templates"), autoescape=select_autoescape())

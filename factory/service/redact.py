@@ -1,4 +1,5 @@
-"""What the service shows a user who is not its admin of the server's own files: no path outside the folders it
+"""What the service shows a user: the jobs they may see (`visible_jobs`), and, to a user who is not its admin, none of
+the server's own files (`shown`): no path outside the folders it
 serves models from (FACTORY_SERVE_SOURCES, which its users name sources in). A job's work folder, FACTORY_HOME,
 an engine's install or a source folder of the admin's own `qf run` appear as `<server>/<last part>`; the admin
 sees them whole, and the server's log has them for everyone."""
@@ -8,7 +9,8 @@ from __future__ import annotations
 import re
 from pathlib import PurePosixPath
 
-from factory import settings
+from factory import settings, status
+from factory.service.accounts import Account
 
 # An absolute path (also as a `file:` text): a "/" that does not continue a word, a URL or a relative path, up to a
 # space, a quote or a bracket.
@@ -31,3 +33,17 @@ def _shown(path: str, config: settings.Settings) -> str:
     if ".." not in pure.parts and any(pure.is_relative_to(root) for root in config.serve_sources):
         return path
     return f"<server>/{pure.name}" + path[len(str(pure)) :]
+
+
+def shown(value, who: Account, config: settings.Settings):
+    """`value` as `who` may see it: whole for the admin, without the server's own paths for others."""
+    return value if who.admin else paths(value, config)
+
+
+def visible_jobs(config: settings.Settings, who: Account, **query) -> list[dict]:
+    """status.job_rows of the jobs `who` may see: their own, or every job (admin, the public dashboard); server
+    paths masked for all but the admin."""
+    rows = status.job_rows(
+        config.db_url, user=None if who.sees_every_job else who.user, broker_url=config.broker_url, **query
+    )
+    return shown(rows, who, config)

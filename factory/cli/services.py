@@ -1,5 +1,5 @@
 """`qf serve` and `qf token`: the factory's service and its users' tokens (factory/service/). Registered on the
-`qf` app by factory/cli.py."""
+`qf` app (factory/cli/)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from factory import tables
-from factory.cli import WideOpt, _catalog, _handled, app, err, out
+from factory.cli.shared import WideOpt, app, err, handled, open_catalog, out
 
 token_app = typer.Typer(
     help="Tokens of the factory's service (`qf serve`): one per person, only its hash is kept.", no_args_is_help=True
@@ -18,7 +18,7 @@ app.add_typer(token_app, name="token")
 
 
 @app.command()
-@_handled
+@handled
 def serve(
     host: Annotated[str, typer.Option("--host", help="The address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", min=1, max=65535)] = 8750,
@@ -39,7 +39,7 @@ def serve(
 
     if public:
         os.environ["FACTORY_SERVE_PUBLIC"] = "1"  # read by each server process (settings.load)
-    _catalog()  # a catalog that cannot be reached is exit 5 before the port opens
+    open_catalog()  # a catalog that cannot be reached is exit 5 before the port opens
     _serve_from_an_empty_folder()
     uvicorn.run(
         "factory.service.app:create_app",
@@ -75,11 +75,11 @@ def _serve_from_an_empty_folder() -> None:
 def _accounts():
     from factory.service.accounts import Accounts
 
-    return Accounts(_catalog())
+    return Accounts(open_catalog())
 
 
 @token_app.command("create")
-@_handled
+@handled
 def token_create(
     user: Annotated[str, typer.Option("--user", help="Who the token is for.")],
     scope: Annotated[str, typer.Option("--scope", help="read, submit, pull and/or admin, comma-separated.")] = (
@@ -113,7 +113,7 @@ def token_create(
 
 
 @token_app.command("ls")
-@_handled
+@handled
 def token_ls(as_json: Annotated[bool, typer.Option("--json", metavar="")] = False, wide: WideOpt = False) -> None:
     """Every token: its id, user, scopes, quotas and whether it was revoked (never the token)."""
     rows = [
@@ -150,7 +150,7 @@ def token_ls(as_json: Annotated[bool, typer.Option("--json", metavar="")] = Fals
 
 
 @token_app.command("revoke")
-@_handled
+@handled
 def token_revoke(token_id: Annotated[str, typer.Argument(metavar="ID", help="As `qf token ls` shows it.")]) -> None:
     """Refuse the token from now on (its user's jobs stay)."""
     row = _accounts().revoke(token_id)

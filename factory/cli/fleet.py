@@ -1,4 +1,4 @@
-"""`qf worker`, `qf beat`, `qf reconcile`: the fleet's processes. Registered on the `qf` app by factory/cli.py."""
+"""`qf worker`, `qf beat`, `qf reconcile`: the fleet's processes. Registered on the `qf` app (factory/cli/)."""
 
 from __future__ import annotations
 
@@ -8,16 +8,16 @@ from typing import Annotated
 import typer
 
 from factory import settings
-from factory.cli import (
+from factory.cli.shared import (
     UnitsOpt,
-    _catalog,
-    _handled,
     app,
+    handled,
+    open_catalog,
 )
 
 
 @app.command()
-@_handled
+@handled
 def reconcile() -> None:
     """One reconciler pass (beat runs it periodically): re-enqueue jobs of lost workers and lost messages."""
     from workers.tasks import reconcile as reconcile_pass
@@ -50,7 +50,7 @@ def beat() -> None:
 
 
 @app.command()
-@_handled
+@handled
 def worker(
     gpu: Annotated[int | None, typer.Option("--gpu", min=0, help="The GPU it owns (CUDA_VISIBLE_DEVICES).")] = None,
     queues: Annotated[str, typer.Option("--queues", help="Queues to take jobs from.")] = "gpu,cpu",
@@ -70,7 +70,7 @@ def worker(
 
     from workers.tasks import check_broker
 
-    _catalog()
+    open_catalog()
     check_broker()
     env = dict(os.environ)
     if gpu is not None:

@@ -1,5 +1,5 @@
 """`qf ls`, `qf show`, `qf pull`, `qf rm`, `qf gc`: the registry's quants, locally, on the Hub or through the
-factory's service. Registered on the `qf` app by factory/cli.py."""
+factory's service. Registered on the `qf` app (factory/cli/)."""
 
 from __future__ import annotations
 
@@ -11,22 +11,22 @@ import typer
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
 
 from factory import engines, naming, settings, tables
-from factory.cli import (
+from factory.cli.shared import (
     JsonOpt,
     WideOpt,
-    _catalog,
-    _handled,
-    _job_rows,
-    _remote,
     app,
     err,
+    handled,
+    job_rows,
+    open_catalog,
     out,
+    service_client,
 )
 from factory.errors import NotFound, ServiceUnavailable, SpecError
 
 
 @app.command("ls")
-@_handled
+@handled
 def ls(
     as_json: JsonOpt = False,
     remote: Annotated[
@@ -56,12 +56,12 @@ def ls(
             )
         )
         return
-    if (client := _remote()) is not None:
+    if (client := service_client()) is not None:
         from factory.published import QuantRow
 
         rows = [QuantRow.from_json(r) for r in client.quants()]
     else:
-        rows = [q.row() for q in _catalog().quants()]
+        rows = [q.row() for q in open_catalog().quants()]
     if as_json:
         print(json.dumps([r.to_json() for r in rows], indent=2))
     elif not rows:
@@ -71,7 +71,7 @@ def ls(
 
 
 @app.command()
-@_handled
+@handled
 def show(
     ref: Annotated[str, typer.Argument(metavar="NAME[:TAG]")],
     as_json: JsonOpt = False,
@@ -80,15 +80,15 @@ def show(
     """One model's quants and job history."""
     parsed = naming.parse(ref)
     width = None if wide else out.width
-    if (remote := _remote()) is not None:
+    if (remote := service_client()) is not None:
         from factory.published import QuantRow
 
         found = remote.model(parsed)
         return _show(parsed, [QuantRow.from_json(r) for r in found["quants"]], found["jobs"], as_json, width)
     from factory import lookup
 
-    rows = lookup.with_fits(_catalog(), settings.load().registry, parsed)
-    _show(parsed, rows, _job_rows(limit=50, name=parsed.name), as_json, width)
+    rows = lookup.with_fits(open_catalog(), settings.load().registry, parsed)
+    _show(parsed, rows, job_rows(limit=50, name=parsed.name), as_json, width)
 
 
 def _show(parsed: naming.QuantRef, rows: list, job_rows: list[dict], as_json: bool, width: int | None) -> None:
@@ -140,7 +140,7 @@ def _evaluations(r) -> list[str]:
 
 
 @app.command()
-@_handled
+@handled
 def pull(
     ref: Annotated[str, typer.Argument(metavar="NAME:TAG[@REV]")],
     output: Annotated[Path | None, typer.Option("-o", "--output", help="Folder to put the files in.")] = None,
@@ -158,11 +158,11 @@ def pull(
     from factory.publish import folder
 
     parsed = naming.parse(ref, tag_required=True)
-    if (remote := _remote()) is not None:
+    if (remote := service_client()) is not None:
         return _pull_from_service(remote, parsed, output)
     owner = owner or settings.load().hub_owner
     try:
-        quant = lookup.find(_catalog(), parsed)[0]
+        quant = lookup.find(open_catalog(), parsed)[0]
     except (NotFound, ServiceUnavailable):
         if not owner:
             raise
@@ -174,13 +174,13 @@ def pull(
 
 
 @app.command()
-@_handled
+@handled
 def rm(ref: Annotated[str, typer.Argument(metavar="NAME:TAG[@REV]")]) -> None:
     """Remove a quant from the registry and the catalog (its copy on the Hub stays; `hf repo` manages that)."""
     from factory import housekeeping, lookup
 
     parsed = naming.parse(ref, tag_required=True)
-    catalog = _catalog()
+    catalog = open_catalog()
     quant, freed = housekeeping.remove_quant(settings.load(), catalog, lookup.find(catalog, parsed))
     err.print(
         f"removed {quant.name}:{quant.tag}@{quant.rev} ({tables.size(freed)} freed); the same `qf run` makes it again"
@@ -188,7 +188,7 @@ def rm(ref: Annotated[str, typer.Argument(metavar="NAME:TAG[@REV]")]) -> None:
 
 
 @app.command()
-@_handled
+@handled
 def gc(
     dry_run: Annotated[bool, typer.Option("--dry-run", metavar="", help="List what would go; remove nothing.")] = False,
     as_json: JsonOpt = False,
@@ -196,7 +196,7 @@ def gc(
     """Free disk: work folders of finished jobs, staging of killed publishes, Hub downloads no unfinished job needs."""
     from factory import housekeeping
 
-    items = housekeeping.garbage(settings.load(), _catalog())
+    items = housekeeping.garbage(settings.load(), open_catalog())
     freed = sum(i.bytes for i in items) if dry_run else housekeeping.collect(items)
     if as_json:
         print(

@@ -1,5 +1,5 @@
 """`qf watch add|rm|ls|check`: the watchlist, locally or through the factory's service (admin). Registered on
-the `qf` app by factory/cli.py."""
+the `qf` app (factory/cli/)."""
 
 from __future__ import annotations
 
@@ -10,17 +10,17 @@ from typing import Annotated
 import typer
 
 from factory import engines, tables
-from factory.cli import (
+from factory.cli.shared import (
     JsonOpt,
     RecipeOpt,
     WideOpt,
-    _catalog,
-    _handled,
-    _remote,
-    _with_engine_flags,
     app,
     err,
+    handled,
+    open_catalog,
     out,
+    service_client,
+    with_engine_flags,
 )
 from factory.errors import FactoryError, NotFound, SpecError
 
@@ -31,8 +31,8 @@ app.add_typer(watch_app, name="watch")
 
 
 @watch_app.command("add")
-@_handled
-@_with_engine_flags
+@handled
+@with_engine_flags
 def watch_add(
     target: Annotated[str | None, typer.Argument(metavar="ORG/NAME|ORG/PATTERN")] = None,
     flags: dict | None = None,
@@ -54,12 +54,12 @@ def watch_add(
         recipe_dict = {k: v for k, v in chosen.items() if k in engines.available() or recipe is not None}
         limits = {"architectures": arch, "max_params": max_params}
         entries = [schedule.entry(target, recipe_dict, {k: v for k, v in limits.items() if v})]
-    if (remote := _remote()) is not None:
+    if (remote := service_client()) is not None:
         remote.call(
             "PUT", "/api/watches", json=[{"target": e.target, "recipe": e.recipe, "filter": e.filter} for e in entries]
         )
     else:
-        catalog = _catalog()
+        catalog = open_catalog()
         for e in entries:
             catalog.put_watch(e.target, e.recipe, e.filter)
     for e in entries:
@@ -67,23 +67,23 @@ def watch_add(
 
 
 @watch_app.command("rm")
-@_handled
+@handled
 def watch_rm(target: Annotated[str, typer.Argument(metavar="TARGET")]) -> None:
     """Stop watching TARGET (what it already submitted stays)."""
-    if (remote := _remote()) is not None:
+    if (remote := service_client()) is not None:
         remote.call("DELETE", "/api/watches", params={"target": target})
-    elif not _catalog().remove_watch(target):
+    elif not open_catalog().remove_watch(target):
         raise NotFound(f"{target!r} is not on the watchlist; `qf watch ls` shows it")
 
 
 @watch_app.command("ls")
-@_handled
+@handled
 def watch_ls(as_json: JsonOpt = False, wide: WideOpt = False) -> None:
     """The watchlist, and what each watch last did (the recipe as the tags it makes; --json has all of it)."""
     from factory import schedule
 
-    remote = _remote()
-    rows = remote.call("GET", "/api/watches") if remote else schedule.watch_rows(_catalog())
+    remote = service_client()
+    rows = remote.call("GET", "/api/watches") if remote else schedule.watch_rows(open_catalog())
     if as_json:
         print(json.dumps(rows, indent=2))
         return
@@ -132,7 +132,7 @@ def _filter_text(filter: dict) -> str:
 
 
 @watch_app.command("check")
-@_handled
+@handled
 def watch_check(
     dry_run: Annotated[
         bool, typer.Option("--dry-run", metavar="", help="Print the plan; submit and record nothing.")
@@ -140,7 +140,7 @@ def watch_check(
     as_json: JsonOpt = False,
 ) -> None:
     """Ask the Hub about every watch now and submit what is new (what beat does every FACTORY_WATCH_SECONDS)."""
-    if (remote := _remote()) is not None:
+    if (remote := service_client()) is not None:
         result = remote.call("POST", "/api/watches/check", params={"dry_run": dry_run})
     else:
         from workers.tasks import watch_check as check

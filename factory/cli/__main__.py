@@ -1,0 +1,5 @@
+"""`python -m factory.cli`: `qf`."""
+
+from factory.cli import main
+
+main()

@@ -1,0 +1,98 @@
+"""`qf plan`: what fits a GPU, as each engine's memory model says, and how long converting takes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from factory import engines, settings, tables
+from factory.cli.shared import CtxOpt, JsonOpt, KvOpt, app, handled, open_catalog, out
+from factory.errors import FactoryError
+
+
+@app.command()
+@handled
+def plan(
+    source: Annotated[str, typer.Argument(metavar="SOURCE", help="A local FP16 folder or a Hub repo org/name.")],
+    vram: Annotated[str, typer.Option("--vram", help="GPU memory, e.g. 24GB (GB means GiB, as on the card).")],
+    ctx: CtxOpt = None,
+    kv_cache: KvOpt = "fp16",
+    gpus: Annotated[int, typer.Option("--gpus", min=1, help="Split the layers over N such GPUs (estimate).")] = 1,
+    engine: Annotated[str | None, typer.Option("--engine", metavar="NAME", help="Only this engine's plan.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """What fits a GPU with its context and KV cache, as each engine's memory model says (every size and the
+    highest that fits, or an estimate for its server); an engine that cannot convert the model says why instead.
+    Reads only the config and safetensors headers. --json: the numbers by engine ({"refused": why} for those)."""
+    from factory import vram as memory
+
+    budget = memory.parse_size(vram)
+    asked = [engines.get(engine)] if engine else engines.all_engines()
+    shape, params, info = memory.source_model(source)
+    refused = {e.name: why for e in asked if (why := e.refuse(info)) is not None}
+    plans = {
+        e.name: p
+        for e in asked
+        if e.name not in refused and (p := e.memory_plan(shape, params, budget, ctx, kv_cache, gpus)) is not None
+    }
+    times = _conversion_times(list(plans), params.total)
+    if as_json:
+        answers = {name: {**p.data, "expected_seconds": times[name]} for name, p in plans.items()}
+        answers.update({name: {"refused": why} for name, why in refused.items()})
+        print(json.dumps(dict(sorted(answers.items())), indent=2))
+        return
+    if info.vision is not None:  # say which part is which: the plans size the language model's quant and the rest
+        out.print(info.parts(), markup=False, highlight=False)
+    for name, plan_ in sorted(plans.items(), key=lambda item: not item[1].rows):  # tables first
+        if plan_.rows:
+            out.print(_plan_table(plan_))
+        parts = [
+            f"{'the measurement' if kind == 'measure' else 'each size'} about "
+            f"{tables.duration(t['seconds'])} ({t['basis']})"
+            for kind, t in times[name].items()
+        ]
+        for line in [*plan_.lines, f"converting with {engines.get(name).label} on a GPU: {', then '.join(parts)}"]:
+            out.print(line, markup=False, highlight=False)
+    for why in refused.values():
+        out.print(why, markup=False, highlight=False)
+
+
+def _plan_table(plan_) -> tables.Table:
+    """A memory plan's table, the sizes that need the same (as shown) in one row ("1.0-8.0" where all do), so that
+    `qf plan` fits a 40-line screen."""
+    rows: list[list[str]] = []
+    for row in plan_.rows:
+        if rows and rows[-1][1:] == list(row[1:]):
+            rows[-1][0] = f"{rows[-1][0].split('-')[0]}-{row[0]}"
+        else:
+            rows.append(list(row))
+    columns = [tables.Col(header, [r[i] for r in rows], right=True) for i, header in enumerate(plan_.columns)]
+    return tables.layout(columns, out.width, plan_.title)
+
+
+def _conversion_times(names: list[str], parameters: int) -> dict[str, dict]:
+    """Expected seconds of each engine's conversion units for `qf plan`: the catalog's history where it can be
+    read, else the engines' estimates."""
+    from factory.jobs import eta
+
+    url = settings.load().db_url
+    catalog = None
+    if settings.database_kind(url) != "sqlite" or Path(url.removeprefix("sqlite:///")).is_file():  # none: none made
+        try:
+            catalog = open_catalog()
+        except FactoryError:
+            pass  # the engines' estimates
+
+    def history(family: str) -> list:
+        if catalog is None:
+            return []
+        return [
+            eta.Past(seconds, params)
+            for name, seconds, params in catalog.unit_history(family, "cuda")
+            if eta.family(name) == family
+        ]
+
+    return {name: eta.conversion(engines.get(name), parameters, history) for name in names}

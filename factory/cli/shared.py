@@ -1,0 +1,227 @@
+"""What the `qf` commands share: the typer app they register on, the consoles, the error handling that maps
+every FactoryError to its exit code, the options several commands take, and the catalog, factory and service
+client they work through."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import signal
+import threading
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from factory import engines, settings
+from factory.errors import FactoryError, NotFound
+from factory.submission import sizer
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help=f"quantfactory: {', '.join(e.label for e in engines.all_engines())} quants of FP16 checkpoints, evaluated "
+    "and published by name.",
+)
+# soft wrap: a line wider than the terminal (a table whose names alone are) wraps there, never cropped or cut by rich
+out = Console(soft_wrap=True)
+if not out.is_terminal and "COLUMNS" not in os.environ:
+    out = Console(width=200, soft_wrap=True)  # tables piped to a file keep their columns; COLUMNS=80 says otherwise
+err = Console(stderr=True, soft_wrap=True)
+
+
+def handled(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            with _sigterm_interrupts():
+                engines.check_plugins()  # FACTORY_ENGINES named one that cannot be loaded
+                return fn(*args, **kwargs)
+        except FactoryError as e:
+            err.print(f"error: {e.message}", markup=False, highlight=False)
+            raise typer.Exit(e.exit_code) from None
+        except KeyboardInterrupt:
+            err.print("interrupted")
+            raise typer.Exit(130) from None
+
+    return wrapper
+
+
+@contextmanager
+def _sigterm_interrupts():
+    """SIGTERM (what `timeout`, systemd and docker send) stops a command the way Ctrl-C does: a run's job is marked
+    failed ("interrupted", so the same command continues it), its running step interrupted, its engine child
+    stopped; a pull removes its staging folder."""
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is not threading.main_thread():  # signal handlers belong to the main thread
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def quiet_libraries() -> None:
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+
+
+def make_factory(emit=lambda e: None, max_units: int | None = None):
+    from factory.pipeline import Factory
+
+    loaded = settings.load()
+    return Factory(replace(loaded, max_units=max_units or loaded.max_units), emit)
+
+
+def open_catalog():
+    from factory.catalog import Catalog
+
+    return Catalog(settings.load().db_url)
+
+
+def service_client():
+    """The service's client when FACTORY_SERVER (or --server) names one: the command goes through it."""
+    config = settings.load()
+    if not config.server:
+        return None
+    from factory.service.client import Client
+
+    return Client(config.server, config.token)
+
+
+# `\\[` is a bracket, not rich markup (which would swallow `[@revision]`)
+SourceArg = Annotated[
+    str,
+    typer.Argument(
+        metavar="SOURCE",
+        help="A local checkpoint folder (config.json, tokenizer, safetensors) or a Hub repo org/name\\[@revision].",
+    ),
+]
+RecipeOpt = Annotated[Path | None, typer.Option("--recipe", help="A recipe YAML (see configs/standard.yaml).")]
+CalibrationOpt = Annotated[str | None, typer.Option("--calibration", help="builtin:<name> or file:<path>.")]
+EvalOpt = Annotated[str | None, typer.Option("--eval", help="builtin:<name> or file:<path>.")]
+WindowsOpt = Annotated[int | None, typer.Option("--eval-windows", min=1, help="2048-token windows to score.")]
+NameOpt = Annotated[str | None, typer.Option("--name", help="The quant name (default: the folder's name).")]
+BaseOpt = Annotated[str | None, typer.Option("--base-model", help="The Hub repo the card names as base_model.")]
+JsonOpt = Annotated[bool, typer.Option("--json", metavar="", help="JSON instead of tables and progress bars.")]
+WideOpt = Annotated[bool, typer.Option("--wide", metavar="", help="Show every column, whatever the terminal's width.")]
+FitOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--fit",
+        help=f"VRAM budgets, e.g. 24GB,16GB: {sizer().label} at the "
+        "highest bpw that fits each with --ctx and --kv-cache (see qf plan).",
+    ),
+]
+CtxOpt = Annotated[int | None, typer.Option("--ctx", min=1, help="Context in tokens (default: the model's max).")]
+KvOpt = Annotated[str, typer.Option("--kv-cache", help="fp16, q8, q6 or q4.")]
+UnitsOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--max-units",
+        min=1,
+        help="Units of a job (conversions, evaluations) run at once (default: as many as fit the "
+        "GPU's memory and the CPU's cores; 1: one after another).",
+    ),
+]
+
+
+def with_engine_flags(fn):
+    """Adds an option for every engine that has a flag (`--<engine> 3.0,4.0`, or a switch) after the command's first
+    parameter; the command gets their values as `flags` (engine name -> value)."""
+    params = [p for name, p in inspect.signature(fn, eval_str=True).parameters.items() if name != "flags"]
+    added = []
+    for engine in engines.all_engines():
+        if engine.flag is None:
+            continue
+        if engine.flag.takes_value:
+            option = Annotated[str | None, typer.Option(f"--{engine.name}", help=engine.flag.help)]
+            added.append(
+                inspect.Parameter(
+                    f"engine_{engine.name}", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None, annotation=option
+                )
+            )
+        else:
+            option = Annotated[bool, typer.Option(f"--{engine.name}", metavar="", help=engine.flag.help)]
+            added.append(
+                inspect.Parameter(
+                    f"engine_{engine.name}", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=False, annotation=option
+                )
+            )
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        flags = {key.removeprefix("engine_"): kwargs.pop(key) for key in list(kwargs) if key.startswith("engine_")}
+        return fn(*args, flags=flags, **kwargs)
+
+    wrapper.__signature__ = inspect.Signature([*params[:1], *added, *params[1:]])
+    return wrapper
+
+
+def request_from(
+    source,
+    flags,
+    recipe,
+    calibration,
+    eval_set,
+    eval_windows,
+    name,
+    base_model,
+    device=None,
+    fit=None,
+    ctx=None,
+    kv_cache="fp16",
+):
+    from factory import submission
+
+    return submission.request(
+        source,
+        flags,
+        recipe,
+        calibration,
+        eval_set,
+        eval_windows,
+        name,
+        base_model,
+        device,
+        fit,
+        ctx,
+        kv_cache,
+        say=lambda line: err.print(line, highlight=False),
+    )
+
+
+def job_rows(**query) -> list[dict]:
+    """Jobs as `qf status` and `qf jobs` print them: from the catalog, or the service's (the user's own); every
+    attempt at each step (`--json`), of which the tables show the latest (`latest`)."""
+    if (remote := service_client()) is not None:
+        if query.get("job_id"):
+            try:
+                return [remote.job(query["job_id"])]
+            except NotFound:
+                return []
+        return remote.jobs(limit=query.get("limit", 20), name=query.get("name"))
+    from factory import status
+
+    config = settings.load()
+    return status.job_rows(config.db_url, broker_url=config.broker_url, **query)
+
+
+def latest(rows: list[dict]) -> list[dict]:
+    """The rows with each step once, its latest record (a worker's job records inspect and gate in both passes)."""
+    from factory.status import latest_steps
+
+    return [{**row, "steps": latest_steps(row["steps"])} for row in rows]
