@@ -97,7 +97,9 @@ def gemma3_processor(out: Path, tokenizer, config) -> None:
     ).save_pretrained(out)
 
 
-PROCESSORS = {"gemma3": gemma3_processor}  # the families whose tiny checkpoints carry a processor that takes images
+# The families whose tiny checkpoints carry a processor that takes images: the others' processors need torchvision
+# (transformers 5.25: Pixtral's, Qwen2-VL's video processor), which the CPU environment does not have.
+PROCESSORS = {"gemma3": gemma3_processor}
 
 
 def make_tiny_vlm(model_type: str, out: Path, seed: int = 0, hidden: int = HIDDEN) -> Path:
