@@ -15,6 +15,7 @@ model's shards): inspection, `qf plan` (factory/vram.py) and the Hub's configs g
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -188,8 +189,9 @@ def layout_info(config: dict, shapes: dict[str, list[int]]) -> ModelInfo:
 
 
 def multimodal(config: dict) -> bool:
-    """A vision-language checkpoint's config: a language model's (text_config) and a vision tower's."""
-    return isinstance(config.get("text_config"), dict) and isinstance(config.get("vision_config"), dict)
+    """A vision-language checkpoint's config: a vision tower's (vision_config) beside a language model's (text_config,
+    or the top level's own numbers, as the releases of Qwen2-VL and Qwen2.5-VL write them)."""
+    return isinstance(config.get("vision_config"), dict)
 
 
 def vision(config: dict, shapes: dict[str, list[int]]) -> Vision | None:
@@ -292,8 +294,9 @@ def with_standard_names(config: dict) -> dict:
     n_inner, Falcon, Bloom), MPT's expansion_ratio x d_model. A vision-language config's sizes are its language
     model's (text_config), where the top level does not say them itself."""
     filled = dict(config)
-    if multimodal(config):
+    if isinstance(config.get("text_config"), dict):
         text = with_standard_names(config["text_config"])
+        text = {**class_defaults(text), **text}
         for name in (*CONFIG_NUMBERS, "tie_word_embeddings", "torch_dtype", "dtype"):
             if filled.get(name) is None and text.get(name) is not None:
                 filled[name] = text[name]
@@ -311,6 +314,28 @@ def with_standard_names(config: dict) -> dict:
         if isinstance(ratio, int) and not isinstance(ratio, bool) and 0 < ratio <= 64:
             filled["intermediate_size"] = ratio * hidden
     return filled
+
+
+def class_defaults(text_config: dict) -> dict:
+    """The numbers a vision-language release's text_config leaves to its transformers config class, as transformers,
+    vLLM and exllamav3 fill them in: Gemma 3 4B to 27B write only the hidden size, the MLP's and the layer count, and
+    leave heads (8), KV heads (4), head_dim (256) and vocabulary (262208) to Gemma3TextConfig. Nothing when the
+    text_config says every number itself, or transformers does not know its model_type."""
+    model_type = text_config.get("model_type")
+    if not isinstance(model_type, str) or all(text_config.get(k) is not None for k in CONFIG_NUMBERS):
+        return {}
+    return {k: v for k, v in _defaults_of(model_type) if text_config.get(k) is None}
+
+
+@functools.cache
+def _defaults_of(model_type: str) -> tuple[tuple[str, object], ...]:
+    try:
+        from transformers import AutoConfig
+
+        found = AutoConfig.for_model(model_type).to_dict()
+    except (ImportError, ValueError, KeyError):
+        return ()
+    return tuple((k, found[k]) for k in CONFIG_NUMBERS if found.get(k) is not None)
 
 
 def check_config(config: dict) -> dict:

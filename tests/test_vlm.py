@@ -190,3 +190,57 @@ def test_plan_of_a_vision_language_repo_on_the_hub(qf, hub, vlms):
     hub.add_repo("qwen/tiny-vl", {p.name: p.read_bytes() for p in vlms["qwen2_5_vl"].iterdir() if p.is_file()})
     plans = qf.json("plan", "qwen/tiny-vl", "--vram", "24GB")
     assert plans["awqct"]["fp16"]["vision"] == 2 * inspect(vlms["qwen2_5_vl"], ALL).vision.params
+
+
+# google/gemma-3-4b-it's config.json as released: its text_config leaves heads, KV heads, head_dim and the vocabulary
+# to Gemma3TextConfig's defaults, as transformers, vLLM and exllamav3 read it
+GEMMA3_4B = {
+    "architectures": ["Gemma3ForConditionalGeneration"],
+    "boi_token_index": 255999,
+    "eoi_token_index": 256000,
+    "eos_token_id": [1, 106],
+    "image_token_index": 262144,
+    "mm_tokens_per_image": 256,
+    "model_type": "gemma3",
+    "text_config": {
+        "hidden_size": 2560,
+        "intermediate_size": 10240,
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 34,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+        "sliding_window": 1024,
+    },
+    "torch_dtype": "bfloat16",
+    "vision_config": {
+        "hidden_size": 1152,
+        "image_size": 896,
+        "intermediate_size": 4304,
+        "model_type": "siglip_vision_model",
+        "num_attention_heads": 16,
+        "num_hidden_layers": 27,
+        "patch_size": 14,
+        "vision_use_head": False,
+    },
+}
+
+
+def test_a_release_config_that_leaves_numbers_to_its_class_is_read_as_transformers_reads_it():
+    from factory.inspect import check_config, with_standard_names
+
+    config = check_config(with_standard_names(GEMMA3_4B))
+    assert {k: config[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                                   "head_dim", "intermediate_size", "vocab_size")} == {
+        "hidden_size": 2560, "num_hidden_layers": 34, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "head_dim": 256, "intermediate_size": 10240, "vocab_size": 262208}  # fmt: skip
+
+
+def test_qwen2_5_vl_as_released_with_the_language_models_numbers_at_the_top(vlms, tmp_path):
+    """Qwen2-VL's and Qwen2.5-VL's releases write the language model's numbers at the top level, no text_config."""
+    source = _copy(vlms["qwen2_5_vl"], tmp_path / "released")
+    config = json.loads((source / "config.json").read_text())
+    text = config.pop("text_config")
+    config.update({k: v for k, v in text.items() if k not in ("model_type", "architectures")})
+    (source / "config.json").write_text(json.dumps(config))
+    info = inspect(source, ALL)
+    assert (info.config["hidden_size"], info.config["num_hidden_layers"]) == (128, 2)
+    assert info.vision is not None and info.vision.parts == ("visual",)
