@@ -168,7 +168,7 @@ def inspect(folder: Path, architectures: Collection[str]) -> ModelInfo:
         weight_bytes=sum(files[f].stat().st_size for f in weights),
         in_features=in_features,
         max_positions=config.get("max_position_embeddings"),
-        vision=vision(config, shapes),
+        vision=vision_of(config, shapes),
     )
 
 
@@ -184,7 +184,7 @@ def layout_info(config: dict, shapes: dict[str, list[int]]) -> ModelInfo:
         weight_bytes=0,
         in_features=_in_features(shapes),
         max_positions=config.get("max_position_embeddings"),
-        vision=vision(config, shapes),
+        vision=vision_of(config, shapes),
     )
 
 
@@ -194,11 +194,18 @@ def multimodal(config: dict) -> bool:
     return isinstance(config.get("vision_config"), dict)
 
 
-def vision(config: dict, shapes: dict[str, list[int]]) -> Vision | None:
+def vision_of(config: dict, shapes: dict[str, list[int]]) -> Vision | None:
     """The vision tower and projector of a vision-language checkpoint (None for a text model), or ModelRefused when
-    the config says there is one and the weights hold none."""
+    the vision config's numbers are not sane or the weights hold no tower."""
     if not multimodal(config):
         return None
+    tower = config["vision_config"]
+    for key in VISION_NUMBERS:
+        value = tower.get(key)
+        if value is not None and not (_positive(value) and value <= 1 << 20):
+            raise ModelRefused(
+                f"config.json: vision_config.{key} is {_short(value)}; it must be an integer between 1 and {1 << 20}"
+            )
     parts: dict[str, int] = {}
     for name, dims in shapes.items():
         if found := VISION_PART.match(name):
@@ -209,13 +216,6 @@ def vision(config: dict, shapes: dict[str, list[int]]) -> Vision | None:
             "config.json has a vision_config but the weights hold no vision tower (model.vision_tower, "
             "model.visual, ...)"
         )
-    tower = config["vision_config"]
-    for key in VISION_NUMBERS:
-        value = tower.get(key)
-        if value is not None and not (_positive(value) and value <= 1 << 20):
-            raise ModelRefused(
-                f"config.json: vision_config.{key} is {_short(value)}; it must be an integer between 1 and {1 << 20}"
-            )
     layers = next((tower[k] for k in ("num_hidden_layers", "depth") if tower.get(k) is not None), None)
     return Vision(
         model_type=str(tower.get("model_type", "")),
