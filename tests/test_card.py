@@ -17,7 +17,9 @@ TEMPLATE = (
 UPSTREAM_CARD = "---\nlicense: llama3.1\nlicense_link: LICENSE\nlanguage: [en, de]\n---\n# Llama\n"
 
 
-def _row(tag: str, bits: float, fits: list[tuple[int, int]] | None = None, **spec) -> QuantRow:
+def _row(
+    tag: str, bits: float, fits: list[tuple[int, int]] | None = None, versions: dict | None = None, **spec
+) -> QuantRow:
     return quant_row(
         f"llama:{tag}",
         bits=bits,
@@ -26,6 +28,7 @@ def _row(tag: str, bits: float, fits: list[tuple[int, int]] | None = None, **spe
         eval={"text": "builtin:wiki", "windows": 48, "window_length": 2048, "device": "cuda"},
         source_identity="meta-llama/Llama-3.1-8B-Instruct@" + "a" * 40,
         spec=spec,
+        versions=versions or {},
         fits=[{"budget": b * GB, "fp16": f16, "q4": q4} for b, (f16, q4) in zip((8, 24), fits, strict=True)]
         if fits
         else None,
@@ -78,3 +81,13 @@ def test_which_exl2_size_to_pick(tmp_path):
     assert "The largest EXL2 size that holds 8,192 tokens of context" in text
     assert "| 8 GB | `llama:exl2-4.0bpw` | fp16 |" in text and "| 24 GB | `llama:exl2-8.0bpw` | fp16 |" in text
     assert "| file:corpus.txt, 100 x 2048 tokens (measured on 16 x 2048) |" in text
+
+
+def test_each_quants_tools_are_those_that_made_it(tmp_path):
+    """A job of both AWQ engines: each row names its own engine's tools, and AWQ-CT's transformers is its child's."""
+    versions = {"awq": "0.2.9", "awqct": "llmcompressor 0.14.0.1, compressed-tensors 0.19.0, transformers 5.17.0",
+                "torch": "2.13.0", "transformers": "5.25.0"}  # fmt: skip
+    rows = [_row("awq-w4g128", 4, versions=versions), _row("awqct-w4g128", 4, versions=versions)]
+    text = _card(tmp_path, rows)
+    assert "| awq 0.2.9, torch 2.13.0, transformers 5.25.0 |" in text
+    assert "| awqct llmcompressor 0.14.0.1, compressed-tensors 0.19.0, transformers 5.17.0, torch 2.13.0 |" in text

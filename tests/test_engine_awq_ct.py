@@ -112,7 +112,7 @@ def test_the_child_has_its_own_transformers_and_makes_its_packages_once():
         timeout=300,
     )
     assert done.returncode == 0 and done.stdout.split()[-1] == "5.17.0", done.stderr[-2000:]
-    assert ENGINE.version() == "llmcompressor 0.14.0.1, compressed-tensors 0.19.0"
+    assert ENGINE.version() == "llmcompressor 0.14.0.1, compressed-tensors 0.19.0, transformers 5.17.0"
 
 
 # The mixtures of experts: tests/tiny_archs.py model type -> the router's name and an expert's linear names in the

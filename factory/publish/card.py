@@ -30,9 +30,13 @@ def _size(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def _versions(versions: dict) -> str:
-    keep = (*engines.available(), "torch", "transformers")
-    return ", ".join(f"{k} {versions[k]}" for k in keep if k in versions)
+def _tools(r: QuantRow) -> str:
+    """What made this quant: its engine's tools, torch, and transformers unless the engine names its own (AWQ-CT's
+    child runs transformers 5.17, not the factory's)."""
+    made_by = r.versions.get(r.method)
+    tools = [f"{r.method} {made_by}"] if made_by else []
+    tools += [f"{k} {r.versions[k]}" for k in ("torch", "transformers") if k in r.versions and k not in (made_by or "")]
+    return ", ".join(tools)
 
 
 def _how_to_load(row: QuantRow, place=None) -> str:
@@ -152,7 +156,7 @@ def render(name: str, upstream: Upstream, this: QuantRow, rows: list[QuantRow], 
             f"| `{r.ref}`{mark} | {r.method} | {r.bits:g} | {_size(r.bytes)} | {r.ppl:.4f} "
             f"| {r.change * 100:+.2f}% | {_kld(r)} | {_top1(r)} | {_calibration(r)} | {public_name(ev['text'])}, "
             f"{ev['windows']} x {ev['window_length']} tokens, {ev['device']} (FP16 {r.fp16_ppl:.4f}) "
-            f"| {_versions(r.versions)} | `{r.source_identity}` |"
+            f"| {_tools(r)} | `{r.source_identity}` |"
             + (f" `{places[r.tag].repo}` branch `{places[r.tag].branch}` |" if places else "")
         )
     loads = "\n".join(_how_to_load(r, places.get(r.tag)) for r in ordered)

@@ -37,7 +37,7 @@ MOE = frozenset({
     "LagunaForCausalLM", "Qwen3NextForCausalLM", "SolarOpenForCausalLM", "Qwen2MoeForCausalLM", "DeepseekV2ForCausalLM",
     "Ernie4_5_MoeForCausalLM", "Llama4ForConditionalGeneration",
 })  # fmt: skip
-TOOLS = ("llmcompressor", "compressed-tensors")
+TOOLS = ("llmcompressor", "compressed-tensors", "transformers")  # what makes its quants: the child's, not the factory's
 
 
 class AwqCtEngine(Engine):
