@@ -295,8 +295,8 @@ def with_standard_names(config: dict) -> dict:
     model's (text_config), where the top level does not say them itself."""
     filled = dict(config)
     if isinstance(config.get("text_config"), dict):
-        text = with_standard_names(config["text_config"])
-        text = {**class_defaults(text), **text}
+        text = config["text_config"]
+        text = with_standard_names({**class_defaults(text), **text})
         for name in (*CONFIG_NUMBERS, "tie_word_embeddings", "torch_dtype", "dtype"):
             if filled.get(name) is None and text.get(name) is not None:
                 filled[name] = text[name]
@@ -319,21 +319,24 @@ def with_standard_names(config: dict) -> dict:
 def class_defaults(text_config: dict) -> dict:
     """The numbers a vision-language release's text_config leaves to its transformers config class, as transformers,
     vLLM and exllamav3 fill them in: Gemma 3 4B to 27B write only the hidden size, the MLP's and the layer count, and
-    leave heads (8), KV heads (4), head_dim (256) and vocabulary (262208) to Gemma3TextConfig. Nothing when the
-    text_config says every number itself, or transformers does not know its model_type."""
+    leave heads (8), KV heads (4), head_dim (256) and vocabulary (262208) to Gemma3TextConfig. The class is built
+    with the numbers the config does write, so what it derives from them (KV heads from heads, head_dim from hidden
+    and heads) follows them. Nothing when the text_config says every number itself, or transformers cannot build
+    its model_type's class."""
     model_type = text_config.get("model_type")
-    if not isinstance(model_type, str) or all(text_config.get(k) is not None for k in CONFIG_NUMBERS):
+    given = {k: v for k in CONFIG_NUMBERS if (v := text_config.get(k)) is not None}
+    if not isinstance(model_type, str) or len(given) == len(CONFIG_NUMBERS):
         return {}
-    return {k: v for k, v in _defaults_of(model_type) if text_config.get(k) is None}
+    return {k: v for k, v in _defaults_of(model_type, tuple(sorted(given.items()))) if k not in given}
 
 
 @functools.cache
-def _defaults_of(model_type: str) -> tuple[tuple[str, object], ...]:
+def _defaults_of(model_type: str, given: tuple[tuple[str, object], ...]) -> tuple[tuple[str, object], ...]:
     try:
         from transformers import AutoConfig
 
-        found = AutoConfig.for_model(model_type).to_dict()
-    except (ImportError, ValueError, KeyError):
+        found = AutoConfig.for_model(model_type, **dict(given)).to_dict()
+    except Exception:  # noqa: BLE001  (an unknown or odd config: no defaults, and check_config says what is missing)
         return ()
     return tuple((k, found[k]) for k in CONFIG_NUMBERS if found.get(k) is not None)
 

@@ -73,7 +73,7 @@ class Params:
 
     embed: int
     head: int  # the output head; a tied head counts here too (exllamav2 and vLLM both hold one)
-    linear: int  # the decoder's linear weights (what a bits-per-weight engine quantizes at bpw)
+    linear: int  # the decoder's linear weights, fused experts' too (what a bits-per-weight engine quantizes at bpw)
     other: int  # norms, biases
     vision: int = 0  # a vision-language model's vision tower and projector (kept at 16 bits)
 
@@ -96,7 +96,7 @@ class Params:
                 else "head"
                 if name.startswith(("lm_head", "language_model.lm_head"))
                 else "linear"
-                if len(dims) == 2
+                if len(dims) == 2 or (len(dims) == 3 and ".experts." in name)  # experts fused in one tensor
                 else "other"
             )
             groups[group] += n

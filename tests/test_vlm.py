@@ -52,11 +52,11 @@ def _tensors(folder) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
 def test_inspect_reads_the_language_model_and_names_the_vision_tower(vlms, model_type):
-    info = inspect(vlms[model_type], ALL)
+    info = inspect(vlms[model_type], ALL | set(FAMILIES.values()))  # Llama 4 too, which no engine takes
     assert info.architecture == FAMILIES[model_type]
     assert (info.config["hidden_size"], info.config["num_hidden_layers"]) == (128, 2)  # text_config's, not the tower's
     assert info.vision is not None and info.vision.parts == PARTS[model_type]
-    assert info.vision.layers == 2 and info.vision.params > 0
+    assert info.vision.layers == 3 and info.vision.params > 0  # the tower has 3 layers, the language model 2
     assert 64 not in info.in_features  # the tower (64 wide) is not among what the engines quantize
     assert info.parts().startswith(f"language model (2 layers), vision tower and projector ({info.vision.model_type}")
 
@@ -149,8 +149,10 @@ def test_gemma3_keeps_its_vision_tower_publishes_its_processor_and_the_quant_tak
     assert vision and all(torch.equal(quant[f"model.{k}"], fp16[k]) for k in vision)
     assert "model.language_model.layers.0.mlp.up_proj.weight_packed" in quant  # the language model, 4-bit
     qc = json.loads((pulled / "config.json").read_text())["quantization_config"]
-    assert qc["ignore"][-2:] == [
+    assert qc["ignore"] == [
         r"re:(.*\.)?lm_head$",
+        "re:.*mlp.gate$",
+        r"re:.*feed_forward\.router$",
         r"re:(.*\.)?(vision_tower|visual|vision_model|multi_modal_projector|mm_projector)\..*",
     ]
 
@@ -244,3 +246,12 @@ def test_qwen2_5_vl_as_released_with_the_language_models_numbers_at_the_top(vlms
     info = inspect(source, ALL)
     assert (info.config["hidden_size"], info.config["num_hidden_layers"]) == (128, 2)
     assert info.vision is not None and info.vision.parts == ("visual",)
+
+
+def test_llama_4_is_refused_before_any_job(qf, vlms):
+    """llm-compressor saves Llama 4's experts one by one, which transformers does not fuse back into its experts: the
+    factory could not score the quant it would publish (benchmarks/results/coverage-cpu.json says so)."""
+    result = qf("run", vlms["llama4"], "--awqct")
+    assert result.exit_code == 3, result.output
+    assert "architecture 'Llama4ForConditionalGeneration' is not supported; supported: " in result.output
+    assert qf.json("jobs") == []

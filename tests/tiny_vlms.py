@@ -1,5 +1,5 @@
 """Tiny seeded vision-language checkpoints (issue 33), made with transformers' own classes like tests/tiny_archs.py:
-the language model shrunk as tiny_archs shrinks a text model (hidden 128, 2 layers), the vision tower to 2 layers 64
+the language model shrunk as tiny_archs shrinks a text model (hidden 128, 2 layers), the vision tower to 3 layers 64
 wide over 28-pixel images in 14-pixel patches, with the tests' tokenizer.
 
     python -m tests.tiny_vlms OUT_DIR [MODEL_TYPE ...]
@@ -26,8 +26,8 @@ FAMILIES = {
 MROPE = {"qwen2_5_vl": [4, 6, 6], "qwen3_vl": [6, 5, 5], "glm4v": [4, 6, 6]}
 VISION = {
     "hidden_size": 64,
-    "num_hidden_layers": 2,
-    "depth": 2,
+    "num_hidden_layers": 3,
+    "depth": 3,
     "num_attention_heads": 2,
     "num_heads": 2,
     "intermediate_size": 128,

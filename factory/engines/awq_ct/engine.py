@@ -26,7 +26,7 @@ ARCHITECTURES = frozenset({
     "Ernie4_5_MoeForCausalLM", "Exaone4ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration", "GemmaForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM",
     "Glm4vForConditionalGeneration", "GraniteForCausalLM", "HYV3ForCausalLM", "LagunaForCausalLM",
-    "Llama4ForConditionalGeneration", "LlamaForCausalLM", "Mistral3ForConditionalGeneration", "MistralForCausalLM",
+    "LlamaForCausalLM", "Mistral3ForConditionalGeneration", "MistralForCausalLM",
     "MixtralForCausalLM", "Olmo3ForCausalLM", "OlmoForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM",
     "Qwen2MoeForCausalLM", "Qwen2_5_VLForConditionalGeneration", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
     "Qwen3NextForCausalLM", "Qwen3VLForConditionalGeneration", "SeedOssForCausalLM", "SmolLM3ForCausalLM",
@@ -35,7 +35,7 @@ ARCHITECTURES = frozenset({
 MOE = frozenset({
     "Qwen3MoeForCausalLM", "MixtralForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "HYV3ForCausalLM",
     "LagunaForCausalLM", "Qwen3NextForCausalLM", "SolarOpenForCausalLM", "Qwen2MoeForCausalLM", "DeepseekV2ForCausalLM",
-    "Ernie4_5_MoeForCausalLM", "Llama4ForConditionalGeneration",
+    "Ernie4_5_MoeForCausalLM",
 })  # fmt: skip
 TOOLS = ("llmcompressor", "compressed-tensors", "transformers")  # what makes its quants: the child's, not the factory's
 

@@ -10,7 +10,8 @@ by `save_pretrained` in compressed-tensors' pack-quantized format. What it does 
   only speeds copies to a GPU, so without an accelerator it is skipped;
 - on the CPU the model computes in float32 (float16 matmuls there are slow and lose precision) and is cast back to
   the source's dtype before saving, so the scales and the unquantized tensors are stored as the source's;
-- the router of a mixture of experts (`mlp.gate`) stays unquantized (`ignore`), as vLLM expects;
+- the output head and the router of a mixture of experts (`mlp.gate`, Llama 4's `feed_forward.router`) stay
+  unquantized (`ignore`), as vLLM expects;
 - a mixture of experts gets AWQ mappings built from its layers (`moe_mappings`): llm-compressor's attention mappings
   for the architecture (built from the layers' kinds for a hybrid such as Qwen3-Next), and per kind of layer the
   norm before the MLP balanced against every linear that reads it (the router, the shared expert's gate where there
@@ -38,7 +39,9 @@ from pathlib import Path
 
 from factory.engines import child
 
-IGNORE = ["lm_head", "re:.*mlp.gate$"]
+# Left unquantized: the output head (`language_model.lm_head` in Llama 4) and a mixture of experts' router (`mlp.gate`,
+# Llama 4's `feed_forward.router`), as vLLM builds them.
+IGNORE = [r"re:(.*\.)?lm_head$", "re:.*mlp.gate$", r"re:.*feed_forward\.router$"]
 VISION = r"re:(.*\.)?(vision_tower|visual|vision_model|multi_modal_projector|mm_projector)\..*"  # inspect.VISION_PART
 # Checkpoints that name their experts' linears otherwise than the Linear modules oneshot makes of them: model_type ->
 # (checkpoint name, module name) for each.
@@ -234,22 +237,16 @@ def main() -> None:
     # torch.int32 but got torch.int8" at the first forward)
     model.to(saved).save_pretrained(request["out_dir"], save_original_format=not multimodal(config))
     if multimodal(config):
-        ignore_by_loaded_names(Path(request["out_dir"]) / "config.json")
+        ignore_by_pattern(Path(request["out_dir"]) / "config.json")
 
 
-def ignore_by_loaded_names(path: Path) -> None:
-    """The saved config's `ignore` as the loader names the modules: llm-compressor writes the names its releases
-    use (`language_model.lm_head`, `vision_tower.*`), not those of the modules transformers loads the weights into
-    (`lm_head`, `model.vision_tower.*`), so a loader would take those modules for quantized ones and find no weights
-    for them (transformers 5.17, Gemma 3). The head and the vision parts become patterns, other names are renamed."""
+def ignore_by_pattern(path: Path) -> None:
+    """The saved config's `ignore` as the recipe's patterns: llm-compressor writes the names of the modules it left
+    out as its releases name them (Gemma 3's `language_model.lm_head`, `vision_tower.*`), which is not always what
+    transformers calls the modules it loads them into (`lm_head`, `model.vision_tower.*`: a loader took those for
+    quantized ones and found no weights, transformers 5.17), and where it is (Llama 4), the same patterns match."""
     config = json.loads(path.read_text())
-    qc = config["quantization_config"]
-    kept = [
-        re.sub(r"^language_model\.model\.", "model.language_model.", n)
-        for n in qc["ignore"]
-        if not re.match(VISION[3:], n) and not n.endswith("lm_head")
-    ]
-    qc["ignore"] = [*kept, r"re:(.*\.)?lm_head$", VISION]
+    config["quantization_config"]["ignore"] = [*IGNORE, VISION]
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
