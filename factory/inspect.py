@@ -78,7 +78,8 @@ VISION_NUMBERS = (
 )
 # The parts of a vision-language checkpoint that are not its language model: the vision tower (model.vision_tower,
 # model.visual, model.vision_model) and the projector into the language model's embeddings. They stay at 16 bits.
-VISION_PART = re.compile(r"(?:model\.)?(vision_tower|visual|vision_model|multi_modal_projector|mm_projector)\.")
+VISION_PARTS = ("vision_tower", "visual", "vision_model", "multi_modal_projector", "mm_projector")
+VISION_PART = re.compile(rf"(?:model\.)?({'|'.join(VISION_PARTS)})\.")
 # Other names of the sizes, by family (the aliases transformers' configs map: GPT-J's n_embd, MPT's d_model, ...);
 # read_config fills the standard name from the first alias present when the standard one is missing.
 ALIASES = {

@@ -38,11 +38,13 @@ import re
 from pathlib import Path
 
 from factory.engines import child
+from factory.inspect import VISION_PARTS
 
 # Left unquantized: the output head (`language_model.lm_head` in Llama 4) and a mixture of experts' router (`mlp.gate`,
 # Llama 4's `feed_forward.router`), as vLLM builds them.
 IGNORE = [r"re:(.*\.)?lm_head$", "re:.*mlp.gate$", r"re:.*feed_forward\.router$"]
-VISION = r"re:(.*\.)?(vision_tower|visual|vision_model|multi_modal_projector|mm_projector)\..*"  # inspect.VISION_PART
+VISION_MODULE = rf"(.*\.)?({'|'.join(VISION_PARTS)})\..*"  # a module of the vision tower or projector
+VISION = f"re:{VISION_MODULE}"
 # Checkpoints that name their experts' linears otherwise than the Linear modules oneshot makes of them: model_type ->
 # (checkpoint name, module name) for each.
 EXPERT_NAMES = {"mixtral": (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))}
@@ -60,7 +62,7 @@ def decoder_layers(model):
     return next(
         m
         for name, m in model.named_modules()
-        if isinstance(m, torch.nn.ModuleList) and len(m) == count and not re.match(VISION[3:], name + ".")
+        if isinstance(m, torch.nn.ModuleList) and len(m) == count and not re.match(VISION_MODULE, name + ".")
     )
 
 
@@ -205,8 +207,9 @@ def main() -> None:
     import torch
     from llmcompressor import oneshot
     from torch.utils.data import DataLoader
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+    from transformers import AutoTokenizer
 
+    from factory.evaluate import auto_model
     from factory.inspect import multimodal, with_standard_names
 
     skip_pinning_without_accelerator()
@@ -214,8 +217,7 @@ def main() -> None:
     config = with_standard_names(json.loads((Path(request["source_dir"]) / "config.json").read_text()))
     saved = getattr(torch, config.get("torch_dtype") or config.get("dtype") or "float16")
     compute = saved if torch.cuda.is_available() else torch.float32
-    auto = AutoModelForImageTextToText if multimodal(config) else AutoModelForCausalLM
-    model = auto.from_pretrained(request["source_dir"], dtype=compute, trust_remote_code=False)
+    model = auto_model(config).from_pretrained(request["source_dir"], dtype=compute, trust_remote_code=False)
     report_layers(model, emit)
     windows = [
         {"input_ids": torch.tensor(w), "attention_mask": torch.ones(len(w), dtype=torch.long)} for w in calibration
