@@ -2,7 +2,8 @@
 seeded checkpoint made with transformers' own class (tests/tiny_archs.py) goes through `qf run` with that engine
 (inspect, quantize, evaluate: ppl, KLD, top-1; publish), `qf pull`, and the pulled quant is loaded with the
 engine's loader (the consumer's library: AutoAWQ's unpacking, exllamav2, exllamav3, transformers for
-compressed-tensors) and scored again on the same windows, which must give the perplexity the factory published.
+compressed-tensors) and scored again on the same windows, which must give the perplexity the factory published; a
+vision-language quant is also given an image where SEES_IMAGES says how (EXL3: tests/exl3_image.py).
 
     python benchmarks/coverage.py DIR [--engine awq] [--arch llama,qwen3] [--jobs N] [--out RESULTS.json]
     python benchmarks/coverage.py --table        # the README's table, from every benchmarks/results/coverage-*.json
@@ -116,6 +117,12 @@ CANDIDATES = {
         "kimi_linear",
         "laguna",
         "solar_open",
+        # the vision-language families of issue 33 exllamav3 has architecture files for
+        "gemma3",
+        "mistral3",
+        "qwen2_5_vl",
+        "qwen3_vl",
+        "glm4v",
     ],
 }
 # llm-compressor 0.14.0.1's AWQ mappings name these (modifiers/transform/awq/mappings.py; text models built into
@@ -171,6 +178,16 @@ CANDIDATES["awqct"] = [
     "llama4",
     "glm4v",
 ]
+
+
+# engine -> how its pulled quant of a vision-language model is given an image, as its users load it
+def _exl3_image(folder: Path) -> dict:
+    from tests.exl3_image import first_token
+
+    return first_token(folder)
+
+
+SEES_IMAGES = {"exl3": _exl3_image}
 FLAGS = {"awq": ["--awq"], "awqct": ["--awqct"], "exl2": ["--exl2", "4.0"], "exl3": ["--exl3", "4.0"]}
 WIDTH = {"exl2": 256, "exl3": 256}  # the GPU engines: heads of 64 (tests/tiny_archs.py); the others 128
 WINDOWS = 2
@@ -255,6 +272,15 @@ def run_one(engine: str, model_type: str, models: Path, work: Path, device: str)
             "status": "refused",
             "reason": f"the pulled quant scores ppl {again:.4f}, the factory published {quant['ppl']:.4f}",
         }
+    if engine in SEES_IMAGES and model_type in FAMILIES:
+        try:
+            result["image"] = SEES_IMAGES[engine](pulled)
+        except Exception as e:  # noqa: BLE001
+            return {
+                **result,
+                "status": "refused",
+                "reason": f"the pulled quant takes no image: {type(e).__name__}: {e}",
+            }
     return {
         **result,
         "status": "quantized",

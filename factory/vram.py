@@ -136,15 +136,17 @@ def too_small(need: int, room: int, budget: int, headroom: int, ctx: int, cache:
 
 
 def tensor_bytes(folder: Path) -> dict[str, int]:
-    """A finished quant's tensor bytes by group (embed, head, layers, other), from its safetensors headers."""
-    from factory.inspect import read_header
+    """A finished quant's tensor bytes by group (embed, head, layers, vision, other), from its safetensors headers."""
+    from factory.inspect import VISION_PART, read_header
 
     groups: dict[str, int] = {}
     for shard in sorted(folder.glob("*.safetensors")):
         for name, info in read_header(shard).items():
             begin, end = info["data_offsets"]
             group = (
-                "embed"
+                "vision"
+                if VISION_PART.match(name)
+                else "embed"
                 if "embed_tokens" in name
                 else "head"
                 if "lm_head" in name

@@ -2,7 +2,8 @@
 
 Gemma-3-270M (tests/gemma.py, from the GGUF parts in $QF_GEMMA_PARTS) at 2.0-6.0 bpw in one job on the same 48
 windows as its FP16; FP16 through exllamav3 against transformers; a tiny random Llama end to end (convert, score
-through the quantized cache, publish, pull) and a conversion killed and resumed. Results: $QF_GPU_RESULTS.
+through the quantized cache, publish, pull), a tiny Gemma 3 vision-language checkpoint given an image after, and a
+conversion killed and resumed. Results: $QF_GPU_RESULTS.
 """
 
 from __future__ import annotations
@@ -21,10 +22,13 @@ import torch
 
 import calibration
 from factory import engines, evaluate
+from factory.inspect import VISION_PART
 from tests.conftest import Qf
+from tests.exl3_image import first_token
 from tests.gemma import convert
 from tests.test_gpu import RESULTS, _events, _rows, _save
 from tests.tiny_model import LLAMA_1B, make_tiny_llama
+from tests.tiny_vlms import make_tiny_vlm
 
 pytestmark = [
     pytest.mark.gpu,
@@ -67,6 +71,44 @@ def test_exl3_end_to_end_on_a_tiny_llama(tiny_llama, tmp_path):
     log = next((tmp_path / "home" / "work").rglob("engine.log"), None)  # removed after success: the job is done
     assert log is None
     _save()
+
+
+def test_a_vision_language_exl3_quant_keeps_its_tower_and_takes_an_image(tmp_path):
+    """Issue 33 on exllamav3: a tiny Gemma 3 vision-language checkpoint as released (tests/tiny_vlms.py) through
+    `qf run --exl3`: its language model quantized, its tower and projector copied at 16 bits, its processor's files
+    published; the pulled quant loads with its vision model and generates a token for a prompt with an image."""
+    source = make_tiny_vlm("gemma3", tmp_path / "tiny-gemma3-vl", hidden=256)
+    qf = Qf(home=tmp_path / "home")
+    events = _events(qf("run", source, "--exl3", "4.0", "--eval-windows", 2, "--json"))
+    _rows("tiny-gemma3-vl", events)
+    [quant] = events[-1]["quants"]
+    assert quant["name"] == "tiny-gemma3-vl:exl3-4.0bpw"
+    out = tmp_path / "pulled"
+    assert qf("pull", quant["name"], "-o", out).exit_code == 0
+    assert {"preprocessor_config.json", "processor_config.json", "chat_template.jinja"} <= {
+        p.name for p in out.iterdir()
+    }
+    fp16, quantized = _tensors(source), _tensors(out)
+    vision = {k for k in fp16 if VISION_PART.match(k)}
+    # exllamav3 copies them under the names it reads them by (Gemma 3's mm_input_projection_weight gains a dot)
+    copied = {k.replace("mm_input_projection_weight", "mm_input_projection.weight"): k for k in vision}
+    assert set(copied) <= set(quantized), sorted(set(copied) - set(quantized))
+    assert all(torch.equal(quantized[new].cpu(), fp16[old].cpu()) for new, old in copied.items())
+    assert "language_model.model.layers.0.mlp.up_proj.trellis" in quantized  # the language model, in EXL3
+    seen = first_token(out)
+    RESULTS["checks"]["exl3_vlm_image"] = seen
+    assert seen["image_embeddings"] == 4 and seen["prompt_tokens"] > seen["image_embeddings"]
+    _save()
+
+
+def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    found = {}
+    for path in folder.glob("*.safetensors"):
+        with safe_open(str(path), framework="pt") as f:
+            found.update({k: f.get_tensor(k) for k in f.keys()})
+    return found
 
 
 def test_exl3_conversion_killed_and_resumed(tiny_llama, tmp_path):

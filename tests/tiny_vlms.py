@@ -1,6 +1,10 @@
 """Tiny seeded vision-language checkpoints (issue 33), made with transformers' own classes like tests/tiny_archs.py:
 the language model shrunk as tiny_archs shrinks a text model (hidden 128, 2 layers), the vision tower to 3 layers 64
-wide over 28-pixel images in 14-pixel patches, with the tests' tokenizer.
+wide over 28-pixel images in 14-pixel patches, with the tests' tokenizer and each family's image tokens added to it.
+
+Each is written as its family's release is, where transformers' save_pretrained writes otherwise (exllamav3 reads
+the release's form, not transformers'): an image processor's preprocessor_config.json of the release's kind, the
+vision config's keys as the release writes them (RELEASE_VISION), Gemma 3's tower under `vision_tower.vision_model.`.
 
     python -m tests.tiny_vlms OUT_DIR [MODEL_TYPE ...]
 """
@@ -8,6 +12,8 @@ wide over 28-pixel images in 14-pixel patches, with the tests' tokenizer.
 from __future__ import annotations
 
 import argparse
+import json
+import re
 from pathlib import Path
 
 from tests.tiny_archs import HIDDEN, VOCAB, config_for
@@ -22,8 +28,30 @@ FAMILIES = {
     "llama4": "Llama4ForConditionalGeneration",
     "glm4v": "Glm4vForConditionalGeneration",
 }
-# The tiny language model's rotary sections over time, height and width (heads of 32: they sum to 16)
+# The tiny language model's rotary sections over time, height and width for heads of 32 (they sum to 16); wider
+# heads (the GPU engines' 64) scale them
 MROPE = {"qwen2_5_vl": [4, 6, 6], "qwen3_vl": [6, 5, 5], "glm4v": [4, 6, 6]}
+# Each family's image tokens (the releases' own) -> the config key that holds its id, if any; added to the tests'
+# tokenizer past its words (Gemma 3's come with its processor, gemma3_processor)
+QWEN_TOKENS = {
+    "<|vision_start|>": "vision_start_token_id",
+    "<|vision_end|>": "vision_end_token_id",
+    "<|image_pad|>": "image_token_id",
+    "<|video_pad|>": "video_token_id",
+}
+TOKENS = {
+    "mistral3": {"[IMG]": "image_token_index", "[IMG_BREAK]": None, "[IMG_END]": None},
+    "qwen2_5_vl": QWEN_TOKENS,
+    "qwen3_vl": QWEN_TOKENS,
+    "glm4v": {
+        "<|begin_of_image|>": "image_start_token_id",
+        "<|end_of_image|>": "image_end_token_id",
+        "<|image|>": "image_token_id",
+        "<|begin_of_video|>": "video_start_token_id",
+        "<|end_of_video|>": "video_end_token_id",
+        "<|video|>": "video_token_id",
+    },
+}
 VISION = {
     "hidden_size": 64,
     "num_hidden_layers": 3,
@@ -40,6 +68,61 @@ VISION = {
 }
 
 
+# What a release's vision_config writes where transformers' save writes otherwise (Qwen/Qwen2.5-VL-7B-Instruct's
+# has no model_type and says spatial_patch_size; Qwen/Qwen3-VL-8B-Instruct's names the whole model's type)
+RELEASE_VISION = {
+    "qwen2_5_vl": {"model_type": None, "spatial_patch_size": VISION["patch_size"]},
+    "qwen3_vl": {"model_type": "qwen3_vl"},
+}
+TEXT_AT_TOP = {"qwen2_5_vl"}  # Qwen2.5-VL's release says its language model's numbers at the top, without text_config
+CLIP_MEAN, CLIP_STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
+QWEN_PREPROCESSOR = {
+    "patch_size": VISION["patch_size"],
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": CLIP_MEAN,
+    "image_std": CLIP_STD,
+}
+PIXELS = VISION["image_size"] ** 2
+# The image processor's preprocessor_config.json of each family as its release ships it, at the tiny sizes (Gemma
+# 3's comes from its processor, gemma3_processor)
+PREPROCESSORS = {
+    "mistral3": {
+        "image_processor_type": "PixtralImageProcessor",
+        "processor_class": "PixtralProcessor",
+        "patch_size": {"height": VISION["patch_size"], "width": VISION["patch_size"]},
+        "size": {"longest_edge": VISION["image_size"]},
+        "image_mean": CLIP_MEAN,
+        "image_std": CLIP_STD,
+        "resample": 3,
+        "rescale_factor": 1 / 255,
+        "do_convert_rgb": True,
+        "do_normalize": True,
+        "do_rescale": True,
+        "do_resize": True,
+    },
+    "qwen2_5_vl": {
+        **QWEN_PREPROCESSOR,
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "processor_class": "Qwen2_5_VLProcessor",
+        "min_pixels": PIXELS,
+        "max_pixels": 4 * PIXELS,
+    },
+    "qwen3_vl": {
+        **QWEN_PREPROCESSOR,
+        "image_processor_type": "Qwen2VLImageProcessorFast",
+        "processor_class": "Qwen3VLProcessor",
+        "size": {"shortest_edge": PIXELS, "longest_edge": 4 * PIXELS},
+    },
+    "glm4v": {
+        **QWEN_PREPROCESSOR,
+        "image_processor_type": "Glm4vImageProcessor",
+        "processor_class": "Glm4vProcessor",
+        "size": {"shortest_edge": PIXELS, "longest_edge": 4 * PIXELS},
+    },
+}
+
+
 def vlm_config(model_type: str, bos: int, eos: int, hidden: int = HIDDEN):
     from transformers import AutoConfig
 
@@ -50,7 +133,9 @@ def vlm_config(model_type: str, bos: int, eos: int, hidden: int = HIDDEN):
         if key not in ("model_type", "architectures", "transformers_version"):
             setattr(config.text_config, key, value)
     if model_type in MROPE:  # rotary sections over time, height and width: half the rotary dims in all
-        config.text_config.rope_parameters = {**config.text_config.rope_parameters, "mrope_section": MROPE[model_type]}
+        scale = (getattr(tiny_text, "head_dim", None) or hidden // tiny_text.num_attention_heads) // 32
+        sections = [n * scale for n in MROPE[model_type]]
+        config.text_config.rope_parameters = {**config.text_config.rope_parameters, "mrope_section": sections}
     for key, value in {**VISION, "out_hidden_size": hidden, "projector_output_dim": hidden}.items():
         if hasattr(config.vision_config, key):
             setattr(config.vision_config, key, value)
@@ -97,6 +182,51 @@ def gemma3_processor(out: Path, tokenizer, config) -> None:
     ).save_pretrained(out)
 
 
+def add_image_tokens(out: Path, config, tokens: dict[str, str | None]) -> None:
+    """The family's image tokens added to the tokenizer saved in `out`, their ids written to the config."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(tokens)})
+    tokenizer.save_pretrained(out)
+    for token, key in tokens.items():
+        if key is not None:
+            setattr(config, key, tokenizer.convert_tokens_to_ids(token))
+
+
+def as_released(model_type: str, out: Path) -> None:
+    """The saved checkpoint in its release's form: the vision config's keys (RELEASE_VISION), the language model's
+    numbers where the release writes them (TEXT_AT_TOP), the image processor's
+    preprocessor_config.json; Gemma 3's tower under `vision_tower.vision_model.` (google/gemma-3-4b-it; transformers
+    5.25 saves it as `vision_tower.` and reads both) and its image processor out of processor_config.json."""
+    path = out / "config.json"
+    config = json.loads(path.read_text())
+    for key, value in RELEASE_VISION.get(model_type, {}).items():
+        if value is None:
+            config["vision_config"].pop(key, None)
+        else:
+            config["vision_config"][key] = value
+    if model_type in TEXT_AT_TOP:
+        text = config.pop("text_config")
+        config |= {k: v for k, v in text.items() if k not in ("model_type", "architectures") and k not in config}
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    preprocessor = PREPROCESSORS.get(model_type)
+    if model_type == "gemma3":
+        from safetensors.torch import load_file, save_file
+
+        processor = json.loads((out / "processor_config.json").read_text())
+        preprocessor = {**processor.pop("image_processor"), **processor}
+        (out / "processor_config.json").write_text(json.dumps(processor, indent=2) + "\n")
+        weights = out / "model.safetensors"
+        tensors = load_file(weights)
+        tower = re.compile(r"^vision_tower\.(?!vision_model\.)")
+        save_file(
+            {tower.sub("vision_tower.vision_model.", k): v for k, v in tensors.items()}, weights, {"format": "pt"}
+        )
+    if preprocessor is not None:
+        (out / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2) + "\n")
+
+
 # The families whose tiny checkpoints carry a processor that takes images: the others' processors need torchvision
 # (transformers 5.25: Pixtral's, Qwen2-VL's video processor), which the CPU environment does not have.
 PROCESSORS = {"gemma3": gemma3_processor}
@@ -114,9 +244,12 @@ def make_tiny_vlm(model_type: str, out: Path, seed: int = 0, hidden: int = HIDDE
     config = vlm_config(model_type, tokenizer.bos_token_id, tokenizer.eos_token_id, hidden)
     if model_type in PROCESSORS:
         PROCESSORS[model_type](out, tokenizer, config)
+    if model_type in TOKENS:
+        add_image_tokens(out, config, TOKENS[model_type])
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config).to(torch.float16)
     model.save_pretrained(out)
+    as_released(model_type, out)
     return out
 
 

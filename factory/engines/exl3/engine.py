@@ -1,7 +1,7 @@
 """EXL3 through exllamav3's own conversion script, in a child process.
 
     python -m factory.engines.exl3.compat exllamav3.conversion.convert_model -i SRC -o OUT -w WORK -b BPW
-        -hb HEAD -cd CAL.safetensors -cr ROWS -cc LENGTH [-r]
+        -hb HEAD -vb 16 -cd CAL.safetensors -cr ROWS -cc LENGTH [-r]
 factory/engines/script.py runs the script as __main__ with those arguments (runpy) and then reports the peak GPU
 memory the conversion allocated; compat.py first lets exllamav3 read text-only Gemma 3 checkpoints.
 
@@ -16,6 +16,8 @@ What we add, and why (facts of exllamav3 1.6.5):
 - resume: `-r` when the work folder holds a job (args.json and ckpt/job.json that parse); anything else there is
   wiped and the conversion starts over (without `-r` it would mix a new job with the old job's tensors);
 - the output folder is emptied first: exllamav3 only warns about stale shards in it;
+- a vision-language model's tower and projector are copied at 16 bits (`-vb 16`): by default exllamav3 quantizes
+  the towers it has validated (Qwen3-VL's, GLM-4V's) to 6 bits;
 - exllamav3 pads every dimension to a multiple of 128 and its gated MLP does not crop the padding of its output:
   a hidden size that is not a multiple of 128 fails at layer 0 (SmolLM2-135M: 576), so `refuse` says so at submit.
 exllamav3 is never imported here: importing it builds its CUDA extension.
@@ -48,6 +50,7 @@ MODULE = re.compile(r"^ -- (?:Quantized|Unquantized): (?P<key>\S+)\s+(?!.*g_sc:)
 ETA = re.compile(r"^ -- Estimated remaining time: (?P<eta>.+?)(?: \(avg over last \d+ blocks\))?$")
 ERROR = re.compile(r"^ !! Error: (?P<message>.*)$")
 CAL_TENSOR = "input_ids"
+VISION_BITS = 16  # a vision-language model's tower and projector stay as they are (exllamav3 quantizes some at 6)
 
 # What benchmarks/coverage.py proved exllamav3 1.6.5 converts on the H200 (benchmarks/results/coverage-h200.json),
 # and the claims that run did not reach or failed for a reason outside exllamav3 (tests/test_coverage.py, UNPROVEN).
@@ -180,6 +183,8 @@ class Exl3Engine(Engine):
             spec["bpw"],
             "-hb",
             spec["head_bits"],
+            "-vb",
+            VISION_BITS,
             "-cd",
             cal,
             "-cr",
@@ -223,6 +228,8 @@ class Exl3Engine(Engine):
         plan = MemoryPlan.by_bpw(result, title, "EXL3", per_gpu=False)
         if note := memory.same_weights(result):
             plan.lines.append(note)
+        if vision := result["rows"][0]["vision"]:
+            plan.lines.append(f"EXL3's OTHER holds the vision tower and projector at 16 bits: {h(vision)}")
         return plan
 
     def how_to_load(self, folder: str) -> str:

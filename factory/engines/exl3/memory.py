@@ -12,6 +12,8 @@ EXL3 with exllamav3 on one GPU, as the GPU's used memory a user sees, in parts (
   scratch   a prefill chunk's work (exllamav3 prefills 2048 tokens at a time): its hidden states, attention and MLP
             activations (CHUNK x (2 hidden + 3 q + 2 intermediate) fp16 values) and SCRATCH_FIXED
   reserve   the caching allocator's blocks beyond its peak: SLACK of it, at least RESERVE_MIN
+  vision    a vision-language model's vision tower and projector, at 16 bits (not measured: its own model, which
+            exllamav3 loads beside the language model to read images)
 Measured on an H200 (torch 2.11, CUDA 13; benchmarks/results/h200-2026-12-02/vram_fit_gemma_exl3.json): Gemma-3-270M
 at 2.0-6.0 bpw, 2k to 32k tokens, fp16 and q4 caches: every prediction within 64 MiB (+2.1 to +3.9%; -5.0% at 2k
 with an fp16 cache) of what nvidia-smi showed. One shape only so far, so the fixed terms are its numbers; the
@@ -99,13 +101,14 @@ def scratch_bytes(shape: Shape) -> int:
     return CHUNK * values * 2 + SCRATCH_FIXED
 
 
-def exllamav3(shape: Shape, weights: int, ctx: int, cache: str) -> dict[str, int]:
+def exllamav3(shape: Shape, weights: int, ctx: int, cache: str, vision: int = 0) -> dict[str, int]:
     """The predicted GPU memory in use, in parts and in total."""
     parts = {
         "context": CONTEXT,
         "weights": weights,
         "cache": cache_bytes(shape, ctx, cache),
         "scratch": scratch_bytes(shape),
+        "vision": vision,
     }
     parts["reserve"] = max(int(SLACK * (parts["weights"] + parts["cache"] + parts["scratch"])), RESERVE_MIN)
     parts["total"] = sum(parts.values())
@@ -139,7 +142,7 @@ def plan(
     ctx, room = plan_room(shape, budget, ctx, cache, CACHES, 1, headroom)
 
     def parts(bpw: float) -> dict[str, int]:
-        return exllamav3(shape, exl3_weights(shape, params, bpw, head_bits), ctx, cache)
+        return exllamav3(shape, exl3_weights(shape, params, bpw, head_bits), ctx, cache, params.vision * 2)
 
     rows = [{"bpw": b, **p, "fits": p["total"] <= room} for b in BPWS for p in [parts(b)]]
     best = best_bpw(lambda b: parts(b)["total"], room, lowest=1.0)
