@@ -1,6 +1,7 @@
 """Tiny seeded vision-language checkpoints (issue 33), made with transformers' own classes like tests/tiny_archs.py:
-the language model shrunk as tiny_archs shrinks a text model (hidden 128, 2 layers), the vision tower to 3 layers 64
-wide over 28-pixel images in 14-pixel patches, with the tests' tokenizer and each family's image tokens added to it.
+the language model shrunk as tiny_archs shrinks a text model (hidden 128, 2 layers), the vision tower to 3 layers 128
+wide (a multiple of 128 as every release's: exllamav3 pads narrower ones and GLM-4V's gated MLP keeps the padding)
+over 28-pixel images in 14-pixel patches, with the tests' tokenizer and each family's image tokens added to it.
 
 Each is written as its family's release is, where transformers' save_pretrained writes otherwise (exllamav3 reads
 the release's form, not transformers'): an image processor's preprocessor_config.json of the release's kind, the
@@ -53,17 +54,17 @@ TOKENS = {
     },
 }
 VISION = {
-    "hidden_size": 64,
+    "hidden_size": 128,
     "num_hidden_layers": 3,
     "depth": 3,
     "num_attention_heads": 2,
     "num_heads": 2,
-    "intermediate_size": 128,
+    "intermediate_size": 256,
     "out_hidden_size": HIDDEN,
     "image_size": 28,
     "patch_size": 14,
-    "vision_output_dim": 64,
-    "projector_input_dim": 64,
+    "vision_output_dim": 128,
+    "projector_input_dim": 128,
     "projector_output_dim": HIDDEN,
 }
 

@@ -61,6 +61,9 @@ ARCHITECTURES = frozenset({
     "GptOssForCausalLM", "Lfm2ForCausalLM", "LlamaForCausalLM", "MiniMaxM2ForCausalLM", "MistralForCausalLM",
     "MixtralForCausalLM", "NemotronHForCausalLM", "Olmo3ForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM",
     "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM", "SeedOssForCausalLM", "SmolLM3ForCausalLM",
+    # vision-language: the language model converted, the vision tower and projector kept at 16 bits (-vb 16)
+    "Gemma3ForConditionalGeneration", "Glm4vForConditionalGeneration", "Mistral3ForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
 })  # fmt: skip
 
 
