@@ -195,6 +195,15 @@ def multimodal(config: dict) -> bool:
     return isinstance(config.get("vision_config"), dict)
 
 
+def tower_kind(config: dict) -> str:
+    """A vision-language config's vision tower kind: its vision_config's model_type, or the checkpoint's own with
+    `_vision` (Qwen2.5-VL's release names none: transformers calls it qwen2_5_vl_vision)."""
+    named = config["vision_config"].get("model_type") or config.get("model_type")
+    if not isinstance(named, str) or not named:
+        return "vision"
+    return named if config["vision_config"].get("model_type") else f"{named}_vision"
+
+
 def vision_of(config: dict, shapes: dict[str, list[int]]) -> Vision | None:
     """The vision tower and projector of a vision-language checkpoint (None for a text model), or ModelRefused when
     the vision config's numbers are not sane or the weights hold no tower."""
@@ -219,7 +228,7 @@ def vision_of(config: dict, shapes: dict[str, list[int]]) -> Vision | None:
         )
     layers = next((tower[k] for k in ("num_hidden_layers", "depth") if tower.get(k) is not None), None)
     return Vision(
-        model_type=str(tower.get("model_type", "")),
+        model_type=tower_kind(config),
         parts=tuple(sorted(parts)),
         params=sum(parts.values()),
         layers=layers,

@@ -98,17 +98,19 @@ def test_plan_sizes_the_language_model_and_the_vision_tower_apart(qf, vlms):
     plans = qf.json("plan", vlms["qwen2_5_vl"], "--vram", "24GB")
     assert plans["awqct"]["fp16"]["vision"] == 2 * info.vision.params  # kept at 16 bits
     assert plans["awqct"]["fp16"]["weights"] < 2 * 800_000  # the language model at 4 bits (and its fp16 embeddings)
-    for name, label in (("awq", "AWQ"), ("exl2", "EXL2"), ("exl3", "EXL3")):
+    for name, label in (("awq", "AWQ"), ("exl2", "EXL2")):
         assert plans[name] == {
             "refused": f"{label} does not convert the vision-language "
             "Qwen2_5_VLForConditionalGeneration; it converts text models only"
         }
+    assert {row["vision"] for row in plans["exl3"]["rows"]} == {2 * info.vision.params}  # in EXL3's OTHER, 16 bits
     shown = qf("plan", vlms["qwen2_5_vl"], "--vram", "24GB").stdout.splitlines()
-    assert shown[0] == info.parts()
-    assert shown[1].startswith("AWQ-CT w4 with vLLM, fp16 KV cache (estimate): needs about ")
+    assert f"EXL3's OTHER holds the vision tower and projector at 16 bits: {human(2 * info.vision.params)}" in shown
+    assert shown[0] == info.parts() and "(qwen2_5_vl_vision, 3 layers, " in shown[0]  # the release names no kind
+    [awqct] = [line for line in shown if line.startswith("AWQ-CT w4 with vLLM, fp16 KV cache (estimate): needs about ")]
     assert (
         f", vision tower and projector {human(2 * info.vision.params)} (16-bit), KV cache 2 MiB for 4096 tokens"
-        in shown[1]
+        in awqct
     )
 
 
@@ -255,3 +257,15 @@ def test_llama_4_is_refused_before_any_job(qf, vlms):
     assert result.exit_code == 3, result.output
     assert "architecture 'Llama4ForConditionalGeneration' is not supported; supported: " in result.output
     assert qf.json("jobs") == []
+
+
+def test_an_exl3_quant_of_a_vision_language_model_says_how_it_takes_an_image(vlms, tmp_path):
+    """EXL3's card: under such a quant, how exllamav3's vision model turns an image into the prompt's embeddings (the
+    way tests/exl3_image.py gives the H200's quants their image); nothing for a text model."""
+    exl3 = engines.get("exl3")
+    assert exl3.load_note(vlms["gemma3"]).startswith("Images go through its vision model")
+    assert 'Model.from_config(config, component="vision")' in exl3.load_note(vlms["gemma3"])
+    text = tmp_path / "text"
+    text.mkdir()
+    (text / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_size": 256}))
+    assert exl3.load_note(text) is None

@@ -50,13 +50,13 @@ def read(base_model: str, card: str | None, staged: Path) -> Upstream:
 def _vision(staged: Path) -> str | None:
     """The vision tower's kind, where the staged config is a vision-language model's."""
     from factory.errors import ModelRefused
-    from factory.inspect import multimodal, read_config
+    from factory.inspect import multimodal, read_config, tower_kind
 
     try:
         config = read_config(staged / "config.json", check_numbers=False)
     except (OSError, ModelRefused):
         return None
-    return _text(config["vision_config"].get("model_type")) or "vision" if multimodal(config) else None
+    return (_text(tower_kind(config)) or "vision") if multimodal(config) else None
 
 
 def _front_matter(card: str) -> dict:

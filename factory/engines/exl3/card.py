@@ -15,6 +15,16 @@ DOTTED_NOTE = (
     "modules, so exllamav3 1.6.5 loads it as it is; a release that fixes `Gemma3TextModel`'s key "
     "prefix may look for `model.…` instead (`factory/engines/exl3/compat.py` says why)."
 )
+IMAGES_NOTE = """Images go through its vision model (the tower and projector, at 16 bits in the quant):
+
+```python
+from PIL import Image
+vision = Model.from_config(config, component="vision")
+vision.load()
+image = vision.get_image_embeddings(tokenizer=tokenizer, image=Image.open("picture.png"))
+prompt = f"{image.text_alias} What is in this picture?"  # in the model's chat template
+print(generator.generate(prompt=prompt, embeddings=[image], max_new_tokens=200))
+```"""
 
 
 def how_to_load(folder: str) -> str:

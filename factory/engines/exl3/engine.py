@@ -38,7 +38,7 @@ from factory.engines.base import Engine, Evaluation, Flag, MemoryPlan, QuantizeR
 from factory.engines.exl3 import card, compat, evaluate, memory
 from factory.engines.exl3.spec import MIN_ROWS, ROWS, Exl3Spec, Exl3Targets, targets_from_flag
 from factory.errors import JobFailed, SpecError
-from factory.inspect import read_config, read_header
+from factory.inspect import multimodal, read_config, read_header
 from factory.vram import Params, Shape, human, tensor_bytes
 
 if TYPE_CHECKING:
@@ -239,9 +239,10 @@ class Exl3Engine(Engine):
         return card.how_to_load(folder)
 
     def load_note(self, folder: Path) -> str | None:
-        if compat.needs_dots(folder):
-            return card.DOTTED_NOTE
-        return None
+        notes = [card.DOTTED_NOTE] if compat.needs_dots(folder) else []
+        if multimodal(read_config(folder / "config.json", check_numbers=False)):
+            notes.append(card.IMAGES_NOTE)
+        return "\n\n".join(notes) or None
 
     def card_sections(self, rows: list[QuantRow]) -> tuple[str, str]:
         return "", card.kv_section(rows)
