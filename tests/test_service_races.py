@@ -38,20 +38,53 @@ def _race(server: Server, token: str, model: str, n: int) -> list[tuple[int, str
     return [(int(out.split()[0]), out.split(" ", 1)[1].strip()) for out, _ in answers]
 
 
+def _explain(server: Server, env: dict, answers: list[tuple[int, str]]) -> str:
+    """What a failed race assertion prints: each racer's answer, the catalog's submissions and the server's log."""
+    lines = ["answers (racer: status, job id or error):"]
+    lines += [f"  {w}: {code} {said}" for w, (code, said) in enumerate(answers, 1)]
+    lines.append("201s: " + ", ".join(said for code, said in answers if code == 201))
+    try:
+        engine = create_engine(
+            (env["FACTORY_DB_URL"] or f"sqlite:///{env['FACTORY_HOME']}/catalog.db").replace(
+                "postgresql://", "postgresql+psycopg2://", 1
+            )
+        )
+        try:
+            with engine.connect() as conn:
+                rows = conn.execute(
+                    text(
+                        "SELECT s.id, s.username, s.job_id, s.created_at, s.withdrawn_at, j.state, j.created_at "
+                        "FROM submissions s LEFT JOIN jobs j ON j.id = s.job_id ORDER BY s.id"
+                    )
+                ).all()
+        finally:
+            engine.dispose()
+        lines.append("submissions (id, user, job, created, withdrawn, job state, job created):")
+        lines += [f"  {tuple(str(v) for v in row)}" for row in rows]
+    except Exception as e:  # the diagnostics never hide the assertion
+        lines.append(f"submissions: not read ({e!r})")
+    log = server.log.read_text(errors="replace").splitlines()
+    lines.append(f"server log (last 60 of {len(log)} lines):")
+    lines += ["  " + line for line in log[-60:]]
+    return "\n".join(lines)
+
+
 def test_max_running_holds_when_16_submissions_race(server, factory_env, tmp_path):
     model = str(Path(factory_env["FACTORY_SERVE_SOURCES"]) / "tiny")
     token = server.token("frank", "--max-running", "2")
     answers = _race(server, token, model, 16)
-    assert sorted(code for code, _ in answers) == [201] * 2 + [429] * 14, answers
+    assert sorted(code for code, _ in answers) == [201] * 2 + [429] * 14, _explain(server, factory_env, answers)
     assert all(
         said.startswith("frank has 2 jobs queued or running, at most 2 are allowed at once")
         for code, said in answers
         if code == 429
-    ), answers
+    ), _explain(server, factory_env, answers)
     frank = user_env(server, token, tmp_path / "frank")
     jobs = json.loads(qf(frank, "status", "--json", check=True).stdout)
-    assert sorted(j["id"] for j in jobs) == sorted(said for code, said in answers if code == 201)
-    assert "Traceback" not in server.log.read_text()
+    assert sorted(j["id"] for j in jobs) == sorted(said for code, said in answers if code == 201), _explain(
+        server, factory_env, answers
+    )
+    assert "Traceback" not in server.log.read_text(), _explain(server, factory_env, answers)
 
 
 POST = """

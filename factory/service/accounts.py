@@ -196,7 +196,10 @@ class Accounts:
 
     @staticmethod
     def _running(s, user: str) -> int:
-        jobs = s.scalar(
+        """The user's jobs that are not over, plus their places not yet recorded, in ONE statement: `record` turns a
+        place into a job without the token's lock, and on PostgreSQL (READ COMMITTED) each statement reads its own
+        snapshot, so two counts could miss a place that `record` committed between them."""
+        jobs = (
             select(func.count(func.distinct(Submission.job_id)))
             .join(Job, Job.id == Submission.job_id)
             .where(
@@ -204,11 +207,15 @@ class Accounts:
                 Submission.withdrawn_at.is_(None),
                 Job.state.not_in([str(t) for t in TERMINAL]),
             )
+            .scalar_subquery()
         )
-        pending = s.scalar(
-            select(func.count()).select_from(Submission).where(Submission.username == user, Submission.job_id.is_(None))
+        pending = (
+            select(func.count())
+            .select_from(Submission)
+            .where(Submission.username == user, Submission.job_id.is_(None))
+            .scalar_subquery()
         )
-        return (jobs or 0) + (pending or 0)
+        return s.scalar(select(jobs + pending)) or 0
 
     def record(self, place: int, user: str, job_id: str) -> Job:
         """The reserved place becomes the user's submission of `job_id` (a new row if the place was let go in the
