@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 import redis
 from sqlalchemy import create_engine, text
 
@@ -90,6 +91,7 @@ def test_max_running_holds_when_16_submissions_race(server, factory_env, tmp_pat
 POST = """
 import sys, time
 import httpx
+import pytest
 url, token, path, start = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
 with httpx.Client(headers={"Authorization": f"Bearer {token}"}, timeout=60) as http:
     http.get(url + "/api/me").raise_for_status()
@@ -281,3 +283,43 @@ def _followers_bounded(server: Server, factory_env: dict, tmp_path: Path) -> Non
     assert again.status == 200
     again.close()
     assert "Traceback" not in server.log.read_text()
+
+
+def test_a_place_recorded_between_the_quota_counts_is_still_counted(db_url):
+    """The interleaving behind a rare third 201 of the race above, forced: C reserves while A's place becomes A's job
+    (record, which takes no token lock) right after C's count reads the catalog. Counted in two statements, A's place
+    fell between them on PostgreSQL (READ COMMITTED: one snapshot per statement) and C got a third place."""
+    if not db_url:
+        pytest.skip("SQLite serializes writers: record() cannot commit inside reserve's transaction there")
+    from sqlalchemy import event
+
+    from factory.catalog import Catalog, Model
+    from factory.errors import OverQuota
+    from factory.service.accounts import Accounts
+
+    catalog = Catalog(db_url)
+    with catalog.session() as s:
+        s.add(Model(name="tiny", source="/m/tiny"))
+    accounts = Accounts(catalog)
+    secret, _ = accounts.create("frank", max_running=2)
+    frank = accounts.authenticate(secret)
+
+    def job(windows: int):
+        fields = {"key": f"k{windows}", "name": "tiny", "source": "/m/tiny", "source_identity": "x"}
+        fields |= {"base_model": "b", "specs": [], "calibration": "c", "calibration_sha": "c", "eval": "e"}
+        fields |= {"eval_sha": "e", "eval_windows": windows, "max_ppl_ratio": 1.1, "max_kld": None, "versions": {}}
+        return catalog.create_job(**fields, device="cpu")[0]
+
+    place_a, job_a = accounts.reserve(frank, 900), job(1)  # A: its place, its job, not recorded yet
+    accounts.reserve(frank, 900)  # B
+    recorded = []
+
+    @event.listens_for(catalog.engine, "after_cursor_execute")
+    def record_a_now(conn, cursor, statement, *args):
+        if not recorded and "count(" in statement:  # C has read its count: A's record commits now
+            recorded.append(accounts.record(place_a, "frank", job_a.id))
+
+    with pytest.raises(OverQuota, match="frank has 2 jobs queued or running"):
+        accounts.reserve(frank, 900)
+    assert recorded
+    catalog.engine.dispose()
