@@ -259,9 +259,10 @@ def test_llama_4_is_refused_before_any_job(qf, vlms):
     assert qf.json("jobs") == []
 
 
-def test_an_exl3_quant_of_a_vision_language_model_says_how_it_takes_an_image(vlms, tmp_path):
+def test_the_card_says_under_a_vision_language_quant_how_it_takes_an_image(vlms, tmp_path):
     """EXL3's card: under such a quant, how exllamav3's vision model turns an image into the prompt's embeddings (the
-    way tests/exl3_image.py gives the H200's quants their image); nothing for a text model."""
+    way tests/exl3_image.py gives the H200's quants their image); AWQ-CT's: which transformers class loads it whole;
+    neither for a text model."""
     exl3 = engines.get("exl3")
     assert exl3.load_note(vlms["gemma3"]).startswith("Images go through its vision model")
     assert 'Model.from_config(config, component="vision")' in exl3.load_note(vlms["gemma3"])
@@ -269,3 +270,5 @@ def test_an_exl3_quant_of_a_vision_language_model_says_how_it_takes_an_image(vlm
     text.mkdir()
     (text / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_size": 256}))
     assert exl3.load_note(text) is None
+    assert "`AutoModelForImageTextToText`" in engines.get("awqct").load_note(vlms["gemma3"])
+    assert "ImageTextToText" not in engines.get("awqct").load_note(text)

@@ -18,6 +18,7 @@ from factory.engines.awq_ct.spec import AwqCtSpec, resolve
 from factory.engines.base import Engine, Flag, MemoryPlan, QuantizeRequest, check_quant_folder
 from factory.errors import JobFailed
 from factory.files import COMPANIONS
+from factory.inspect import multimodal
 
 # What benchmarks/coverage.py proved llm-compressor 0.14.0.1's AWQ converts (benchmarks/results/coverage-cpu.json;
 # tests/test_coverage.py keeps the two equal); tests/test_engine_awq_ct.py checks its mixtures of experts' layout.
@@ -100,10 +101,16 @@ tokenizer = AutoTokenizer.from_pretrained("./{folder}")
                 "transformers cannot load a mixture of experts with zero points in compressed-tensors (its expert "
                 "decompression drops them: transformers PR #47430); serve it with vLLM"
             )
-        return (
+        said = (
             "transformers 5.17 to 5.22 load these weights with their zero points; 5.23 to 5.25 refuse the packed "
             "zero points (size mismatch)"
         )
+        if multimodal(config):
+            said += (
+                "; a vision-language model loads whole with `AutoModelForImageTextToText` and its processor with "
+                "`AutoProcessor` (the Images section), `AutoModelForCausalLM` would load its language model alone"
+            )
+        return said
 
     def quantize(self, request: QuantizeRequest, emit) -> None:
         shutil.rmtree(request.out_dir, ignore_errors=True)
