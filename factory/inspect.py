@@ -198,10 +198,10 @@ def multimodal(config: dict) -> bool:
 def tower_kind(config: dict) -> str:
     """A vision-language config's vision tower kind: its vision_config's model_type, or the checkpoint's own with
     `_vision` (Qwen2.5-VL's release names none: transformers calls it qwen2_5_vl_vision)."""
-    named = config["vision_config"].get("model_type") or config.get("model_type")
-    if not isinstance(named, str) or not named:
-        return "vision"
-    return named if config["vision_config"].get("model_type") else f"{named}_vision"
+    own, checkpoint = config["vision_config"].get("model_type"), config.get("model_type")
+    if own:
+        return own if isinstance(own, str) else "vision"
+    return f"{checkpoint}_vision" if isinstance(checkpoint, str) and checkpoint else "vision"
 
 
 def vision_of(config: dict, shapes: dict[str, list[int]]) -> Vision | None:
