@@ -101,9 +101,8 @@ def _vision(up: Upstream) -> str:
         f"\n## Images\n\nThe base model sees images: its vision tower (`{up.vision}`) and the projector into its "
         "language model are kept at 16 bits in every quant, as in the FP16 checkpoint; only the language model is "
         "quantized. The scores above are the language model's, on text. The processor's files travel with the "
-        "quants, so a processor loads from the quant's folder as from the base model's (a compressed-tensors quant "
-        "in transformers, below; an EXL3 quant reads images through exllamav3's vision model, under its quant):"
-        "\n\n```python\n"
+        "quants, so a processor loads from the quant's folder as from the base model's (in transformers, below; "
+        "where a quant's library reads images its own way, its section says how):\n\n```python\n"
         "from transformers import AutoModelForImageTextToText, AutoProcessor\n"
         'model = AutoModelForImageTextToText.from_pretrained("./quant")\n'
         'processor = AutoProcessor.from_pretrained("./quant")\n```\n'
