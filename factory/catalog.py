@@ -125,7 +125,7 @@ class Claim(Base):
 
     __tablename__ = "claims"
     key: Mapped[str] = mapped_column(String(160), primary_key=True)
-    holder: Mapped[str] = mapped_column(String(160))  # <job>@<host>:<pid> (Factory._claimer)
+    holder: Mapped[str] = mapped_column(String(160))  # <job>@<host>:<pid> (factory/jobs/context.py: Run.claimer)
     until: Mapped[datetime] = mapped_column()
     token: Mapped[int] = mapped_column(Integer, default=1)  # +1 every time it changes hands
 

@@ -1,4 +1,4 @@
-"""A job's measure and quantize units, as the pipeline's Factory runs them: each made once, under a claim in the
+"""A job's measure and quantize units, as factory/jobs/run.py runs them: each made once, under a claim in the
 catalog. A measurement (`measure:<key>`) is shared by every job and worker that needs it: the first to claim it
 makes it, the others wait for it and make it themselves only if its claim runs out. A quant
 (`unit:<job>:quantize:<tag>`) is made by the job's holder or by a GPU worker helping with the job (`help`), whose
@@ -9,9 +9,8 @@ published already, in a registry folder that verifies, is not made again: the qu
 only: the evaluations read it, nothing writes it) and records its step as succeeded with a note ("reused
 NAME:TAG@REV, published by job J"); the job's evaluation is then added to that quant (factory/publish/publishing.py).
 
-A mixin: the class that uses it (factory/pipeline.py's Factory) provides `catalog`, `settings`, `emit`, `token`
-(the lease's fencing token), `holder`, `costs`, `_stop`, `_step(job_id, name, claim, on_success)`,
-`_check_ours(job_id)`, `_note(message)` and `_read(job, fetched, where)` (what the units work from).
+Each function takes the attempt's context (factory/jobs/context.py's Run) first: its catalog writes are fenced by
+its lease token and, for a unit, by the unit's claim.
 """
 
 from __future__ import annotations
@@ -29,8 +28,9 @@ from factory import engines, events, identity, sources
 from factory.catalog import Job, JobState
 from factory.engines import QuantSpec
 from factory.errors import Cancelled, JobFailed, LeaseLost
-from factory.identity import measurement_key
 from factory.jobs import graph, packing
+from factory.jobs import prepared as preparing
+from factory.jobs.context import Run
 from factory.jobs.graph import Unit
 from factory.jobs.prepared import Prepared
 from factory.publish import folder as registry
@@ -40,248 +40,252 @@ WAIT_SECONDS = 2.0  # how often a process that waits for another one (its measur
 log = logging.getLogger("quantfactory")
 
 
-class Conversions:
-    def help(self, job_id: str) -> None:
-        """Convert some of a running job's sizes here while its holder runs the rest (a GPU worker with nothing
-        else to do): the quantize units nobody holds, each claimed (`unit:<job>:quantize:<tag>`) once its
-        measurement exists, packed as `execute` packs them. What it makes is the job's (its steps, its work
-        folder); the evaluations, the gate and publishing stay with the job's holder, which waits for the units
-        held here and makes any whose claim runs out itself. Ends when nothing is left to take or the job stops."""
-        job = self.catalog.job(job_id)
-        if job is None or job.device != self.settings.worker_device:
-            return
-        start = time.monotonic()
-        while "inspect" not in self.catalog.done_steps(job_id):  # the job's holder resolves the specs first
-            state = self.catalog.job(job_id).state
-            if state != JobState.running and not (state == JobState.queued and time.monotonic() - start < 60):
-                return  # over, or not started by its holder within a minute
-            self.emit(events.waiting(["inspect"], self.holder))
-            time.sleep(WAIT_SECONDS)
-        job = self.catalog.job(job_id)
-        if job.state != JobState.running:
-            return
-        fetched = (
-            sources.fetch_hub(job.source_identity, self.settings.cache, lambda **_: None)
-            if identity.is_hub(job.source_identity)
-            else None
-        )
-        prepared = self._read(job, fetched, self._helper_work(job))
-        keys = {s.tag: self._measurement_key(job, s) for s in prepared.specs if engines.get(s.method).needs_measurement}
-        units = [
-            replace(u, needs=frozenset())
-            for u in graph.units(prepared.specs, keys, False, False)
-            if u.kind == "quantize"
-        ]
-        self._stop.clear()
-        packer, needs = self.costs.packer(job), self.costs.needs(job, prepared.model, units)
+def help(run: Run, job_id: str) -> None:
+    """Convert some of a running job's sizes here while its holder runs the rest (a GPU worker with nothing
+    else to do): the quantize units nobody holds, each claimed (`unit:<job>:quantize:<tag>`) once its
+    measurement exists, packed as `execute` packs them. What it makes is the job's (its steps, its work
+    folder); the evaluations, the gate and publishing stay with the job's holder, which waits for the units
+    held here and makes any whose claim runs out itself. Ends when nothing is left to take or the job stops."""
+    job = run.catalog.job(job_id)
+    if job is None or job.device != run.settings.worker_device:
+        return
+    start = time.monotonic()
+    while "inspect" not in run.catalog.done_steps(job_id):  # the job's holder resolves the specs first
+        state = run.catalog.job(job_id).state
+        if state != JobState.running and not (state == JobState.queued and time.monotonic() - start < 60):
+            return  # over, or not started by its holder within a minute
+        run.emit(events.waiting(["inspect"], run.holder))
+        time.sleep(WAIT_SECONDS)
+    job = run.catalog.job(job_id)
+    if job.state != JobState.running:
+        return
+    fetched = (
+        sources.fetch_hub(job.source_identity, run.settings.cache, lambda **_: None)
+        if identity.is_hub(job.source_identity)
+        else None
+    )
+    prepared = preparing.read(run, job, fetched, _helper_work(run, job))
+    keys = {s.tag: measurement_key(job, s) for s in prepared.specs if engines.get(s.method).needs_measurement}
+    units = [
+        replace(u, needs=frozenset()) for u in graph.units(prepared.specs, keys, False, False) if u.kind == "quantize"
+    ]
+    packer, needs = run.costs.packer(job), run.costs.needs(job, prepared.model, units)
 
-        def work(unit: Unit) -> None:
-            measurement = self._known_measurement(keys[unit.spec.tag]) if unit.measurement else None
-            self._quantize(job, prepared, unit.spec, measurement, helping=True)
+    def work(unit: Unit) -> None:
+        measurement = _known_measurement(run, keys[unit.spec.tag]) if unit.measurement else None
+        quantize(run, job, prepared, unit.spec, measurement, helping=True)
 
-        try:
-            while self.catalog.job(job_id).state == JobState.running:
-                left = [u for u in units if self._quantized(job, u.spec) is None and not self.held_elsewhere(job, u)]
-                ready = [u for u in left if u.measurement is None or self._known_measurement(keys[u.spec.tag])]
-                if not left:
-                    return
-                if ready:
-                    packing.run(ready, work, lambda unit: needs[unit.name], packer, self._stop, self._note)
-                else:  # the job's holder is making the measurement; an event: this helper is alive
-                    self.emit(events.waiting(sorted({u.measurement for u in left}), self.holder))
-                    time.sleep(WAIT_SECONDS)
-        except (Cancelled, LeaseLost) as e:  # the job ended, or a claim went to another holder: nothing more here
-            log.warning("job %s: a helper stops: %s", job_id, e.message)
-        except packing.Stopped:  # a unit's claim went to another holder while this process was stopped
-            log.warning("job %s: a helper stops: a unit it held was taken over", job_id)
-
-    def _quantized(self, job: Job, spec: QuantSpec) -> Path | None:
-        """The quant an earlier attempt of this job made, if its step finished and its folder is there; else the
-        registry folder of a published quant with the same weights (`_reused` checks its files)."""
-        out = self.settings.work / job.id / spec.tag / "out"
-        if f"quantize:{spec.tag}" in self.catalog.done_steps(job.id) and out.is_dir() and any(out.iterdir()):
-            return out
-        twin = self.catalog.quant_with_weights(publishing.weights_key(job, spec))
-        if twin is not None and (self.settings.registry / twin.path).is_dir():
-            return self.settings.registry / twin.path
-        return None
-
-    def _reused(self, job: Job, spec: QuantSpec) -> Path | None:
-        """The registry folder of a published quant with this job's weights key whose files verify, its quantize
-        step recorded as succeeded with a note; None when there is none (this job makes its quant), or when it is
-        this job's own (an attempt killed after its publish: it goes on from its own work, as any attempt does)."""
-        twin = self.catalog.quant_with_weights(publishing.weights_key(job, spec))
-        if twin is None or twin.job_id == job.id:
-            return None
-        folder = self.settings.registry / twin.path
-        try:
-            registry.verify(folder)
-        except JobFailed as e:
-            log.warning("job %s: not reusing %s:%s@%s: %s", job.id, twin.name, twin.tag, twin.rev, e.message)
-            return None
-        note = f"reused {twin.name}:{twin.tag}@{twin.rev}, published by job {twin.job_id}"
-        if f"quantize:{spec.tag}" not in self.catalog.done_steps(job.id):
-            self.catalog.reuse_step(job.id, f"quantize:{spec.tag}", note, self.token)
-        self.emit(events.note(f"quantize:{spec.tag}: {note}"))
-        return folder
-
-    def _quantize(
-        self, job: Job, prepared: Prepared, spec: QuantSpec, measurement: Path | None, helping: bool = False
-    ) -> Path | None:
-        """The quant of `spec`, made here under the claim `unit:<job>:quantize:<tag>` unless it is made already.
-        While another process holds the claim (a worker helping with the job), the job waits for its quant and
-        makes it itself once the claim runs out; a helper (`helping`) leaves it and returns None."""
-        if not helping and (reused := self._reused(job, spec)) is not None:
-            return reused
-        claim = unit_claim(job.id, f"quantize:{spec.tag}")
-        while (out := self._quantized(job, spec)) is None:
-            if (token := self.catalog.claim(claim, self._claimer(job), self.settings.lease_seconds)) is None:
-                if helping:
-                    return None
-                self._check_ours(job.id)
+    try:
+        while run.catalog.job(job_id).state == JobState.running:
+            left = [u for u in units if quantized(run, job, u.spec) is None and not held_elsewhere(run, job, u)]
+            ready = [u for u in left if u.measurement is None or _known_measurement(run, keys[u.spec.tag])]
+            if not left:
+                return
+            if ready:
+                packing.run(ready, work, lambda unit: needs[unit.name], packer, run.stop, run.note)
+            else:  # the job's holder is making the measurement; an event: this helper is alive
+                run.emit(events.waiting(sorted({u.measurement for u in left}), run.holder))
                 time.sleep(WAIT_SECONDS)
-                continue
-            try:
-                if self._quantized(job, spec) is None:  # not finished while we took the claim
-                    if token > 1:  # taken over: the step its last holder left running is not running
-                        self.catalog.interrupt_steps(job.id, self.token, f"quantize:{spec.tag}")
-                    with self._renewed(claim, token, stop_when_lost=True):
-                        self._make_quant(job, prepared, spec, measurement, (claim, token), helping)
-            finally:
-                self.catalog.release_claim(claim, token)
+    except (Cancelled, LeaseLost) as e:  # the job ended, or a claim went to another holder: nothing more here
+        log.warning("job %s: a helper stops: %s", job_id, e.message)
+    except packing.Stopped:  # a unit's claim went to another holder while this process was stopped
+        log.warning("job %s: a helper stops: a unit it held was taken over", job_id)
+
+
+def quantized(run: Run, job: Job, spec: QuantSpec) -> Path | None:
+    """The quant an earlier attempt of this job made, if its step finished and its folder is there; else the
+    registry folder of a published quant with the same weights (`_reused` checks its files)."""
+    out = run.settings.work / job.id / spec.tag / "out"
+    if f"quantize:{spec.tag}" in run.catalog.done_steps(job.id) and out.is_dir() and any(out.iterdir()):
         return out
+    twin = run.catalog.quant_with_weights(publishing.weights_key(job, spec))
+    if twin is not None and (run.settings.registry / twin.path).is_dir():
+        return run.settings.registry / twin.path
+    return None
 
-    def _make_quant(
-        self,
-        job: Job,
-        prepared: Prepared,
-        spec: QuantSpec,
-        measurement: Path | None,
-        claim: tuple[str, int],
-        helping: bool,
-    ) -> None:
-        """The job's holder converts in the job's work folder (a conversion taken over resumes there); a helper in
-        a folder of its own, whose quant becomes the job's only under the claim's lock as its step succeeds, so
-        a helper that lost its claim (stopped past it) never mixes its files with the new holder's."""
-        job_work = self.settings.work / job.id / spec.tag
-        work = self._helper_work(job) / spec.tag if helping else job_work
-        engine = engines.get(spec.method)
 
-        def hand_over() -> None:
-            shutil.rmtree(job_work / "out", ignore_errors=True)  # what a holder before left unfinished
-            job_work.mkdir(parents=True, exist_ok=True)
-            os.rename(work / "out", job_work / "out")
+def _reused(run: Run, job: Job, spec: QuantSpec) -> Path | None:
+    """The registry folder of a published quant with this job's weights key whose files verify, its quantize
+    step recorded as succeeded with a note; None when there is none (this job makes its quant), or when it is
+    this job's own (an attempt killed after its publish: it goes on from its own work, as any attempt does)."""
+    twin = run.catalog.quant_with_weights(publishing.weights_key(job, spec))
+    if twin is None or twin.job_id == job.id:
+        return None
+    folder = run.settings.registry / twin.path
+    try:
+        registry.verify(folder)
+    except JobFailed as e:
+        log.warning("job %s: not reusing %s:%s@%s: %s", job.id, twin.name, twin.tag, twin.rev, e.message)
+        return None
+    note = f"reused {twin.name}:{twin.tag}@{twin.rev}, published by job {twin.job_id}"
+    if f"quantize:{spec.tag}" not in run.catalog.done_steps(job.id):
+        run.catalog.reuse_step(job.id, f"quantize:{spec.tag}", note, run.token)
+    run.emit(events.note(f"quantize:{spec.tag}: {note}"))
+    return folder
 
-        with self._step(job.id, f"quantize:{spec.tag}", claim, hand_over if helping else None) as progress:
-            request = engines.QuantizeRequest(
-                source_dir=prepared.folder,
-                out_dir=work / "out",
-                work_dir=work,
-                spec=spec.model_dump(),
-                calibration=prepared.calibration.get(spec.tag, []),
-                calibration_file=prepared.calibration_file,
-                measurement=measurement,
+
+def quantize(
+    run: Run, job: Job, prepared: Prepared, spec: QuantSpec, measurement: Path | None, helping: bool = False
+) -> Path | None:
+    """The quant of `spec`, made here under the claim `unit:<job>:quantize:<tag>` unless it is made already.
+    While another process holds the claim (a worker helping with the job), the job waits for its quant and
+    makes it itself once the claim runs out; a helper (`helping`) leaves it and returns None."""
+    if not helping and (reused := _reused(run, job, spec)) is not None:
+        return reused
+    claim = unit_claim(job.id, f"quantize:{spec.tag}")
+    while (out := quantized(run, job, spec)) is None:
+        if (token := run.catalog.claim(claim, run.claimer(job), run.settings.lease_seconds)) is None:
+            if helping:
+                return None
+            run.check_ours(job.id)
+            time.sleep(WAIT_SECONDS)
+            continue
+        try:
+            if quantized(run, job, spec) is None:  # not finished while we took the claim
+                if token > 1:  # taken over: the step its last holder left running is not running
+                    run.catalog.interrupt_steps(job.id, run.token, f"quantize:{spec.tag}")
+                with _renewed(run, claim, token, stop_when_lost=True):
+                    _make_quant(run, job, prepared, spec, measurement, (claim, token), helping)
+        finally:
+            run.catalog.release_claim(claim, token)
+    return out
+
+
+def _make_quant(
+    run: Run,
+    job: Job,
+    prepared: Prepared,
+    spec: QuantSpec,
+    measurement: Path | None,
+    claim: tuple[str, int],
+    helping: bool,
+) -> None:
+    """The job's holder converts in the job's work folder (a conversion taken over resumes there); a helper in
+    a folder of its own, whose quant becomes the job's only under the claim's lock as its step succeeds, so
+    a helper that lost its claim (stopped past it) never mixes its files with the new holder's."""
+    job_work = run.settings.work / job.id / spec.tag
+    work = _helper_work(run, job) / spec.tag if helping else job_work
+    engine = engines.get(spec.method)
+
+    def hand_over() -> None:
+        shutil.rmtree(job_work / "out", ignore_errors=True)  # what a holder before left unfinished
+        job_work.mkdir(parents=True, exist_ok=True)
+        os.rename(work / "out", job_work / "out")
+
+    with run.step(job.id, f"quantize:{spec.tag}", claim, hand_over if helping else None) as progress:
+        request = engines.QuantizeRequest(
+            source_dir=prepared.folder,
+            out_dir=work / "out",
+            work_dir=work,
+            spec=spec.model_dump(),
+            calibration=prepared.calibration.get(spec.tag, []),
+            calibration_file=prepared.calibration_file,
+            measurement=measurement,
+        )
+        engine.quantize(request, lambda event: progress(**event))
+
+
+def _helper_work(run: Run, job: Job) -> Path:
+    return run.settings.work / job.id / "helpers" / run.holder.replace(":", "-")
+
+
+def held_elsewhere(run: Run, job: Job, unit: Unit) -> bool:
+    """A quantize unit another process holds the claim of (a helping worker makes it)."""
+    if unit.kind != "quantize":
+        return False
+    holder = run.catalog.claimant(unit_claim(job.id, unit.name))
+    return holder is not None and holder != run.claimer(job)
+
+
+def measurement_key(job: Job, spec: QuantSpec) -> str:
+    engine = engines.get(spec.method)
+    rows, length = engine.measurement_settings(spec)
+    return identity.measurement_key(job.source_identity, job.calibration_sha, rows, length, engine.version())
+
+
+def measure(run: Run, job: Job, prepared: Prepared, spec: QuantSpec, key: str) -> Path:
+    """The measurement for this source, calibration and settings: made once across every job and worker, and
+    reused by every later target. The job that makes it holds the claim `measure:<key>` while it does (renewed
+    in the background); another job that needs it meanwhile waits for it (a `wait:measure:...` step), and
+    makes it itself if the claim runs out first (its maker is gone)."""
+    engine = engines.get(spec.method)
+    rows, length = engine.measurement_settings(spec)
+    name, claim = f"measure:{key[:12]}", f"measure:{key}"
+    while True:
+        if (known := _known_measurement(run, key)) is not None:
+            run.emit(events.note(f"reusing {engine.label} measurement {key[:12]} ({rows} x {length} tokens)"))
+            return known
+        if (token := run.catalog.claim(claim, run.claimer(job), run.settings.lease_seconds)) is not None:
+            if _known_measurement(run, key) is None:  # not finished while we took the claim
+                break
+            run.catalog.release_claim(claim, token)
+            continue
+        _wait_for_measurement(run, job, claim, name, key)
+    path = run.settings.measurements / f"{key}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with _renewed(run, claim, token), run.step(job.id, name) as progress:
+            engine.measure(
+                prepared.folder,
+                prepared.calibration_file,
+                rows,
+                length,
+                run.settings.work / job.id / f"measure-{key[:12]}",
+                path,
+                lambda event: progress(**event),
             )
-            engine.quantize(request, lambda event: progress(**event))
+            run.catalog.add_measurement(
+                job.id,
+                run.token,
+                key=key,
+                path=str(path),
+                source_identity=job.source_identity,
+                calibration_sha=job.calibration_sha,
+                rows=rows,
+                length=length,
+                tool_version=engine.version(),
+            )
+    finally:
+        run.catalog.release_claim(claim, token)
+    return path
 
-    def _helper_work(self, job: Job) -> Path:
-        return self.settings.work / job.id / "helpers" / self.holder.replace(":", "-")
 
-    def _claimer(self, job: Job) -> str:
-        return f"{job.id}@{self.holder}"
+def _known_measurement(run: Run, key: str) -> Path | None:
+    known = run.catalog.measurement(key)
+    return Path(known.path) if known is not None and Path(known.path).is_file() else None
 
-    def held_elsewhere(self, job: Job, unit: Unit) -> bool:
-        """A quantize unit another process holds the claim of (a helping worker makes it)."""
-        if unit.kind != "quantize":
-            return False
-        holder = self.catalog.claimant(unit_claim(job.id, unit.name))
-        return holder is not None and holder != self._claimer(job)
 
-    def _measurement_key(self, job: Job, spec: QuantSpec) -> str:
-        engine = engines.get(spec.method)
-        rows, length = engine.measurement_settings(spec)
-        return measurement_key(job.source_identity, job.calibration_sha, rows, length, engine.version())
+def _wait_for_measurement(run: Run, job: Job, claim: str, name: str, key: str) -> None:
+    """Until the measurement exists or nobody holds its claim any more."""
+    maker = run.catalog.claimant(claim)
+    run.emit(events.note(f"{name}: {_claim_holder(maker)} is making this measurement; waiting for it"))
+    with run.step(job.id, f"wait:{name}") as progress:
+        while _known_measurement(run, key) is None and (maker := run.catalog.claimant(claim)) is not None:
+            progress(waiting_for=_claim_holder(maker))  # an event: this job is alive while it waits
+            time.sleep(WAIT_SECONDS)
 
-    def _measurement(self, job: Job, prepared: Prepared, spec: QuantSpec, key: str) -> Path:
-        """The measurement for this source, calibration and settings: made once across every job and worker, and
-        reused by every later target. The job that makes it holds the claim `measure:<key>` while it does (renewed
-        in the background); another job that needs it meanwhile waits for it (a `wait:measure:...` step), and
-        makes it itself if the claim runs out first (its maker is gone)."""
-        engine = engines.get(spec.method)
-        rows, length = engine.measurement_settings(spec)
-        name, claim = f"measure:{key[:12]}", f"measure:{key}"
-        while True:
-            if (known := self._known_measurement(key)) is not None:
-                self.emit(events.note(f"reusing {engine.label} measurement {key[:12]} ({rows} x {length} tokens)"))
-                return known
-            if (token := self.catalog.claim(claim, self._claimer(job), self.settings.lease_seconds)) is not None:
-                if self._known_measurement(key) is None:  # not finished while we took the claim
-                    break
-                self.catalog.release_claim(claim, token)
-                continue
-            self._wait_for_measurement(job, claim, name, key)
-        path = self.settings.measurements / f"{key}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            with self._renewed(claim, token), self._step(job.id, name) as progress:
-                engine.measure(
-                    prepared.folder,
-                    prepared.calibration_file,
-                    rows,
-                    length,
-                    self.settings.work / job.id / f"measure-{key[:12]}",
-                    path,
-                    lambda event: progress(**event),
-                )
-                self.catalog.add_measurement(
-                    job.id,
-                    self.token,
-                    key=key,
-                    path=str(path),
-                    source_identity=job.source_identity,
-                    calibration_sha=job.calibration_sha,
-                    rows=rows,
-                    length=length,
-                    tool_version=engine.version(),
-                )
-        finally:
-            self.catalog.release_claim(claim, token)
-        return path
 
-    def _known_measurement(self, key: str) -> Path | None:
-        known = self.catalog.measurement(key)
-        return Path(known.path) if known is not None and Path(known.path).is_file() else None
+@contextmanager
+def _renewed(run: Run, claim: str, token: int, stop_when_lost: bool = False):
+    """Renew the claim every third of its life while the block runs (a thread: an engine can be silent). A
+    claim taken over meanwhile (this process was stopped past it) is left: a second measurement is harmless;
+    a unit of a job (`stop_when_lost`) stops, and its records are refused (the claim fences them)."""
+    done = threading.Event()
 
-    def _wait_for_measurement(self, job: Job, claim: str, name: str, key: str) -> None:
-        """Until the measurement exists or nobody holds its claim any more."""
-        maker = self.catalog.claimant(claim)
-        self.emit(events.note(f"{name}: {_claim_holder(maker)} is making this measurement; waiting for it"))
-        with self._step(job.id, f"wait:{name}") as progress:
-            while self._known_measurement(key) is None and (maker := self.catalog.claimant(claim)) is not None:
-                progress(waiting_for=_claim_holder(maker))  # an event: this job is alive while it waits
-                time.sleep(WAIT_SECONDS)
+    def renew() -> None:
+        while not done.wait(run.settings.lease_seconds / 3):
+            if not run.catalog.renew_claim(claim, token, run.settings.lease_seconds):
+                if stop_when_lost:
+                    run.stop.set()
+                return
 
-    @contextmanager
-    def _renewed(self, claim: str, token: int, stop_when_lost: bool = False):
-        """Renew the claim every third of its life while the block runs (a thread: an engine can be silent). A
-        claim taken over meanwhile (this process was stopped past it) is left: a second measurement is harmless;
-        a unit of a job (`stop_when_lost`) stops, and its records are refused (the claim fences them)."""
-        done = threading.Event()
-
-        def renew() -> None:
-            while not done.wait(self.settings.lease_seconds / 3):
-                if not self.catalog.renew_claim(claim, token, self.settings.lease_seconds):
-                    if stop_when_lost:
-                        self._stop.set()
-                    return
-
-        thread = threading.Thread(target=renew, name=f"renew {claim[:20]}", daemon=True)
-        thread.start()
-        try:
-            yield
-        finally:
-            done.set()
-            thread.join()
+    thread = threading.Thread(target=renew, name=f"renew {claim[:20]}", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def unit_claim(job_id: str, unit: str) -> str:

@@ -1,11 +1,10 @@
-"""A job's evaluation units, as the pipeline's Factory runs them: FP16 (its perplexity and its reference for KL
+"""A job's evaluation units, as factory/jobs/run.py runs them: FP16 (its perplexity and its reference for KL
 divergence, both reused from any earlier job on the same token stream), each quant (its perplexity and divergence
 from FP16), and an engine's other scores (e.g. through its runtime's quantized KV caches). Each is a step; each
 score a row of the catalog's evaluations, fenced by the job's lease token; a quant's rows carry its weights key, so
 that every evaluation of the same weights (by this job or a later one that reused the quant) is listed with it.
 
-A mixin: the class that uses it (factory/pipeline.py's Factory) provides `catalog`, `settings`, `emit`, `token`
-(the lease's fencing token) and `_step(job_id, name)` (records one attempt at a step, yields its progress).
+Each function takes the attempt's context (factory/jobs/context.py's Run) first.
 """
 
 from __future__ import annotations
@@ -18,137 +17,144 @@ from factory import engines, evaluate, events, kld
 from factory.catalog import Job
 from factory.engines import QuantSpec
 from factory.identity import reference_key
+from factory.jobs.context import Run
 from factory.publish.publishing import weights_key
 
 
-class Evaluations:
-    def evaluate_fp16(self, job: Job, folder: Path, stream: evaluate.Stream) -> float:
-        """FP16's perplexity and its reference for the quants' KL divergence (a file under FACTORY_HOME), both
-        reused from any earlier job on the same token stream."""
-        key = (job.source_identity, job.eval_sha, job.eval_windows, stream.window_length, job.device)
-        path = self._reference_path(job, stream)
-        if (ppl := self.catalog.baseline(*key)) is not None and path.is_file():
-            self.emit(events.note(f"FP16 perplexity {ppl:.4f} and its KL reference reused from an earlier evaluation"))
-            return ppl
-        reference = kld.Reference()
-        return self._scored(
-            job,
-            stream,
-            "fp16",
+def evaluate_fp16(run: Run, job: Job, folder: Path, stream: evaluate.Stream) -> float:
+    """FP16's perplexity and its reference for the quants' KL divergence (a file under FACTORY_HOME), both
+    reused from any earlier job on the same token stream."""
+    key = (job.source_identity, job.eval_sha, job.eval_windows, stream.window_length, job.device)
+    path = _reference_path(run, job, stream)
+    if (ppl := run.catalog.baseline(*key)) is not None and path.is_file():
+        run.emit(events.note(f"FP16 perplexity {ppl:.4f} and its KL reference reused from an earlier evaluation"))
+        return ppl
+    reference = kld.Reference()
+    return _scored(
+        run,
+        job,
+        stream,
+        "fp16",
+        folder,
+        evaluate.load_fp16,
+        evaluate.FP16_EVALUATOR,
+        keep=reference,
+        on_scored=lambda: reference.save(path),
+    ).ppl
+
+
+def _reference_path(run: Run, job: Job, stream: evaluate.Stream) -> Path:
+    key = reference_key(
+        job.source_identity, job.eval_sha, job.eval_windows, stream.window_length, job.device, kld.LAYOUT
+    )
+    return run.settings.references / f"{key}.safetensors"
+
+
+def evaluate_quant(
+    run: Run, job: Job, spec: QuantSpec, out: Path, stream: evaluate.Stream
+) -> tuple[float, kld.Divergence | None]:
+    """The quant's perplexity and its divergence from FP16 (whose reference evaluate:fp16 made or found)."""
+    done = {e.subject: e for e in run.catalog.evaluations(job.id)}
+    if spec.tag in done and f"evaluate:{spec.tag}" in run.catalog.done_steps(job.id):
+        found = done[spec.tag]
+        return found.ppl, kld.Divergence(found.kld, found.kld_p99, found.top1) if found.kld is not None else None
+    engine = engines.get(spec.method)
+    reference = kld.Reference.load(_reference_path(run, job, stream))
+    result = _scored(
+        run,
+        job,
+        stream,
+        spec.tag,
+        out,
+        engine.load,
+        engine.evaluator,
+        reference=reference,
+        weights_key=weights_key(job, spec),
+    )
+    return result.ppl, result.divergence
+
+
+def evaluate_group(run: Run, job: Job, spec: QuantSpec, group: str, out: Path, stream: evaluate.Stream) -> dict:
+    """One group of the engine's scores beyond perplexity (e.g. through its runtime's quantized KV caches), as
+    {key: ppl}, in one step."""
+    engine = engines.get(spec.method)
+    done = {e.subject: e.ppl for e in run.catalog.evaluations(job.id)}
+    mine = [e for e in engine.evaluations(spec) if e.group == group]
+    subjects = {e.key: f"{spec.tag}:{e.suffix}" for e in mine}
+    if all(s in done for s in subjects.values()):
+        return {key: done[s] for key, s in subjects.items()}
+    scores = {}
+    with run.step(job.id, f"evaluate:{spec.tag}:{group.split('_')[0]}") as progress:
+        for e in mine:
+
+            def on_progress(d: int, t: int, unit: str, window: str = e.unit) -> None:
+                progress(done=d, total=t, unit=window if unit == "window" else unit)
+
+            result = evaluate.evaluate(out, e.load, engine.evaluator, stream, on_progress)
+            scores[e.key] = _record(run, job, stream, subjects[e.key], result, progress, weights_key(job, spec))
+            run.emit(events.evaluation(subjects[e.key], result.ppl))
+    return scores
+
+
+def _scored(
+    run: Run,
+    job: Job,
+    stream: evaluate.Stream,
+    subject: str,
+    folder: Path,
+    load,
+    evaluator: str,
+    reference: kld.Reference | None = None,
+    keep: kld.Reference | None = None,
+    on_scored: Callable[[], None] | None = None,
+    weights_key: str | None = None,
+) -> evaluate.Result:
+    """One evaluation step: the model in `folder` scored on the job's stream (against FP16's `reference`, or
+    keeping its own into `keep`); `on_scored` runs before the result is recorded (the reference is saved)."""
+    with run.step(job.id, f"evaluate:{subject}") as progress:
+        result = evaluate.evaluate(
             folder,
-            evaluate.load_fp16,
-            evaluate.FP16_EVALUATOR,
-            keep=reference,
-            on_scored=lambda: reference.save(path),
-        ).ppl
-
-    def _reference_path(self, job: Job, stream: evaluate.Stream) -> Path:
-        key = reference_key(
-            job.source_identity, job.eval_sha, job.eval_windows, stream.window_length, job.device, kld.LAYOUT
-        )
-        return self.settings.references / f"{key}.safetensors"
-
-    def evaluate_quant(
-        self, job: Job, spec: QuantSpec, out: Path, stream: evaluate.Stream
-    ) -> tuple[float, kld.Divergence | None]:
-        """The quant's perplexity and its divergence from FP16 (whose reference evaluate:fp16 made or found)."""
-        done = {e.subject: e for e in self.catalog.evaluations(job.id)}
-        if spec.tag in done and f"evaluate:{spec.tag}" in self.catalog.done_steps(job.id):
-            found = done[spec.tag]
-            return found.ppl, kld.Divergence(found.kld, found.kld_p99, found.top1) if found.kld is not None else None
-        engine = engines.get(spec.method)
-        reference = kld.Reference.load(self._reference_path(job, stream))
-        result = self._scored(
-            job,
+            load,
+            evaluator,
             stream,
-            spec.tag,
-            out,
-            engine.load,
-            engine.evaluator,
+            lambda done, total, unit: progress(done=done, total=total, unit=unit),
             reference=reference,
-            weights_key=weights_key(job, spec),
+            keep=keep,
         )
-        return result.ppl, result.divergence
+        if on_scored:
+            on_scored()
+        _record(run, job, stream, subject, result, progress, weights_key)
+    divergence = astuple(result.divergence) if result.divergence else None  # mean, p99, top1
+    run.emit(events.evaluation(subject, result.ppl, divergence))
+    return result
 
-    def evaluate_group(self, job: Job, spec: QuantSpec, group: str, out: Path, stream: evaluate.Stream) -> dict:
-        """One group of the engine's scores beyond perplexity (e.g. through its runtime's quantized KV caches), as
-        {key: ppl}, in one step."""
-        engine = engines.get(spec.method)
-        done = {e.subject: e.ppl for e in self.catalog.evaluations(job.id)}
-        mine = [e for e in engine.evaluations(spec) if e.group == group]
-        subjects = {e.key: f"{spec.tag}:{e.suffix}" for e in mine}
-        if all(s in done for s in subjects.values()):
-            return {key: done[s] for key, s in subjects.items()}
-        scores = {}
-        with self._step(job.id, f"evaluate:{spec.tag}:{group.split('_')[0]}") as progress:
-            for e in mine:
 
-                def on_progress(d: int, t: int, unit: str, window: str = e.unit) -> None:
-                    progress(done=d, total=t, unit=window if unit == "window" else unit)
-
-                result = evaluate.evaluate(out, e.load, engine.evaluator, stream, on_progress)
-                scores[e.key] = self._record(job, stream, subjects[e.key], result, progress, weights_key(job, spec))
-                self.emit(events.evaluation(subjects[e.key], result.ppl))
-        return scores
-
-    def _scored(
-        self,
-        job: Job,
-        stream: evaluate.Stream,
-        subject: str,
-        folder: Path,
-        load,
-        evaluator: str,
-        reference: kld.Reference | None = None,
-        keep: kld.Reference | None = None,
-        on_scored: Callable[[], None] | None = None,
-        weights_key: str | None = None,
-    ) -> evaluate.Result:
-        """One evaluation step: the model in `folder` scored on the job's stream (against FP16's `reference`, or
-        keeping its own into `keep`); `on_scored` runs before the result is recorded (the reference is saved)."""
-        with self._step(job.id, f"evaluate:{subject}") as progress:
-            result = evaluate.evaluate(
-                folder,
-                load,
-                evaluator,
-                stream,
-                lambda done, total, unit: progress(done=done, total=total, unit=unit),
-                reference=reference,
-                keep=keep,
-            )
-            if on_scored:
-                on_scored()
-            self._record(job, stream, subject, result, progress, weights_key)
-        divergence = astuple(result.divergence) if result.divergence else None  # mean, p99, top1
-        self.emit(events.evaluation(subject, result.ppl, divergence))
-        return result
-
-    def _record(
-        self,
-        job: Job,
-        stream: evaluate.Stream,
-        subject: str,
-        result: evaluate.Result,
-        progress,
-        weights_key: str | None = None,
-    ) -> float:
-        progress(peak_gpu_bytes=result.peak_gpu_bytes)
-        divergence = result.divergence
-        self.catalog.add_evaluation(
-            self.token,
-            job_id=job.id,
-            subject=subject,
-            source_identity=job.source_identity,
-            evaluator=result.evaluator,
-            device=result.device,
-            eval_sha=job.eval_sha,
-            windows=len(stream.windows),
-            window_length=stream.window_length,
-            ppl=result.ppl,
-            kld=divergence.mean if divergence else None,
-            kld_p99=divergence.p99 if divergence else None,
-            top1=divergence.top1 if divergence else None,
-            weights_key=weights_key,
-            seconds=result.seconds,
-        )
-        return result.ppl
+def _record(
+    run: Run,
+    job: Job,
+    stream: evaluate.Stream,
+    subject: str,
+    result: evaluate.Result,
+    progress,
+    weights_key: str | None = None,
+) -> float:
+    progress(peak_gpu_bytes=result.peak_gpu_bytes)
+    divergence = result.divergence
+    run.catalog.add_evaluation(
+        run.token,
+        job_id=job.id,
+        subject=subject,
+        source_identity=job.source_identity,
+        evaluator=result.evaluator,
+        device=result.device,
+        eval_sha=job.eval_sha,
+        windows=len(stream.windows),
+        window_length=stream.window_length,
+        ppl=result.ppl,
+        kld=divergence.mean if divergence else None,
+        kld_p99=divergence.p99 if divergence else None,
+        top1=divergence.top1 if divergence else None,
+        weights_key=weights_key,
+        seconds=result.seconds,
+    )
+    return result.ppl

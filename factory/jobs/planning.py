@@ -5,8 +5,7 @@ The same job asked for again after `qf rm` removed a quant it published (`remake
 back to queued with that quant's steps superseded, and says so in one line; running it makes the quant again (under
 the same rev if the files are the same, else a new one: factory/publish/publishing.py).
 
-A mixin: the class that uses it (factory/pipeline.py's Factory) provides `catalog`, `settings`, `emit`, `costs`
-and `_measurement_key(job, spec)` (factory/jobs/conversions.py).
+Plain functions of the catalog, the settings and where events go: nothing here runs under a lease.
 """
 
 from __future__ import annotations
@@ -16,14 +15,17 @@ from pathlib import Path
 
 import calibration
 from factory import engines, evaluate, events, layered, naming, sources
-from factory.catalog import Job, JobState
+from factory.catalog import Catalog, Job, JobState
 from factory.engines import QuantSpec
 from factory.errors import FactoryError, SpecError
+from factory.events import Emit
 from factory.identity import job_key
 from factory.inspect import inspect
 from factory.jobs import graph
-from factory.jobs.costs import Sized
+from factory.jobs.conversions import measurement_key
+from factory.jobs.costs import Costs, Sized
 from factory.recipes import Recipe
+from factory.settings import Settings
 from factory.vram import Params, Shape
 
 
@@ -39,120 +41,114 @@ class Request:
     device: str | None = None  # where the job will run: None = this machine (qf run); qf submit: the workers'
 
 
-class Planning:
-    def submit(self, request: Request) -> tuple[Job, bool]:
-        """(the job, whether it needs running: created now, or a succeeded one queued again by remake_removed)."""
-        recipe = request.recipe
-        device = request.device or evaluate.device()
-        specs = self._runnable(recipe.specs(), request, device)
-        used = [engines.get(name) for name in sorted({s.method for s in specs})]
-        versions = {engine.name: engine.version() for engine in used}
-        cal, ev = _calibration(recipe.calibration, used), calibration.resolve(recipe.eval)
-        if cal.sha256 == ev.sha256:
-            raise SpecError(
-                f"calibration {cal.name!r} and eval {ev.name!r} are the same text; evaluate on held-out text"
-            )
-        windows = recipe.eval_windows or evaluate.default_windows(device)
+def submit(catalog: Catalog, settings: Settings, emit: Emit, request: Request) -> tuple[Job, bool]:
+    """(the job, whether it needs running: created now, or a succeeded one queued again by remake_removed)."""
+    recipe = request.recipe
+    device = request.device or evaluate.device()
+    specs = _runnable(emit, recipe.specs(), request, device)
+    used = [engines.get(name) for name in sorted({s.method for s in specs})]
+    versions = {engine.name: engine.version() for engine in used}
+    cal, ev = _calibration(recipe.calibration, used), calibration.resolve(recipe.eval)
+    if cal.sha256 == ev.sha256:
+        raise SpecError(f"calibration {cal.name!r} and eval {ev.name!r} are the same text; evaluate on held-out text")
+    windows = recipe.eval_windows or evaluate.default_windows(device)
 
-        source = sources.resolve(request.source, self.settings.cache)
-        if source.path is not None:  # a folder that cannot work is refused before a job exists (a Hub repo: at fetch)
-            info = inspect(source.path, engines.architectures())
-            for spec in specs:
-                engines.resolve(spec, info, device)
-        if request.name:
-            ref = naming.parse(request.name)
-            if ref.tag or ref.rev:
+    source = sources.resolve(request.source, settings.cache)
+    if source.path is not None:  # a folder that cannot work is refused before a job exists (a Hub repo: at fetch)
+        info = inspect(source.path, engines.architectures())
+        for spec in specs:
+            engines.resolve(spec, info, device)
+    if request.name:
+        ref = naming.parse(request.name)
+        if ref.tag or ref.rev:
+            raise SpecError(
+                f"--name {request.name!r} holds a tag or revision; use --name NAME; tags come from "
+                "the spec and revisions from the source"
+            )
+        name = catalog.name_for(source.source, ref.name, None)
+    else:
+        name = catalog.name_for(
+            source.source, naming.model_name(source.label), naming.model_name(f"{source.owner}-{source.label}")
+        )
+    spec_dicts = [s.model_dump() for s in specs]
+    job, created = catalog.create_job(
+        key=job_key(source.identity, spec_dicts, cal.sha256, ev.sha256, windows, versions, device),
+        name=name,
+        source=source.source,
+        source_identity=source.identity,
+        base_model=request.base_model or source.base_model,
+        specs=spec_dicts,
+        calibration=cal.name,
+        calibration_sha=cal.sha256,
+        eval=ev.name,
+        eval_sha=ev.sha256,
+        eval_windows=windows,
+        max_ppl_ratio=recipe.max_ppl_ratio,
+        max_kld=recipe.max_kld,
+        versions=versions,
+        device=device,
+    )
+    emit(events.job(job.id, created, job.state, name, source.source, source.identity))
+    if not created and remake_removed(catalog, emit, job):
+        return catalog.job(job.id), True
+    return job, created
+
+
+def remake_removed(catalog: Catalog, emit: Emit, job: Job) -> bool:
+    """A succeeded job whose quants were removed with `qf rm` (and not published again by another job) goes
+    back to queued to make them again, their steps superseded; True when it did (and said so)."""
+    if job.state != JobState.succeeded:
+        return False
+    removed = catalog.removed_quants(job.id)
+    if not removed or not catalog.reopen(job.id, sorted({q.tag for q in removed})):
+        return False
+    for q in removed:
+        emit(events.note(f"job {job.id}: its quant {q.name}:{q.tag}@{q.rev} was removed with qf rm; making it again"))
+    return True
+
+
+def _runnable(emit: Emit, specs: list[QuantSpec], request: Request, device: str) -> list[QuantSpec]:
+    """The specs this device can make: without CUDA, those of engines that need it are skipped with a note,
+    or refused when a flag asked for them."""
+    if device != "cuda":
+        for engine in sorted(
+            {engines.get(s.method) for s in specs if engines.get(s.method).requires_cuda}, key=lambda e: e.name
+        ):
+            if engine.name in request.asked:
+                where = "this machine has" if request.device is None else "the workers (FACTORY_WORKER_DEVICE) have"
+                flags = f"--{engine.name}" + (", --fit" if engine.sizes_to_budget else "")
+                others = [e for e in engines.all_engines() if not e.requires_cuda and e.flag]
+                alternative = ", ".join(f"{e.label} runs without one (--{e.name})" for e in others)
                 raise SpecError(
-                    f"--name {request.name!r} holds a tag or revision; use --name NAME; tags come from "
-                    "the spec and revisions from the source"
+                    f"{engine.label} ({flags}) needs a CUDA GPU and {where} none"
+                    + (f"; {alternative}" if alternative else "")
                 )
-            name = self.catalog.name_for(source.source, ref.name, None)
-        else:
-            name = self.catalog.name_for(
-                source.source, naming.model_name(source.label), naming.model_name(f"{source.owner}-{source.label}")
-            )
-        spec_dicts = [s.model_dump() for s in specs]
-        job, created = self.catalog.create_job(
-            key=job_key(source.identity, spec_dicts, cal.sha256, ev.sha256, windows, versions, device),
-            name=name,
-            source=source.source,
-            source_identity=source.identity,
-            base_model=request.base_model or source.base_model,
-            specs=spec_dicts,
-            calibration=cal.name,
-            calibration_sha=cal.sha256,
-            eval=ev.name,
-            eval_sha=ev.sha256,
-            eval_windows=windows,
-            max_ppl_ratio=recipe.max_ppl_ratio,
-            max_kld=recipe.max_kld,
-            versions=versions,
-            device=device,
+            specs = [s for s in specs if s.method != engine.name]
+            emit(events.note(f"no CUDA GPU: skipping the recipe's {engine.label} targets"))
+    if not specs:
+        flags = ", ".join(
+            f"--{e.name}" + (" VALUE" if e.flag.takes_value else "") for e in engines.all_engines() if e.flag
         )
-        self.emit(events.job(job.id, created, job.state, name, source.source, source.identity))
-        if not created and self.remake_removed(job):
-            return self.catalog.job(job.id), True
-        return job, created
+        raise SpecError(f"nothing to make: pass {flags}, or a recipe with {' or '.join(engines.available())} targets")
+    return specs
 
-    def remake_removed(self, job: Job) -> bool:
-        """A succeeded job whose quants were removed with `qf rm` (and not published again by another job) goes
-        back to queued to make them again, their steps superseded; True when it did (and said so)."""
-        if job.state != JobState.succeeded:
-            return False
-        removed = self.catalog.removed_quants(job.id)
-        if not removed or not self.catalog.reopen(job.id, sorted({q.tag for q in removed})):
-            return False
-        for q in removed:
-            self.emit(
-                events.note(f"job {job.id}: its quant {q.name}:{q.tag}@{q.rev} was removed with qf rm; making it again")
-            )
-        return True
 
-    def _runnable(self, specs: list[QuantSpec], request: Request, device: str) -> list[QuantSpec]:
-        """The specs this device can make: without CUDA, those of engines that need it are skipped with a note,
-        or refused when a flag asked for them."""
-        if device != "cuda":
-            for engine in sorted(
-                {engines.get(s.method) for s in specs if engines.get(s.method).requires_cuda}, key=lambda e: e.name
-            ):
-                if engine.name in request.asked:
-                    where = "this machine has" if request.device is None else "the workers (FACTORY_WORKER_DEVICE) have"
-                    flags = f"--{engine.name}" + (", --fit" if engine.sizes_to_budget else "")
-                    others = [e for e in engines.all_engines() if not e.requires_cuda and e.flag]
-                    alternative = ", ".join(f"{e.label} runs without one (--{e.name})" for e in others)
-                    raise SpecError(
-                        f"{engine.label} ({flags}) needs a CUDA GPU and {where} none"
-                        + (f"; {alternative}" if alternative else "")
-                    )
-                specs = [s for s in specs if s.method != engine.name]
-                self.emit(events.note(f"no CUDA GPU: skipping the recipe's {engine.label} targets"))
-        if not specs:
-            flags = ", ".join(
-                f"--{e.name}" + (" VALUE" if e.flag.takes_value else "") for e in engines.all_engines() if e.flag
-            )
-            raise SpecError(
-                f"nothing to make: pass {flags}, or a recipe with {' or '.join(engines.available())} targets"
-            )
-        return specs
-
-    def estimate(self, job: Job) -> tuple[float, float] | None:
-        """(packed, one after another) expected seconds of a job that was just submitted, from its source's shape
-        (config and headers only); None where the shape cannot be read here (a Hub repo without the network)."""
-        try:
-            config, tensors = sources.layout(job.source)
-            specs = engines.specs_from_dicts(job.specs)
-            if Path(job.source).is_dir():  # the specs' defaults that depend on the model (a group size)
-                info = inspect(Path(job.source), engines.architectures())
-                specs = [engines.resolve(s, info, job.device) for s in specs]
-            [s.tag for s in specs]  # noqa: B018  - a Hub repo's spec may have no tag before it is fetched
-        except (FactoryError, ValueError):
-            return None
-        shape = Shape.of(config)
-        model = Sized(
-            shape, Params.of(tensors, shape), min(evaluate.WINDOW, shape.max_positions), layered.walkable(config)
-        )
-        keys = {s.tag: self._measurement_key(job, s) for s in specs if engines.get(s.method).needs_measurement}
-        return self.costs.estimate(job, model, graph.units(specs, keys, True, bool(self.settings.hub_owner)))
+def estimate(costs: Costs, settings: Settings, job: Job) -> tuple[float, float] | None:
+    """(packed, one after another) expected seconds of a job that was just submitted, from its source's shape
+    (config and headers only); None where the shape cannot be read here (a Hub repo without the network)."""
+    try:
+        config, tensors = sources.layout(job.source)
+        specs = engines.specs_from_dicts(job.specs)
+        if Path(job.source).is_dir():  # the specs' defaults that depend on the model (a group size)
+            info = inspect(Path(job.source), engines.architectures())
+            specs = [engines.resolve(s, info, job.device) for s in specs]
+        [s.tag for s in specs]  # noqa: B018  - a Hub repo's spec may have no tag before it is fetched
+    except (FactoryError, ValueError):
+        return None
+    shape = Shape.of(config)
+    model = Sized(shape, Params.of(tensors, shape), min(evaluate.WINDOW, shape.max_positions), layered.walkable(config))
+    keys = {s.tag: measurement_key(job, s) for s in specs if engines.get(s.method).needs_measurement}
+    return costs.estimate(job, model, graph.units(specs, keys, True, bool(settings.hub_owner)))
 
 
 def _calibration(name: str | None, used: list) -> calibration.TextSet:
