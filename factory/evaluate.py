@@ -15,6 +15,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -108,8 +109,6 @@ TOKENIZE_VERSION = 2  # raise it when `tokenize` changes how it calls the tokeni
 def tokenizer_version() -> str:
     """What decides a text's ids beside the tokenizer's files (which the source identity covers): the libraries
     that read those files, and `tokenize`."""
-    from importlib.metadata import version
-
     return f"tokenizers {version('tokenizers')}, transformers {version('transformers')}, tokenize {TOKENIZE_VERSION}"
 
 

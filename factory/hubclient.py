@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 
 from factory.errors import JobFailed, NotFound, ServiceUnavailable, mask_url
 from factory.identity import file_sha256
+from factory.inspect import read_config
 
 RETRY_STATUS = (429, 500, 502, 503, 504)
 RETRIES = 5
@@ -153,8 +154,6 @@ def download(repo: str, sibling, revision: str, folder: Path) -> Path:
 def config(repo: str, revision: str) -> dict:
     """config.json of `repo` at `revision` (through huggingface_hub's cache), read as inspection reads one."""
     from huggingface_hub import hf_hub_download
-
-    from factory.inspect import read_config
 
     path = retrying(lambda: hf_hub_download(repo, "config.json", revision=revision, endpoint=endpoint(), token=token()))
     return read_config(Path(path), check_numbers=False)

@@ -16,9 +16,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from factory import hubclient as hub
+from factory.dequantize import bf16_shapes
 from factory.errors import ModelRefused, NotFound, SpecError
 from factory.files import UPSTREAM_CARD, is_source_file, source_files
 from factory.identity import folder_identity, rev
+from factory.inspect import check_against_tensors, check_config, read_config, read_headers
 
 VERIFIED = ".quantfactory-verified"  # written into a fetched Hub folder once every file matched the Hub
 _HUB_PART = r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?"  # the Hub's own grammar (huggingface_hub)
@@ -95,8 +98,6 @@ def resolve_hub(repo: str, revision: str | None) -> str:
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
     from huggingface_hub.errors import EntryNotFoundError
 
-    from factory import hubclient as hub
-
     what = f"{repo}@{revision}" if revision else repo
     with hub.errors(what):
         sha = hub.retrying(lambda: hub.client(hub.token()).model_info(repo, revision=revision)).sha
@@ -111,8 +112,6 @@ def resolve_hub(repo: str, revision: str | None) -> str:
 
 def fetch_hub(identity: str, cache: Path, progress: Callable[..., None]) -> Path:
     """The source files of `org/name@sha`, downloaded once into the cache and checked against the Hub."""
-    from factory import hubclient as hub
-
     repo, sha = identity.rsplit("@", 1)
     dest = cache / "hub" / repo.replace("/", "--") / sha
     if (dest / VERIFIED).is_file():
@@ -143,9 +142,6 @@ def layout(arg: str) -> tuple[dict, dict[str, list[int]]]:
     """config.json and every tensor's shape of a local folder or a Hub repo (`org/name[@rev]`), without reading
     weights: safetensors headers locally, the Hub's safetensors metadata (ranged reads) for a repo. An FP8 or MXFP4
     source's shapes are those of its BF16 copy (factory/dequantize.py), which the engines read."""
-    from factory.dequantize import bf16_shapes
-    from factory.inspect import check_against_tensors, check_config, read_config, read_headers
-
     path = Path(arg).expanduser()
     if path.is_dir():
         files = source_files(path)
@@ -157,7 +153,6 @@ def layout(arg: str) -> tuple[dict, dict[str, list[int]]]:
         check_against_tensors(config, tensors)
         return config, bf16_shapes(config, tensors)
     repo, revision = parse_hub(arg)
-    from factory import hubclient as hub
 
     sha = resolve_hub(repo, revision)
     with hub.errors(arg):

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from factory import engines
 from factory.errors import SpecError
+from factory.recipes import build_recipe, recipe_from_yaml
 
 
 def sizer() -> engines.Engine:
@@ -34,7 +35,6 @@ def request(
     (`--<engine> 3.0,4.0`) and options applied; `fit` (VRAM budgets) becomes the sizing engine's sizes, each
     choice told to `say`."""
     from factory.jobs.planning import Request
-    from factory.recipes import build_recipe, recipe_from_yaml
 
     flags = dict(flags)
     written_recipe = recipe_from_yaml(recipe_text, "the recipe sent") if recipe_text is not None else None

@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from factory import sources
 from factory.errors import SpecError
+from factory.inspect import VISION_PART, layout_info, read_header
 
 if TYPE_CHECKING:
     from factory.inspect import ModelInfo
@@ -83,8 +85,6 @@ class Params:
 
     @classmethod
     def of(cls, tensors: dict[str, list[int]], shape: Shape) -> Params:
-        from factory.inspect import VISION_PART
-
         groups = {"embed": 0, "head": 0, "linear": 0, "other": 0, "vision": 0}
         for name, dims in tensors.items():
             n = math.prod(dims)
@@ -137,8 +137,6 @@ def too_small(need: int, room: int, budget: int, headroom: int, ctx: int, cache:
 
 def tensor_bytes(folder: Path) -> dict[str, int]:
     """A finished quant's tensor bytes by group (embed, head, layers, vision, other), from its safetensors headers."""
-    from factory.inspect import VISION_PART, read_header
-
     groups: dict[str, int] = {}
     for shard in sorted(folder.glob("*.safetensors")):
         for name, info in read_header(shard).items():
@@ -167,9 +165,6 @@ def source_shape(source: str) -> tuple[Shape, Params]:
 def source_model(source: str) -> tuple[Shape, Params, ModelInfo]:
     """source_shape, and what the engines' `refuse` reads of the checkpoint (`qf plan` leaves out the engines that
     refuse it, with their reason)."""
-    from factory import sources
-    from factory.inspect import layout_info
-
     config, tensors = sources.layout(source)
     shape = Shape.of(config)
     return shape, Params.of(tensors, shape), layout_info(config, tensors)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from factory import engines
+from factory import engines, queue
 from factory.publish import card
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,6 +47,12 @@ def test_an_unknown_engine_key_lists_the_registered_ones(qf, tiny, tmp_path, rou
     assert "unknown key 'rounds' (recipe keys: awq, awqct, exl2, exl3, round, calibration" in result.stderr
 
 
+CYCLES_INSPECT = (
+    "inspect refuses a source it cannot read with dequantize's reasons (FP8, MXFP4, GGUF, quantized formats), and "
+    "dequantize reads configs and headers with inspect's bounded readers: one function-level import, in "
+    "inspect.inspect"
+)
+
 # -- layers -------------------------------------------------------------------------------------------------------
 # Direction of knowledge: a module imports only modules of its own layer or a lower one, at module level
 # or inside a function alike. The leaves import nothing but errors; engines never see the catalog or publishing.
@@ -77,7 +83,14 @@ LAYERS = [
     ["factory.sources", "factory.vram"],
     ["factory.engines"],
     ["factory.recipes", "factory.schedule", "factory.publish", "factory.jobs"],
-    ["factory.pipeline", "factory.housekeeping", "factory.leases", "factory.submission", "factory.lookup"],
+    [
+        "factory.pipeline",
+        "factory.housekeeping",
+        "factory.leases",
+        "factory.submission",
+        "factory.lookup",
+        "factory.queue",
+    ],
     [
         "factory.cli",
         "factory.service",
@@ -176,6 +189,183 @@ def test_lower_layers_never_import_higher_ones():
     assert problems == []
 
 
+def test_factory_never_imports_workers():
+    """workers/ (Celery on Redis) knows factory/, never the reverse: `qf` and the service reach the fleet through
+    factory/queue.py's Queue, which workers/queue.py implements and pyproject.toml plugs in (an entry point)."""
+    problems = [
+        f"{name} imports {m}"
+        for name, _, tree in _modules()
+        if name.startswith("factory")
+        for m in sorted(_imports(tree))
+        if m == "workers" or m.startswith("workers.")
+    ]
+    assert problems == [], (
+        "factory/ must not import workers/ (not even inside a function): ask factory.queue.get() for what the fleet "
+        f"does, and add it to factory/queue.py's Queue and workers/queue.py if it is new: {problems}"
+    )
+
+
+def test_the_queue_is_celery_through_the_entry_point():
+    """What `qf submit` and the service load: the Celery queue (an installation whose metadata lacks the entry point,
+    installed before it existed, needs `pip install -e .` again)."""
+    from workers.queue import QUEUE
+
+    assert queue.get() is QUEUE
+    assert isinstance(QUEUE, queue.Queue)
+
+
+def test_without_a_queue_the_fleet_commands_say_so(qf, monkeypatch):
+    """An installation without the entry point (its metadata older than it): one sentence, exit 5, as a broker
+    that cannot be reached."""
+    monkeypatch.setattr(queue, "entry_points", lambda group: [])
+    queue.get.cache_clear()
+    try:
+        for args in (["retry", "0123abcd"], ["reconcile"], ["watch", "check"]):
+            result = qf(*args)
+            assert result.exit_code == 5, result.output
+            assert "this installation has no single job queue for `qf submit` and the fleet" in result.stderr
+    finally:
+        queue.get.cache_clear()
+
+
+# Imports inside a function in factory/ and workers/, each with why it is not at the top of its module (issue 34):
+# (module, what it imports: a module of ours, or a third-party package) -> the reason. Any other goes to module level.
+_TORCH = (
+    "torch and what imports it (transformers, safetensors' torch API, compressed-tensors): seconds of import on the "
+    "paths that do not compute (`qf --help`, `qf status`, the worker's own process)"
+)
+_NUMPY = "numpy: import cost on the paths that do not compute; only tokenized windows and EXL3's calibration file"
+_CUDA = "exllamav2, exllamav3, autoawq: importing loads (or builds, the first time) their CUDA extensions"
+_LLMCOMPRESSOR = "llmcompressor: only in AWQ-CT's child process, in the engine's own environment (awq_ct/env.py)"
+_HUB = "huggingface_hub (and its HTTP client httpx2): import cost (0.4 s) on paths that never reach the Hub"
+_PLOT = "matplotlib: import cost (1.3 s), only to draw a card's plot"
+_CATALOG = (
+    "the catalog and what imports it (SQLAlchemy; the service's client also httpx): 0.3 s on the commands that do "
+    "not open the catalog (`qf --help`, `qf plan`, `qf status` in plain SQL, `qf submit --server`)"
+)
+_DRIVERS = "`qf status` in plain SQL: only the database driver (psycopg2) or broker client (redis) it needs"
+_SERVER = "uvicorn: import cost on every `qf` command, only `qf serve` needs it"
+_PRELOAD = "the spawned job process imports them before its job arrives; the worker's own process never needs them"
+FUNCTION_IMPORTS = {
+    **dict.fromkeys(
+        [
+            ("factory.dequantize", "torch"),
+            ("factory.engines.awq.evaluate", "safetensors"),
+            ("factory.engines.awq.evaluate", "torch"),
+            ("factory.engines.awq.evaluate", "transformers"),
+            ("factory.engines.awq.quantize", "transformers"),
+            ("factory.engines.awq_ct.evaluate", "compressed_tensors"),
+            ("factory.engines.awq_ct.evaluate", "safetensors"),
+            ("factory.engines.awq_ct.quantize", "torch"),
+            ("factory.engines.awq_ct.quantize", "transformers"),
+            ("factory.engines.exl2.evaluate", "torch"),
+            ("factory.engines.exl3.evaluate", "torch"),
+            ("factory.engines.script", "torch"),
+            ("factory.evaluate", "torch"),
+            ("factory.evaluate", "transformers"),
+            ("factory.inspect", "transformers"),
+            ("factory.jobs.costs", "torch"),
+            ("factory.kld", "safetensors"),
+            ("factory.kld", "torch"),
+            ("factory.layered", "safetensors"),
+            ("factory.layered", "torch"),
+            ("factory.layered", "transformers"),
+        ],
+        _TORCH,
+    ),
+    **dict.fromkeys(
+        [
+            ("factory.evaluate", "numpy"),
+            ("factory.engines.exl3.engine", "numpy"),
+            ("factory.engines.exl3.engine", "safetensors"),
+        ],
+        _NUMPY,
+    ),
+    **dict.fromkeys(
+        [
+            ("factory.engines.awq.evaluate", "awq"),
+            ("factory.engines.awq.quantize", "awq"),
+            ("factory.engines.exl2.evaluate", "exllamav2"),
+            ("factory.engines.exl3.compat", "exllamav3"),
+            ("factory.engines.exl3.evaluate", "exllamav3"),
+        ],
+        _CUDA,
+    ),
+    ("factory.engines.awq_ct.quantize", "llmcompressor"): _LLMCOMPRESSOR,
+    **dict.fromkeys(
+        [
+            ("factory.hubclient", "httpx2"),
+            ("factory.hubclient", "huggingface_hub"),
+            ("factory.publish.hub", "huggingface_hub"),
+            ("factory.schedule", "huggingface_hub"),
+            ("factory.sources", "huggingface_hub"),
+        ],
+        _HUB,
+    ),
+    ("factory.publish.card", "matplotlib"): _PLOT,
+    **dict.fromkeys(
+        [
+            ("factory.cli.jobs", "factory.leases"),
+            ("factory.cli.registry", "factory.housekeeping"),
+            ("factory.cli.registry", "factory.lookup"),
+            ("factory.cli.registry", "factory.publish.folder"),
+            ("factory.cli.run", "factory.catalog"),
+            ("factory.cli.run", "factory.leases"),
+            ("factory.cli.services", "factory.service.accounts"),
+            ("factory.cli.shared", "factory.catalog"),
+            ("factory.cli.shared", "factory.pipeline"),
+            ("factory.cli.shared", "factory.service.client"),
+            ("factory.submission", "factory.jobs.planning"),
+        ],
+        _CATALOG,
+    ),
+    **dict.fromkeys([("factory.status", "psycopg2"), ("factory.status", "redis")], _DRIVERS),
+    ("factory.cli.services", "uvicorn"): _SERVER,
+    **dict.fromkeys([("workers.tasks", "torch"), ("workers.tasks", "transformers")], _PRELOAD),
+    ("factory.inspect", "factory.dequantize"): "a real cycle: " + CYCLES_INSPECT,
+}
+
+
+def _function_imports() -> dict[tuple[str, str], list[str]]:
+    """(module, what it imports) -> where, for every import inside a function in factory/ and workers/; what it
+    imports is the module of ours it names (`from factory import lookup`: factory.lookup), or else the third-party
+    package (`from transformers.utils import logging`: transformers)."""
+    ours = {name for name, _, _ in _modules()}
+    found: dict[tuple[str, str], list[str]] = {}
+    for name, path, tree in _modules():
+        if name.split(".")[0] not in ("factory", "workers"):
+            continue
+        nodes = {
+            node
+            for fn in ast.walk(tree)
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+            for node in ast.walk(fn)
+            if isinstance(node, (ast.Import, ast.ImportFrom))
+        }
+        for node in nodes:
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                names = [
+                    f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in ours else node.module for a in node.names
+                ]
+            for imported in names:
+                if imported.split(".")[0] not in ("factory", "workers", "calibration"):
+                    imported = imported.split(".")[0]
+                found.setdefault((name, imported), []).append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    return found
+
+
+def test_every_import_inside_a_function_has_its_reason():
+    found = _function_imports()
+    unlisted = {key: where for key, where in sorted(found.items()) if key not in FUNCTION_IMPORTS}
+    assert unlisted == {}, (
+        "an import inside a function without a reason in FUNCTION_IMPORTS: move it to the top of its module, or "
+        f"add it there with why it cannot be (import cost, a real cycle): {unlisted}"
+    )
+    assert sorted(set(FUNCTION_IMPORTS) - set(found)) == [], "FUNCTION_IMPORTS lists imports that are gone"
+
+
 def test_no_module_outside_the_engines_names_a_method():
     methods = set(engines.available())
     problems = []
@@ -193,11 +383,7 @@ def test_no_module_outside_the_engines_names_a_method():
 
 # Import cycles that stay, each with why (issue 34): everything else imports only modules that do not import it back,
 # at any depth and at any level (a function's imports count too).
-CYCLES = {
-    frozenset({"factory.inspect", "factory.dequantize"}): "inspect refuses a source it cannot read with dequantize's "
-    "reasons (FP8, MXFP4, GGUF, quantized formats), and dequantize reads configs and headers with inspect's bounded "
-    "readers: one function-level import, in inspect.inspect",
-}
+CYCLES = {frozenset({"factory.inspect", "factory.dequantize"}): CYCLES_INSPECT}
 
 
 def _depends_on(tree, modules: set[str]) -> set[str]:

@@ -17,6 +17,8 @@ import typer
 from factory.cli import run, jobs, plan, texts, fleet, registry, services, watch  # noqa: F401
 
 # isort: on
+import os
+
 from factory.cli.render import Renderer
 from factory.cli.shared import app, err
 from factory.errors import SpecError
@@ -34,8 +36,6 @@ def _options(
     ] = None,
 ) -> None:
     if server:
-        import os
-
         os.environ["FACTORY_SERVER"] = server
 
 

@@ -2,50 +2,38 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Annotated
 
 import typer
 
-from factory import settings
+from factory import queue, settings
 from factory.cli.shared import (
     UnitsOpt,
     app,
     handled,
     open_catalog,
 )
+from factory.cli.slots import supervise
 
 
 @app.command()
 @handled
 def reconcile() -> None:
     """One reconciler pass (beat runs it periodically): re-enqueue jobs of lost workers and lost messages."""
-    from workers.tasks import reconcile as reconcile_pass
-
-    for job_id in reconcile_pass():
+    for job_id in queue.get().reconcile():
         print(job_id)
 
 
 @app.command()
+@handled
 def beat() -> None:
     """Start Celery beat: the periodic reconciler and watchlist check (a second beat is harmless: the check takes
     a lock, and submissions collapse into existing jobs). Its schedule file lives in FACTORY_HOME."""
-    import os
-
     home = settings.load().home
     home.mkdir(parents=True, exist_ok=True)
-    argv = [
-        sys.executable,
-        "-m",
-        "celery",
-        "-A",
-        "workers.app",
-        "beat",
-        "--loglevel",
-        "INFO",
-        "--schedule",
-        str(home / "celerybeat-schedule"),
-    ]
+    argv = queue.get().beat_command(home / "celerybeat-schedule")
     os.execvp(sys.executable, argv)
 
 
@@ -66,12 +54,9 @@ def worker(
 ) -> None:
     """Start a Celery worker with the factory's settings: one job at a time (per slot), acknowledged when done. A
     catalog or broker that cannot be reached is exit 5 before it takes any message."""
-    import os
-
-    from workers.tasks import check_broker
-
+    fleet = queue.get()
     open_catalog()
-    check_broker()
+    fleet.check_broker()
     env = dict(os.environ)
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(gpu)
@@ -79,31 +64,7 @@ def worker(
         env["FACTORY_MAX_UNITS"] = str(max_units)  # read by the job processes it spawns (factory/settings.py)
     env["FACTORY_GPU_SLOTS"] = str(slots)
     node = f"qf-{'gpu' + str(gpu) if gpu is not None else 'worker'}"
-
-    def celery(name: str) -> list[str]:
-        return [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
-            "workers.app",
-            "worker",
-            "-Q",
-            queues,
-            "--pool",
-            "solo",
-            "--concurrency",
-            "1",
-            "--prefetch-multiplier",
-            "1",
-            "-n",
-            f"{name}@%h",
-            "--loglevel",
-            "INFO",
-        ]
-
     if slots == 1:
-        os.execvpe(sys.executable, celery(node), env)
-    from workers.slots import supervise
-
-    sys.exit(supervise([celery(f"{node}-{i}") for i in range(1, slots + 1)], env))
+        os.execvpe(sys.executable, fleet.worker_command(node, queues), env)
+    commands = [fleet.worker_command(f"{node}-{i}", queues) for i in range(1, slots + 1)]
+    sys.exit(supervise(commands, env))

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from factory import settings, tables
+from factory import queue, settings, tables
 from factory.cli.render import Renderer
 from factory.cli.shared import (
     JsonOpt,
@@ -99,9 +99,7 @@ def _follow(job_id: str, as_json: bool) -> None:
     if (remote := service_client()) is not None:
         events = remote.events(job_id)
     else:
-        from workers.tasks import follow
-
-        events = follow(open_catalog(), settings.load().broker_url, job_id)
+        events = queue.get().follow(open_catalog(), settings.load().broker_url, job_id)
     with Renderer(as_json) as render:
         for event in events:
             if event is not None:
@@ -136,6 +134,4 @@ def retry(job_id: Annotated[str, typer.Argument(metavar="JOB")]) -> None:
     if (remote := service_client()) is not None:
         print(remote.retry(job_id)["id"])
         return
-    from workers.tasks import retry as queue_again
-
-    print(queue_again(make_factory(), job_id).id)
+    print(queue.get().retry(make_factory(), job_id).id)

@@ -9,8 +9,10 @@ from typing import Annotated
 import typer
 
 from factory import engines, settings, tables
+from factory import vram as memory
 from factory.cli.shared import CtxOpt, JsonOpt, KvOpt, app, handled, open_catalog, out
 from factory.errors import FactoryError
+from factory.jobs import eta
 
 
 @app.command()
@@ -27,8 +29,6 @@ def plan(
     """What fits a GPU with its context and KV cache, as each engine's memory model says (every size and the
     highest that fits, or an estimate for its server); an engine that cannot convert the model says why instead.
     Reads only the config and safetensors headers. --json: the numbers by engine ({"refused": why} for those)."""
-    from factory import vram as memory
-
     budget = memory.parse_size(vram)
     asked = [engines.get(engine)] if engine else engines.all_engines()
     shape, params, info = memory.source_model(source)
@@ -76,8 +76,6 @@ def _plan_table(plan_) -> tables.Table:
 def _conversion_times(names: list[str], parameters: int) -> dict[str, dict]:
     """Expected seconds of each engine's conversion units for `qf plan`: the catalog's history where it can be
     read, else the engines' estimates."""
-    from factory.jobs import eta
-
     url = settings.load().db_url
     catalog = None
     if settings.database_kind(url) != "sqlite" or Path(url.removeprefix("sqlite:///")).is_file():  # none: none made

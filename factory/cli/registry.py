@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
 
-from factory import engines, naming, settings, tables
+from factory import engines, naming, settings, tables, vram
 from factory.cli.shared import (
     JsonOpt,
     WideOpt,
@@ -23,6 +23,8 @@ from factory.cli.shared import (
     service_client,
 )
 from factory.errors import NotFound, ServiceUnavailable, SpecError
+from factory.publish import hub
+from factory.published import QuantRow
 
 
 @app.command("ls")
@@ -37,8 +39,6 @@ def ls(
 ) -> None:
     """List finished quants."""
     if remote:
-        from factory.publish import hub
-
         found = hub.published(remote, _templates())
         if as_json:
             print(json.dumps(found, indent=2))
@@ -57,8 +57,6 @@ def ls(
         )
         return
     if (client := service_client()) is not None:
-        from factory.published import QuantRow
-
         rows = [QuantRow.from_json(r) for r in client.quants()]
     else:
         rows = [q.row() for q in open_catalog().quants()]
@@ -81,8 +79,6 @@ def show(
     parsed = naming.parse(ref)
     width = None if wide else out.width
     if (remote := service_client()) is not None:
-        from factory.published import QuantRow
-
         found = remote.model(parsed)
         return _show(parsed, [QuantRow.from_json(r) for r in found["quants"]], found["jobs"], as_json, width)
     from factory import lookup
@@ -92,8 +88,6 @@ def show(
 
 
 def _show(parsed: naming.QuantRef, rows: list, job_rows: list[dict], as_json: bool, width: int | None) -> None:
-    from factory import vram
-
     if as_json:
         print(json.dumps({"quants": [r.to_json() for r in rows], "jobs": job_rows}, indent=2))
         return
@@ -228,8 +222,6 @@ def _output_folder(dest: Path) -> Path:
 
 
 def _templates() -> dict[str, str]:
-    from factory.publish import hub
-
     return hub.templates(settings.load().hub_repos)
 
 
@@ -251,8 +243,6 @@ def _pull_from_service(remote, parsed: naming.QuantRef, output: Path | None) -> 
 
 
 def _pull_from_hub(parsed: naming.QuantRef, owner: str, output: Path | None) -> None:
-    from factory.publish import hub
-
     tags = hub.tags(owner, parsed.name, _templates())
     if parsed.tag not in tags:
         known = ", ".join(sorted(tags)) or "none"

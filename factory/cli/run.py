@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from factory import settings, tables
+from factory import identity, queue, settings, tables
 from factory.cli.render import Renderer
 from factory.cli.shared import (
     BaseOpt,
@@ -30,6 +30,7 @@ from factory.cli.shared import (
     with_engine_flags,
 )
 from factory.errors import JobFailed, SpecError
+from factory.publish import hub
 
 
 @app.command()
@@ -66,8 +67,6 @@ def run(
         kv_cache=kv_cache,
     )
     if owner := settings.load().hub_owner:
-        from factory.publish import hub
-
         hub.writer(owner)  # a missing or read-only token fails now, not after hours of quantizing
     quiet_libraries()
     with Renderer(as_json) as render:
@@ -82,7 +81,7 @@ def run(
 def _run_held(factory, job):
     """`qf run` holds the job as a worker does (a fenced lease, renewed while it makes progress): a job that another
     `qf run` or a worker holds is not run twice; one whose holder is gone is taken over where it stopped."""
-    from factory import identity, leases
+    from factory import leases
     from factory.catalog import JobState
 
     if job.state in (JobState.succeeded, JobState.cancelled):
@@ -155,10 +154,8 @@ def submit(
         print(answer["id"])
         guess = answer["estimate"] and (answer["estimate"]["packed"], answer["estimate"]["alone"])
     else:
-        from workers.tasks import submit as queue
-
         factory = make_factory()
-        job = queue(
+        job = queue.get().submit(
             factory,
             request_from(
                 source,

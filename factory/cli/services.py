@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from factory import tables
+from factory import settings, tables
 from factory.cli.shared import WideOpt, app, err, handled, open_catalog, out
 
 token_app = typer.Typer(
@@ -33,8 +35,6 @@ def serve(
     ] = None,
 ) -> None:
     """Serve the HTTP API (docs at /docs) and the dashboard (/) in front of the catalog, broker and registry."""
-    import os
-
     import uvicorn
 
     if public:
@@ -56,11 +56,6 @@ def _serve_from_an_empty_folder() -> None:
     """The server processes run in an empty folder of their own: a source a user names by a relative name is a Hub
     repo, never a file of the server's that happens to lie where `qf serve` was started (service/app.py). The
     settings that name paths are made absolute first, for the server processes that read them again."""
-    import os
-    from pathlib import Path
-
-    from factory import settings
-
     config = settings.load()
     os.environ["FACTORY_HOME"] = str(config.home)
     if config.db_url.startswith("sqlite:///"):

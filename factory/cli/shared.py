@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import os
 import signal
 import threading
+import warnings
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -17,8 +19,9 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from factory import engines, settings
+from factory import engines, settings, status, submission
 from factory.errors import FactoryError, NotFound
+from factory.status import latest_steps
 from factory.submission import sizer
 
 app = typer.Typer(
@@ -72,9 +75,6 @@ def _sigterm_interrupts():
 
 
 def quiet_libraries() -> None:
-    import logging
-    import warnings
-
     warnings.filterwarnings("ignore")
     logging.getLogger("transformers").setLevel(logging.ERROR)
 
@@ -185,7 +185,6 @@ def request_from(
     ctx=None,
     kv_cache="fp16",
 ):
-    from factory import submission
 
     return submission.request(
         source,
@@ -214,7 +213,6 @@ def job_rows(**query) -> list[dict]:
             except NotFound:
                 return []
         return remote.jobs(limit=query.get("limit", 20), name=query.get("name"))
-    from factory import status
 
     config = settings.load()
     return status.job_rows(config.db_url, broker_url=config.broker_url, **query)
@@ -222,6 +220,4 @@ def job_rows(**query) -> list[dict]:
 
 def latest(rows: list[dict]) -> list[dict]:
     """The rows with each step once, its latest record (a worker's job records inspect and gate in both passes)."""
-    from factory.status import latest_steps
-
     return [{**row, "steps": latest_steps(row["steps"])} for row in rows]

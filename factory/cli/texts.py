@@ -6,6 +6,7 @@ import json
 
 import typer
 
+import calibration
 from factory import settings, tables
 from factory.cli.shared import JsonOpt, app, err, handled, out
 
@@ -17,8 +18,6 @@ app.add_typer(calib_app, name="calib")
 @handled
 def calib_ls(as_json: JsonOpt = False) -> None:
     """The text sets --calibration and --eval can name: builtin ones and files in $FACTORY_HOME/texts."""
-    import calibration
-
     rows = [
         {"name": t.name, "chars": len(t.text), "sha256": t.sha256} for t in calibration.available(settings.load().texts)
     ]

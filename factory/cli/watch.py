@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from factory import engines, tables
+from factory import engines, queue, schedule, tables
 from factory.cli.shared import (
     JsonOpt,
     RecipeOpt,
@@ -23,6 +23,7 @@ from factory.cli.shared import (
     with_engine_flags,
 )
 from factory.errors import FactoryError, NotFound, SpecError
+from factory.recipes import build_recipe, recipe_from_dict
 
 watch_app = typer.Typer(
     help="The watchlist: upstream repos re-quantized when they get a new commit.", no_args_is_help=True
@@ -42,9 +43,6 @@ def watch_add(
     file: Annotated[Path | None, typer.Option("--file", help="Add every entry of a watchlist YAML.")] = None,
 ) -> None:
     """Watch a repo (org/name) or an author's repos by pattern (Qwen/*-Instruct) with a recipe."""
-    from factory import schedule
-    from factory.recipes import build_recipe
-
     if (target is None) == (file is None):
         raise SpecError("give a target (org/name or org/pattern) or --file WATCHLIST.yaml, not both")
     if file is not None:
@@ -80,8 +78,6 @@ def watch_rm(target: Annotated[str, typer.Argument(metavar="TARGET")]) -> None:
 @handled
 def watch_ls(as_json: JsonOpt = False, wide: WideOpt = False) -> None:
     """The watchlist, and what each watch last did (the recipe as the tags it makes; --json has all of it)."""
-    from factory import schedule
-
     remote = service_client()
     rows = remote.call("GET", "/api/watches") if remote else schedule.watch_rows(open_catalog())
     if as_json:
@@ -108,8 +104,6 @@ def watch_ls(as_json: JsonOpt = False, wide: WideOpt = False) -> None:
 def _recipe_text(recipe: dict) -> str:
     """A watch's recipe as the tags it makes (`exl2-3.0bpw, exl2-4.0bpw`), or its engine's name where the tag waits
     for the model (AWQ's group size)."""
-    from factory.recipes import recipe_from_dict
-
     try:
         specs = recipe_from_dict(recipe, "the watch's recipe").specs()
     except FactoryError:  # an engine this process does not have: the recipe as it is, on one line
@@ -143,9 +137,7 @@ def watch_check(
     if (remote := service_client()) is not None:
         result = remote.call("POST", "/api/watches/check", params={"dry_run": dry_run})
     else:
-        from workers.tasks import watch_check as check
-
-        result = check(dry_run=dry_run)
+        result = queue.get().watch_check(dry_run=dry_run)
     if as_json:
         print(json.dumps(result, indent=2))
         return

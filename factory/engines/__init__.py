@@ -14,7 +14,11 @@ import importlib
 import os
 
 from factory import naming
+from factory.engines.awq.engine import ENGINE as AWQ
+from factory.engines.awq_ct.engine import ENGINE as AWQCT
 from factory.engines.base import Emit, Engine, Evaluation, Flag, Logits, QuantizeRequest, QuantSpec, check_quant_folder
+from factory.engines.exl2.engine import ENGINE as EXL2
+from factory.engines.exl3.engine import ENGINE as EXL3
 from factory.errors import ModelRefused, SpecError
 from factory.inspect import ModelInfo
 
@@ -79,11 +83,6 @@ def of_tag(tag: str) -> Engine:
 
 
 def _builtin() -> None:
-    from factory.engines.awq.engine import ENGINE as AWQ
-    from factory.engines.awq_ct.engine import ENGINE as AWQCT
-    from factory.engines.exl2.engine import ENGINE as EXL2
-    from factory.engines.exl3.engine import ENGINE as EXL3
-
     for engine in (AWQ, AWQCT, EXL2, EXL3):
         register(engine)
 

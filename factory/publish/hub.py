@@ -14,6 +14,9 @@ catalog, logs or messages. HF_ENDPOINT points all of it at another Hub (the test
 
 from __future__ import annotations
 
+import re
+import shutil
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,9 +125,6 @@ def pull(where: Place, revision: str | None, dest: Path, progress: Callable[...,
     """Download a published quant pinned to one commit (the branch head; with `revision`, the newest commit of the
     branch made from that source revision, or that commit) and check every file against the Hub; the files land
     in `dest` only when all of them match."""
-    import shutil
-    import tempfile
-
     dest = dest.resolve()
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise SpecError(f"{dest} exists and is not an empty folder; pick another with -o")
@@ -172,8 +172,6 @@ def tags(owner: str, name: str, templates: dict[str, str]) -> dict[str, Place]:
 
 def published(owner: str, templates: dict[str, str]) -> list[dict]:
     """Every quant published under `owner`: name:tag, repo, branch, commit (repos the templates name only)."""
-    import re
-
     with errors(f"the models of {owner}"):
         models = retrying(lambda: [m.id for m in client(token()).list_models(author=owner)])
     rows = []

@@ -17,6 +17,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
 SECONDS = 5.0
 MAX_BYTES = 64 << 10
 MEMORY = 512 << 20
@@ -77,8 +80,6 @@ def _none(why: str) -> Example:
 
 def _render(template: str, messages: list[dict] = EXAMPLE) -> bytes:
     """In the child: the example, at most MAX_BYTES (SystemExit with TOO_LONG beyond)."""
-    from jinja2.exceptions import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message: str):
         raise TemplateError(message)

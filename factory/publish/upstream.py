@@ -16,6 +16,9 @@ from pathlib import Path
 
 import yaml
 
+from factory.errors import ModelRefused
+from factory.inspect import multimodal, read_config, tower_kind
+
 
 @dataclass(frozen=True)
 class Upstream:
@@ -49,9 +52,6 @@ def read(base_model: str, card: str | None, staged: Path) -> Upstream:
 
 def _vision(staged: Path) -> str | None:
     """The vision tower's kind, where the staged config is a vision-language model's."""
-    from factory.errors import ModelRefused
-    from factory.inspect import multimodal, read_config, tower_kind
-
     try:
         config = read_config(staged / "config.json", check_numbers=False)
     except (OSError, ModelRefused):

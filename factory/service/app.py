@@ -33,7 +33,7 @@ from fastapi_offline import FastAPIOffline
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
-from factory import lookup, naming, schedule, settings, sources, submission
+from factory import lookup, naming, queue, schedule, settings, sources, submission
 from factory.catalog import JobState
 from factory.errors import (
     AccessDenied,
@@ -46,8 +46,9 @@ from factory.errors import (
     ServiceUnavailable,
     SpecError,
 )
+from factory.pipeline import Factory
 from factory.publish import folder
-from factory.service import redact
+from factory.service import dashboard, redact
 from factory.service.accounts import COOKIE, PUBLIC, Account, Accounts, Unauthenticated
 from factory.service.followers import Followers
 from factory.service.redact import shown, visible_jobs
@@ -154,9 +155,6 @@ Who = Annotated[Account, Depends(account)]
 
 
 def create_app(config: settings.Settings | None = None) -> FastAPI:
-    from factory.pipeline import Factory
-    from factory.service import dashboard
-
     config = config or settings.load()
     factory = Factory(config)
     accounts = Accounts(factory.catalog)
@@ -203,9 +201,8 @@ def create_app(config: settings.Settings | None = None) -> FastAPI:
     @app.post("/api/jobs", status_code=201)
     def submit(body: SubmitBody, who: Who) -> dict:
         """Queue a job (the same job again: the same id)."""
-        from workers.tasks import submit as queue
-
         who.require("submit")
+        fleet = queue.get()
         _check_source(body.source, config)
         place, notes = accounts.reserve(who, config.place_seconds), []
         try:
@@ -227,12 +224,14 @@ def create_app(config: settings.Settings | None = None) -> FastAPI:
             )
             for text in (request.recipe.calibration, request.recipe.eval):
                 _check_text(text, config)
-            job = queue(factory, request)
+            job = fleet.submit(factory, request)
         except BaseException:
             accounts.release(place)
             raise
         if accounts.record(place, who.user, job.id).state == JobState.cancelled:
-            job = queue(factory, request)  # its last other owner cancelled it just before this user's place counted
+            job = fleet.submit(
+                factory, request
+            )  # its last other owner cancelled it just before this user's place counted
         guess = factory.estimate(job)
         return {
             "id": job.id,
@@ -257,11 +256,9 @@ def create_app(config: settings.Settings | None = None) -> FastAPI:
     @app.get("/api/jobs/{job_id}/events")
     def events(job_id: str, who: Who) -> StreamingResponse:
         """The job's progress events as server-sent events (`data: <json>`), until its result or its end."""
-        from workers.tasks import follow
-
         who.require("read")
         accounts.check_job(who, job_id)
-        return followers.response(who.user, follow(factory.catalog, config.broker_url, job_id))
+        return followers.response(who.user, queue.get().follow(factory.catalog, config.broker_url, job_id))
 
     @app.post("/api/jobs/{job_id}/cancel")
     def cancel(job_id: str, who: Who) -> dict:
@@ -275,11 +272,9 @@ def create_app(config: settings.Settings | None = None) -> FastAPI:
     @app.post("/api/jobs/{job_id}/retry")
     def retry(job_id: str, who: Who) -> dict:
         """Queue a failed or cancelled job again, as submitting it again would; the caller wants it again."""
-        from workers.tasks import retry as queue_again
-
         who.require("submit")
         accounts.check_job(who, job_id)
-        job = queue_again(factory, job_id)
+        job = queue.get().retry(factory, job_id)
         accounts.rejoin(who, job_id)
         return {"id": job.id, "state": str(job.state)}
 
@@ -349,10 +344,8 @@ def create_app(config: settings.Settings | None = None) -> FastAPI:
     @app.post("/api/watches/check")
     def watch_check(who: Who, dry_run: bool = False) -> dict:
         """`qf watch check`: ask the Hub about every watch now and submit what is new (admin)."""
-        from workers.tasks import watch_check as check
-
         who.require("admin")
-        return check(dry_run=dry_run)
+        return queue.get().watch_check(dry_run=dry_run)
 
     dashboard.mount(app, account)
 

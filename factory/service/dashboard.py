@@ -16,6 +16,7 @@ from jinja2 import Environment, PackageLoader, select_autoescape
 
 from factory import lookup, naming, tables
 from factory.errors import AccessDenied, NotFound
+from factory.publish import card
 from factory.service.accounts import COOKIE, Account
 from factory.service.redact import visible_jobs
 
@@ -107,8 +108,6 @@ def mount(app: FastAPI, account: Callable[[Request], Account]) -> None:
 
     @app.get("/models/{name}/{plot}.png", include_in_schema=False)
     def plot(name: str, plot: str, request: Request):
-        from factory.publish import card
-
         who = signed_in(request)
         if isinstance(who, RedirectResponse):
             return who

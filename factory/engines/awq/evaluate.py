@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import warnings
 from pathlib import Path
 
 from factory.evaluate import Model, quiet_transformers, torch_dtype, transformers_logits
@@ -17,8 +18,6 @@ from factory.layered import ByLayer, Tensors, walkable
 def _dequantize_gemm():
     """AutoAWQ's unpacking (its import resets the warning filters and warns of its deprecation in 15 lines: keep
     them in the log)."""
-    import warnings
-
     with warnings.catch_warnings(record=True) as caught:
         from awq.utils.packing_utils import dequantize_gemm
     log = logging.getLogger(__name__)

@@ -38,7 +38,8 @@ import re
 from pathlib import Path
 
 from factory.engines import child
-from factory.inspect import VISION_PARTS
+from factory.evaluate import auto_model
+from factory.inspect import VISION_PARTS, multimodal, with_standard_names
 
 # Left unquantized: the output head (`language_model.lm_head` in Llama 4) and a mixture of experts' router (`mlp.gate`,
 # Llama 4's `feed_forward.router`), as vLLM builds them.
@@ -208,9 +209,6 @@ def main() -> None:
     from llmcompressor import oneshot
     from torch.utils.data import DataLoader
     from transformers import AutoTokenizer
-
-    from factory.evaluate import auto_model
-    from factory.inspect import multimodal, with_standard_names
 
     skip_pinning_without_accelerator()
     emit(event="progress", done=0, total=1, unit="load")

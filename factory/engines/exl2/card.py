@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from factory.engines.base import format_scores
 from factory.engines.exl2.evaluate import KV_CHUNK_NOTE
+from factory.vram import HEADROOM, human
 
 if TYPE_CHECKING:
     from factory.published import QuantRow
@@ -76,8 +77,6 @@ def picks(rows: list[QuantRow]) -> str:
 
 
 def fits_on(rows: list[QuantRow]) -> str:
-    from factory.vram import HEADROOM, human
-
     tables = "\n".join(fits(r) for r in rows if r.fits)
     if not tables:
         return ""

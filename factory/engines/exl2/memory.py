@@ -29,6 +29,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal, get_args
 
+from factory.inspect import read_config
 from factory.vram import (  # noqa: F401  (the shared pieces, here too for the arithmetic's tests and benchmark)
     CONTEXT_BYTES,
     HEADROOM,
@@ -190,7 +191,5 @@ def fits_table(shape: Shape, weights: int, budgets=FIT_BUDGETS, caches=("fp16", 
 
 def quant_fits(folder: Path) -> list[dict]:
     """The "fits on" table of a finished EXL2 quant in `folder` (its config.json and safetensors headers)."""
-    from factory.inspect import read_config
-
     shape = Shape.of(read_config(folder / "config.json"))
     return fits_table(shape, quant_weights(folder))

@@ -22,6 +22,7 @@ import sys
 import types
 from pathlib import Path
 
+from factory.engines import script
 from factory.inspect import read_config
 
 DOTTED = frozenset({"Gemma3ForCausalLM"})  # exllamav3 1.6.5's architectures whose model class asks for ".model.…"
@@ -63,8 +64,6 @@ def reading(folder: Path):
 
 
 def main() -> None:
-    from factory.engines import script
-
     source = sys.argv[sys.argv.index("-i") + 1]
     with reading(Path(source)):
         script.main()

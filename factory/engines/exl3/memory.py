@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from factory.inspect import read_header
 from factory.vram import HEADROOM, MiB, Params, Shape, best_bpw, plan_room, too_small
 
 CONTEXT = 729 * MiB
@@ -79,8 +80,6 @@ def quant_weights(tensors: dict[str, int]) -> int:
 
 
 def quant_tensor_sizes(folder: Path) -> dict[str, int]:
-    from factory.inspect import read_header
-
     return {
         name: info["data_offsets"][1] - info["data_offsets"][0]
         for shard in sorted(folder.glob("*.safetensors"))

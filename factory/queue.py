@@ -1,0 +1,70 @@
+"""The job queue, as `qf` and the service see it: what they ask of the fleet (submit, retry, follow, the watchlist
+check, a reconciler pass, the commands that start a worker or beat). factory/ names no implementation: workers/
+(Celery on Redis) knows factory/, never the reverse, and plugs its Queue in through the `quantfactory.queue` entry
+point of pyproject.toml, which `get` loads in any process (`qf`, `python -m factory.cli`, each server process of
+`qf serve`, a test's CliRunner). An installation without one refuses with one sentence, exit 5, like a broker that
+cannot be reached; `qf run` needs no queue.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from factory.errors import ServiceUnavailable
+
+if TYPE_CHECKING:
+    from factory.catalog import Catalog, Job
+    from factory.jobs.planning import Request
+    from factory.pipeline import Factory
+
+GROUP = "quantfactory.queue"
+
+
+@runtime_checkable
+class Queue(Protocol):
+    def check_broker(self) -> None:
+        """Raises ServiceUnavailable (exit 5) when the broker cannot be reached."""
+
+    def submit(self, factory: Factory, request: Request) -> Job:
+        """Create the job (or find the same one) and queue it unless it is queued, running or done already."""
+
+    def retry(self, factory: Factory, job_id: str) -> Job:
+        """Queue a failed or cancelled job again; its finished steps are kept."""
+
+    def follow(self, catalog: Catalog, broker_url: str, job_id: str) -> Iterator[dict | None]:
+        """The job's events until its result or its end; None every few seconds without one (a keep-alive)."""
+
+    def watch_check(self, dry_run: bool) -> dict:
+        """One watchlist check: {"planned": [...], "errors": [...]} ("busy": True when another check runs)."""
+
+    def reconcile(self) -> list[str]:
+        """One reconciler pass: the jobs queued again."""
+
+    def worker_command(self, node: str, queues: str) -> list[str]:
+        """The argv of one worker process named `node` taking `queues` (comma-separated)."""
+
+    def beat_command(self, schedule: Path) -> list[str]:
+        """The argv of the periodic scheduler (the reconciler, the watchlist check), its state in `schedule`."""
+
+
+@functools.cache
+def get() -> Queue:
+    """The installed queue (loaded once per process)."""
+    found = sorted(entry_points(group=GROUP), key=lambda e: e.name)
+    if len(found) != 1:
+        names = ", ".join(e.value for e in found) or "none"
+        raise ServiceUnavailable(
+            f"this installation has no single job queue for `qf submit` and the fleet (entry point group {GROUP!r}: "
+            f"{names}); reinstall quantfactory (`pip install -e .`), or run the job here with `qf run`"
+        )
+    try:
+        queue = found[0].load()
+    except ImportError as e:
+        raise ServiceUnavailable(f"the job queue {found[0].value!r} cannot be loaded: {e}") from None
+    if not isinstance(queue, Queue):
+        raise ServiceUnavailable(f"the job queue {found[0].value!r} is not a Queue (factory/queue.py)")
+    return queue
