@@ -73,7 +73,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import calibration
-    from factory import evaluate
+    from factory.evaluation import evaluate
     from tests.tiny_model import make_tiny_llama
 
     with tempfile.TemporaryDirectory() as tmp:

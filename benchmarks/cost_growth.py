@@ -41,7 +41,7 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    from factory import sources
+    from factory.checkpoints import sources
     from factory.vram import Params, Shape
     from tests.tiny_model import make_tiny_llama
 

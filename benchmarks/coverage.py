@@ -220,8 +220,9 @@ def _why(run: subprocess.CompletedProcess) -> str:
 
 def _rescore(engine_name: str, folder: Path, device: str) -> float:
     """The pulled quant's perplexity through its engine's loader, on the windows `qf run` scored."""
-    from factory import engines, evaluate
-    from factory.inspect import read_config
+    from factory import engines
+    from factory.checkpoints.inspect import read_config
+    from factory.evaluation import evaluate
 
     engine = engines.get(engine_name)
     ids = evaluate.tokenize(folder, __import__("calibration").builtin_text("wiki"))
@@ -355,7 +356,8 @@ def main() -> None:
     # transformers' lazy imports are not thread-safe: the classes the runs' threads build with, imported once here
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, PreTrainedTokenizerFast  # noqa: F401
 
-    from factory import engines, evaluate
+    from factory import engines
+    from factory.evaluation import evaluate
 
     device = evaluate.device()
     written = json.loads(args.out.read_text()) if args.out.exists() else {}

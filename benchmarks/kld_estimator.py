@@ -70,7 +70,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     import calibration
-    from factory import evaluate
+    from factory.evaluation import evaluate
     from tests.smollm2 import convert
 
     count = int(sys.argv[1]) if len(sys.argv) > 1 else 2

@@ -15,9 +15,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from factory.checkpoints.inspect import read_config
 from factory.errors import JobFailed, NotFound, ServiceUnavailable, mask_url
 from factory.identity import file_sha256
-from factory.inspect import read_config
 
 RETRY_STATUS = (429, 500, 502, 503, 504)
 RETRIES = 5

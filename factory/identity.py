@@ -2,8 +2,8 @@
 sha256 of a file, and the keys that decide when a job or a measurement is the same as an earlier one.
 
     source identity   `org/name@<commit sha>` for a Hub model; `sha256:<hex>` over a local folder's allowlisted
-                      files (factory/files.py), cached by path, size and mtime; a job checks its staging folder
-                      against it at inspect and again before it publishes
+                      files (factory/checkpoints/files.py), cached by path, size and mtime; a job checks its staging
+                      folder against it at inspect and again before it publishes
     job key           hash(source identity, specs as written, calibration and eval sha256, windows, engine
                       versions, device)
     weights key       hash(source identity, the resolved spec, calibration sha256, the engine's version, device):
@@ -24,7 +24,7 @@ import os
 import socket
 from pathlib import Path
 
-from factory.files import source_files, staged_files, write_atomic
+from factory.checkpoints.files import source_files, staged_files, write_atomic
 
 
 def is_hub(identity: str) -> bool:
@@ -106,7 +106,8 @@ def measurement_key(source_identity: str, calibration_sha: str, rows: int, lengt
 def reference_key(
     source_identity: str, eval_sha: str, windows: int, window_length: int, device: str, layout: object
 ) -> str:
-    """FP16's reference for KL divergence (factory/kld.py) on one eval stream; `layout` its top K, samples, seed."""
+    """FP16's reference for KL divergence (factory/evaluation/kld.py) on one eval stream; `layout` its top K, samples,
+    seed."""
     return digest([source_identity, eval_sha, windows, window_length, device, layout])
 
 

@@ -106,8 +106,8 @@ def size(n: float) -> str:
 
 def kld(value: float, digits: int = 4) -> str:
     """A KL divergence as people read it. Its estimator's sampled tail term can dip a hair below zero for a quant
-    that is almost FP16 (factory/kld.py); a divergence is never negative, so the shown value stops at 0 (never
-    "-0.0000"), and the raw one stays in --json."""
+    that is almost FP16 (factory/evaluation/kld.py); a divergence is never negative, so the shown value stops at 0
+    (never "-0.0000"), and the raw one stays in --json."""
     return f"{max(value, 0.0):.{digits}f}"
 
 

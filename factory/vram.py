@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from factory import sources
+from factory.checkpoints import sources
+from factory.checkpoints.inspect import VISION_PART, layout_info, read_header
 from factory.errors import SpecError
-from factory.inspect import VISION_PART, layout_info, read_header
 
 if TYPE_CHECKING:
-    from factory.inspect import ModelInfo
+    from factory.checkpoints.inspect import ModelInfo
 
 GiB, MiB = 2**30, 2**20
 # The CUDA context, cuBLAS and the kernels a runtime loads: what a process holds outside PyTorch's allocator,

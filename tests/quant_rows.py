@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from factory.published import QuantRow
+from factory.registry.published import QuantRow
 
 DEFAULTS = dict(
     rev="abc1234",

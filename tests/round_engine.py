@@ -19,10 +19,10 @@ from typing import Literal
 
 from pydantic import Field
 
+from factory.checkpoints.files import COMPANIONS
 from factory.engines import child
 from factory.engines.base import Engine, QuantizeRequest, QuantSpec, Targets, check_quant_folder
-from factory.evaluate import quiet_transformers, torch_dtype, transformers_logits
-from factory.files import COMPANIONS
+from factory.evaluation.evaluate import quiet_transformers, torch_dtype, transformers_logits
 
 
 class RoundSpec(QuantSpec):

@@ -84,7 +84,7 @@ def test_available_lists_builtins_and_home_texts(tmp_path):
 def test_token_ids_are_kept_once_tokenized(tiny, tmp_path, monkeypatch):
     """A text's ids under a source's tokenizer are read from the cache file the second time (a job's publishing
     pass, a helper, a retry); a cut-short file is tokenized again."""
-    from factory import evaluate
+    from factory.evaluation import evaluate
 
     text = calibration.resolve("builtin:wiki").text
     cache = tmp_path / "tokens" / "key.npy"
@@ -104,9 +104,9 @@ def test_token_ids_are_kept_once_tokenized(tiny, tmp_path, monkeypatch):
 
 
 def test_the_first_ids_read_from_a_prefix_are_the_whole_texts(tiny):
-    """An eval needs the first windows' ids only (factory/evaluate.py tokenize): read from a prefix of the text, they
-    are the whole text's first ids, for every builtin text (SmolLM2's tokenizer: tests/test_smollm2.py)."""
-    from factory import evaluate
+    """An eval needs the first windows' ids only (factory/evaluation/evaluate.py tokenize): read from a prefix of the
+    text, they are the whole text's first ids, for every builtin text (SmolLM2's tokenizer: tests/test_smollm2.py)."""
+    from factory.evaluation import evaluate
 
     for name in calibration.BUILTIN:
         text = calibration.resolve(f"builtin:{name}").text
@@ -120,7 +120,8 @@ def test_the_token_cache_key_changes_with_the_libraries_that_tokenize():
     (or another way `tokenize` calls them) is another key, so an upgraded host does not read stale ids."""
     from importlib.metadata import version
 
-    from factory import evaluate, identity
+    from factory import identity
+    from factory.evaluation import evaluate
 
     here = evaluate.tokenizer_version()
     assert version("transformers") in here and version("tokenizers") in here

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from factory.publish import card, upstream
-from factory.published import QuantRow
+from factory.registry.published import QuantRow
 from tests.quant_rows import quant_row
 
 GB = 2**30

@@ -1,5 +1,5 @@
-"""Sources that are not FP16 (factory/dequantize.py): FP8 and MXFP4 checkpoints written here from tiny seeded
-models by the formats' own rules, dequantized to exactly what the reference formula, transformers' own
+"""Sources that are not FP16 (factory/checkpoints/dequantize.py): FP8 and MXFP4 checkpoints written here from tiny
+seeded models by the formats' own rules, dequantized to exactly what the reference formula, transformers' own
 dequantization and transformers' BF16 classes say; a kill leaves no copy, a second job reuses it, `qf run --awq`
 of an FP8 source publishes, and formats the factory does not read are refused in one sentence."""
 
@@ -18,9 +18,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from factory import dequantize, sources
+from factory.checkpoints import dequantize, sources
+from factory.checkpoints.inspect import inspect
 from factory.errors import ModelRefused
-from factory.inspect import inspect
 from tests.tiny_archs import make_tiny
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -240,7 +240,7 @@ def test_mxfp4_as_the_formula_transformers_and_its_bf16_class_say(gpt_oss, tmp_p
 KILLED = """
 import sys, time
 from pathlib import Path
-from factory import dequantize
+from factory.checkpoints import dequantize
 
 def stop(**event):
     print("writing", flush=True)

@@ -16,11 +16,12 @@ import torch
 from safetensors import safe_open
 
 from calibration import builtin_text
-from factory import engines, evaluate
+from factory import engines
+from factory.checkpoints.inspect import inspect
 from factory.engines.awq_ct import env
 from factory.engines.awq_ct.engine import ARCHITECTURES
 from factory.errors import JobFailed
-from factory.inspect import inspect
+from factory.evaluation import evaluate
 from tests.smollm2 import PPL_WIKI
 from tests.tiny_archs import make_tiny
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from safetensors.numpy import load_file
 
-from factory import engines, naming, settings
+from factory import engines, settings
 from factory.engines.exl3 import compat
 from factory.engines.exl3 import engine as exl3
 from factory.engines.exl3.spec import Exl3Spec
@@ -20,6 +20,7 @@ from factory.jobs.planning import Request
 from factory.pipeline import Factory
 from factory.publish import hub
 from factory.recipes import build_recipe
+from factory.registry import naming
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -220,7 +221,7 @@ def test_a_quant_without_its_layers_is_refused(tmp_path, tiny):
     import torch
     from safetensors.torch import save_file
 
-    from factory import files, sources
+    from factory.checkpoints import files, sources
     from factory.vram import Params, Shape
 
     config, tensors = sources.layout(str(tiny))

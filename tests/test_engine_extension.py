@@ -61,34 +61,34 @@ LAYERS = [
     [
         "factory.settings",
         "factory.specs",
-        "factory.naming",
-        "factory.files",
+        "factory.registry.naming",
+        "factory.checkpoints.files",
         "factory.tables",
         "factory.events",
-        "factory.published",
-        "factory.kld",
-        "factory.layered",
+        "factory.registry.published",
+        "factory.evaluation.kld",
+        "factory.evaluation.layered",
         "calibration",
     ],
     [
         "factory.identity",
-        "factory.inspect",
-        "factory.dequantize",
+        "factory.checkpoints.inspect",
+        "factory.checkpoints.dequantize",
         "factory.hubclient",
         "factory.catalog",
-        "factory.status",
-        "factory.evaluate",
+        "factory.catalog.status",
+        "factory.evaluation.evaluate",
         "factory.publish.upstream",
     ],
-    ["factory.sources", "factory.vram"],
+    ["factory.checkpoints.sources", "factory.vram"],
     ["factory.engines"],
     ["factory.recipes", "factory.schedule", "factory.publish", "factory.jobs"],
     [
         "factory.pipeline",
-        "factory.housekeeping",
-        "factory.leases",
+        "factory.registry.housekeeping",
+        "factory.jobs.heartbeat",
         "factory.submission",
-        "factory.lookup",
+        "factory.registry.lookup",
         "factory.queue",
     ],
     [
@@ -101,9 +101,9 @@ LEAVES = {
     "factory.errors",
     "factory.settings",
     "factory.specs",
-    "factory.naming",
+    "factory.registry.naming",
     "factory.events",
-    "factory.published",
+    "factory.registry.published",
 }
 
 
@@ -249,7 +249,7 @@ _PRELOAD = "the spawned job process imports them before its job arrives; the wor
 FUNCTION_IMPORTS = {
     **dict.fromkeys(
         [
-            ("factory.dequantize", "torch"),
+            ("factory.checkpoints.dequantize", "torch"),
             ("factory.engines.awq.evaluate", "safetensors"),
             ("factory.engines.awq.evaluate", "torch"),
             ("factory.engines.awq.evaluate", "transformers"),
@@ -261,21 +261,21 @@ FUNCTION_IMPORTS = {
             ("factory.engines.exl2.evaluate", "torch"),
             ("factory.engines.exl3.evaluate", "torch"),
             ("factory.engines.script", "torch"),
-            ("factory.evaluate", "torch"),
-            ("factory.evaluate", "transformers"),
-            ("factory.inspect", "transformers"),
+            ("factory.evaluation.evaluate", "torch"),
+            ("factory.evaluation.evaluate", "transformers"),
+            ("factory.checkpoints.inspect", "transformers"),
             ("factory.jobs.costs", "torch"),
-            ("factory.kld", "safetensors"),
-            ("factory.kld", "torch"),
-            ("factory.layered", "safetensors"),
-            ("factory.layered", "torch"),
-            ("factory.layered", "transformers"),
+            ("factory.evaluation.kld", "safetensors"),
+            ("factory.evaluation.kld", "torch"),
+            ("factory.evaluation.layered", "safetensors"),
+            ("factory.evaluation.layered", "torch"),
+            ("factory.evaluation.layered", "transformers"),
         ],
         _TORCH,
     ),
     **dict.fromkeys(
         [
-            ("factory.evaluate", "numpy"),
+            ("factory.evaluation.evaluate", "numpy"),
             ("factory.engines.exl3.engine", "numpy"),
             ("factory.engines.exl3.engine", "safetensors"),
         ],
@@ -298,19 +298,19 @@ FUNCTION_IMPORTS = {
             ("factory.hubclient", "huggingface_hub"),
             ("factory.publish.hub", "huggingface_hub"),
             ("factory.schedule", "huggingface_hub"),
-            ("factory.sources", "huggingface_hub"),
+            ("factory.checkpoints.sources", "huggingface_hub"),
         ],
         _HUB,
     ),
     ("factory.publish.card", "matplotlib"): _PLOT,
     **dict.fromkeys(
         [
-            ("factory.cli.jobs", "factory.leases"),
-            ("factory.cli.registry", "factory.housekeeping"),
-            ("factory.cli.registry", "factory.lookup"),
+            ("factory.cli.jobs", "factory.jobs.heartbeat"),
+            ("factory.cli.registry", "factory.registry.housekeeping"),
+            ("factory.cli.registry", "factory.registry.lookup"),
             ("factory.cli.registry", "factory.publish.folder"),
             ("factory.cli.run", "factory.catalog"),
-            ("factory.cli.run", "factory.leases"),
+            ("factory.cli.run", "factory.jobs.heartbeat"),
             ("factory.cli.services", "factory.service.accounts"),
             ("factory.cli.shared", "factory.catalog"),
             ("factory.cli.shared", "factory.pipeline"),
@@ -319,17 +319,17 @@ FUNCTION_IMPORTS = {
         ],
         _CATALOG,
     ),
-    **dict.fromkeys([("factory.status", "psycopg2"), ("factory.status", "redis")], _DRIVERS),
+    **dict.fromkeys([("factory.catalog.status", "psycopg2"), ("factory.catalog.status", "redis")], _DRIVERS),
     ("factory.cli.services", "uvicorn"): _SERVER,
     **dict.fromkeys([("workers.tasks", "torch"), ("workers.tasks", "transformers")], _PRELOAD),
-    ("factory.inspect", "factory.dequantize"): "a real cycle: " + CYCLES_INSPECT,
+    ("factory.checkpoints.inspect", "factory.checkpoints.dequantize"): "a real cycle: " + CYCLES_INSPECT,
 }
 
 
 def _function_imports() -> dict[tuple[str, str], list[str]]:
     """(module, what it imports) -> where, for every import inside a function in factory/ and workers/; what it
-    imports is the module of ours it names (`from factory import lookup`: factory.lookup), or else the third-party
-    package (`from transformers.utils import logging`: transformers)."""
+    imports is the module of ours it names (`from factory.registry import lookup`: factory.registry.lookup), or else the
+    third-party package (`from transformers.utils import logging`: transformers)."""
     ours = {name for name, _, _ in _modules()}
     found: dict[tuple[str, str], list[str]] = {}
     for name, path, tree in _modules():
@@ -383,7 +383,7 @@ def test_no_module_outside_the_engines_names_a_method():
 
 # Import cycles that stay, each with why (issue 34): everything else imports only modules that do not import it back,
 # at any depth and at any level (a function's imports count too).
-CYCLES = {frozenset({"factory.inspect", "factory.dequantize"}): CYCLES_INSPECT}
+CYCLES = {frozenset({"factory.checkpoints.inspect", "factory.checkpoints.dequantize"}): CYCLES_INSPECT}
 
 
 def _depends_on(tree, modules: set[str]) -> set[str]:

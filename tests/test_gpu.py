@@ -23,8 +23,10 @@ import psutil
 import pytest
 import torch
 
-from factory import engines, evaluate, files, settings
+from factory import engines, settings
+from factory.checkpoints import files
 from factory.errors import JobFailed
+from factory.evaluation import evaluate
 from factory.jobs.planning import Request
 from factory.pipeline import Factory
 from factory.recipes import build_recipe

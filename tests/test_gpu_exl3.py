@@ -21,8 +21,9 @@ import pytest
 import torch
 
 import calibration
-from factory import engines, evaluate
-from factory.inspect import VISION_PART
+from factory import engines
+from factory.checkpoints.inspect import VISION_PART
+from factory.evaluation import evaluate
 from tests.conftest import Qf
 from tests.exl3_image import first_token
 from tests.gemma import convert

@@ -1,8 +1,9 @@
 """KL divergence and layer-by-layer evaluation on a GPU (`pytest -m gpu`; results to $QF_GPU_RESULTS, default
 benchmarks/results/gpu_kld.json).
 
-- A random Llama of Llama-3-8B's shape (16 GB in FP16) scored whole, then layer by layer (factory/layered.py) with
-  the process held to less than 8 GB of GPU memory: the same perplexity within 0.1%.
+- A random Llama of Llama-3-8B's shape (16 GB in FP16) scored whole, then layer by layer
+  (factory/evaluation/layered.py) with the process held to less than 8 GB of GPU memory: the same perplexity within
+  0.1%.
 - What the KL divergence costs: the 1.1B Llama's FP16 pass keeping its reference, and a pass scoring against it,
   each against a plain perplexity pass of the same model on the same windows (target: at most 1.3x).
 """
@@ -20,8 +21,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from calibration import builtin_text
-from factory import evaluate, kld
-from factory.layered import ByLayer
+from factory.evaluation import evaluate, kld
+from factory.evaluation.layered import ByLayer
 from tests.tiny_model import LLAMA_1B, make_tiny_llama
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -119,7 +120,7 @@ def test_an_8b_llama_is_scored_layer_by_layer_in_less_than_8_gb(tmp_path):
 
 
 def _predicted(source: Path, walked: bool) -> int:
-    from factory import sources
+    from factory.checkpoints import sources
     from factory.jobs.costs import Sized, evaluation_bytes
     from factory.vram import Params, Shape
 

@@ -55,7 +55,7 @@ def test_hub_source_is_pinned_fetched_once_and_verified(qf, tiny, hub):
     again = _events(qf("run", f"meta/tiny-llama@{sha}", "--awq", "--eval-windows", 2, "--json"))
     assert again[0]["source_identity"] == f"meta/tiny-llama@{sha}"
     assert hub.count("GET", r"/resolve/") == downloads
-    from factory import sources
+    from factory.checkpoints import sources
 
     assert sources.resolve("meta/tiny-llama", qf.home / "cache").identity == f"meta/tiny-llama@{newer}"
 

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
+from factory.checkpoints.sources import is_hub_name
 from factory.recipes import build_recipe
-from factory.sources import is_hub_name
 from tests.conftest import Qf
 from tests.test_safety import ROOT
 

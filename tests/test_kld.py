@@ -1,5 +1,5 @@
-"""KL divergence from FP16 and top-1 agreement (factory/kld.py): against itself, against perturbed copies, the saved
-reference, and the compact reference against the exact full-vocabulary KL on SmolLM2."""
+"""KL divergence from FP16 and top-1 agreement (factory/evaluation/kld.py): against itself, against perturbed copies,
+the saved reference, and the compact reference against the exact full-vocabulary KL on SmolLM2."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from factory import evaluate, kld
+from factory.evaluation import evaluate, kld
 
 WINDOWS = 2
 

@@ -1,12 +1,12 @@
-"""Scoring a model layer by layer (factory/layered.py) gives what the whole model gives, for the FP16 source and
-for AWQ's dequantized weights."""
+"""Scoring a model layer by layer (factory/evaluation/layered.py) gives what the whole model gives, for the FP16 source
+and for AWQ's dequantized weights."""
 
 from __future__ import annotations
 
 import pytest
 
-from factory import evaluate, kld
-from factory.layered import ByLayer
+from factory.evaluation import evaluate, kld
+from factory.evaluation.layered import ByLayer
 
 WINDOWS = 3
 

@@ -1,8 +1,8 @@
 import pytest
 
-from factory import naming
 from factory.engines.exl2.spec import Exl2Spec
 from factory.errors import SpecError
+from factory.registry import naming
 
 
 @pytest.mark.parametrize(

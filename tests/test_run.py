@@ -38,7 +38,8 @@ def test_run_events_and_result(finished, tiny):
         "gate",
         "publish:awq-w4g128",
     ]
-    layers = {}  # step -> the layers it reported: AutoAWQ's, then each evaluation's walk (factory/layered.py)
+    # step -> the layers it reported: AutoAWQ's, then each evaluation's walk (factory/evaluation/layered.py)
+    layers = {}
     for e in events:
         if e["event"] == "progress" and e.get("unit") == "layer":
             layers.setdefault(e["step"], []).append((e["done"], e["total"]))

@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from factory import files
+from factory.checkpoints import files
 from factory.engines import child
 from factory.errors import JobFailed, mask_url
 from factory.publish import folder as registry

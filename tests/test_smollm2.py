@@ -9,7 +9,8 @@ import math
 
 import pytest
 
-from factory import engines, evaluate
+from factory import engines
+from factory.evaluation import evaluate
 from factory.publish import card
 from tests.smollm2 import BASE, NOTE, PPL_WIKI
 
@@ -84,13 +85,13 @@ def test_the_pulled_quant_applies_the_chat_template_as_the_source_does(smollm2, 
 
 
 def test_the_compact_reference_gives_the_exact_kl_divergence(smollm2, smollm2_run, tmp_path):
-    """FP16's compact reference (top 32 + 32 sampled from the tail, factory/kld.py) against the exact
+    """FP16's compact reference (top 32 + 32 sampled from the tail, factory/evaluation/kld.py) against the exact
     full-vocabulary KL(FP16 || AWQ) on 4 windows of SmolLM2 (8188 positions): the mean within 1%, its 99th
     percentile (82 positions above it: sampling noise shows most there) within 5%, the issue's bound (README)."""
     import torch
 
     from calibration import builtin_text
-    from factory import kld
+    from factory.evaluation import kld
 
     qf, row = smollm2_run
     assert 0 < row["kld"] < 0.5 and 0.5 < row["top1"] < 1  # what the run published

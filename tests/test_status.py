@@ -1,10 +1,9 @@
-"""factory/status.py reads jobs with plain SQL; it must read what the catalog (SQLAlchemy) wrote, on SQLite and on
-PostgreSQL (the second pass of scripts/test)."""
+"""factory/catalog/status.py reads jobs with plain SQL; it must read what the catalog (SQLAlchemy) wrote, on SQLite and
+on PostgreSQL (the second pass of scripts/test)."""
 
 from __future__ import annotations
 
-from factory import status
-from factory.catalog import Catalog
+from factory.catalog import Catalog, status
 
 
 def test_plain_sql_reads_what_the_catalog_wrote(finished):

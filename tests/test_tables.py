@@ -6,7 +6,7 @@ import pytest
 from rich.console import Console
 
 from factory import tables
-from factory.published import QuantRow
+from factory.registry.published import QuantRow
 from tests.quant_rows import quant_row
 
 

@@ -13,7 +13,7 @@ takes (settings.WORKERS_KEY), so that `qf status` of a queued job can say that n
 
 Crash recovery does not wait
 for the broker: a running job holds a lease in the catalog that a heartbeat thread renews while the job's process
-is alive and makes progress (factory/leases.py); `reconcile` (beat, every FACTORY_RECONCILE_SECONDS) puts jobs
+is alive and makes progress (factory/jobs/heartbeat.py); `reconcile` (beat, every FACTORY_RECONCILE_SECONDS) puts jobs
 whose lease expired back on the queue, and queued jobs the broker lost. The lease's fencing token goes to the job
 process, which writes nothing once another holder has the job: a worker that was stopped (SIGSTOP, a paused VM)
 and comes back finds its lease lost, kills its job process and writes nothing. A job whose process stalls is
@@ -54,10 +54,12 @@ from celery.exceptions import Reject
 from celery.signals import worker_ready, worker_shutdown
 from kombu.exceptions import OperationalError
 
-from factory import engines, evaluate, identity, leases, schedule, settings
+from factory import engines, identity, schedule, settings
 from factory.catalog import RETRYABLE, TERMINAL, Job, JobState, Lease
 from factory.engines import child
 from factory.errors import Conflict, FactoryError, LeaseLost, NotFound, ServiceUnavailable, SpecError, mask_url
+from factory.evaluation import evaluate
+from factory.jobs import heartbeat
 from factory.jobs.planning import Request
 from factory.pipeline import Factory
 from factory.recipes import recipe_from_dict
@@ -176,7 +178,7 @@ def _execute(factory: Factory, lease: Lease, publish: bool, seconds: float, stal
             return f"no progress for {stall:g} s (FACTORY_STALL_SECONDS); killing its process"
         return None
 
-    with leases.held(factory.catalog, lease, seconds, alive, on_lost=lambda reason: _kill(proc)) as holding:
+    with heartbeat.held(factory.catalog, lease, seconds, alive, on_lost=lambda reason: _kill(proc)) as holding:
         proc.join()
     if holding.lost:
         return LOST
@@ -310,7 +312,7 @@ _going = threading.Event()  # set as the worker shuts down: it no longer says it
 
 def _say_up(node: str, queues: list[str]) -> None:
     """Every WORKER_BEAT_SECONDS, in the sorted set of each queue this worker takes: its node name, scored by the
-    time (what factory/status.py reads); members three beats old are dropped. A broker that is away is tried
+    time (what factory/catalog/status.py reads); members three beats old are dropped. A broker that is away is tried
     again at the next beat."""
     client, beat = redis.Redis.from_url(settings.load().broker_url), settings.WORKER_BEAT_SECONDS
     while not _going.is_set():

@@ -84,7 +84,7 @@ def _print_job(row: dict) -> None:
             f"expected to end at {row['expected_end'].replace('T', ' ')} UTC ({when})", markup=False, highlight=False
         )
     if row["holder"]:
-        from factory.leases import describe_holder
+        from factory.jobs.heartbeat import describe_holder
 
         out.print(
             f"held by {describe_holder(row['holder'])} (attempt {row['attempts']})", markup=False, highlight=False

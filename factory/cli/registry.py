@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
 
-from factory import engines, naming, settings, tables, vram
+from factory import engines, settings, tables, vram
 from factory.cli.shared import (
     JsonOpt,
     WideOpt,
@@ -24,7 +24,8 @@ from factory.cli.shared import (
 )
 from factory.errors import NotFound, ServiceUnavailable, SpecError
 from factory.publish import hub
-from factory.published import QuantRow
+from factory.registry import naming
+from factory.registry.published import QuantRow
 
 
 @app.command("ls")
@@ -81,7 +82,7 @@ def show(
     if (remote := service_client()) is not None:
         found = remote.model(parsed)
         return _show(parsed, [QuantRow.from_json(r) for r in found["quants"]], found["jobs"], as_json, width)
-    from factory import lookup
+    from factory.registry import lookup
 
     rows = lookup.with_fits(open_catalog(), settings.load().registry, parsed)
     _show(parsed, rows, job_rows(limit=50, name=parsed.name), as_json, width)
@@ -148,8 +149,8 @@ def pull(
     ] = None,
 ) -> None:
     """Copy a finished quant out of the registry, or download it from the Hub; every file's sha256 verified."""
-    from factory import lookup
     from factory.publish import folder
+    from factory.registry import lookup
 
     parsed = naming.parse(ref, tag_required=True)
     if (remote := service_client()) is not None:
@@ -171,7 +172,7 @@ def pull(
 @handled
 def rm(ref: Annotated[str, typer.Argument(metavar="NAME:TAG[@REV]")]) -> None:
     """Remove a quant from the registry and the catalog (its copy on the Hub stays; `hf repo` manages that)."""
-    from factory import housekeeping, lookup
+    from factory.registry import housekeeping, lookup
 
     parsed = naming.parse(ref, tag_required=True)
     catalog = open_catalog()
@@ -188,7 +189,7 @@ def gc(
     as_json: JsonOpt = False,
 ) -> None:
     """Free disk: work folders of finished jobs, staging of killed publishes, Hub downloads no unfinished job needs."""
-    from factory import housekeeping
+    from factory.registry import housekeeping
 
     items = housekeeping.garbage(settings.load(), open_catalog())
     freed = sum(i.bytes for i in items) if dry_run else housekeeping.collect(items)

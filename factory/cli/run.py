@@ -81,8 +81,8 @@ def run(
 def _run_held(factory, job):
     """`qf run` holds the job as a worker does (a fenced lease, renewed while it makes progress): a job that another
     `qf run` or a worker holds is not run twice; one whose holder is gone is taken over where it stopped."""
-    from factory import leases
     from factory.catalog import JobState
+    from factory.jobs import heartbeat
 
     if job.state in (JobState.succeeded, JobState.cancelled):
         return factory.execute(job.id)  # nothing to run: its result
@@ -92,7 +92,7 @@ def _run_held(factory, job):
         job.id, identity.holder_name(), config.lease_seconds, gone=holder if identity.gone(holder) else None
     )
     if lease is None:
-        who = leases.describe_holder(factory.catalog.holder(job.id))
+        who = heartbeat.describe_holder(factory.catalog.holder(job.id))
         raise JobFailed(f"job {job.id} is running on {who}; `qf status {job.id} --follow` follows it")
     last = [time.monotonic()]
     render = factory.emit
@@ -108,7 +108,7 @@ def _run_held(factory, job):
 
     factory.emit = emit
     try:
-        with leases.held(factory.catalog, lease, config.lease_seconds, alive):
+        with heartbeat.held(factory.catalog, lease, config.lease_seconds, alive):
             return factory.execute(job.id, lease=lease)
     finally:
         factory.catalog.release_lease(lease)  # fenced: a no-op once another holder has the job

@@ -19,9 +19,10 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from factory import engines, settings, status, submission
+from factory import engines, settings, submission
+from factory.catalog import status
+from factory.catalog.status import latest_steps
 from factory.errors import FactoryError, NotFound
-from factory.status import latest_steps
 from factory.submission import sizer
 
 app = typer.Typer(

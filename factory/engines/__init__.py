@@ -5,7 +5,7 @@ Each engine runs its tool in a child process (a crash or OOM fails the step, not
 events, and keeps no books: no catalog, no publishing. They are registered here by name; `register` adds one
 (a test's engine, say), and FACTORY_ENGINES=module:attr[,module:attr...] names engines to register in every
 process (workers and their job processes too). Registering an engine also registers its tag grammar with
-`factory.naming`.
+`factory.registry.naming`.
 """
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ from __future__ import annotations
 import importlib
 import os
 
-from factory import naming
+from factory.checkpoints.inspect import ModelInfo
 from factory.engines.awq.engine import ENGINE as AWQ
 from factory.engines.awq_ct.engine import ENGINE as AWQCT
 from factory.engines.base import Emit, Engine, Evaluation, Flag, Logits, QuantizeRequest, QuantSpec, check_quant_folder
 from factory.engines.exl2.engine import ENGINE as EXL2
 from factory.engines.exl3.engine import ENGINE as EXL3
 from factory.errors import ModelRefused, SpecError
-from factory.inspect import ModelInfo
+from factory.registry import naming
 
 _ENGINES: dict[str, Engine] = {}
 _PLUGIN_ERROR: list[SpecError] = []  # a FACTORY_ENGINES entry that cannot be loaded (check_plugins says so)

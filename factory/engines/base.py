@@ -21,8 +21,8 @@ from factory.vram import human
 if TYPE_CHECKING:
     import torch
 
-    from factory.inspect import ModelInfo
-    from factory.published import QuantRow
+    from factory.checkpoints.inspect import ModelInfo
+    from factory.registry.published import QuantRow
     from factory.vram import Params, Shape
 
 Emit = Callable[[dict], None]
@@ -100,7 +100,9 @@ class BpwTargets(Targets):
 
 @dataclass
 class QuantizeRequest:
-    source_dir: Path  # the job's staging folder: links to the source's allowlisted files only (factory/files.py)
+    source_dir: (
+        Path  # the job's staging folder: links to the source's allowlisted files only (factory/checkpoints/files.py)
+    )
     out_dir: Path  # empty; the engine fills it with the quant's files
     work_dir: Path  # the engine's scratch space, kept between attempts
     spec: dict
@@ -248,8 +250,9 @@ class Engine:
     # how it is scored ----------------------------------------------------------------------------------------
     def load(self, folder: Path, device: str) -> Logits:
         """A function from token ids to logits through the engine's own runtime, for perplexity and the KL
-        divergence from FP16 (both computed from these logits); or a `factory.layered.ByLayer` over the quant's
-        weights, unpacked a layer at a time (see awq/evaluate.py), where the quant loads as an unquantized model."""
+        divergence from FP16 (both computed from these logits); or a `factory.evaluation.layered.ByLayer` over the
+        quant's weights, unpacked a layer at a time (see awq/evaluate.py), where the quant loads as an unquantized
+        model."""
         raise NotImplementedError
 
     def evaluations(self, spec: QuantSpec) -> list[Evaluation]:

@@ -24,8 +24,9 @@ from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
-from factory import engines, events, identity, sources
+from factory import engines, events, identity
 from factory.catalog import Job, JobState
+from factory.checkpoints import sources
 from factory.engines import QuantSpec
 from factory.errors import Cancelled, JobFailed, LeaseLost
 from factory.jobs import graph, packing

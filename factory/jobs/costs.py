@@ -28,7 +28,7 @@ class Sized:
     shape: Shape
     params: Params
     window_length: int  # of the eval windows
-    walkable: bool = False  # its FP16 evaluation walks it a layer at a time (factory/layered.py)
+    walkable: bool = False  # its FP16 evaluation walks it a layer at a time (factory/evaluation/layered.py)
 
     @property
     def parameters(self) -> int:

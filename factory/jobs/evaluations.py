@@ -13,9 +13,10 @@ from collections.abc import Callable
 from dataclasses import astuple
 from pathlib import Path
 
-from factory import engines, evaluate, events, kld
+from factory import engines, events
 from factory.catalog import Job
 from factory.engines import QuantSpec
+from factory.evaluation import evaluate, kld
 from factory.identity import reference_key
 from factory.jobs.context import Run
 from factory.publish.publishing import weights_key

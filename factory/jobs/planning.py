@@ -14,17 +14,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import calibration
-from factory import engines, evaluate, events, layered, naming, sources
+from factory import engines, events
 from factory.catalog import Catalog, Job, JobState
+from factory.checkpoints import sources
+from factory.checkpoints.inspect import inspect
 from factory.engines import QuantSpec
 from factory.errors import FactoryError, SpecError
+from factory.evaluation import evaluate, layered
 from factory.events import Emit
 from factory.identity import job_key
-from factory.inspect import inspect
 from factory.jobs import graph
 from factory.jobs.conversions import measurement_key
 from factory.jobs.costs import Costs, Sized
 from factory.recipes import Recipe
+from factory.registry import naming
 from factory.settings import Settings
 from factory.vram import Params, Shape
 

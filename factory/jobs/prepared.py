@@ -1,7 +1,7 @@
 """What every unit of a job works from, and how a job comes to it: the fetch, dequantize and inspect steps
 (`prepare`), and `read`, which a helping worker also uses (into a folder of its own). Sources are read through a
-staging folder of their allowlisted files (factory/files.py); `check_staged` says whether it still holds what was
-submitted."""
+staging folder of their allowlisted files (factory/checkpoints/files.py); `check_staged` says whether it still holds
+what was submitted."""
 
 from __future__ import annotations
 
@@ -10,11 +10,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import calibration
-from factory import dequantize, engines, evaluate, events, files, identity, layered, sources
+from factory import engines, events, identity
 from factory.catalog import Job
+from factory.checkpoints import dequantize, files, sources
+from factory.checkpoints.inspect import inspect
 from factory.engines import QuantSpec
 from factory.errors import ModelRefused, SpecError
-from factory.inspect import inspect
+from factory.evaluation import evaluate, layered
 from factory.jobs.context import Run
 from factory.jobs.costs import Sized
 from factory.publish import upstream
@@ -131,9 +133,9 @@ def _local_folder(run: Run, job: Job) -> Path:
 
 
 def _bf16(run: Run, job: Job, folder: Path, progress: Callable[..., None] = lambda **_: None) -> Path:
-    """The folder the units read: the source, or its BF16 copy when it is FP8 or MXFP4 (factory/dequantize.py),
-    made once per source (checked by inspection first) and then reused, by this job's next attempt, its helpers
-    and later jobs of the same source."""
+    """The folder the units read: the source, or its BF16 copy when it is FP8 or MXFP4
+    (factory/checkpoints/dequantize.py), made once per source (checked by inspection first) and then reused, by this
+    job's next attempt, its helpers and later jobs of the same source."""
     if not dequantize.wanted(folder):
         return folder
     inspect(folder, engines.architectures())

@@ -18,10 +18,11 @@ import shutil
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from factory import engines, events, kld, tables
+from factory import engines, events, tables
 from factory.catalog import Job, JobState
 from factory.engines import QuantSpec
 from factory.errors import Cancelled, FactoryError, JobFailed, LeaseLost, QualityGateRefused, mask_url
+from factory.evaluation import kld
 from factory.jobs import conversions, eta, evaluations, graph, packing
 from factory.jobs.context import Run
 from factory.jobs.costs import Sized

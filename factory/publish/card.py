@@ -18,7 +18,7 @@ from calibration import public_name
 from factory import engines, tables
 from factory.publish import prompt
 from factory.publish.upstream import Upstream
-from factory.published import QuantRow
+from factory.registry.published import QuantRow
 
 FILENAME = "README.md"
 PLOT = "ppl_vs_size.png"  # beside the card of a Hub repo

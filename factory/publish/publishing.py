@@ -11,7 +11,7 @@ A published quant never changes under its name: `name:tag@rev` names one set of 
 every file but the card and manifest: identity.files_sha) for ever. The rev comes from the content: the source's
 short rev when no row (live or a `qf rm` tombstone) and no folder holds other files under it, else the source's rev
 and the first 9 hex of the files' sha256 (`@<source rev>` still selects the newest quant of that source revision:
-factory/lookup.py). The registry folder's card and manifest record the evaluation the quant was published with;
+factory/registry/lookup.py). The registry folder's card and manifest record the evaluation the quant was published with;
 a later job with the same weights key reuses the quant (factory/jobs/conversions.py) and its evaluation is added to
 the catalog, listed by `qf show` and the Hub repo's main card.
 """
@@ -28,15 +28,16 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import calibration
-from factory import engines, files, identity
+from factory import engines, identity
 from factory.catalog import Catalog, Job, Quant, RevTaken
+from factory.checkpoints import files
 from factory.engines import QuantSpec
 from factory.errors import JobFailed
-from factory.kld import Divergence
+from factory.evaluation.kld import Divergence
 from factory.publish import card, hub
 from factory.publish import folder as registry
 from factory.publish.upstream import Upstream
-from factory.published import QuantRow
+from factory.registry.published import QuantRow
 from factory.settings import Settings
 
 STOP_AT = "FACTORY_TEST_STOP_AT"  # tests only: see moment()

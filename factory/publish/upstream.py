@@ -16,8 +16,8 @@ from pathlib import Path
 
 import yaml
 
+from factory.checkpoints.inspect import multimodal, read_config, tower_kind
 from factory.errors import ModelRefused
-from factory.inspect import multimodal, read_config, tower_kind
 
 
 @dataclass(frozen=True)

@@ -33,8 +33,9 @@ from fastapi_offline import FastAPIOffline
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
-from factory import lookup, naming, queue, schedule, settings, sources, submission
+from factory import queue, schedule, settings, submission
 from factory.catalog import JobState
+from factory.checkpoints import sources
 from factory.errors import (
     AccessDenied,
     Conflict,
@@ -48,6 +49,7 @@ from factory.errors import (
 )
 from factory.pipeline import Factory
 from factory.publish import folder
+from factory.registry import lookup, naming
 from factory.service import dashboard, redact
 from factory.service.accounts import COOKIE, PUBLIC, Account, Accounts, Unauthenticated
 from factory.service.followers import Followers

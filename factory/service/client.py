@@ -11,7 +11,8 @@ from pathlib import Path
 
 import httpx
 
-from factory import engines, naming
+from factory import engines
+from factory.checkpoints.files import COMPANIONS, PUBLISHING
 from factory.errors import (
     AccessDenied,
     Conflict,
@@ -24,9 +25,9 @@ from factory.errors import (
     SpecError,
     mask_url,
 )
-from factory.files import COMPANIONS, PUBLISHING
 from factory.identity import file_sha256
 from factory.publish.folder import MANIFEST
+from factory.registry import naming
 
 _BY_EXIT = {1: JobFailed, 2: SpecError, 3: ModelRefused, 4: NotFound}  # 409 is a Conflict (a SpecError: exit 2)
 Progress = Callable[[int, int], None]  # (bytes done, bytes in all)
@@ -198,10 +199,10 @@ class Client:
 
 def _refusal(ref: naming.QuantRef, info) -> str | None:
     """What is wrong with the service's answer about `ref` (None: nothing), checked against the grammar the factory
-    makes these with: the quant's `model:tag@rev` parses (factory/naming.py) and is the one asked for; its manifest
-    is that quant's; every file name is plain (no `/`, no NUL, no leading dot) and on the list of what publishing
-    lets out (factory/files.py and the engine's `outputs`); every size is a count of bytes, every sha256 64 hex
-    digits."""
+    makes these with: the quant's `model:tag@rev` parses (factory/registry/naming.py) and is the one asked for; its
+    manifest is that quant's; every file name is plain (no `/`, no NUL, no leading dot) and on the list of what
+    publishing lets out (factory/checkpoints/files.py and the engine's `outputs`); every size is a count of bytes, every
+    sha256 64 hex digits."""
     quant, manifest = (info.get("quant"), info.get("manifest")) if isinstance(info, dict) else (None, None)
     if not (isinstance(quant, dict) and isinstance(manifest, dict) and isinstance(manifest.get("files"), dict)):
         return f"answered {ref} with something other than a quant and its manifest"

@@ -14,9 +14,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import Environment, PackageLoader, select_autoescape
 
-from factory import lookup, naming, tables
+from factory import tables
 from factory.errors import AccessDenied, NotFound
 from factory.publish import card
+from factory.registry import lookup, naming
 from factory.service.accounts import COOKIE, Account
 from factory.service.redact import visible_jobs
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import re
 from pathlib import PurePosixPath
 
-from factory import settings, status
+from factory import settings
+from factory.catalog import status
 from factory.service.accounts import Account
 
 # An absolute path (also as a `file:` text): a "/" that does not continue a word, a URL or a relative path, up to a

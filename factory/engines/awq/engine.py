@@ -8,11 +8,11 @@ import importlib.metadata
 import shutil
 from pathlib import Path
 
+from factory.checkpoints.files import COMPANIONS
 from factory.engines import child
 from factory.engines.awq import evaluate, memory
 from factory.engines.awq.spec import AwqSpec, resolve
 from factory.engines.base import Engine, Flag, MemoryPlan, QuantizeRequest, check_quant_folder
-from factory.files import COMPANIONS
 
 # What benchmarks/coverage.py proved AutoAWQ 0.2.9 converts with our transformers (benchmarks/results/
 # coverage-cpu.json; tests/test_coverage.py keeps the two equal); its other model types fail there, with why.

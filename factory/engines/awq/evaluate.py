@@ -11,8 +11,8 @@ import logging
 import warnings
 from pathlib import Path
 
-from factory.evaluate import Model, quiet_transformers, torch_dtype, transformers_logits
-from factory.layered import ByLayer, Tensors, walkable
+from factory.evaluation.evaluate import Model, quiet_transformers, torch_dtype, transformers_logits
+from factory.evaluation.layered import ByLayer, Tensors, walkable
 
 
 def _dequantize_gemm():
@@ -50,7 +50,7 @@ class Dequantized(Tensors):
 
 def load(folder: Path, dev: str) -> Model:
     """The quant as an unquantized model holding AutoAWQ's dequantized weights: walked layer by layer where its
-    architecture allows (factory/layered.py), else a whole transformers model."""
+    architecture allows (factory/evaluation/layered.py), else a whole transformers model."""
     quiet_transformers()
     if walkable(json.loads((folder / "config.json").read_text())):
         return ByLayer.of(folder, dev, torch_dtype(dev), Dequantized(folder))

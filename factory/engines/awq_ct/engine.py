@@ -11,14 +11,14 @@ import shutil
 import sys
 from pathlib import Path
 
+from factory.checkpoints.files import COMPANIONS
+from factory.checkpoints.inspect import multimodal
 from factory.engines import child
 from factory.engines.awq import memory
 from factory.engines.awq_ct import env, evaluate
 from factory.engines.awq_ct.spec import AwqCtSpec, resolve
 from factory.engines.base import Engine, Flag, MemoryPlan, QuantizeRequest, check_quant_folder
 from factory.errors import JobFailed
-from factory.files import COMPANIONS
-from factory.inspect import multimodal
 
 # What benchmarks/coverage.py proved llm-compressor 0.14.0.1's AWQ converts (benchmarks/results/coverage-cpu.json;
 # tests/test_coverage.py keeps the two equal); tests/test_engine_awq_ct.py checks its mixtures of experts' layout.

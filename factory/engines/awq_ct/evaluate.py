@@ -6,8 +6,8 @@ Not transformers' own loader: it loads dense asymmetric checkpoints only up to 5
 zero points: "size mismatch ... weight_zero_point") and no asymmetric mixture of experts at all (its expert
 decompression leaves the zero points out: "Asymmetric quant requires zero-point values"; transformers PR #47430).
 Where the architecture allows, the model is walked layer by layer and each layer's weights are unpacked as it is
-reached (factory/layered.py); the others (mixtures of experts) are unpacked into an unquantized checkpoint in a
-temporary folder, which transformers loads as it loads the source (it fuses the experts itself).
+reached (factory/evaluation/layered.py); the others (mixtures of experts) are unpacked into an unquantized checkpoint in
+a temporary folder, which transformers loads as it loads the source (it fuses the experts itself).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import json
 import tempfile
 from pathlib import Path
 
-from factory.evaluate import Model, auto_model, quiet_transformers, torch_dtype, transformers_logits
-from factory.layered import ByLayer, Tensors, walkable
+from factory.evaluation.evaluate import Model, auto_model, quiet_transformers, torch_dtype, transformers_logits
+from factory.evaluation.layered import ByLayer, Tensors, walkable
 
 PARTS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
 

@@ -37,9 +37,9 @@ import os
 import re
 from pathlib import Path
 
+from factory.checkpoints.inspect import VISION_PARTS, multimodal, with_standard_names
 from factory.engines import child
-from factory.evaluate import auto_model
-from factory.inspect import VISION_PARTS, multimodal, with_standard_names
+from factory.evaluation.evaluate import auto_model
 
 # Left unquantized: the output head (`language_model.lm_head` in Llama 4) and a mixture of experts' router (`mlp.gate`,
 # Llama 4's `feed_forward.router`), as vLLM builds them.

@@ -9,7 +9,7 @@ from factory.engines.exl2.evaluate import KV_CHUNK_NOTE
 from factory.vram import HEADROOM, human
 
 if TYPE_CHECKING:
-    from factory.published import QuantRow
+    from factory.registry.published import QuantRow
 
 
 def how_to_load(folder: str) -> str:

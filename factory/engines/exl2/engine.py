@@ -15,8 +15,8 @@ What we add, and why:
 - resume: the script continues from `job_new.json` in its work folder by itself; a work folder whose job file
   is unreadable or marked invalid is wiped (`-nr`) instead of crashing the step again;
 - `-cf` copies every regular file beside the source's weights: the source it is given is the job's staging folder
-  (factory/files.py), which holds only the allowlisted files; the FP16 `model.safetensors.index.json` it copies is
-  removed;
+  (factory/checkpoints/files.py), which holds only the allowlisted files; the FP16 `model.safetensors.index.json` it
+  copies is removed;
 - the measurement used is kept beside the quant (`measurement.json`), for whoever converts more sizes.
 exllamav2 is never imported here: importing it builds its CUDA extension.
 """
@@ -38,7 +38,7 @@ from factory.engines.exl2.spec import Exl2Spec, Exl2Targets, targets_from_flag
 from factory.errors import JobFailed, SpecError
 
 if TYPE_CHECKING:
-    from factory.published import QuantRow
+    from factory.registry.published import QuantRow
 
 SCRIPT = "exllamav2.conversion.convert_exl2"
 STATUS = re.compile(r"\[STATUS\](.*)\[/STATUS\]")

@@ -29,7 +29,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal, get_args
 
-from factory.inspect import read_config
+from factory.checkpoints.inspect import read_config
 from factory.vram import (  # noqa: F401  (the shared pieces, here too for the arithmetic's tests and benchmark)
     CONTEXT_BYTES,
     HEADROOM,

@@ -8,7 +8,7 @@ from factory.engines.base import format_scores
 from factory.engines.exl3.evaluate import KV_CHUNK_NOTE
 
 if TYPE_CHECKING:
-    from factory.published import QuantRow
+    from factory.registry.published import QuantRow
 
 DOTTED_NOTE = (
     "Its tensors are named `.model.…` (a leading dot), as exllamav3 1.6.5 names a text-only Gemma 3's "

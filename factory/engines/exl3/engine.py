@@ -33,16 +33,16 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from factory.checkpoints.inspect import multimodal, read_config, read_header
 from factory.engines import child
 from factory.engines.base import Engine, Evaluation, Flag, MemoryPlan, QuantizeRequest, check_quant_folder
 from factory.engines.exl3 import card, compat, evaluate, memory
 from factory.engines.exl3.spec import MIN_ROWS, ROWS, Exl3Spec, Exl3Targets, targets_from_flag
 from factory.errors import JobFailed, SpecError
-from factory.inspect import multimodal, read_config, read_header
 from factory.vram import Params, Shape, human, tensor_bytes
 
 if TYPE_CHECKING:
-    from factory.published import QuantRow
+    from factory.registry.published import QuantRow
 
 SCRIPT = "exllamav3.conversion.convert_model"
 PAD = 128  # exllamav3 pads linear layers to multiples of this (modules/linear.py)

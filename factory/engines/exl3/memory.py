@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from factory.inspect import read_header
+from factory.checkpoints.inspect import read_header
 from factory.vram import HEADROOM, MiB, Params, Shape, best_bpw, plan_room, too_small
 
 CONTEXT = 729 * MiB

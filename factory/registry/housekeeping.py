@@ -6,7 +6,8 @@ revision, not the Hub's copy, not the measurement other sizes reuse. `qf gc` fin
     its folder: running it again continues from there);
   - staging folders of publishes that were killed (older than an hour and not held, see publish/folder.py);
   - Hub downloads (FACTORY_HOME/cache/hub/ORG--NAME/SHA) that no queued, running or failed job needs;
-  - BF16 copies of FP8/MXFP4 sources (FACTORY_HOME/dequantized/KEY, factory/dequantize.py) that no such job needs,
+  - BF16 copies of FP8/MXFP4 sources (FACTORY_HOME/dequantized/KEY, factory/checkpoints/dequantize.py) that no such job
+  needs,
     and what a dequantization that was killed left (not held by a writer now).
 """
 
@@ -17,8 +18,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from factory import dequantize
 from factory.catalog import Catalog, JobState, Quant
+from factory.checkpoints import dequantize
 from factory.errors import SpecError
 from factory.publish import folder as registry
 from factory.settings import Settings

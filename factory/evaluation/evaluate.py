@@ -1,5 +1,5 @@
 """Perplexity on one fixed token stream, the same for the FP16 source and every quant, and each quant's KL
-divergence from FP16 and top-1 agreement on the same positions (factory/kld.py).
+divergence from FP16 and top-1 agreement on the same positions (factory/evaluation/kld.py).
 
 Protocol: the eval text is tokenized once with the source's tokenizer, no BOS added, and cut into
 non-overlapping windows of 2048 tokens (fewer if the model's max positions are fewer) from the start; the
@@ -19,11 +19,11 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from factory import kld, layered
+from factory.checkpoints.files import write_atomic
+from factory.checkpoints.inspect import multimodal, read_config
 from factory.errors import SpecError
-from factory.files import write_atomic
-from factory.inspect import multimodal, read_config
-from factory.layered import ByLayer, Progress  # done, total, unit (a window, or a layer)
+from factory.evaluation import kld, layered
+from factory.evaluation.layered import ByLayer, Progress  # done, total, unit (a window, or a layer)
 
 if TYPE_CHECKING:
     import torch
@@ -208,8 +208,8 @@ def auto_model(config: dict):
 
 
 def load_fp16(folder: Path, dev: str) -> Model:
-    """The source model: walked layer by layer where its architecture allows (factory/layered.py: memory for one
-    layer, not the model), else whole."""
+    """The source model: walked layer by layer where its architecture allows (factory/evaluation/layered.py: memory for
+    one layer, not the model), else whole."""
     quiet_transformers()
     dtype = source_dtype(folder, dev)
     config = read_config(Path(folder) / "config.json", check_numbers=False)

@@ -8,10 +8,11 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from factory import engines, naming
+from factory import engines
 from factory.catalog import Catalog, Quant
 from factory.errors import NotFound
-from factory.published import QuantRow
+from factory.registry import naming
+from factory.registry.published import QuantRow
 
 
 def find(catalog: Catalog, ref: naming.QuantRef) -> list[Quant]:

@@ -1,8 +1,8 @@
 """Refuse checkpoints that cannot work, before any engine starts (ModelRefused, exit 3).
 
 Reads config.json, the tokenizer's presence and every safetensors header; never loads weights, and never opens a
-file that factory/files.py has not checked is a regular file of the model. Refused: a link leaving the folder,
-a FIFO, socket or device; no or unparsable config.json, an already quantized model, custom code (`auto_map`),
+file that factory/checkpoints/files.py has not checked is a regular file of the model. Refused: a link leaving the
+folder, a FIFO, socket or device; no or unparsable config.json, an already quantized model, custom code (`auto_map`),
 weights only as pickle, no weights, a truncated or malformed safetensors file, shards that disagree with the index,
 no tokenizer, an architecture no engine converts, config numbers that are not sane integers or disagree with the
 tensors, a config or headers larger, deeper or listing more tensors than a real model's (the bounds below). Every
@@ -24,8 +24,8 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
+from factory.checkpoints.files import INDEX, source_files
 from factory.errors import ModelRefused
-from factory.files import INDEX, source_files
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 DTYPE_BYTES = {
@@ -128,7 +128,7 @@ class ModelInfo:
 def inspect(folder: Path, architectures: Collection[str]) -> ModelInfo:
     """What the engines need to know of a checkpoint, or ModelRefused (exit 3). `architectures`: those some engine
     converts (each engine refuses the others itself: factory/engines/base.py, `refuse`)."""
-    from factory.dequantize import refuse_unreadable  # here: it reads headers with this module's readers
+    from factory.checkpoints.dequantize import refuse_unreadable  # here: it reads headers with this module's readers
 
     files = source_files(folder)
     if "config.json" not in files:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from factory.files import write_atomic
+from factory.checkpoints.files import write_atomic
 
 if TYPE_CHECKING:
     import torch

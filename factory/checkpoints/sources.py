@@ -1,7 +1,7 @@
 """Where a job's FP16 checkpoint comes from, and its identity.
 
-A local folder's identity is `sha256:<hex>` over the files it contributes (factory/files.py: weights, config,
-tokenizer, chat template; names and contents);
+A local folder's identity is `sha256:<hex>` over the files it contributes (factory/checkpoints/files.py: weights,
+config, tokenizer, chat template; names and contents);
 file hashes are cached by path, size and mtime under FACTORY_HOME, so a second run does not re-read the weights.
 A Hub repo (`org/name[@revision]`) is identified by `org/name@<commit sha>`, resolved when the job is submitted;
 the job's fetch step downloads the same allowlist of files pinned to that sha into
@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from factory import hubclient as hub
-from factory.dequantize import bf16_shapes
+from factory.checkpoints.dequantize import bf16_shapes
+from factory.checkpoints.files import UPSTREAM_CARD, is_source_file, source_files
+from factory.checkpoints.inspect import check_against_tensors, check_config, read_config, read_headers
 from factory.errors import ModelRefused, NotFound, SpecError
-from factory.files import UPSTREAM_CARD, is_source_file, source_files
 from factory.identity import folder_identity, rev
-from factory.inspect import check_against_tensors, check_config, read_config, read_headers
 
 VERIFIED = ".quantfactory-verified"  # written into a fetched Hub folder once every file matched the Hub
 _HUB_PART = r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?"  # the Hub's own grammar (huggingface_hub)
@@ -141,7 +141,7 @@ def fetch_hub(identity: str, cache: Path, progress: Callable[..., None]) -> Path
 def layout(arg: str) -> tuple[dict, dict[str, list[int]]]:
     """config.json and every tensor's shape of a local folder or a Hub repo (`org/name[@rev]`), without reading
     weights: safetensors headers locally, the Hub's safetensors metadata (ranged reads) for a repo. An FP8 or MXFP4
-    source's shapes are those of its BF16 copy (factory/dequantize.py), which the engines read."""
+    source's shapes are those of its BF16 copy (factory/checkpoints/dequantize.py), which the engines read."""
     path = Path(arg).expanduser()
     if path.is_dir():
         files = source_files(path)

@@ -13,9 +13,9 @@ quantized format is refused in one sentence that names it (ModelRefused, exit 3)
 
 The copy is what `save_pretrained` of the model class in BF16 writes, name for name and shape for shape; every
 other tensor keeps its bytes (releases store them in BF16 already). config.json loses its quantization_config and
-says bfloat16; the other files a source contributes (factory/files.py) and its model card come along as they are.
-It lives in FACTORY_HOME/dequantized/<key> (key: the source identity's digest, factory/identity.py) with a marker
-naming the source; `qf gc` removes a copy that no unfinished job needs (factory/housekeeping.py).
+says bfloat16; the other files a source contributes (factory/checkpoints/files.py) and its model card come along as they
+are. It lives in FACTORY_HOME/dequantized/<key> (key: the source identity's digest, factory/identity.py) with a marker
+naming the source; `qf gc` removes a copy that no unfinished job needs (factory/registry/housekeeping.py).
 
 Streamed: a tensor is read and written in pieces of at most CHUNK source bytes (a block row of an FP8 weight, one
 expert of an MXFP4 one) straight into its place in the output shard, whose header is known beforehand, so memory is
@@ -38,10 +38,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from factory.checkpoints.files import COMPANIONS, INDEX, source_files, upstream_card, write_atomic
+from factory.checkpoints.inspect import DTYPE_BYTES, MAX_CONFIG, read_headers
 from factory.errors import JobFailed, ModelRefused
-from factory.files import COMPANIONS, INDEX, source_files, upstream_card, write_atomic
 from factory.identity import digest
-from factory.inspect import DTYPE_BYTES, MAX_CONFIG, read_headers
 
 READ = ("fp8", "mxfp4")  # the quant_methods dequantized here
 # Files other tools leave beside weights they quantized, with or without a quantization_config in config.json.
@@ -200,9 +200,9 @@ def _locked(lock: Path, progress: Progress) -> Iterator[None]:
 
 
 def bf16(source: Path, source_identity: str, home: Path, progress: Progress) -> tuple[Path, bool]:
-    """The BF16 copy of an FP8 or MXFP4 source (inspected already: factory/inspect.py), and whether it was made now
-    (False: reused). `progress(done=, total=, unit="B")` as it is written; raising from it stops the copy, which then
-    leaves nothing. ModelRefused before anything is written when its tensors are not what its config says."""
+    """The BF16 copy of an FP8 or MXFP4 source (inspected already: factory/checkpoints/inspect.py), and whether it was
+    made now (False: reused). `progress(done=, total=, unit="B")` as it is written; raising from it stops the copy,
+    which then leaves nothing. ModelRefused before anything is written when its tensors are not what its config says."""
     dest = folder(home, source_identity)
     if made(home, source_identity):
         return dest, False
