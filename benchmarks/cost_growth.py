@@ -2,7 +2,7 @@
 Llama, then of the same Llama scaled to a 3B shape (hidden 3072, 28 layers, 24 heads), in one FACTORY_HOME one
 after the other. A shape within jobs/eta.py's BUCKET (2x in parameters) of an earlier one would be predicted from its
 history, as a fleet's would; the 3B has 2.73x the 1.1B's parameters, so each shape's expected seconds are the
-engine's first-principles estimate (Engine.unit_seconds), and this checks that estimate at two sizes. The shapes
+engine's first-principles estimate (Engine.memory.unit_seconds), and this checks that estimate at two sizes. The shapes
 can therefore run in different sittings (`--shapes 3b`) without changing what is predicted.
 
     python benchmarks/cost_growth.py DIR [--bpw 4.0] [--windows 8] [--shapes 1.1b,3b] [--out OUT.json]

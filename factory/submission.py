@@ -12,7 +12,7 @@ from factory.recipes import build_recipe, recipe_from_yaml
 
 def sizer() -> engines.Engine:
     """The engine `--fit` sizes: the one that sizes quants to a VRAM budget."""
-    return next(e for e in engines.all_engines() if e.sizes_to_budget)
+    return next(e for e in engines.all_engines() if e.memory.sizes_to_budget)
 
 
 def request(
@@ -43,7 +43,7 @@ def request(
         if flags.get(engine.name):
             raise SpecError(f"give --{engine.name} sizes or --fit budgets, not both")
         written = build_recipe(recipe, written=written_recipe).to_dict().get(engine.name, {})
-        flags[engine.name] = engine.fit_budgets(source, fit, ctx, kv_cache, written, say)
+        flags[engine.name] = engine.memory.fit_budgets(source, fit, ctx, kv_cache, written, say)
     chosen = build_recipe(
         recipe, flags, written=written_recipe, calibration=calibration, eval=eval_set, eval_windows=eval_windows
     )

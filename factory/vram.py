@@ -1,6 +1,6 @@
 """What every memory model shares: sizes as people write them, a model's shape and parameter counts from config.json
 and safetensors headers only (no weights read, no GPU), and the headroom left free on a card. Each engine's model
-of its runtime's memory lives in its package (factory/engines/<method>/memory.py, behind Engine.memory_plan), and
+of its runtime's memory lives in its package (factory/engines/<method>/memory.py, behind Engine.memory.plan), and
 `qf plan`, `--fit` and the cards' "fits on" tables ask the engines.
 """
 

@@ -21,7 +21,7 @@ from pydantic import Field
 
 from factory.checkpoints.files import COMPANIONS
 from factory.engines import child
-from factory.engines.base import Engine, QuantizeRequest, QuantSpec, Targets, check_quant_folder
+from factory.engines.base import Card, Engine, QuantizeRequest, QuantSpec, Targets, check_quant_folder
 from factory.evaluation.evaluate import quiet_transformers, torch_dtype, transformers_logits
 
 
@@ -45,6 +45,14 @@ class RoundTargets(Targets):
         return [RoundSpec(mantissa=m) for m in sorted(set(self.mantissa))]
 
 
+class RoundCard(Card):
+    library_name = "transformers"
+    hub_repo = "{owner}/{model}-round"
+
+    def how_to_load(self, folder: str) -> str:
+        return f"```python\n# transformers loads ./{folder} once quantization_config is removed from its config\n```\n"
+
+
 class RoundEngine(Engine):
     name = "round"
     label = "ROUND"
@@ -55,8 +63,7 @@ class RoundEngine(Engine):
     architectures = frozenset({"LlamaForCausalLM"})
     outputs = ("model.safetensors",)
     evaluator = "transformers"
-    library_name = "transformers"
-    hub_repo = "{owner}/{model}-round"
+    Card = RoundCard
 
     def version(self) -> str:
         return "1"
@@ -88,9 +95,6 @@ class RoundEngine(Engine):
         )
         return transformers_logits(model, device)
 
-    def how_to_load(self, folder: str) -> str:
-        return f"```python\n# transformers loads ./{folder} once quantization_config is removed from its config\n```\n"
-
 
 ENGINE = RoundEngine()
 
@@ -108,6 +112,10 @@ class MeasuredTargets(RoundTargets):
         return [MeasuredSpec(mantissa=m) for m in sorted(set(self.mantissa))]
 
 
+class MeasuredCard(RoundCard):
+    hub_repo = "{owner}/{model}-mround"
+
+
 class MeasuredRoundEngine(RoundEngine):
     """The round engine with a measurement, as EXL2 has, that every size of a model shares: it takes
     $QF_TEST_MEASURE_SECONDS (4; a child that reports progress), and the conversion needs its file."""
@@ -118,7 +126,7 @@ class MeasuredRoundEngine(RoundEngine):
     targets = MeasuredTargets
     tag_pattern = r"mround-m\d+"
     tag_example = "mround-m3"
-    hub_repo = "{owner}/{model}-mround"
+    Card = MeasuredCard
     needs_measurement = True
 
     @property

@@ -109,7 +109,7 @@ def test_tags(bpw, head, tag):
     assert naming.parse(f"gemma-3-270m:{tag}").tag == tag
     assert engines.of_tag(tag).name == "exl3"
     place = hub.place("alice", "gemma-3-270m", tag, hub.templates({}))
-    assert place.repo == "alice/gemma-3-270m-exl3" and engines.get("exl3").tag_of_branch(place.branch) == tag
+    assert place.repo == "alice/gemma-3-270m-exl3" and engines.get("exl3").card.tag_of_branch(place.branch) == tag
 
 
 @pytest.mark.parametrize("bpw", [0.5, 8.5])
@@ -209,10 +209,10 @@ def test_the_card_says_how_exllamav3_names_a_gemma3_quant(tmp_path, tiny):
     config = json.loads((gemma3 / "config.json").read_text())
     (gemma3 / "config.json").write_text(json.dumps({**config, "architectures": ["Gemma3ForCausalLM"]}))
     engine = engines.get("exl3")
-    assert "exllamav3 1.6.5 loads it as it is" in engine.load_note(gemma3)
-    assert engine.load_note(tiny) is None
-    row = quant_row("gemma3:exl3-4.0bpw", load_note=engine.load_note(gemma3))
-    assert card._how_to_load(row).endswith(f"```\n\n{engine.load_note(gemma3)}\n")
+    assert "exllamav3 1.6.5 loads it as it is" in engine.card.load_note(gemma3)
+    assert engine.card.load_note(tiny) is None
+    row = quant_row("gemma3:exl3-4.0bpw", load_note=engine.card.load_note(gemma3))
+    assert card._how_to_load(row).endswith(f"```\n\n{engine.card.load_note(gemma3)}\n")
 
 
 def test_a_quant_without_its_layers_is_refused(tmp_path, tiny):

@@ -264,11 +264,11 @@ def test_the_card_says_under_a_vision_language_quant_how_it_takes_an_image(vlms,
     way tests/exl3_image.py gives the H200's quants their image); AWQ-CT's: which transformers class loads it whole;
     neither for a text model."""
     exl3 = engines.get("exl3")
-    assert exl3.load_note(vlms["gemma3"]).startswith("Images go through its vision model")
-    assert 'Model.from_config(config, component="vision")' in exl3.load_note(vlms["gemma3"])
+    assert exl3.card.load_note(vlms["gemma3"]).startswith("Images go through its vision model")
+    assert 'Model.from_config(config, component="vision")' in exl3.card.load_note(vlms["gemma3"])
     text = tmp_path / "text"
     text.mkdir()
     (text / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_size": 256}))
-    assert exl3.load_note(text) is None
-    assert "`AutoModelForImageTextToText`" in engines.get("awqct").load_note(vlms["gemma3"])
-    assert "ImageTextToText" not in engines.get("awqct").load_note(text)
+    assert exl3.card.load_note(text) is None
+    assert "`AutoModelForImageTextToText`" in engines.get("awqct").card.load_note(vlms["gemma3"])
+    assert "ImageTextToText" not in engines.get("awqct").card.load_note(text)

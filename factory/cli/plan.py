@@ -36,7 +36,7 @@ def plan(
     plans = {
         e.name: p
         for e in asked
-        if e.name not in refused and (p := e.memory_plan(shape, params, budget, ctx, kv_cache, gpus)) is not None
+        if e.name not in refused and (p := e.memory.plan(shape, params, budget, ctx, kv_cache, gpus)) is not None
     }
     times = _conversion_times(list(plans), params.total)
     if as_json:

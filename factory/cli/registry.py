@@ -114,7 +114,7 @@ def _show(parsed: naming.QuantRef, rows: list, job_rows: list[dict], as_json: bo
                     title,
                 )
             )
-        for line in engine.describe_scores(r):
+        for line in engine.card.describe_scores(r):
             out.print(line, markup=False, highlight=False)
         for line in _evaluations(r):
             out.print(line, markup=False, highlight=False)

@@ -169,9 +169,114 @@ class MemoryPlan:
         return cls(result, title, columns, rows, [f"highest {label} bpw that fits: {result['best_bpw']:.2f}"])
 
 
+class Part:
+    """A part of an engine, bound to it (`self.engine`): its Memory or its Card."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+
+class Memory(Part):
+    """Its memory model (`qf plan`, `--fit`, the card's "fits on" table) and what one of its measure or quantize
+    units takes of a machine (factory/jobs/packing.py): `engine.memory`. The defaults: no memory model, and the
+    estimates below."""
+
+    sizes_to_budget: ClassVar[bool] = False  # `--fit 24GB`: then it has fit_budgets(...)
+    # (fixed seconds, seconds per billion parameters) of one measure or quantize unit on an H200 (docs/measured.md);
+    # on a CPU, core-seconds per billion parameters
+    UNIT_SECONDS: ClassVar[dict[str, tuple[float, float]]] = {"quantize": (60.0, 100.0)}
+    CPU_CORE_SECONDS_PER_B: ClassVar[float] = 4400.0  # AWQ on 2 cores: SmolLM2-135M in 296 s
+
+    def plan(
+        self, shape: Shape, params: Params, budget: int, ctx: int | None, cache: str, gpus: int
+    ) -> MemoryPlan | None:
+        """What its runtime needs on a card of `budget` bytes (x `gpus`) for `ctx` tokens with a `cache` KV cache,
+        if the engine has a memory model."""
+        return None
+
+    def fit_budgets(
+        self, source: str, budgets: str, ctx: int | None, cache: str, written: dict, note: Callable[[str], None]
+    ) -> dict:
+        """`--fit 24GB,16GB`: the recipe key for the sizes that fit those budgets (engines with sizes_to_budget)."""
+        raise NotImplementedError
+
+    def fits(self, folder: Path) -> list[dict] | None:
+        """The longest context each GPU size holds with this quant (the card's "fits on" table), if it knows."""
+        return None
+
+    def unit_gpu_bytes(self, kind: str, spec: QuantSpec, shape: Shape, params: Params) -> int:
+        """Peak GPU memory torch allocates in a `measure` or `quantize` unit, before the catalog has recorded one of
+        the same source. A layer-by-layer conversion holds the calibration rows' hidden states going in and out of
+        a layer (fp16) and about three fp16 copies of the largest of one decoder layer and the head (weights,
+        quantized weights, working space). Measured on an H200 (the random 1.1B Llama): EXL2 pass 2.0 GiB against
+        2.0 predicted, EXL3 4.2 GiB against 4.3."""
+        lengths = self.engine.calibration_lengths(spec)
+        rows, length = max(lengths, key=lambda rl: rl[0] * rl[1], default=(128, 2048))
+        states = 2 * rows * length * shape.hidden * 2
+        largest = max(params.linear // max(shape.layers, 1), params.head)
+        return int(states + 3 * largest * 2)
+
+    def unit_seconds(self, kind: str, parameters: int, device: str, cores: int) -> float:
+        """First-principles seconds of a measure or quantize unit, before the catalog has seen one near this size."""
+        billions = parameters / 1e9
+        if device != "cuda":
+            return 10.0 + self.CPU_CORE_SECONDS_PER_B * billions / max(cores, 1)
+        fixed, per_b = self.UNIT_SECONDS.get(kind, self.UNIT_SECONDS["quantize"])
+        return fixed + per_b * billions
+
+    def unit_cores(self, kind: str, device: str) -> int:
+        """CPU cores a unit of this engine keeps busy: on a GPU its child feeds the card from about one; on the CPU
+        torch takes them all."""
+        return 1 if device == "cuda" else (os.cpu_count() or 1)
+
+
+class Card(Part):
+    """What its model card and `qf show` say about its quants, and where they go on the Hub: `engine.card`. A
+    subclass sets `library_name` and `hub_repo` and implements `how_to_load`."""
+
+    library_name: ClassVar[str]  # the model card's library_name
+    hub_repo: ClassVar[str]  # the default Hub repo template (FACTORY_HUB_<NAME>_REPO replaces it)
+    plot_marker: ClassVar[str] = "o"
+    scores_about: ClassVar[dict[str, str]] = {}  # evaluations' group -> what it measures, for people
+
+    def how_to_load(self, folder: str) -> str:
+        """The card's snippet after `qf pull ... -o FOLDER`: markdown code blocks."""
+        raise NotImplementedError
+
+    def load_note(self, folder: Path) -> str | None:
+        """What a user must know to load this quant beyond the snippet (the card prints it under it), if anything."""
+        return None
+
+    def sections(self, rows: list[QuantRow]) -> tuple[str, str]:
+        """Markdown sections the card adds about this engine's quants (`rows`): one before the prompt format and
+        the load snippets, one after them (EXL2: which size to pick; where each fits)."""
+        return "", ""
+
+    def describe_scores(self, row: QuantRow) -> list[str]:
+        """Lines `qf show` prints about a quant's scores beyond perplexity."""
+        return [
+            f"perplexity through {text}: {format_scores(row.eval[group])}"
+            for group, text in self.scores_about.items()
+            if row.eval.get(group)
+        ]
+
+    def branch(self, tag: str) -> str:
+        """The quant's branch in the engine's Hub repo: `exl2-4.0bpw` -> `4.0bpw`."""
+        return tag.removeprefix(f"{self.engine.name}-")
+
+    def tag_of_branch(self, branch: str) -> str:
+        return f"{self.engine.name}-{branch}"
+
+    def main_files(self, newest: Path) -> list[str]:
+        """Which files of the newest quant also go on the repo's main branch (beside the card and its plot)."""
+        return []
+
+
 class Engine:
-    """The interface, with the defaults most engines keep. A subclass sets the class attributes and implements
-    `version`, `quantize`, `load` and `how_to_load`; the rest it overrides where its method differs."""
+    """The interface, with the defaults most engines keep, in three parts: what it converts and how (the class
+    attributes and hooks here), its memory model (`Memory`) and its card and Hub layout (`Card`), each bound to it
+    (`engine.memory`, `engine.card`). A subclass sets the class attributes, implements `version`, `quantize` and
+    `load`, and names its `Card` (which implements `how_to_load`); the rest it overrides where its method differs."""
 
     name: ClassVar[str]  # the method: in tags, the catalog, recipes and `--<name>`
     label: ClassVar[str]  # as people write it: EXL2
@@ -186,11 +291,12 @@ class Engine:
     default_calibration: ClassVar[str] = "builtin:c4"
     outputs: ClassVar[tuple[str, ...]]  # globs of what it writes beyond files.COMPANIONS; nothing else is published
     evaluator: ClassVar[str]  # the runtime its perplexity is measured with
-    library_name: ClassVar[str]  # the model card's library_name
-    hub_repo: ClassVar[str]  # the default Hub repo template (FACTORY_HUB_<NAME>_REPO replaces it)
-    plot_marker: ClassVar[str] = "o"
-    sizes_to_budget: ClassVar[bool] = False  # `--fit 24GB`: then it has fit_budgets(...)
-    scores_about: ClassVar[dict[str, str]] = {}  # evaluations' group -> what it measures, for people
+    Memory: ClassVar[type[Memory]] = Memory  # its parts (above), bound to it as engine.memory and engine.card
+    Card: ClassVar[type[Card]] = Card
+
+    def __init__(self) -> None:
+        self.memory: Memory = self.Memory(self)
+        self.card: Card = self.Card(self)
 
     # what it makes -------------------------------------------------------------------------------------------
     def version(self) -> str:
@@ -202,12 +308,6 @@ class Engine:
     def targets_from_flag(self, value: str | bool, written: dict) -> dict:
         """The recipe key for this engine that `--<name> VALUE` asks for, keeping the recipe's other settings."""
         return written
-
-    def fit_budgets(
-        self, source: str, budgets: str, ctx: int | None, cache: str, written: dict, note: Callable[[str], None]
-    ) -> dict:
-        """`--fit 24GB,16GB`: the recipe key for the sizes that fit those budgets (engines with sizes_to_budget)."""
-        raise NotImplementedError
 
     def refuse(self, info: ModelInfo) -> str | None:
         """Why this engine cannot convert the model (one sentence), or None."""
@@ -258,80 +358,6 @@ class Engine:
     def evaluations(self, spec: QuantSpec) -> list[Evaluation]:
         """Scores beyond perplexity (EXL2: through quantized KV caches)."""
         return []
-
-    def memory_plan(
-        self, shape: Shape, params: Params, budget: int, ctx: int | None, cache: str, gpus: int
-    ) -> MemoryPlan | None:
-        """What its runtime needs on a card of `budget` bytes (x `gpus`) for `ctx` tokens with a `cache` KV cache,
-        if the engine has a memory model."""
-        return None
-
-    # how its units pack onto a machine (factory/jobs/packing.py) ---------------------------------------------
-    def unit_gpu_bytes(self, kind: str, spec: QuantSpec, shape: Shape, params: Params) -> int:
-        """Peak GPU memory torch allocates in a `measure` or `quantize` unit, before the catalog has recorded one of
-        the same source. A layer-by-layer conversion holds the calibration rows' hidden states going in and out of
-        a layer (fp16) and about three fp16 copies of the largest of one decoder layer and the head (weights,
-        quantized weights, working space). Measured on an H200 (the random 1.1B Llama): EXL2 pass 2.0 GiB against
-        2.0 predicted, EXL3 4.2 GiB against 4.3."""
-        rows, length = max(self.calibration_lengths(spec), key=lambda rl: rl[0] * rl[1], default=(128, 2048))
-        states = 2 * rows * length * shape.hidden * 2
-        largest = max(params.linear // max(shape.layers, 1), params.head)
-        return int(states + 3 * largest * 2)
-
-    # (fixed seconds, seconds per billion parameters) of one measure or quantize unit on an H200 (docs/measured.md);
-    # on a CPU, core-seconds per billion parameters
-    UNIT_SECONDS: ClassVar[dict[str, tuple[float, float]]] = {"quantize": (60.0, 100.0)}
-    CPU_CORE_SECONDS_PER_B: ClassVar[float] = 4400.0  # AWQ on 2 cores: SmolLM2-135M in 296 s
-
-    def unit_seconds(self, kind: str, parameters: int, device: str, cores: int) -> float:
-        """First-principles seconds of a measure or quantize unit, before the catalog has seen one near this size."""
-        billions = parameters / 1e9
-        if device != "cuda":
-            return 10.0 + self.CPU_CORE_SECONDS_PER_B * billions / max(cores, 1)
-        fixed, per_b = self.UNIT_SECONDS.get(kind, self.UNIT_SECONDS["quantize"])
-        return fixed + per_b * billions
-
-    def unit_cores(self, kind: str, device: str) -> int:
-        """CPU cores a unit of this engine keeps busy: on a GPU its child feeds the card from about one; on the CPU
-        torch takes them all."""
-        return 1 if device == "cuda" else (os.cpu_count() or 1)
-
-    def fits(self, folder: Path) -> list[dict] | None:
-        """The longest context each GPU size holds with this quant (the card's "fits on" table), if it knows."""
-        return None
-
-    def load_note(self, folder: Path) -> str | None:
-        """What a user must know to load this quant beyond the snippet (the card prints it under it), if anything."""
-        return None
-
-    # how it is published -------------------------------------------------------------------------------------
-    def branch(self, tag: str) -> str:
-        """The quant's branch in the engine's Hub repo: `exl2-4.0bpw` -> `4.0bpw`."""
-        return tag.removeprefix(f"{self.name}-")
-
-    def tag_of_branch(self, branch: str) -> str:
-        return f"{self.name}-{branch}"
-
-    def main_files(self, newest: Path) -> list[str]:
-        """Which files of the newest quant also go on the repo's main branch (beside the card and its plot)."""
-        return []
-
-    def how_to_load(self, folder: str) -> str:
-        """The card's snippet after `qf pull ... -o FOLDER`: markdown code blocks."""
-        raise NotImplementedError
-
-    def describe_scores(self, row: QuantRow) -> list[str]:
-        """Lines `qf show` prints about a quant's scores beyond perplexity."""
-        return [
-            f"perplexity through {text}: {format_scores(row.eval[group])}"
-            for group, text in self.scores_about.items()
-            if row.eval.get(group)
-        ]
-
-    def card_sections(self, rows: list[QuantRow]) -> tuple[str, str]:
-        """Markdown sections the card adds about this engine's quants (`rows`): one before the prompt format and
-        the load snippets, one after them (EXL2: which size to pick; where each fits)."""
-        return "", ""
 
 
 def check_quant_folder(out_dir: Path, weights: str, want: dict, tool: str, log: Path | None = None) -> None:

@@ -58,8 +58,8 @@ class Costs:
         """A unit's expected seconds (jobs/eta.py): history of its family near this size, else an estimate."""
         if unit.kind in ("measure", "quantize"):
             engine = engines.get(unit.spec.method)
-            guess = engine.unit_seconds(
-                unit.kind, model.parameters, job.device, engine.unit_cores(unit.kind, job.device)
+            guess = engine.memory.unit_seconds(
+                unit.kind, model.parameters, job.device, engine.memory.unit_cores(unit.kind, job.device)
             )
         else:
             guess = eta.other_seconds(
@@ -99,9 +99,9 @@ class Costs:
         peak = (
             int(seen * HISTORY_MARGIN)
             if seen
-            else engine.unit_gpu_bytes(unit.kind, unit.spec, model.shape, model.params)
+            else engine.memory.unit_gpu_bytes(unit.kind, unit.spec, model.shape, model.params)
         )
-        cores = min(engine.unit_cores(unit.kind, job.device), self._cores())
+        cores = min(engine.memory.unit_cores(unit.kind, job.device), self._cores())
         if self.max_units:  # asked for: the job's cores are shared among them
             cores = min(cores, max(1, self._cores() // self.max_units))
         return Need(peak + CONTEXT_BYTES if cuda else 0, cores)

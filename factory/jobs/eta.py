@@ -1,7 +1,7 @@
 """How long a unit is expected to take, and so a job: the catalog's history of units of the same family (kind and
 engine: `quantize:<engine>`, `measure`, `evaluate:fp16`, ...) on the same kind of device for models in the same size
 bucket (within a factor of BUCKET in parameters), scaled by parameters; without such history, the engine's estimate
-from first principles (Engine.unit_seconds). Every step records what was expected of it, so `qf status` shows how
+from first principles (Engine.memory.unit_seconds). Every step records what was expected of it, so `qf status` shows how
 good the guess was."""
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def conversion(
     out = {}
     for kind in ("measure", "quantize") if engine.needs_measurement else ("quantize",):
         family_name = "measure" if kind == "measure" else f"quantize:{engine.name}"
-        guess = engine.unit_seconds(kind, parameters, device, min(cores, engine.unit_cores(kind, device)))
+        guess = engine.memory.unit_seconds(kind, parameters, device, min(cores, engine.memory.unit_cores(kind, device)))
         seconds, basis = expected(history(family_name), parameters, guess)
         out[kind] = {"seconds": round(seconds), "basis": basis}
     return out

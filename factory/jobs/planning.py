@@ -119,7 +119,7 @@ def _runnable(emit: Emit, specs: list[QuantSpec], request: Request, device: str)
         ):
             if engine.name in request.asked:
                 where = "this machine has" if request.device is None else "the workers (FACTORY_WORKER_DEVICE) have"
-                flags = f"--{engine.name}" + (", --fit" if engine.sizes_to_budget else "")
+                flags = f"--{engine.name}" + (", --fit" if engine.memory.sizes_to_budget else "")
                 others = [e for e in engines.all_engines() if not e.requires_cuda and e.flag]
                 alternative = ", ".join(f"{e.label} runs without one (--{e.name})" for e in others)
                 raise SpecError(

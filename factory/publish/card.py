@@ -45,7 +45,7 @@ def _how_to_load(row: QuantRow, place=None) -> str:
     if place is not None:
         get = f"hf download {place.repo} --revision {place.branch} --local-dir {folder}\n# or: {get}"
     note = f"\n{row.load_note}\n" if row.load_note else ""
-    return f"### {ref}\n\n```bash\n{get}\n```\n\n{engines.get(row.method).how_to_load(folder)}{note}"
+    return f"### {ref}\n\n```bash\n{get}\n```\n\n{engines.get(row.method).card.how_to_load(folder)}{note}"
 
 
 def _kld(r: QuantRow) -> str:
@@ -64,7 +64,7 @@ def _calibration(r: QuantRow) -> str:
 
 def _sections(rows: list[QuantRow]) -> tuple[str, str]:
     """What each engine adds about its quants: before the prompt format, and after the load snippets."""
-    parts = [engines.get(m).card_sections([r for r in rows if r.method == m]) for m in sorted({r.method for r in rows})]
+    parts = [engines.get(m).card.sections([r for r in rows if r.method == m]) for m in sorted({r.method for r in rows})]
     return "".join(p[0] for p in parts), "".join(p[1] for p in parts)
 
 
@@ -140,7 +140,7 @@ def render(name: str, upstream: Upstream, this: QuantRow, rows: list[QuantRow], 
         **({"license_link": upstream.license_link} if upstream.license_link else {}),
         **({"language": upstream.language} if upstream.language else {}),
         "pipeline_tag": "image-text-to-text" if upstream.vision else "text-generation",
-        "library_name": engines.get(this.method).library_name,
+        "library_name": engines.get(this.method).card.library_name,
         "tags": sorted({this.method, "quantized", QUANTIZED_BY}),
         "quantized_by": QUANTIZED_BY,
     }
@@ -227,7 +227,7 @@ def _plot(rows: list[QuantRow], path: Path, value, label: str, fp16: float | Non
     for method in sorted({r.method for r in rows}):
         engine, mine = engines.get(method), [r for r in rows if r.method == method]
         points = sorted((r.bytes / 2**20, value(r), r.tag) for r in mine)
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker=engine.plot_marker, label=engine.label)
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker=engine.card.plot_marker, label=engine.label)
         for x, y, tag in points:
             ax.annotate(tag, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
     if fp16 is not None:

@@ -39,13 +39,13 @@ class Place:
 
 def templates(repos: dict[str, str]) -> dict[str, str]:
     """Every engine's repo template: FACTORY_HUB_<ENGINE>_REPO where set (`repos`), else the engine's default."""
-    return {e.name: repos.get(e.name, e.hub_repo) for e in engines.all_engines()}
+    return {e.name: repos.get(e.name, e.card.hub_repo) for e in engines.all_engines()}
 
 
 def place(owner: str, name: str, tag: str, templates: dict[str, str]) -> Place:
     """`smollm2-135m-instruct:<engine>-4.0bpw` -> alice/smollm2-135m-instruct-<engine>, branch 4.0bpw."""
     engine = engines.of_tag(tag)
-    return Place(templates[engine.name].format(owner=owner, model=name), engine.branch(tag))
+    return Place(templates[engine.name].format(owner=owner, model=name), engine.card.branch(tag))
 
 
 def writer(owner: str):
@@ -166,7 +166,7 @@ def tags(owner: str, name: str, templates: dict[str, str]) -> dict[str, Place]:
     for method, template in templates.items():
         repo = template.format(owner=owner, model=name)
         engine = engines.get(method)
-        found.update({engine.tag_of_branch(b): Place(repo, b) for b in refs(repo) if b != "main"})
+        found.update({engine.card.tag_of_branch(b): Place(repo, b) for b in refs(repo) if b != "main"})
     return found
 
 
@@ -179,7 +179,7 @@ def published(owner: str, templates: dict[str, str]) -> list[dict]:
         pattern = re.escape(template).replace(r"\{owner\}", re.escape(owner)).replace(r"\{model\}", "(?P<model>.+)")
         for repo in models:
             if match := re.fullmatch(pattern, repo):
-                tag_of = engines.get(method).tag_of_branch
+                tag_of = engines.get(method).card.tag_of_branch
                 rows += [
                     {"name": f"{match['model']}:{tag_of(b)}", "repo": repo, "branch": b, "commit": c}
                     for b, c in sorted(refs(repo).items())

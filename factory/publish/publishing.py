@@ -185,7 +185,7 @@ class Publisher:
 
     def to_hub(self, job: Job, spec: QuantSpec, upstream: Upstream, check_ours: Callable[[], None]) -> None:
         """The quant's branch on the Hub, then main of its repo: the card of every variant there with its plot, and
-        the files the engine puts on main (Engine.main_files). `check_ours` runs right before the push (it raises
+        the files the engine puts on main (Engine.card.main_files). `check_ours` runs right before the push (it raises
         once the job is not the caller's any more)."""
         s, engine = self.settings, engines.get(spec.method)
         templates = hub.templates(s.hub_repos)
@@ -208,7 +208,7 @@ class Publisher:
             rows = [_with_engine_notes(self.catalog.quant_row(q), engine, s.registry / q.path) for q in latest.values()]
             newest = max(rows, key=lambda r: r.created_at)
             newest_dir = s.registry / newest.path
-            main_quant = {name: newest_dir / name for name in engine.main_files(newest_dir)}
+            main_quant = {name: newest_dir / name for name in engine.card.main_files(newest_dir)}
             if main_quant:
                 files.check_publishable(newest_dir, engine.outputs)
             main = s.work / job.id / "hub-main" / spec.method
@@ -248,7 +248,7 @@ def moment(name: str) -> None:
 
 def _with_engine_notes(row: QuantRow, engine, folder: Path) -> QuantRow:
     """A quant's row for its card: with the engine's "fits on" table and what a user must know to load it."""
-    return replace(row, fits=engine.fits(folder), load_note=engine.load_note(folder))
+    return replace(row, fits=engine.memory.fits(folder), load_note=engine.card.load_note(folder))
 
 
 def _finite(value: float) -> float | None:

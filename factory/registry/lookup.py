@@ -36,5 +36,7 @@ def with_fits(catalog: Catalog, registry: Path, ref: naming.QuantRef) -> list[Qu
     rows = []
     for q in find(catalog, ref):
         folder = registry / q.path
-        rows.append(replace(catalog.quant_row(q), fits=engines.get(q.method).fits(folder) if folder.is_dir() else None))
+        rows.append(
+            replace(catalog.quant_row(q), fits=engines.get(q.method).memory.fits(folder) if folder.is_dir() else None)
+        )
     return rows

@@ -10,9 +10,10 @@ from pathlib import Path
 
 from factory.checkpoints.files import COMPANIONS
 from factory.engines import child
-from factory.engines.awq import evaluate, memory
+from factory.engines.awq import evaluate
+from factory.engines.awq.memory import AwqMemory
 from factory.engines.awq.spec import AwqSpec, resolve
-from factory.engines.base import Engine, Flag, MemoryPlan, QuantizeRequest, check_quant_folder
+from factory.engines.base import Card, Engine, Flag, QuantizeRequest, check_quant_folder
 
 # What benchmarks/coverage.py proved AutoAWQ 0.2.9 converts with our transformers (benchmarks/results/
 # coverage-cpu.json; tests/test_coverage.py keeps the two equal); its other model types fail there, with why.
@@ -23,41 +24,10 @@ ARCHITECTURES = frozenset({
 })  # fmt: skip
 
 
-class AwqEngine(Engine):
-    name = "awq"
-    label = "AWQ"
-    spec = AwqSpec
-    targets = AwqSpec
-    flag = Flag("AWQ w4, group 128 (64 where 128 does not divide).", takes_value=False)
-    tag_pattern = r"awq-w\d+g\d+"
-    tag_example = "awq-w4g128"
-    architectures = ARCHITECTURES
-    default_calibration = "builtin:c4"
-    UNIT_SECONDS = {"quantize": (60.0, 48.0)}  # H200: 113 s at 1.1B (w4 g128), 68 s at SmolLM2-135M (g64)
-    outputs = ("*.safetensors", "model.safetensors.index.json")
-    evaluator = "autoawq"
+class AwqCard(Card):
     library_name = "transformers"
     hub_repo = "{owner}/{model}-AWQ"
     plot_marker = "s"
-
-    def version(self) -> str:
-        return importlib.metadata.version("autoawq")
-
-    def resolve(self, spec: AwqSpec, info, device: str) -> AwqSpec:
-        return resolve(spec, info.in_features, device == "cuda")
-
-    def calibration_windows(self, spec: AwqSpec) -> tuple[int, int]:
-        return spec.calib_rows, spec.calib_length
-
-    def describe_calibration(self, spec: dict, text: str) -> str:
-        clipping = "on" if spec["clip"] else "off"
-        return f"{text}, {spec['calib_rows']} x {spec['calib_length']} tokens, clipping {clipping}"
-
-    def load(self, folder: Path, device: str):
-        return evaluate.load(folder, device)
-
-    def memory_plan(self, shape, params, budget: int, ctx: int | None, cache: str, gpus: int) -> MemoryPlan:
-        return memory.plan(self.label, shape, params, budget, ctx, gpus)
 
     def main_files(self, newest: Path) -> list[str]:
         # vLLM and transformers read a repo's main branch: the newest variant's files go there too
@@ -74,6 +44,38 @@ model = AutoModelForCausalLM.from_pretrained("./{folder}", device_map="cuda")
 tokenizer = AutoTokenizer.from_pretrained("./{folder}")
 ```
 """
+
+
+class AwqEngine(Engine):
+    name = "awq"
+    label = "AWQ"
+    spec = AwqSpec
+    targets = AwqSpec
+    flag = Flag("AWQ w4, group 128 (64 where 128 does not divide).", takes_value=False)
+    tag_pattern = r"awq-w\d+g\d+"
+    tag_example = "awq-w4g128"
+    architectures = ARCHITECTURES
+    default_calibration = "builtin:c4"
+    outputs = ("*.safetensors", "model.safetensors.index.json")
+    evaluator = "autoawq"
+    Memory = AwqMemory
+    Card = AwqCard
+
+    def version(self) -> str:
+        return importlib.metadata.version("autoawq")
+
+    def resolve(self, spec: AwqSpec, info, device: str) -> AwqSpec:
+        return resolve(spec, info.in_features, device == "cuda")
+
+    def calibration_windows(self, spec: AwqSpec) -> tuple[int, int]:
+        return spec.calib_rows, spec.calib_length
+
+    def describe_calibration(self, spec: dict, text: str) -> str:
+        clipping = "on" if spec["clip"] else "off"
+        return f"{text}, {spec['calib_rows']} x {spec['calib_length']} tokens, clipping {clipping}"
+
+    def load(self, folder: Path, device: str):
+        return evaluate.load(folder, device)
 
     def quantize(self, request: QuantizeRequest, emit) -> None:
         shutil.rmtree(request.out_dir, ignore_errors=True)

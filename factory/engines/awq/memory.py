@@ -5,7 +5,7 @@ and vLLM's own rule that it uses at most gpu_memory_utilization (0.9) of the car
 
 from __future__ import annotations
 
-from factory.engines.base import MemoryPlan
+from factory.engines.base import Memory, MemoryPlan
 from factory.vram import CONTEXT_BYTES, MiB, Params, Shape, human
 
 
@@ -43,3 +43,14 @@ def plan(label: str, shape: Shape, params: Params, budget: int, ctx: int | None,
             f"{human(e['cache'])} for {ctx} tokens"
         )
     return MemoryPlan(estimates, lines=lines)
+
+
+class VllmMemory(Memory):
+    """The memory part of an engine whose quants vLLM serves as AWQ w4 (AutoAWQ's, AWQ-CT's): `qf plan` as above."""
+
+    def plan(self, shape, params, budget: int, ctx: int | None, cache: str, gpus: int) -> MemoryPlan:
+        return plan(self.engine.label, shape, params, budget, ctx, gpus)  # the module's plan, above
+
+
+class AwqMemory(VllmMemory):
+    UNIT_SECONDS = {"quantize": (60.0, 48.0)}  # H200: 113 s at 1.1B (w4 g128), 68 s at SmolLM2-135M (g64)

@@ -14,10 +14,10 @@ from pathlib import Path
 from factory.checkpoints.files import COMPANIONS
 from factory.checkpoints.inspect import multimodal
 from factory.engines import child
-from factory.engines.awq import memory
+from factory.engines.awq.memory import VllmMemory
 from factory.engines.awq_ct import env, evaluate
 from factory.engines.awq_ct.spec import AwqCtSpec, resolve
-from factory.engines.base import Engine, Flag, MemoryPlan, QuantizeRequest, check_quant_folder
+from factory.engines.base import Card, Engine, Flag, QuantizeRequest, check_quant_folder
 from factory.errors import JobFailed
 
 # What benchmarks/coverage.py proved llm-compressor 0.14.0.1's AWQ converts (benchmarks/results/coverage-cpu.json;
@@ -41,42 +41,14 @@ MOE = frozenset({
 TOOLS = ("llmcompressor", "compressed-tensors", "transformers")  # what makes its quants: the child's, not the factory's
 
 
-class AwqCtEngine(Engine):
-    name = "awqct"  # not awq-ct: the CLI makes a parameter of it (engine_<name>); FACTORY_HUB_<NAME>_REPO: [A-Z0-9]
-    label = "AWQ-CT"
-    spec = AwqCtSpec
-    targets = AwqCtSpec
-    flag = Flag(
-        "AWQ w4 in compressed-tensors (llm-compressor), group 128 (64 where 128 does not divide).", takes_value=False
-    )
-    tag_pattern = r"awqct-w\d+g\d+"
-    tag_example = "awqct-w4g128"
-    architectures = ARCHITECTURES
-    default_calibration = "builtin:c4"
-    outputs = ("*.safetensors", "model.safetensors.index.json", "recipe.yaml")
-    evaluator = "compressed-tensors"
+class AwqCtMemory(VllmMemory):  # vLLM's, as AutoAWQ's
+    CPU_CORE_SECONDS_PER_B = 3300.0  # SmolLM2-135M, 16 x 128 calibration, 2 cores: 224 s (docs/measured.md)
+
+
+class AwqCtCard(Card):
     library_name = "transformers"
     hub_repo = "{owner}/{model}-AWQ-CT"
     plot_marker = "D"
-    CPU_CORE_SECONDS_PER_B = 3300.0  # SmolLM2-135M, 16 x 128 calibration, 2 cores: 224 s (docs/measured.md)
-
-    def version(self) -> str:  # what its packages' folder holds (env.py)
-        return ", ".join(pin.replace("==", " ") for pin in env.PINS if pin.split("==")[0] in TOOLS)
-
-    def resolve(self, spec: AwqCtSpec, info, device: str) -> AwqCtSpec:
-        return resolve(spec, info.in_features, device == "cuda")
-
-    def calibration_windows(self, spec: AwqCtSpec) -> tuple[int, int]:
-        return spec.calib_rows, spec.calib_length
-
-    def describe_calibration(self, spec: dict, text: str) -> str:
-        return f"{text}, {spec['calib_rows']} x {spec['calib_length']} tokens"
-
-    def memory_plan(self, shape, params, budget: int, ctx: int | None, cache: str, gpus: int) -> MemoryPlan:
-        return memory.plan(self.label, shape, params, budget, ctx, gpus)  # vLLM's, as AutoAWQ's
-
-    def load(self, folder: Path, device: str):
-        return evaluate.load(folder, device)
 
     def main_files(self, newest: Path) -> list[str]:
         # vLLM and transformers read a repo's main branch: the newest variant's files go there too
@@ -111,6 +83,39 @@ tokenizer = AutoTokenizer.from_pretrained("./{folder}")
                 "`AutoProcessor` (the Images section), `AutoModelForCausalLM` would load its language model alone"
             )
         return said
+
+
+class AwqCtEngine(Engine):
+    name = "awqct"  # not awq-ct: the CLI makes a parameter of it (engine_<name>); FACTORY_HUB_<NAME>_REPO: [A-Z0-9]
+    label = "AWQ-CT"
+    spec = AwqCtSpec
+    targets = AwqCtSpec
+    flag = Flag(
+        "AWQ w4 in compressed-tensors (llm-compressor), group 128 (64 where 128 does not divide).", takes_value=False
+    )
+    tag_pattern = r"awqct-w\d+g\d+"
+    tag_example = "awqct-w4g128"
+    architectures = ARCHITECTURES
+    default_calibration = "builtin:c4"
+    outputs = ("*.safetensors", "model.safetensors.index.json", "recipe.yaml")
+    evaluator = "compressed-tensors"
+    Memory = AwqCtMemory
+    Card = AwqCtCard
+
+    def version(self) -> str:  # what its packages' folder holds (env.py)
+        return ", ".join(pin.replace("==", " ") for pin in env.PINS if pin.split("==")[0] in TOOLS)
+
+    def resolve(self, spec: AwqCtSpec, info, device: str) -> AwqCtSpec:
+        return resolve(spec, info.in_features, device == "cuda")
+
+    def calibration_windows(self, spec: AwqCtSpec) -> tuple[int, int]:
+        return spec.calib_rows, spec.calib_length
+
+    def describe_calibration(self, spec: dict, text: str) -> str:
+        return f"{text}, {spec['calib_rows']} x {spec['calib_length']} tokens"
+
+    def load(self, folder: Path, device: str):
+        return evaluate.load(folder, device)
 
     def quantize(self, request: QuantizeRequest, emit) -> None:
         shutil.rmtree(request.out_dir, ignore_errors=True)

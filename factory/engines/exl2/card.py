@@ -1,11 +1,12 @@
-"""EXL2's parts of the model card: how to load a quant with exllamav2, and where it fits."""
+"""EXL2's parts of the model card: how to load a quant with exllamav2, and where it fits; its Card part."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from factory.engines.base import format_scores
-from factory.engines.exl2.evaluate import KV_CHUNK_NOTE
+from factory.engines.base import Card, format_scores
+from factory.engines.exl2.evaluate import KV_CHUNK, KV_CHUNK_NOTE
 from factory.vram import HEADROOM, human
 
 if TYPE_CHECKING:
@@ -85,3 +86,19 @@ def fits_on(rows: list[QuantRow]) -> str:
         f"with {human(HEADROOM)} of the card left free, as quantfactory's memory model of exllamav2 predicts it "
         "(checked against real memory on an H200: benchmarks/results/vram_fit.json).\n\n" + tables
     )
+
+
+class Exl2Card(Card):
+    library_name = "exllamav2"
+    hub_repo = "{owner}/{model}-exl2"
+    scores_about = {"kv_cache": f"exllamav2's KV cache ({KV_CHUNK}-token forwards)"}
+    plot_marker = "o"
+
+    def how_to_load(self, folder: str) -> str:
+        return how_to_load(folder)
+
+    def sections(self, rows: list[QuantRow]) -> tuple[str, str]:
+        return picks(rows), fits_on(rows)
+
+    def main_files(self, newest: Path) -> list[str]:
+        return ["measurement.json"] if (newest / "measurement.json").is_file() else []

@@ -29,16 +29,14 @@ import re
 import shutil
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from factory.engines import child
-from factory.engines.base import Engine, Evaluation, Flag, MemoryPlan, QuantizeRequest, check_quant_folder
-from factory.engines.exl2 import card, evaluate, memory
+from factory.engines.base import Engine, Evaluation, Flag, QuantizeRequest, check_quant_folder
+from factory.engines.exl2 import evaluate
+from factory.engines.exl2.card import Exl2Card
+from factory.engines.exl2.memory import Exl2Memory
 from factory.engines.exl2.spec import Exl2Spec, Exl2Targets, targets_from_flag
 from factory.errors import JobFailed, SpecError
-
-if TYPE_CHECKING:
-    from factory.registry.published import QuantRow
 
 SCRIPT = "exllamav2.conversion.convert_exl2"
 STATUS = re.compile(r"\[STATUS\](.*)\[/STATUS\]")
@@ -95,32 +93,11 @@ class Exl2Engine(Engine):
     architectures = ARCHITECTURES
     requires_cuda = True
     needs_measurement = True
-    # H200 (docs/measured.md): measurement 184-222 s and a pass 129-149 s at 1.1B; 84 s and 105 s at SmolLM2-135M
-    UNIT_SECONDS = {"measure": (60.0, 130.0), "quantize": (90.0, 50.0)}
     default_calibration = "builtin:mix"  # 100 x 2048 rows need ~205k tokens; c4 alone has ~80k
     outputs = ("output*.safetensors", "measurement.json")
     evaluator = "exllamav2"
-    library_name = "exllamav2"
-    hub_repo = "{owner}/{model}-exl2"
-    scores_about = {"kv_cache": f"exllamav2's KV cache ({evaluate.KV_CHUNK}-token forwards)"}
-    plot_marker = "o"
-    sizes_to_budget = True
-
-    def fit_budgets(self, source: str, budgets: str, ctx: int | None, cache: str, written: dict, note) -> dict:
-        """--fit 24GB,16GB -> the highest bpw whose predicted peak fits each budget, with the budget it was for."""
-        shape, params = memory.source_shape(source)
-        sizes, fits = [], []
-        for text in budgets.split(","):
-            budget = memory.parse_size(text)
-            plan = memory.plan(shape, params, budget, ctx, cache, head_bits=written.get("head_bits", 6))
-            bpw = plan["best_bpw"]
-            note(
-                f"--fit {text.strip()}: EXL2 {bpw:.2f} bpw for {plan['ctx']} tokens with a {cache} cache "
-                f"({memory.human(budget)}, {memory.human(plan['headroom'])} left free)"
-            )
-            sizes.append(bpw)
-            fits.append({"vram": budget, "ctx": plan["ctx"], "cache": cache})
-        return {**written, "bpw": sizes, "fit": fits}
+    Memory = Exl2Memory
+    Card = Exl2Card
 
     def targets_from_flag(self, value: str | dict, written: dict) -> dict:
         return value if isinstance(value, dict) else targets_from_flag(value, written)
@@ -128,12 +105,6 @@ class Exl2Engine(Engine):
     def calibration_lengths(self, spec: Exl2Spec) -> list[tuple[int, int]]:
         # exllamav2 reads the text file itself and takes its first rows x length tokens
         return [(spec.measurement_rows, spec.measurement_length), (spec.rows, spec.length)]
-
-    def unit_gpu_bytes(self, kind: str, spec: Exl2Spec, shape, params) -> int:
-        """The measurement tries every candidate bitrate of a layer: about 1.2 x a pass (1.1B on an H200: 2.4 GiB
-        against 2.0)."""
-        one_pass = super().unit_gpu_bytes("quantize", spec, shape, params)
-        return int(one_pass * 1.2) if kind == "measure" else one_pass
 
     def measurement_settings(self, spec: Exl2Spec) -> tuple[int, int]:
         return spec.measurement_rows, spec.measurement_length
@@ -152,26 +123,6 @@ class Exl2Engine(Engine):
             Evaluation("kv_cache", cache, evaluate.cached_loader(cache), f"{cache} cache window")
             for cache in evaluate.KV_EVAL_CACHES
         ]
-
-    def memory_plan(self, shape, params, budget: int, ctx: int | None, cache: str, gpus: int) -> MemoryPlan:
-        result, h = memory.plan(shape, params, budget, ctx, cache, gpus), memory.human
-        title = (
-            f"EXL2 with exllamav2: {h(budget)}{f' x {gpus} GPUs (estimate)' if gpus > 1 else ''}, "
-            f"{result['ctx']} tokens, {cache} cache, {h(result['headroom'])} left free"
-        )
-        return MemoryPlan.by_bpw(result, title, "EXL2", per_gpu=gpus > 1)
-
-    def fits(self, folder: Path) -> list[dict] | None:
-        return memory.quant_fits(folder)
-
-    def main_files(self, newest: Path) -> list[str]:
-        return ["measurement.json"] if (newest / "measurement.json").is_file() else []
-
-    def how_to_load(self, folder: str) -> str:
-        return card.how_to_load(folder)
-
-    def card_sections(self, rows: list[QuantRow]) -> tuple[str, str]:
-        return card.picks(rows), card.fits_on(rows)
 
     def version(self) -> str:
         try:

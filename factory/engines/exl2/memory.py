@@ -26,10 +26,12 @@ Measured without flash-attn; flash-attn allocates no score tensors, so with it t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal, get_args
 
 from factory.checkpoints.inspect import read_config
+from factory.engines.base import Memory, MemoryPlan
 from factory.vram import (  # noqa: F401  (the shared pieces, here too for the arithmetic's tests and benchmark)
     CONTEXT_BYTES,
     HEADROOM,
@@ -193,3 +195,47 @@ def quant_fits(folder: Path) -> list[dict]:
     """The "fits on" table of a finished EXL2 quant in `folder` (its config.json and safetensors headers)."""
     shape = Shape.of(read_config(folder / "config.json"))
     return fits_table(shape, quant_weights(folder))
+
+
+class Exl2Memory(Memory):
+    """EXL2's part of an engine: the memory model above (`qf plan`, `--fit`, the card's "fits on" tables), and its
+    units on an H200 (docs/measured.md): measurement 184-222 s and a pass 129-149 s at 1.1B; 84 s and 105 s at
+    SmolLM2-135M."""
+
+    sizes_to_budget = True
+    UNIT_SECONDS = {"measure": (60.0, 130.0), "quantize": (90.0, 50.0)}
+
+    def plan(self, shape, params, budget: int, ctx: int | None, cache: str, gpus: int) -> MemoryPlan:
+        result, h = plan(shape, params, budget, ctx, cache, gpus), human  # the module's plan, above
+        title = (
+            f"EXL2 with exllamav2: {h(budget)}{f' x {gpus} GPUs (estimate)' if gpus > 1 else ''}, "
+            f"{result['ctx']} tokens, {cache} cache, {h(result['headroom'])} left free"
+        )
+        return MemoryPlan.by_bpw(result, title, "EXL2", per_gpu=gpus > 1)
+
+    def fit_budgets(
+        self, source: str, budgets: str, ctx: int | None, cache: str, written: dict, note: Callable[[str], None]
+    ) -> dict:
+        """--fit 24GB,16GB -> the highest bpw whose predicted peak fits each budget, with the budget it was for."""
+        shape, params = source_shape(source)
+        sizes, fits = [], []
+        for text in budgets.split(","):
+            budget = parse_size(text)
+            chosen = plan(shape, params, budget, ctx, cache, head_bits=written.get("head_bits", 6))
+            bpw = chosen["best_bpw"]
+            note(
+                f"--fit {text.strip()}: EXL2 {bpw:.2f} bpw for {chosen['ctx']} tokens with a {cache} cache "
+                f"({human(budget)}, {human(chosen['headroom'])} left free)"
+            )
+            sizes.append(bpw)
+            fits.append({"vram": budget, "ctx": chosen["ctx"], "cache": cache})
+        return {**written, "bpw": sizes, "fit": fits}
+
+    def fits(self, folder: Path) -> list[dict] | None:
+        return quant_fits(folder)
+
+    def unit_gpu_bytes(self, kind: str, spec, shape, params) -> int:
+        """The measurement tries every candidate bitrate of a layer: about 1.2 x a pass (1.1B on an H200: 2.4 GiB
+        against 2.0)."""
+        one_pass = super().unit_gpu_bytes("quantize", spec, shape, params)
+        return int(one_pass * 1.2) if kind == "measure" else one_pass

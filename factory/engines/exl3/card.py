@@ -1,11 +1,15 @@
-"""EXL3's parts of the model card: how to load a quant with exllamav3 or TabbyAPI, and its KV-cache scores."""
+"""EXL3's parts of the model card: how to load a quant with exllamav3 or TabbyAPI, and its KV-cache scores; its
+Card part."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from factory.engines.base import format_scores
-from factory.engines.exl3.evaluate import KV_CHUNK_NOTE
+from factory.checkpoints.inspect import multimodal, read_config
+from factory.engines.base import Card, format_scores
+from factory.engines.exl3 import compat
+from factory.engines.exl3.evaluate import KV_CHUNK, KV_CHUNK_NOTE
 
 if TYPE_CHECKING:
     from factory.registry.published import QuantRow
@@ -54,3 +58,22 @@ def kv_section(rows: list[QuantRow]) -> str:
         + "\n".join(lines)
         + "\n"
     )
+
+
+class Exl3Card(Card):
+    library_name = "exllamav3"
+    hub_repo = "{owner}/{model}-exl3"
+    scores_about = {"kv_cache": f"exllamav3's KV cache ({KV_CHUNK}-token forwards)"}
+    plot_marker = "^"
+
+    def how_to_load(self, folder: str) -> str:
+        return how_to_load(folder)
+
+    def load_note(self, folder: Path) -> str | None:
+        notes = [DOTTED_NOTE] if compat.needs_dots(folder) else []
+        if multimodal(read_config(folder / "config.json", check_numbers=False)):
+            notes.append(IMAGES_NOTE)
+        return "\n\n".join(notes) or None
+
+    def sections(self, rows: list[QuantRow]) -> tuple[str, str]:
+        return "", kv_section(rows)

@@ -31,18 +31,16 @@ import re
 import shutil
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from factory.checkpoints.inspect import multimodal, read_config, read_header
+from factory.checkpoints.inspect import read_config, read_header
 from factory.engines import child
-from factory.engines.base import Engine, Evaluation, Flag, MemoryPlan, QuantizeRequest, check_quant_folder
-from factory.engines.exl3 import card, compat, evaluate, memory
+from factory.engines.base import Engine, Evaluation, Flag, QuantizeRequest, check_quant_folder
+from factory.engines.exl3 import evaluate
+from factory.engines.exl3.card import Exl3Card
+from factory.engines.exl3.memory import Exl3Memory
 from factory.engines.exl3.spec import MIN_ROWS, ROWS, Exl3Spec, Exl3Targets, targets_from_flag
 from factory.errors import JobFailed, SpecError
 from factory.vram import Params, Shape, human, tensor_bytes
-
-if TYPE_CHECKING:
-    from factory.registry.published import QuantRow
 
 SCRIPT = "exllamav3.conversion.convert_model"
 PAD = 128  # exllamav3 pads linear layers to multiples of this (modules/linear.py)
@@ -125,14 +123,11 @@ class Exl3Engine(Engine):
     tag_example = "exl3-4.0bpw"
     architectures = ARCHITECTURES
     requires_cuda = True
-    UNIT_SECONDS = {"quantize": (70.0, 80.0)}  # H200: 156 s at 1.1B, 90-93 s at Gemma-3-270M (its 262k-word head)
     default_calibration = "builtin:mix"  # no wiki: that is the default eval text
     outputs = ("model*.safetensors", "model.safetensors.index.json", "quantization_config.json")
     evaluator = "exllamav3"
-    library_name = "exllamav3"
-    hub_repo = "{owner}/{model}-exl3"
-    scores_about = {"kv_cache": f"exllamav3's KV cache ({evaluate.KV_CHUNK}-token forwards)"}
-    plot_marker = "^"
+    Memory = Exl3Memory
+    Card = Exl3Card
 
     def version(self) -> str:
         try:
@@ -204,10 +199,6 @@ class Exl3Engine(Engine):
         check_output(request.out_dir, spec, log, request.source_dir)
         shutil.rmtree(work, ignore_errors=True)
 
-    def unit_cores(self, kind: str, device: str) -> int:
-        """exllamav3's conversion keeps about 8 cores busy (on 16 cores two at once took 219 s, one 156 s)."""
-        return 8 if device == "cuda" else super().unit_cores(kind, device)
-
     def load(self, folder: Path, device: str):
         return evaluate.load(folder)
 
@@ -216,36 +207,6 @@ class Exl3Engine(Engine):
             Evaluation("kv_cache", cache, evaluate.cached_loader(cache), f"{cache} cache window")
             for cache in evaluate.KV_EVAL_CACHES
         ]
-
-    def memory_plan(self, shape, params, budget: int, ctx: int | None, cache: str, gpus: int) -> MemoryPlan:
-        if gpus > 1:
-            return MemoryPlan(
-                {"gpus": gpus, "best_bpw": None},
-                lines=["EXL3: no estimate for several GPUs yet (its memory model is one card's)"],
-            )
-        result, h = memory.plan(shape, params, budget, ctx, cache), human
-        title = (
-            f"EXL3 with exllamav3: {h(budget)}, {result['ctx']} tokens, {cache} cache, "
-            f"{h(result['headroom'])} left free"
-        )
-        plan = MemoryPlan.by_bpw(result, title, "EXL3", per_gpu=False)
-        if note := memory.same_weights(result):
-            plan.lines.append(note)
-        if vision := result["rows"][0]["vision"]:
-            plan.lines.append(f"EXL3's OTHER holds the vision tower and projector at 16 bits: {h(vision)}")
-        return plan
-
-    def how_to_load(self, folder: str) -> str:
-        return card.how_to_load(folder)
-
-    def load_note(self, folder: Path) -> str | None:
-        notes = [card.DOTTED_NOTE] if compat.needs_dots(folder) else []
-        if multimodal(read_config(folder / "config.json", check_numbers=False)):
-            notes.append(card.IMAGES_NOTE)
-        return "\n\n".join(notes) or None
-
-    def card_sections(self, rows: list[QuantRow]) -> tuple[str, str]:
-        return "", card.kv_section(rows)
 
 
 MIN_LAYER_SHARE = 0.9  # of the layers' linear weights at the bits asked; what exllamav3 adds (scales, norms) is more
