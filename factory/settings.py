@@ -33,6 +33,9 @@ FACTORY_TOKEN     the bearer token the CLI sends to FACTORY_SERVER (`qf token cr
 FACTORY_SERVE_SOURCES  folders (separated by ":") whose model folders a service's users may name as a source; Hub
                   repos are always allowed (default: none, Hub repos only)
 FACTORY_SERVE_PUBLIC  1: the service's dashboard and its read-only pages need no token (default: a token)
+OMP_NUM_THREADS   the threads torch's CPU kernels take in each process (the factory's and its engines' children):
+                  what a unit on the CPU keeps busy, so that units pack beside each other when it is below the
+                  machine's cores (default: all of them)
 FACTORY_PLACE_SECONDS  how long a submission to the service may hold its place in its user's quota before the
                   place is let go (a server killed mid-submission; default 900)
 """
@@ -142,6 +145,14 @@ def _one_of(variable: str, value: str, allowed: tuple[str, ...]) -> str:
     if value.lower() not in allowed:
         raise SpecError(f"{variable}={value!r} is not one of {', '.join(allowed)}")
     return value.lower()
+
+
+def cpu_threads() -> int:
+    """The cores one process's torch keeps busy on the CPU: OMP_NUM_THREADS where it is set (and below the
+    machine's cores), else every core."""
+    cores = os.cpu_count() or 1
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    return min(int(value), cores) if value.isdigit() and int(value) > 0 else cores
 
 
 def database_kind(url: str) -> str:

@@ -53,6 +53,7 @@ def test_engine_failure_is_a_failed_step(tiny, tmp_path):
 def test_killed_engine_fails_the_job_and_the_job_runs_again(tiny, tmp_path, db_url, monkeypatch):
     monkeypatch.setenv("FACTORY_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("FACTORY_DB_URL", db_url)
+    monkeypatch.setenv("FACTORY_MAX_UNITS", "1")  # FP16's evaluation would otherwise run beside the quantization
     killed = []
 
     def kill_the_engine(event):

@@ -254,6 +254,7 @@ FUNCTION_IMPORTS = {
             ("factory.engines.awq.evaluate", "safetensors"),
             ("factory.engines.awq.evaluate", "torch"),
             ("factory.engines.awq.evaluate", "transformers"),
+            ("factory.engines.awq.quantize", "torch"),
             ("factory.engines.awq.quantize", "transformers"),
             ("factory.engines.awq_ct.evaluate", "compressed_tensors"),
             ("factory.engines.awq_ct.evaluate", "safetensors"),

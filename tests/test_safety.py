@@ -468,7 +468,8 @@ def _gone(engine: psutil.Process) -> bool:
 def test_interrupted_runs_continue(qf, tiny):
     """SIGTERM stops `qf run` like Ctrl-C (exit 130, step interrupted, job failed "interrupted", engine stopped);
     SIGKILL leaves a running step that the next attempt marks interrupted; the same command then finishes."""
-    args = ("run", tiny, "--awq", "--eval-windows", 1, "--json")
+    # one unit at a time: FP16's evaluation would otherwise run beside the quantization and be stopped with it
+    args = ("run", tiny, "--awq", "--eval-windows", 1, "--max-units", 1, "--json")
     proc = qf_process(qf, *args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     engine = _quantizing(qf, proc)
     proc.send_signal(signal.SIGTERM)

@@ -6,7 +6,6 @@ factory/engines/ names a method.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import TYPE_CHECKING, ClassVar
 from pydantic import Field, field_validator
 
 from factory.errors import JobFailed
+from factory.settings import cpu_threads
 from factory.specs import Closed, bpw_tag, check_bpw, check_head_bits
 from factory.vram import human
 
@@ -226,8 +226,8 @@ class Memory(Part):
 
     def unit_cores(self, kind: str, device: str) -> int:
         """CPU cores a unit of this engine keeps busy: on a GPU its child feeds the card from about one; on the CPU
-        torch takes them all."""
-        return 1 if device == "cuda" else (os.cpu_count() or 1)
+        torch takes its threads (every core unless OMP_NUM_THREADS says fewer)."""
+        return 1 if device == "cuda" else cpu_threads()
 
 
 class Card(Part):

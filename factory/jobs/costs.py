@@ -14,6 +14,7 @@ from factory.catalog import Catalog, Job
 from factory.jobs import eta
 from factory.jobs.graph import Unit
 from factory.jobs.packing import Need, Packer
+from factory.settings import cpu_threads
 from factory.vram import CONTEXT_BYTES, HEADROOM, Params, Shape
 
 AUTOMATIC_MAX_UNITS = 8  # on a GPU without --max-units: beyond 8 conversion passes an H200's SMs are busy (8: 80%)
@@ -63,7 +64,7 @@ class Costs:
             )
         else:
             guess = eta.other_seconds(
-                unit.kind, model.parameters, job.eval_windows * model.window_length, job.device, os.cpu_count() or 1
+                unit.kind, model.parameters, job.eval_windows * model.window_length, job.device, cpu_threads()
             )
         family = eta.family(unit.name)
         past = [
@@ -92,7 +93,7 @@ class Costs:
         cuda = job.device == "cuda"
         if unit.kind == "evaluate":
             gpu = evaluation_bytes(model, job.eval_windows, walked=unit.spec is None and model.walkable)
-            return Need(gpu if cuda else 0, 1 if cuda else self._cores(), in_process=True)
+            return Need(gpu if cuda else 0, 1 if cuda else min(cpu_threads(), self._cores()), in_process=True)
         engine = engines.get(unit.spec.method)
         family = "measure:" if unit.kind == "measure" else f"quantize:{unit.spec.tag.split('-')[0]}-"
         seen = peaks.get(unit.name) or max((p for n, p in peaks.items() if n.startswith(family)), default=None)
