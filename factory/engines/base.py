@@ -185,7 +185,7 @@ class Memory(Part):
     # (fixed seconds, seconds per billion parameters) of one measure or quantize unit on an H200 (docs/measured.md);
     # on a CPU, core-seconds per billion parameters
     UNIT_SECONDS: ClassVar[dict[str, tuple[float, float]]] = {"quantize": (60.0, 100.0)}
-    CPU_CORE_SECONDS_PER_B: ClassVar[float] = 4400.0  # AWQ on 2 cores: SmolLM2-135M in 296 s
+    CPU_CORE_SECONDS_PER_B: ClassVar[float] = 1600.0  # AutoAWQ on 2 cores: SmolLM2-135M in 118 s (scripts/demo)
 
     def plan(
         self, shape: Shape, params: Params, budget: int, ctx: int | None, cache: str, gpus: int
