@@ -16,6 +16,8 @@ from factory.errors import SpecError
 
 
 class Jobs(Store):
+    """Jobs (created once per key, cancelled, failed), their steps, the names of models, and the watchlist."""
+
     def name_for(self, source: str, wanted: str, fallback: str | None) -> str:
         """The name `source` is known by: its own if it has one, else `wanted`, else `fallback` if `wanted` is
         taken by another source. `fallback` None: `wanted` was asked for explicitly (--name)."""

@@ -30,6 +30,8 @@ def _holding(held: Claim) -> bool:
 
 
 class Leases(Store):
+    """Who holds a job (a lease, its token fencing the holder's writes) and who makes a unit (a claim)."""
+
     def take_lease(self, job_id: str, worker: str, seconds: float, gone: str | None = None) -> Lease | None:
         """Hold the job for `worker` with a new fencing token, or None while another holder's lease is valid (a
         duplicate message, a second `qf run`) unless that holder is `gone` (known dead: its lease is not waited

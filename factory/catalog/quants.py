@@ -18,6 +18,8 @@ class RevTaken(Exception):
 
 
 class Quants(Store):
+    """Published quants, measurements and evaluations: each write fenced by the lease of the job that makes it."""
+
     def put_quant(self, quant: Quant, token: int | None = None, publish=None) -> Quant:
         """Record a published quant; `publish()`, the registry's act, runs inside the same transaction, after the
         fence: while the job is running and `token` holds it, so a cancel or a new holder either comes first

@@ -27,6 +27,9 @@ def _normalize_url(url: str) -> str:
 
 
 class Store:
+    """The database and its schema, a session, the one compare-and-set of a job's state and the fences: what
+    every part of the catalog uses, and the only thing they share."""
+
     def __init__(self, url: str):
         self.url = url
         if database_kind(url) == "sqlite":
