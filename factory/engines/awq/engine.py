@@ -11,9 +11,10 @@ from pathlib import Path
 from factory.checkpoints.files import COMPANIONS
 from factory.engines import child
 from factory.engines.awq import evaluate
+from factory.engines.awq.card import VllmCard
 from factory.engines.awq.memory import AwqMemory
 from factory.engines.awq.spec import AwqSpec, resolve
-from factory.engines.base import Card, Engine, Flag, QuantizeRequest, check_quant_folder
+from factory.engines.base import Engine, Flag, QuantizeRequest, check_quant_folder
 
 # What benchmarks/coverage.py proved AutoAWQ 0.2.9 converts with our transformers (benchmarks/results/
 # coverage-cpu.json; tests/test_coverage.py keeps the two equal); its other model types fail there, with why.
@@ -24,14 +25,9 @@ ARCHITECTURES = frozenset({
 })  # fmt: skip
 
 
-class AwqCard(Card):
-    library_name = "transformers"
+class AwqCard(VllmCard):
     hub_repo = "{owner}/{model}-AWQ"
     plot_marker = "s"
-
-    def main_files(self, newest: Path) -> list[str]:
-        # vLLM and transformers read a repo's main branch: the newest variant's files go there too
-        return sorted(p.name for p in newest.iterdir() if p.is_file())
 
     def how_to_load(self, folder: str) -> str:
         return f"""```bash

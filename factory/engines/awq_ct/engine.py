@@ -14,10 +14,11 @@ from pathlib import Path
 from factory.checkpoints.files import COMPANIONS
 from factory.checkpoints.inspect import multimodal
 from factory.engines import child
+from factory.engines.awq.card import VllmCard
 from factory.engines.awq.memory import VllmMemory
 from factory.engines.awq_ct import env, evaluate
 from factory.engines.awq_ct.spec import AwqCtSpec, resolve
-from factory.engines.base import Card, Engine, Flag, QuantizeRequest, check_quant_folder
+from factory.engines.base import Engine, Flag, QuantizeRequest, check_quant_folder
 from factory.errors import JobFailed
 
 # What benchmarks/coverage.py proved llm-compressor 0.14.0.1's AWQ converts (benchmarks/results/coverage-cpu.json;
@@ -45,14 +46,9 @@ class AwqCtMemory(VllmMemory):  # vLLM's, as AutoAWQ's
     CPU_CORE_SECONDS_PER_B = 3300.0  # SmolLM2-135M, 16 x 128 calibration, 2 cores: 224 s (docs/measured.md)
 
 
-class AwqCtCard(Card):
-    library_name = "transformers"
+class AwqCtCard(VllmCard):
     hub_repo = "{owner}/{model}-AWQ-CT"
     plot_marker = "D"
-
-    def main_files(self, newest: Path) -> list[str]:
-        # vLLM and transformers read a repo's main branch: the newest variant's files go there too
-        return sorted(p.name for p in newest.iterdir() if p.is_file())
 
     def how_to_load(self, folder: str) -> str:
         return f"""```bash
