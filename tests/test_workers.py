@@ -157,11 +157,14 @@ def test_cancel_a_running_job_then_retry(env, worker, tiny):
     wait_until(env, job_id, quantizing, 120, "quantizing")
     qf(env, "cancel", job_id, check=True)
     deadline = time.monotonic() + 60
-    while (status := wait_for(env, job_id))["steps"][-1]["state"] == "running":  # the worker stops at its next event
-        assert time.monotonic() < deadline, status
+    while any(s["state"] == "running" for s in wait_for(env, job_id)["steps"]):  # they stop at their next event
+        assert time.monotonic() < deadline
         time.sleep(0.2)
+    status = wait_for(env, job_id)
     assert status["state"] == "cancelled"
-    assert status["steps"][-1]["state"] == "failed" and status["steps"][-1]["error"] == f"job {job_id} was cancelled"
+    # every unit running at the cancel (several at once on two cores) says so, whichever saw it first
+    stopped = [(s["name"], s["state"], s["error"]) for s in status["steps"] if s["state"] != "succeeded"]
+    assert stopped and all(s[1:] == ("failed", f"job {job_id} was cancelled") for s in stopped), stopped
     assert json.loads(qf(env, "ls", "--json", check=True).stdout) == []
     time.sleep(1)  # the work folder goes right after the step is marked failed
     assert not (Path(env["FACTORY_HOME"]) / "work" / job_id).exists()

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from factory import events
 from factory.catalog import Catalog, Job, StepState
-from factory.errors import FactoryError, LeaseLost, mask_url
+from factory.errors import Cancelled, FactoryError, LeaseLost, mask_url
 from factory.events import Emit
 from factory.jobs import packing
 from factory.jobs.costs import Costs
@@ -43,6 +43,15 @@ class Run:
     def check_ours(self, job_id: str) -> None:
         """Raises Cancelled when the job was cancelled, LeaseLost when another holder has it."""
         self.catalog.check_lease(job_id, self.token)
+
+    def _cancelled(self, job_id: str) -> Cancelled | None:
+        try:
+            self.check_ours(job_id)
+        except Cancelled as e:
+            return e
+        except LeaseLost:  # the step is the new holder's: end_step says so
+            pass
+        return None
 
     def claimer(self, job: Job) -> str:
         """Who holds a claim this attempt takes: `job@host:pid`."""
@@ -77,10 +86,15 @@ class Run:
             yield progress
         except LeaseLost:  # the step is the new holder's now
             raise
-        except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (qf run turns it into one)
-            self.catalog.end_step(
-                step_id, StepState.interrupted, "interrupted", max(peak, default=None), self.token, claim
-            )
+        except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM (qf run turns it into one), or the job stops (Stopped)
+            cancelled = self._cancelled(job_id) if isinstance(e, packing.Stopped) else None
+            if cancelled is None:
+                state, error = StepState.interrupted, "interrupted"
+            else:  # another unit saw the cancel first: this step says so as that one does
+                state, error = StepState.failed, cancelled.message
+            self.catalog.end_step(step_id, state, error, max(peak, default=None), self.token, claim)
+            if cancelled is not None:
+                self.emit(events.step_failed(name, error))
             raise
         except BaseException as e:
             error = mask_url(e.message if isinstance(e, FactoryError) else f"{type(e).__name__}: {e}")
