@@ -176,3 +176,9 @@ def events() -> _Events:
 
 def read_request() -> dict:
     return json.loads(Path(sys.argv[1]).read_text())
+
+
+def saved_dtype(config: dict) -> str:
+    """In the child: the source's dtype, the one a quant is saved in (config.json's `torch_dtype`, `dtype` in newer
+    transformers; float16 when it names none)."""
+    return config.get("torch_dtype") or config.get("dtype") or "float16"

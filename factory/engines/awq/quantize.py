@@ -55,7 +55,7 @@ def main() -> None:
 
     emit(event="progress", done=0, total=1, unit="load")
     config = json.loads((Path(request["source_dir"]) / "config.json").read_text())
-    saved = getattr(torch, config.get("torch_dtype") or config.get("dtype") or "float16")
+    saved = getattr(torch, child.saved_dtype(config))
     compute = "auto" if torch.cuda.is_available() else torch.float32
     model = AutoAWQForCausalLM.from_pretrained(request["source_dir"], torch_dtype=compute, trust_remote_code=False)
     tokenizer = AutoTokenizer.from_pretrained(request["source_dir"], trust_remote_code=False)

@@ -213,7 +213,7 @@ def main() -> None:
     skip_pinning_without_accelerator()
     emit(event="progress", done=0, total=1, unit="load")
     config = with_standard_names(json.loads((Path(request["source_dir"]) / "config.json").read_text()))
-    saved = getattr(torch, config.get("torch_dtype") or config.get("dtype") or "float16")
+    saved = getattr(torch, child.saved_dtype(config))
     compute = saved if torch.cuda.is_available() else torch.float32
     model = auto_model(config).from_pretrained(request["source_dir"], dtype=compute, trust_remote_code=False)
     report_layers(model, emit)
