@@ -446,7 +446,7 @@ def job_device(request: Request) -> str:
 
 def submit(factory: Factory, request: Request) -> Job:
     """Create the job (or find the same one) and queue it unless it is queued, running or done already (done, with
-    a quant `qf rm` removed, it is queued again to make it: Planning.remake_removed): what
+    a quant `qf rm` removed, it is queued again to make it: Factory.remake_removed): what
     `qf submit`, the service and the watchlist check do. A broker that cannot be reached is found before any job
     exists."""
     check_broker()

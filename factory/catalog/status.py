@@ -1,6 +1,6 @@
 """Jobs and their steps as `qf status`, `qf jobs` and `qf show` print them, read with plain SQL.
 
-The catalog (factory/catalog.py) owns the schema and every write. This module only reads, through sqlite3 or
+The catalog (the other modules of factory/catalog/) owns the schema and every write. This module only reads, through sqlite3 or
 psycopg2, because importing SQLAlchemy alone takes 0.4 s on a 2-core machine and `qf status` has half a second
 (benchmarks/queue_costs.py). tests/test_status.py checks that both read the same rows.
 
