@@ -34,10 +34,10 @@ def last_line(result) -> str:
     return result.stderr.splitlines()[-1]
 
 
-def qf_process(qf: Qf, *args, **popen) -> subprocess.Popen:
+def qf_process(qf: Qf, *args, env: dict[str, str] | None = None, **popen) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "factory.cli", *map(str, args)],
-        env={**os.environ, **qf.env},
+        env={**os.environ, **qf.env, **(env or {})},
         cwd=ROOT,
         text=True,
         **popen,
@@ -456,7 +456,7 @@ def _quantizing(qf: Qf, proc: subprocess.Popen) -> psutil.Process:
     """Wait until `qf run` (proc) is in its quantize step with the engine's child running; returns the child."""
     for line in proc.stdout:
         event = json.loads(line)
-        if event["event"] == "progress" and event.get("unit") == "layer":
+        if event["event"] == "progress" and event["step"].startswith("quantize:") and event.get("unit") == "layer":
             break
     return wait_until(lambda: next(iter(psutil.Process(proc.pid).children()), None))
 
@@ -502,6 +502,37 @@ def test_interrupted_runs_continue(qf, tiny):
         ("inspect", "succeeded"),
         ("quantize:awq-w4g128", "interrupted"),
     ]
+
+
+def test_sigterm_stops_every_engine_of_units_running_side_by_side_at_once(qf, tiny, tmp_path):
+    """Two conversions run at once, each in a thread waiting on its engine's next line (here minutes away, as a
+    layer on a CPU can be): SIGTERM stops both engines at once, and both steps say interrupted."""
+    recipe = tmp_path / "round.yaml"
+    recipe.write_text("round: {mantissa: [3, 5]}\n")
+    # one core a unit on two cores; each tensor of the tiny model then takes about two minutes
+    env = {"FACTORY_ENGINES": "tests.round_engine:ENGINE", "QF_TEST_ROUND_SECONDS": "3000", "OMP_NUM_THREADS": "1"}
+    args = ("run", tiny, "--recipe", recipe, "--eval-windows", 1, "--max-units", 2, "--json")
+    proc = qf_process(qf, *args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        converting = set()
+        for line in proc.stdout:
+            event = json.loads(line)
+            if event["event"] == "progress" and event.get("unit") == "tensor":
+                converting.add(event["step"])
+            if len(converting) == 2:
+                break
+        engines = wait_until(lambda: len(kids := psutil.Process(proc.pid).children()) == 2 and kids)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)  # without stopping its engines it would wait minutes on them
+        assert proc.returncode == 130 and err.splitlines()[-1] == "interrupted"
+        gone, alive = psutil.wait_procs(engines, timeout=15)
+        assert alive == []
+    finally:
+        proc.kill()  # a failure leaves nothing behind: the engines get SIGTERM when their parent dies
+    [job] = qf.json("jobs")
+    assert (job["state"], job["exit_code"]) == ("failed", 130)
+    stopped = {(s["name"], s["state"], s["error"]) for s in job["steps"] if s["name"].startswith("quantize:")}
+    assert stopped == {(f"quantize:round-m{m}", "interrupted", "interrupted") for m in (3, 5)}
 
 
 def test_two_runs_of_one_job_run_it_once(qf, tiny):

@@ -1,8 +1,8 @@
 """Jobs and their steps as `qf status`, `qf jobs` and `qf show` print them, read with plain SQL.
 
-The catalog (the other modules of factory/catalog/) owns the schema and every write. This module only reads, through sqlite3 or
-psycopg2, because importing SQLAlchemy alone takes 0.4 s on a 2-core machine and `qf status` has half a second
-(benchmarks/queue_costs.py). tests/test_status.py checks that both read the same rows.
+The catalog (the other modules of factory/catalog/) owns the schema and every write. This module only reads,
+through sqlite3 or psycopg2, because importing SQLAlchemy alone takes 0.4 s on a 2-core machine and `qf status` has
+half a second (benchmarks/queue_costs.py). tests/test_status.py checks that both read the same rows.
 
 A row's `steps` are every attempt at each step, in order; the tables show each step once, its latest record
 (`latest_steps`): a job that ran on workers records two steps again in its publishing pass (`inspect`, which every

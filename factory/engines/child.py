@@ -3,7 +3,8 @@
 Parent: `run_command(cmd, log_path, emit, what, parse)` starts the tool, turns each stdout line that `parse`
 recognizes into an event, keeps a transcript of everything it prints in `log_path`, and raises JobFailed
 with the log's last line when the tool fails, or names the signal that killed it. The child gets SIGTERM when
-its parent dies, so a killed `qf` leaves no conversion running on behind it. `run(module, request, ...)` is
+its parent dies, so a killed `qf` leaves no conversion running on behind it; `stop_running()` sends it SIGTERM when
+its job stops (factory/jobs/packing.py), whichever thread waits on it. `run(module, request, ...)` is
 the same for our own child modules (`python -m module request.json`), which speak JSON event lines.
 Child: `events()` claims the real stdout for events and points fd 1 at stderr, so libraries that print
 cannot corrupt the event stream.
@@ -100,6 +101,16 @@ def environment(extra: dict[str, str] | None = None) -> dict[str, str]:
     return {**kept, "HF_HUB_OFFLINE": "1", **(extra or {})}
 
 
+_running: set[subprocess.Popen] = set()  # the engine children of this process, whichever thread started them
+
+
+def stop_running() -> None:
+    """SIGTERM to every engine child of this process: its job stops (a unit beside them failed, Ctrl-C, SIGTERM).
+    A unit that runs in a thread waits on its child's next line, which can be minutes away (a layer on a CPU)."""
+    for proc in list(_running):
+        proc.terminate()
+
+
 def run_command(
     cmd: list[str],
     log_path: Path,
@@ -121,6 +132,7 @@ def run_command(
             env=environment(env),
             preexec_fn=die_with_parent,
         )
+        _running.add(proc)
         try:
             for line in proc.stdout:
                 log.write(line)
@@ -134,6 +146,7 @@ def run_command(
         finally:
             proc.stdout.close()
             rc = proc.wait()
+            _running.discard(proc)
     if rc != 0:
         raise JobFailed(f"{what} failed: {_reason(rc, log_path)}")
 

@@ -44,14 +44,18 @@ class Run:
         """Raises Cancelled when the job was cancelled, LeaseLost when another holder has it."""
         self.catalog.check_lease(job_id, self.token)
 
-    def _cancelled(self, job_id: str) -> Cancelled | None:
-        try:
-            self.check_ours(job_id)
-        except Cancelled as e:
-            return e
-        except LeaseLost:  # the step is the new holder's: end_step says so
-            pass
-        return None
+    def _stopped(self, job_id: str) -> tuple[StepState, str]:
+        """How a step that was stopped ends: Ctrl-C or SIGTERM (qf run turns it into a KeyboardInterrupt), or the
+        job stopped its units (`stop`: a unit beside it failed or saw a cancel; its engine got SIGTERM too). The
+        step is interrupted, or failed as the unit that saw the cancel first says, when that is why."""
+        if self.stop.is_set():
+            try:
+                self.check_ours(job_id)
+            except Cancelled as e:
+                return StepState.failed, e.message
+            except LeaseLost:  # the step is the new holder's: end_step says so
+                pass
+        return StepState.interrupted, "interrupted"
 
     def claimer(self, job: Job) -> str:
         """Who holds a claim this attempt takes: `job@host:pid`."""
@@ -86,20 +90,15 @@ class Run:
             yield progress
         except LeaseLost:  # the step is the new holder's now
             raise
-        except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM (qf run turns it into one), or the job stops (Stopped)
-            cancelled = self._cancelled(job_id) if isinstance(e, packing.Stopped) else None
-            if cancelled is None:
-                state, error = StepState.interrupted, "interrupted"
-            else:  # another unit saw the cancel first: this step says so as that one does
-                state, error = StepState.failed, cancelled.message
-            self.catalog.end_step(step_id, state, error, max(peak, default=None), self.token, claim)
-            if cancelled is not None:
-                self.emit(events.step_failed(name, error))
-            raise
         except BaseException as e:
-            error = mask_url(e.message if isinstance(e, FactoryError) else f"{type(e).__name__}: {e}")
-            self.catalog.end_step(step_id, StepState.failed, error, max(peak, default=None), self.token, claim)
-            self.emit(events.step_failed(name, error))
+            if isinstance(e, KeyboardInterrupt) or self.stop.is_set():  # stopped, not failed (see `_stopped`)
+                state, error = self._stopped(job_id)
+            else:
+                state = StepState.failed
+                error = mask_url(e.message if isinstance(e, FactoryError) else f"{type(e).__name__}: {e}")
+            self.catalog.end_step(step_id, state, error, max(peak, default=None), self.token, claim)
+            if state == StepState.failed:
+                self.emit(events.step_failed(name, error))
             raise
         self.catalog.end_step(
             step_id, StepState.succeeded, None, max(peak, default=None), self.token, claim, on_success

@@ -277,7 +277,7 @@ def _renewed(run: Run, claim: str, token: int, stop_when_lost: bool = False):
         while not done.wait(run.settings.lease_seconds / 3):
             if not run.catalog.renew_claim(claim, token, run.settings.lease_seconds):
                 if stop_when_lost:
-                    run.stop.set()
+                    packing.stop_units(run.stop)
                 return
 
     thread = threading.Thread(target=renew, name=f"renew {claim[:20]}", daemon=True)

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from factory.engines import child
 from factory.jobs.graph import Unit
 
 OOM_MARKS = ("CUDA out of memory", "OutOfMemoryError", "out of memory")
@@ -68,10 +69,11 @@ def run(
     note: Callable[[str], None] = lambda message: None,
     deferred: Callable[[Unit], bool] = lambda unit: False,
 ) -> None:
-    """Run every unit once its `needs` are done. The first failure stops the rest (`stop` is set: their progress
-    raises Stopped) and is raised once they have ended; so is a KeyboardInterrupt of this thread. A unit that is
-    `deferred` (another machine makes it) waits, taking nothing from the packer, while others run; its work runs
-    once it is not, and finds what the other machine made. One at a time, `work` itself waits."""
+    """Run every unit once its `needs` are done. The first failure stops the rest (`stop_units`: their progress
+    raises Stopped, their engines get SIGTERM) and is raised once they have ended; so is a KeyboardInterrupt of
+    this thread. A unit that is `deferred` (another machine makes it) waits, taking nothing from the packer, while
+    others run; its work runs once it is not, and finds what the other machine made. One at a time, `work` itself
+    waits."""
     if packer.max_units <= 1:
         for unit in units:  # in dependency order already
             work(unit)
@@ -121,11 +123,17 @@ def run(
                 note(f"{name} ran out of GPU memory beside other units; running it again alone")
             elif failure is None:
                 failure = error
-                stop.set()
+                stop_units(stop)
     except BaseException:
-        stop.set()
+        stop_units(stop)
         for _, _, thread, _ in running.values():
             thread.join()
         raise
     if failure is not None:
         raise failure
+
+
+def stop_units(stop: threading.Event) -> None:
+    """The running units stop: at their next progress (Stopped), and their engines now (SIGTERM)."""
+    stop.set()
+    child.stop_running()
