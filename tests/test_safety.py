@@ -512,16 +512,15 @@ def test_sigterm_stops_every_engine_of_units_running_side_by_side_at_once(qf, ti
     # one core a unit on two cores; each tensor of the tiny model then takes about two minutes
     env = {"FACTORY_ENGINES": "tests.round_engine:ENGINE", "QF_TEST_ROUND_SECONDS": "3000", "OMP_NUM_THREADS": "1"}
     args = ("run", tiny, "--recipe", recipe, "--eval-windows", 1, "--max-units", 2, "--json")
-    proc = qf_process(qf, *args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = qf_process(qf, *args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        converting = set()
-        for line in proc.stdout:
-            event = json.loads(line)
-            if event["event"] == "progress" and event.get("unit") == "tensor":
-                converting.add(event["step"])
-            if len(converting) == 2:
-                break
-        engines = wait_until(lambda: len(kids := psutil.Process(proc.pid).children()) == 2 and kids)
+
+        def both_converting():
+            steps = [s for j in qf.json("jobs") for s in j["steps"] if s["name"].startswith("quantize:")]
+            kids = [p for p in psutil.Process(proc.pid).children() if "tests.round_engine" in p.cmdline()]
+            return len(kids) == 2 and [s["state"] for s in steps] == ["running"] * 2 and kids
+
+        engines = wait_until(both_converting)
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=30)  # without stopping its engines it would wait minutes on them
         assert proc.returncode == 130 and err.splitlines()[-1] == "interrupted"

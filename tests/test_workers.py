@@ -157,10 +157,11 @@ def test_cancel_a_running_job_then_retry(env, worker, tiny):
     wait_until(env, job_id, quantizing, 120, "quantizing")
     qf(env, "cancel", job_id, check=True)
     deadline = time.monotonic() + 60
-    while any(s["state"] == "running" for s in wait_for(env, job_id)["steps"]):  # they stop at their next event
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
     status = wait_for(env, job_id)
+    while any(s["state"] == "running" for s in status["steps"]):  # the worker stops them at their next event
+        assert time.monotonic() < deadline, status
+        time.sleep(0.2)
+        status = wait_for(env, job_id)
     assert status["state"] == "cancelled"
     # every unit running at the cancel (several at once on two cores) says so, whichever saw it first
     stopped = [(s["name"], s["state"], s["error"]) for s in status["steps"] if s["state"] != "succeeded"]

@@ -46,8 +46,9 @@ class Run:
 
     def _stopped(self, job_id: str) -> tuple[StepState, str]:
         """How a step that was stopped ends: Ctrl-C or SIGTERM (qf run turns it into a KeyboardInterrupt), or the
-        job stopped its units (`stop`: a unit beside it failed or saw a cancel; its engine got SIGTERM too). The
-        step is interrupted, or failed as the unit that saw the cancel first says, when that is why."""
+        job stopped its units (`stop`: a unit beside it failed or saw a cancel, or a unit's claim was taken over; its
+        engine got SIGTERM too). The step is interrupted, or failed as the unit that saw the cancel first says, when
+        that is why."""
         if self.stop.is_set():
             try:
                 self.check_ours(job_id)
@@ -69,6 +70,8 @@ class Run:
         the highest `peak_gpu_bytes` any of them reports. `claim` (key, token): the unit's claim, which fences the
         step's records besides the job's lease; `on_success` runs under those fences as the step succeeds."""
         self.check_ours(job_id)
+        if self.stop.is_set():  # the job stopped its units: one more would start an engine nothing stops
+            raise packing.Stopped(f"{name} stopped: the job stops")
         expected = self.expected.get(name)
         self.emit(events.step_started(name, expected))
         step_id = self.catalog.start_step(job_id, name, self.token, expected, self.holder, claim)
@@ -91,7 +94,8 @@ class Run:
         except LeaseLost:  # the step is the new holder's now
             raise
         except BaseException as e:
-            if isinstance(e, KeyboardInterrupt) or self.stop.is_set():  # stopped, not failed (see `_stopped`)
+            stopped = isinstance(e, KeyboardInterrupt) or self.stop.is_set()  # not failed: see `_stopped`
+            if stopped:
                 state, error = self._stopped(job_id)
             else:
                 state = StepState.failed
@@ -99,6 +103,8 @@ class Run:
             self.catalog.end_step(step_id, state, error, max(peak, default=None), self.token, claim)
             if state == StepState.failed:
                 self.emit(events.step_failed(name, error))
+            if stopped and not isinstance(e, KeyboardInterrupt):  # its engine died of the stop's SIGTERM
+                raise packing.Stopped(f"{name} stopped: the job stops") from e
             raise
         self.catalog.end_step(
             step_id, StepState.succeeded, None, max(peak, default=None), self.token, claim, on_success
