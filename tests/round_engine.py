@@ -3,9 +3,9 @@ the test (factory.engines.register), it runs `qf run` end to end with no edit an
 
 It rounds every FP16 weight's mantissa to N bits (round-to-nearest, `torch.frexp`), in a child process of its own
 (`python -m tests.round_engine request.json`), and writes a checkpoint transformers loads once its
-quantization_config is set aside; a conversion takes at least $QF_TEST_ROUND_SECONDS (0), for tests that need one
-to be running. Tags: `round-m<N>`; recipe key `round: {mantissa: [3, 5]}`. Workers take it with
-FACTORY_ENGINES=tests.round_engine:ENGINE.
+quantization_config is set aside; a conversion takes at least $QF_TEST_ROUND_SECONDS (0), for tests that need one to
+be running, and the one to $QF_TEST_ROUND_FAILS mantissa bits fails after its first tensor. Tags: `round-m<N>`;
+recipe key `round: {mantissa: [3, 5]}`. Workers take it with FACTORY_ENGINES=tests.round_engine:ENGINE.
 """
 
 from __future__ import annotations
@@ -75,6 +75,7 @@ class RoundEngine(Engine):
             "out_dir": str(request.out_dir),
             "spec": request.spec,
             "seconds": float(os.environ.get("QF_TEST_ROUND_SECONDS", "0")),
+            "fails": str(request.spec["mantissa"]) == os.environ.get("QF_TEST_ROUND_FAILS"),
         }
         child.run(__name__, payload, request.work_dir, emit, what=f"rounding to {request.spec['mantissa']} bits")
         check_quant_folder(
@@ -171,6 +172,8 @@ def main() -> None:
         mantissa, exponent = torch.frexp(t.float())
         rounded[name] = torch.ldexp(torch.round(mantissa * 2**bits) / 2**bits, exponent).to(t.dtype).contiguous()
         emit(event="progress", done=i + 1, total=len(tensors), unit="tensor")
+        if request.get("fails"):
+            raise RuntimeError("asked to fail (QF_TEST_ROUND_FAILS)")
         time.sleep(request.get("seconds", 0) / len(tensors))
     out.mkdir(parents=True)
     save_file(rounded, out / "model.safetensors", metadata={"format": "pt"})

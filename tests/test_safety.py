@@ -534,6 +534,33 @@ def test_sigterm_stops_every_engine_of_units_running_side_by_side_at_once(qf, ti
     assert stopped == {(f"quantize:round-m{m}", "interrupted", "interrupted") for m in (3, 5)}
 
 
+def test_a_unit_that_fails_stops_the_engine_beside_it_at_once(qf, tiny, tmp_path):
+    """Of two conversions side by side, one fails after its first tensor while the other's engine is silent for
+    minutes: the run ends in seconds, failed with the first one's reason; the other step says interrupted."""
+    recipe = tmp_path / "round.yaml"
+    recipe.write_text("round: {mantissa: [3, 5]}\n")
+    env = {
+        "FACTORY_ENGINES": "tests.round_engine:ENGINE",
+        "QF_TEST_ROUND_SECONDS": "3000",
+        "QF_TEST_ROUND_FAILS": "3",
+        "OMP_NUM_THREADS": "1",
+    }
+    args = ("run", tiny, "--recipe", recipe, "--eval-windows", 1, "--max-units", 2)
+    proc = qf_process(qf, *args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        _, err = proc.communicate(timeout=60)  # the other engine alone would take minutes more
+    finally:
+        proc.kill()
+    [job] = qf.json("jobs")
+    assert proc.returncode == job["exit_code"] == 1, err
+    assert job["error"].startswith("rounding to 3 bits failed: RuntimeError: asked to fail"), job["error"]
+    quantized = {s["name"]: (s["state"], s["error"]) for s in job["steps"] if s["name"].startswith("quantize:")}
+    assert quantized == {
+        "quantize:round-m3": ("failed", job["error"]),
+        "quantize:round-m5": ("interrupted", "interrupted"),
+    }
+
+
 def test_two_runs_of_one_job_run_it_once(qf, tiny):
     """`qf run` holds its job as a worker does: a second `qf run` of it while the first is alive names the holder
     and exits 1; the first finishes."""
