@@ -504,15 +504,25 @@ def test_interrupted_runs_continue(qf, tiny):
     ]
 
 
+def _two_silent_conversions(qf: Qf, tiny: Path, tmp_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`qf run` of the round engine's conversions to 3 and 5 mantissa bits side by side (one core a unit on two
+    cores), each tensor of the tiny model taking about two minutes, silent meanwhile."""
+    recipe = tmp_path / "round.yaml"
+    recipe.write_text("round: {mantissa: [3, 5]}\n")
+    env = {
+        "FACTORY_ENGINES": "tests.round_engine:ENGINE",
+        "QF_TEST_ROUND_SECONDS": "3000",
+        "OMP_NUM_THREADS": "1",
+        **(env or {}),
+    }
+    args = ("run", tiny, "--recipe", recipe, "--eval-windows", 1, "--max-units", 2)
+    return qf_process(qf, *args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
 def test_sigterm_stops_every_engine_of_units_running_side_by_side_at_once(qf, tiny, tmp_path):
     """Two conversions run at once, each in a thread waiting on its engine's next line (here minutes away, as a
     layer on a CPU can be): SIGTERM stops both engines at once, and both steps say interrupted."""
-    recipe = tmp_path / "round.yaml"
-    recipe.write_text("round: {mantissa: [3, 5]}\n")
-    # one core a unit on two cores; each tensor of the tiny model then takes about two minutes
-    env = {"FACTORY_ENGINES": "tests.round_engine:ENGINE", "QF_TEST_ROUND_SECONDS": "3000", "OMP_NUM_THREADS": "1"}
-    args = ("run", tiny, "--recipe", recipe, "--eval-windows", 1, "--max-units", 2, "--json")
-    proc = qf_process(qf, *args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = _two_silent_conversions(qf, tiny, tmp_path)
     try:
 
         def both_converting():
@@ -537,16 +547,7 @@ def test_sigterm_stops_every_engine_of_units_running_side_by_side_at_once(qf, ti
 def test_a_unit_that_fails_stops_the_engine_beside_it_at_once(qf, tiny, tmp_path):
     """Of two conversions side by side, one fails after its first tensor while the other's engine is silent for
     minutes: the run ends in seconds, failed with the first one's reason; the other step says interrupted."""
-    recipe = tmp_path / "round.yaml"
-    recipe.write_text("round: {mantissa: [3, 5]}\n")
-    env = {
-        "FACTORY_ENGINES": "tests.round_engine:ENGINE",
-        "QF_TEST_ROUND_SECONDS": "3000",
-        "QF_TEST_ROUND_FAILS": "3",
-        "OMP_NUM_THREADS": "1",
-    }
-    args = ("run", tiny, "--recipe", recipe, "--eval-windows", 1, "--max-units", 2)
-    proc = qf_process(qf, *args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = _two_silent_conversions(qf, tiny, tmp_path, {"QF_TEST_ROUND_FAILS": "3"})
     try:
         _, err = proc.communicate(timeout=60)  # the other engine alone would take minutes more
     finally:

@@ -70,8 +70,9 @@ class Run:
         the highest `peak_gpu_bytes` any of them reports. `claim` (key, token): the unit's claim, which fences the
         step's records besides the job's lease; `on_success` runs under those fences as the step succeeds."""
         self.check_ours(job_id)
+        stopped_here = packing.Stopped(f"{name} stopped: the job stops")
         if self.stop.is_set():  # the job stopped its units: one more would start an engine nothing stops
-            raise packing.Stopped(f"{name} stopped: the job stops")
+            raise stopped_here
         expected = self.expected.get(name)
         self.emit(events.step_started(name, expected))
         step_id = self.catalog.start_step(job_id, name, self.token, expected, self.holder, claim)
@@ -84,7 +85,7 @@ class Run:
                 peak.append(event["peak_gpu_bytes"])
             self.emit(events.progress(name, event))
             if self.stop.is_set():
-                raise packing.Stopped(f"{name} stopped: the job stops")
+                raise stopped_here
             if time.monotonic() - checked[0] > CANCEL_CHECK_SECONDS:
                 checked[0] = time.monotonic()
                 self.check_ours(job_id)  # raising here stops the engine: its child gets SIGTERM
@@ -104,7 +105,7 @@ class Run:
             if state == StepState.failed:
                 self.emit(events.step_failed(name, error))
             if stopped and not isinstance(e, KeyboardInterrupt):  # its engine died of the stop's SIGTERM
-                raise packing.Stopped(f"{name} stopped: the job stops") from e
+                raise stopped_here from e
             raise
         self.catalog.end_step(
             step_id, StepState.succeeded, None, max(peak, default=None), self.token, claim, on_success
