@@ -3,11 +3,10 @@
 # intermediate 14336, vocab 32000) through AutoAWQ, AWQ-CT and EXL3 4.0 with `qf run` (benchmarks/cost_growth.py),
 # each step's seconds against the ETA's expectation, peak GPU and host memory, disk. Started by setsid from a copy of
 # the repo in /tmp/repo.
-#  1. wheels into /tmp/site (AWQ-CT's pinned packages from .whl/awqct, no index); exllamav3's and exllamav2's
-#     extensions build in the background (all cores between them);
+#  1. wheels into /tmp/site (AWQ-CT's pinned packages from .whl/awqct, no index); exllamav3's extension builds in
+#     the background with all cores (the 8B's EXL2 units are the second sitting's);
 #  2. the 8B made on the GPU; `qf run --awq --awqct` starts at once (its FP16 evaluation and KL reference with it);
 #  3. when exllamav3's extension is built: `qf run --exl3 4.0` in the same home (the FP16 reference made once);
-#  4. the built extensions packed into /tmp/results/ext-*.tar.zst for later sittings to carry.
 export PYTHONPATH=/tmp/repo:/tmp/site TORCH_EXTENSIONS_DIR=/tmp/torch_ext TORCH_CUDA_ARCH_LIST=9.0 \
     EXLLAMA_NO_SDPA=1 PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH \
     PIP_NO_INDEX=1 PIP_FIND_LINKS=/tmp/repo/.whl/awqct QF_COMMIT=$(cat /tmp/repo/.commit 2>/dev/null)
@@ -22,9 +21,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 stamp wheels $?
 nvidia-smi dmon -s um -d 2 > $R/dmon.txt 2>&1 &
 free -b -s 2 > $R/free.txt 2>&1 &
-(MAX_JOBS=10 python3 -c "import exllamav3" > $R/build3.log 2>&1; stamp built_exl3 $?) &
+(MAX_JOBS=16 python3 -c "import exllamav3" > $R/build3.log 2>&1; stamp built_exl3 $?) &
 b3=$!
-(MAX_JOBS=6 python3 -c "import exllamav2" > $R/build2.log 2>&1; stamp built_exl2 $?) &
 python3 benchmarks/cost_growth.py $W --shape 8b --make > $R/make.log 2>&1
 stamp made $? "$(du -sh $W/llama-8b | cut -f1)"
 python3 -m factory.cli plan $W/llama-8b --vram 80GB --ctx 8192 --json > $R/plan.json 2> $R/plan.err
