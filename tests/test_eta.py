@@ -46,6 +46,31 @@ def test_a_jobs_wall_time_follows_the_packing_rule():
     assert eta.wall_seconds(units, seconds, need, Packer(4, 6, 8)) == 211.0  # memory for one pass at a time
 
 
+def test_the_critical_path_is_what_the_jobs_end_waited_on():
+    """A measurement, three sizes after it with memory for two at a time, each size's evaluation after FP16's: the
+    end waits on the third size, which waited for room (the first size's end), which waited for the measurement."""
+    units = [
+        Unit("measure:k", "measure"),
+        *(Unit(f"quantize:{s}", "quantize", frozenset({"measure:k"})) for s in "abc"),
+        Unit("evaluate:fp16", "evaluate"),
+        *(Unit(f"evaluate:{s}", "evaluate", frozenset({f"quantize:{s}", "evaluate:fp16"})) for s in "abc"),
+        Unit("gate", "gate", frozenset({"evaluate:a", "evaluate:b", "evaluate:c"})),
+    ]
+    seconds = {"measure:k": 50.0, "quantize:a": 40.0, "quantize:b": 60.0, "quantize:c": 40.0, "evaluate:fp16": 20.0}
+    seconds |= {"evaluate:a": 5.0, "evaluate:b": 5.0, "evaluate:c": 5.0, "gate": 1.0}
+
+    def need(unit: Unit) -> Need:
+        return Need(gpu_bytes=4, cores=1) if unit.kind != "evaluate" else Need(gpu_bytes=1, in_process=True)
+
+    slots = eta.schedule(units, seconds, need, Packer(8, 9, 16))
+    when = {s.name: (s.start, s.end) for s in slots}
+    assert when["evaluate:fp16"] == (0.0, 20.0) and when["quantize:a"] == (50.0, 90.0)
+    assert when["quantize:c"] == (90.0, 130.0)  # room for two sizes beside FP16's evaluation: it waits for a's end
+    path = [s.name for s in eta.critical_path(units, slots)]
+    assert path == ["measure:k", "quantize:a", "quantize:c", "evaluate:c", "gate"]
+    assert eta.packed(units, seconds, need, Packer(8, 9, 16)) == (136.0, 3)  # b, c and a's evaluation at 90 s
+
+
 def test_an_evaluation_walked_layer_by_layer_is_predicted_by_its_largest_layer():
     """Llama-3-8B's shape, 48 windows: the whole model is 16 GB; walked a layer at a time, what packing admits the
     FP16 evaluation by is its embedding (1 GB), the windows' states (0.8 GB) and a window's logits as scoring uses

@@ -281,3 +281,20 @@ def test_a_duration_under_a_second_never_reads_zero():
         "4 min",
         "2.0 h",
     ]
+
+
+def test_plan_projects_the_whole_job_packed_as_the_factory_packs(tiny, tmp_path):
+    """`qf plan` with engine flags (as `qf run` takes them): the job's units on one card, when each runs, and the
+    units its end waits on; packed is never slower than one unit after another."""
+    job = json.loads(qf(tmp_path, "plan", tiny, "--vram", "24GB", "--exl3", "4.0", "--awq", "--json").stdout)["job"]
+    assert job["quants"] == ["awq-w4g128", "exl3-4.0bpw"]
+    assert {"quantize:awq-w4g128", "quantize:exl3-4.0bpw", "evaluate:fp16", "gate", "publish:exl3-4.0bpw"} <= set(
+        job["units"]
+    )
+    assert 0 < job["expected_seconds"] <= job["one_at_a_time_seconds"]
+    path = [step["unit"] for step in job["critical_path"]]
+    assert path[0].startswith("quantize:") and path[-1].startswith("publish:")
+    assert job["units"][path[-1]]["end"] == job["expected_seconds"]
+    shown = qf(tmp_path, "plan", tiny, "--vram", "24GB", "--exl3", "4.0", "--awq").stdout
+    [line] = [line for line in lines(shown) if line.startswith("the whole job (2 quants) on one 24GB GPU and ")]
+    assert "packed as the factory packs: about " in line and "the critical path: quantize:" in line

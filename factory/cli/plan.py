@@ -3,23 +3,28 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from factory import engines, settings, tables
+from factory import engines, recipes, settings, tables
 from factory import vram as memory
-from factory.cli.shared import CtxOpt, JsonOpt, KvOpt, app, handled, open_catalog, out
+from factory.cli.shared import CtxOpt, JsonOpt, KvOpt, RecipeOpt, app, handled, open_catalog, out, with_engine_flags
 from factory.errors import FactoryError
-from factory.jobs import eta
+from factory.jobs import eta, planning
+from factory.jobs.costs import Costs, Projection
 
 
 @app.command()
 @handled
+@with_engine_flags
 def plan(
     source: Annotated[str, typer.Argument(metavar="SOURCE", help="A local FP16 folder or a Hub repo org/name.")],
     vram: Annotated[str, typer.Option("--vram", help="GPU memory, e.g. 24GB (GB means GiB, as on the card).")],
+    flags: dict,
+    recipe: RecipeOpt = None,
     ctx: CtxOpt = None,
     kv_cache: KvOpt = "fp16",
     gpus: Annotated[int, typer.Option("--gpus", min=1, help="Split the layers over N such GPUs (estimate).")] = 1,
@@ -27,8 +32,10 @@ def plan(
     as_json: JsonOpt = False,
 ) -> None:
     """What fits a GPU with its context and KV cache, as each engine's memory model says (every size and the
-    highest that fits, or an estimate for its server); an engine that cannot convert the model says why instead.
-    Reads only the config and safetensors headers. --json: the numbers by engine ({"refused": why} for those)."""
+    highest that fits, or an estimate for its server); an engine that cannot convert the model says why instead;
+    and how long the whole job (the standard recipe, or --recipe, or the engine flags as `qf run` takes them) takes
+    on one such GPU beside this machine's cores, packed as the factory packs. Reads only the config and
+    safetensors headers. --json: the numbers by engine ({"refused": why} for those), the job's under "job"."""
     budget = memory.parse_size(vram)
     asked = [engines.get(engine)] if engine else engines.all_engines()
     shape, params, info = memory.source_model(source)
@@ -38,11 +45,13 @@ def plan(
         for e in asked
         if e.name not in refused and (p := e.memory.plan(shape, params, budget, ctx, kv_cache, gpus)) is not None
     }
-    times = _conversion_times(list(plans), params.total)
+    catalog = _catalog()
+    times = _conversion_times(list(plans), params.total, catalog)
+    specs, job = planning.projection(Costs(catalog, None), source, recipes.build_recipe(recipe, flags), budget, info)
     if as_json:
         answers = {name: {**p.data, "expected_seconds": times[name]} for name, p in plans.items()}
         answers.update({name: {"refused": why} for name, why in refused.items()})
-        print(json.dumps(dict(sorted(answers.items())), indent=2))
+        print(json.dumps({**dict(sorted(answers.items())), "job": _job_data(specs, job)}, indent=2))
         return
     if info.vision is not None:  # say which part is which: the plans size the language model's quant and the rest
         out.print(info.parts(), markup=False, highlight=False)
@@ -58,6 +67,32 @@ def plan(
             out.print(line, markup=False, highlight=False)
     for why in refused.values():
         out.print(why, markup=False, highlight=False)
+    if specs:
+        out.print(_job_line(specs, job, vram), markup=False, highlight=False)
+
+
+def _job_data(specs: list, job: Projection) -> dict:
+    return {
+        "quants": [s.tag for s in specs],
+        "expected_seconds": round(job.seconds),
+        "one_at_a_time_seconds": round(job.serial_seconds),
+        "critical_path": [{"unit": s.name, "seconds": round(s.end - s.start)} for s in job.critical_path],
+        "units": {s.name: {"start": round(s.start), "end": round(s.end)} for s in job.slots},
+    }
+
+
+def _job_line(specs: list, job: Projection, vram: str) -> str:
+    """One line: the job's time packed and one unit after another, and the units its end waits on that take a
+    twentieth of it or more (the gate, publishing and a quant's evaluation are seconds: counted, not named)."""
+    long = [s for s in job.critical_path if s.end - s.start >= job.seconds / 20]
+    path = ", ".join(f"{s.name} {tables.duration(s.end - s.start)}" for s in long)
+    if short := len(job.critical_path) - len(long):
+        path += f" and {short} short unit{'s' if short != 1 else ''}"
+    return (
+        f"the whole job ({len(specs)} quant{'s' if len(specs) != 1 else ''}) on one {vram} GPU and {os.cpu_count()} cores, packed as the factory "
+        f"packs: about {tables.duration(job.seconds)} to publish (one unit after another "
+        f"{tables.duration(job.serial_seconds)}); the critical path: {path}"
+    )
 
 
 def _plan_table(plan_) -> tables.Table:
@@ -73,16 +108,21 @@ def _plan_table(plan_) -> tables.Table:
     return tables.layout(columns, out.width, plan_.title)
 
 
-def _conversion_times(names: list[str], parameters: int) -> dict[str, dict]:
-    """Expected seconds of each engine's conversion units for `qf plan`: the catalog's history where it can be
-    read, else the engines' estimates."""
+def _catalog():
+    """The catalog, for its history of units, where one exists and can be read; else None (the engines'
+    estimates)."""
     url = settings.load().db_url
-    catalog = None
     if settings.database_kind(url) != "sqlite" or Path(url.removeprefix("sqlite:///")).is_file():  # none: none made
         try:
-            catalog = open_catalog()
+            return open_catalog()
         except FactoryError:
-            pass  # the engines' estimates
+            pass
+    return None
+
+
+def _conversion_times(names: list[str], parameters: int, catalog) -> dict[str, dict]:
+    """Expected seconds of each engine's conversion units for `qf plan`: the catalog's history where it can be
+    read, else the engines' estimates."""
 
     def history(family: str) -> list:
         if catalog is None:

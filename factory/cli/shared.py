@@ -141,8 +141,8 @@ UnitsOpt = Annotated[
 
 
 def with_engine_flags(fn):
-    """Adds an option for every engine that has a flag (`--<engine> 3.0,4.0`, or a switch) after the command's first
-    parameter; the command gets their values as `flags` (engine name -> value)."""
+    """Adds an option for every engine that has a flag (`--<engine> 3.0,4.0`, or a switch) after the command's
+    required parameters; the command gets their values as `flags` (engine name -> value)."""
     params = [p for name, p in inspect.signature(fn, eval_str=True).parameters.items() if name != "flags"]
     added = []
     for engine in engines.all_engines():
@@ -168,7 +168,8 @@ def with_engine_flags(fn):
         flags = {key.removeprefix("engine_"): kwargs.pop(key) for key in list(kwargs) if key.startswith("engine_")}
         return fn(*args, flags=flags, **kwargs)
 
-    wrapper.__signature__ = inspect.Signature([*params[:1], *added, *params[1:]])
+    required = next((i for i, p in enumerate(params) if p.default is not inspect.Parameter.empty), len(params))
+    wrapper.__signature__ = inspect.Signature([*params[:required], *added, *params[required:]])
     return wrapper
 
 

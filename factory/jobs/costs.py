@@ -49,8 +49,8 @@ def evaluation_bytes(model: Sized, windows: int, walked: bool) -> int:
 
 
 class Costs:
-    def __init__(self, catalog: Catalog, max_units: int | None, slots: int = 1):
-        self.catalog = catalog
+    def __init__(self, catalog: Catalog | None, max_units: int | None, slots: int = 1):
+        self.catalog = catalog  # None: no history here (`qf plan` where no catalog exists): the engines' estimates
         self.max_units = max_units  # None: as many units at once as fit
         self.slots = slots  # jobs sharing this machine's GPU and cores (qf worker --slots), each with its share
         self._history: dict[tuple[str, str], tuple[float, list]] = {}  # (family, device) -> (read at, rows)
@@ -77,12 +77,13 @@ class Costs:
     def _unit_history(self, family: str, device: str) -> list:
         cached = self._history.get((family, device))
         if cached is None or time.monotonic() - cached[0] > HISTORY_SECONDS:
-            cached = self._history[(family, device)] = (time.monotonic(), self.catalog.unit_history(family, device))
+            rows = self.catalog.unit_history(family, device) if self.catalog else []
+            cached = self._history[(family, device)] = (time.monotonic(), rows)
         return cached[1]
 
     def needs(self, job: Job, model: Sized, units: list[Unit]) -> dict[str, Need]:
         """Each unit's predicted needs, from one read of the catalog's recorded peaks for this source."""
-        peaks = self.catalog.recorded_peaks(job.source_identity)
+        peaks = self.catalog.recorded_peaks(job.source_identity) if self.catalog else {}
         return {unit.name: self._need(job, model, unit, peaks) for unit in units}
 
     def _need(self, job: Job, model: Sized, unit: Unit, peaks: dict[str, int]) -> Need:
@@ -132,3 +133,25 @@ class Costs:
 
         packed = Packer(self.max_units or AUTOMATIC_MAX_UNITS, None, AUTOMATIC_MAX_UNITS * 2)
         return eta.wall_seconds(units, seconds, need, packed), eta.wall_seconds(units, seconds, need, Packer(1))
+
+    def projection(self, job: Job, model: Sized, units: list[Unit], packer: Packer) -> Projection:
+        """The whole job on a machine that admits what `packer` does (`qf plan`: a card of --vram, this machine's
+        cores): when each unit runs, packed and one after another, and the units its end waits on."""
+        seconds = {u.name: self.seconds(job, model, u) for u in units}
+        needs = self.needs(job, model, units)
+
+        def need(unit: Unit) -> Need:
+            return needs[unit.name]
+
+        slots = eta.schedule(units, seconds, need, packer)
+        return Projection(
+            max((s.end for s in slots), default=0.0), sum(seconds.values()), slots, eta.critical_path(units, slots)
+        )
+
+
+@dataclass(frozen=True)
+class Projection:
+    seconds: float  # packed, to the last unit's end
+    serial_seconds: float  # one unit after another
+    slots: list[eta.Slot]
+    critical_path: list[eta.Slot]

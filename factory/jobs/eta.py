@@ -44,6 +44,15 @@ def expected(past: list[Past], parameters: int, first_principles: float) -> tupl
     return seconds, f"history ({len(near)} unit{'s' if len(near) != 1 else ''})"
 
 
+@dataclass(frozen=True)
+class Slot:
+    """When a unit runs in a simulated packing (seconds from the job's start)."""
+
+    name: str
+    start: float
+    end: float
+
+
 def wall_seconds(units: list[Unit], seconds: dict[str, float], need: Callable[[Unit], Need], packer: Packer) -> float:
     """How long the units take when packed by `packer` with those durations: packing.run's rule, simulated."""
     return packed(units, seconds, need, packer)[0]
@@ -54,21 +63,55 @@ def packed(
 ) -> tuple[float, int]:
     """(seconds, the most units that run at once) when packed by `packer`: packing.run's rule, simulated. A unit
     of 0 seconds (done already) takes its place for no time and is not counted as running."""
-    clock, pending, done, most = 0.0, list(units), set(), 0
-    running: list[tuple[float, str, Need]] = []  # (ends at, unit, its need)
+    slots = schedule(units, seconds, need, packer)
+    clock = max((s.end for s in slots), default=0.0)
+    starts = sorted({s.start for s in slots})
+    most = max((sum(1 for s in slots if s.start <= t < s.end) for t in starts), default=0)
+    return clock, most
+
+
+def schedule(units: list[Unit], seconds: dict[str, float], need: Callable[[Unit], Need], packer: Packer) -> list[Slot]:
+    """When each unit starts and ends when packed by `packer` with those durations (packing.run's rule: a unit
+    starts once the units it needs are done and its need fits beside the running ones), in the order they end."""
+    clock, pending, done, slots = 0.0, list(units), set(), []
+    running: list[tuple[float, float, str, Need]] = []  # (ends at, started at, unit, its need)
     while pending or running:
         for unit in [u for u in pending if u.needs <= done]:
             wanted = need(unit)
-            if packer.admits(wanted, [n for _, _, n in running]):
-                running.append((clock + seconds.get(unit.name, 0.0), unit.name, wanted))
+            if packer.admits(wanted, [n for _, _, _, n in running]):
+                running.append((clock + seconds.get(unit.name, 0.0), clock, unit.name, wanted))
                 pending.remove(unit)
-        most = max(most, sum(1 for end, _, _ in running if end > clock))
         if not running:
             break  # units that wait for units that never run: packing.run says so
         running.sort(key=lambda r: r[0])
-        clock, name, _ = running.pop(0)
+        clock, started, name, _ = running.pop(0)
         done.add(name)
-    return clock, most
+        slots.append(Slot(name, started, clock))
+    return slots
+
+
+def critical_path(units: list[Unit], slots: list[Slot]) -> list[Slot]:
+    """The units the job's end waited on, first to last: from the unit that ends last, back through what each one
+    waited for when it started (the unit it needed that ended last, else the one whose end made room for it)."""
+    if not slots:
+        return []
+    needs = {u.name: u.needs for u in units}
+    by_name = {s.name: s for s in slots}
+    path = [max(slots, key=lambda s: s.end)]
+    while path[-1].start > 0:
+        here = path[-1]
+        before = [by_name[n] for n in needs.get(here.name, ()) if n in by_name]
+        waited = max(before, key=lambda s: s.end, default=None)
+        if waited is None or waited.end < here.start - 1e-6:  # it waited for room, not for a unit it needs
+            waited = max(
+                (s for s in slots if abs(s.end - here.start) < 1e-6 and s is not here),
+                key=lambda s: s.start,
+                default=waited,
+            )
+        if waited is None:
+            break
+        path.append(waited)
+    return path[::-1]
 
 
 # the units no engine runs: gate, publish and push are quick; an evaluation is a forward pass over the windows

@@ -10,6 +10,7 @@ Plain functions of the catalog, the settings and where events go: nothing here r
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,11 +26,12 @@ from factory.events import Emit
 from factory.identity import job_key
 from factory.jobs import graph
 from factory.jobs.conversions import measurement_key
-from factory.jobs.costs import Costs, Sized
+from factory.jobs.costs import AUTOMATIC_MAX_UNITS, Costs, Projection, Sized
+from factory.jobs.packing import Packer
 from factory.recipes import Recipe
 from factory.registry import naming
 from factory.settings import Settings
-from factory.vram import Params, Shape
+from factory.vram import HEADROOM, Params, Shape
 
 
 @dataclass
@@ -152,6 +154,34 @@ def estimate(costs: Costs, settings: Settings, job: Job) -> tuple[float, float] 
     model = Sized(shape, Params.of(tensors, shape), min(evaluate.WINDOW, shape.max_positions), layered.walkable(config))
     keys = {s.tag: measurement_key(job, s) for s in specs if engines.get(s.method).needs_measurement}
     return costs.estimate(job, model, graph.units(specs, keys, True, bool(settings.hub_owner)))
+
+
+def projection(costs: Costs, source: str, recipe: Recipe, vram: int, info) -> tuple[list[QuantSpec], Projection]:
+    """How long `recipe` takes for `source` on one CUDA card of `vram` bytes beside this machine's cores, packed as
+    the factory packs (`qf plan`): the specs its engines take (those that refuse the model are left out: `qf plan`
+    says why) and the projection. Reads the config and safetensors headers only; `info` is what the engines'
+    `refuse` read of them."""
+    config, tensors = sources.layout(source)
+    shape = Shape.of(config)
+    model = Sized(shape, Params.of(tensors, shape), min(evaluate.WINDOW, shape.max_positions), layered.walkable(config))
+    specs = [
+        engines.get(s.method).resolve(s, info, "cuda")
+        for s in recipe.specs()
+        if engines.get(s.method).refuse(info) is None
+    ]
+    cal = _calibration(recipe.calibration, [engines.get(name) for name in sorted({s.method for s in specs})])
+    job = Job(
+        source=source,
+        source_identity=f"plan:{source}",  # no job of it exists: no recorded peaks, the engines' estimates
+        specs=[s.model_dump() for s in specs],
+        calibration_sha=cal.sha256,
+        eval_windows=recipe.eval_windows or evaluate.default_windows("cuda"),
+        device="cuda",
+    )
+    keys = {s.tag: measurement_key(job, s) for s in specs if engines.get(s.method).needs_measurement}
+    units = graph.units(specs, keys, True, False)
+    packer = Packer(costs.max_units or AUTOMATIC_MAX_UNITS, max(0, vram - HEADROOM), os.cpu_count() or 1)
+    return specs, costs.projection(job, model, units, packer)
 
 
 def _calibration(name: str | None, used: list) -> calibration.TextSet:
