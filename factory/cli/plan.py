@@ -89,7 +89,8 @@ def _job_line(specs: list, job: Projection, vram: str) -> str:
     if short := len(job.critical_path) - len(long):
         path += f" and {short} short unit{'s' if short != 1 else ''}"
     return (
-        f"the whole job ({len(specs)} quant{'s' if len(specs) != 1 else ''}) on one {vram} GPU and {os.cpu_count()} cores, packed as the factory "
+        f"the whole job ({len(specs)} quant{'s' if len(specs) != 1 else ''}) on one {vram} GPU and "
+        f"{os.cpu_count()} cores, packed as the factory "
         f"packs: about {tables.duration(job.seconds)} to publish (one unit after another "
         f"{tables.duration(job.serial_seconds)}); the critical path: {path}"
     )
