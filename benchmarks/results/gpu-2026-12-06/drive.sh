@@ -7,7 +7,8 @@
 #     the background with all cores (the 8B's EXL2 units are the second sitting's);
 #  2. the 8B made on the GPU; `qf run --awq --awqct` starts at once (its FP16 evaluation and KL reference with it);
 #  3. when exllamav3's extension is built: `qf run --exl3 4.0` in the same home (the FP16 reference made once);
-#     EXL3=0 leaves EXL3 out (a sitting with too few minutes left for its build and conversion).
+#     EXL3=0 leaves EXL3 out (a sitting with too few minutes left for its build and conversion) and runs AutoAWQ's
+#     job alone, then AWQ-CT's, so that each one's seconds are its own.
 export PYTHONPATH=/tmp/repo:/tmp/site TORCH_EXTENSIONS_DIR=/tmp/torch_ext TORCH_CUDA_ARCH_LIST=9.0 \
     EXLLAMA_NO_SDPA=1 PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH \
     PIP_NO_INDEX=1 PIP_FIND_LINKS=/tmp/repo/.whl/awqct QF_COMMIT=$(cat /tmp/repo/.commit 2>/dev/null)
@@ -29,14 +30,19 @@ fi
 python3 benchmarks/cost_growth.py $W --shape 8b --make > $R/make.log 2>&1
 stamp made $? "$(du -sh $W/llama-8b | cut -f1)"
 python3 -m factory.cli plan $W/llama-8b --vram 80GB --ctx 8192 --json > $R/plan.json 2> $R/plan.err
-python3 benchmarks/cost_growth.py $W --shape 8b --label awq -- --awq --awqct > $R/awq.log 2>&1 &
-a=$!
 if [ "${EXL3:-1}" = 1 ]; then
+    python3 benchmarks/cost_growth.py $W --shape 8b --label awq -- --awq --awqct > $R/awq.log 2>&1 &
+    a=$!
     wait $b3
     python3 benchmarks/cost_growth.py $W --shape 8b --label exl3 -- --exl3 4.0 > $R/exl3.log 2>&1 &
     e=$!
+    wait $a; stamp awq_job $?
+    wait $e; stamp exl3_job $?
+else  # a short sitting: AutoAWQ's job alone (the FP16 reference with it), then AWQ-CT's
+    python3 benchmarks/cost_growth.py $W --shape 8b --label awq -- --awq > $R/awq.log 2>&1
+    stamp awq_job $?
+    python3 benchmarks/cost_growth.py $W --shape 8b --label awqct -- --awqct > $R/exl3.log 2>&1
+    stamp awqct_job $?
 fi
-wait $a; stamp awq_job $?
-[ -z "${e:-}" ] || { wait $e; stamp exl3_job $?; }
 cp benchmarks/results/cost_growth.json $R/ 2>/dev/null
 stamp done
