@@ -6,6 +6,7 @@ disk the job's home takes (work folders, the published quants, the FP16 referenc
     python benchmarks/cost_growth.py DIR --shape 8b --make            # the model only (GPU, seconds)
     python benchmarks/cost_growth.py DIR --shape 8b --label awq -- --awq --awqct
     python benchmarks/cost_growth.py DIR --shape 8b --label exl3 -- --exl3 4.0
+    python benchmarks/cost_growth.py - --shape 8b --label awq --events LOG --gpu "NVIDIA H200" -- --awq
 
 Everything after `--` goes to `qf run`. Jobs of one shape share DIR/home-<shape> (as a fleet shares a catalog: the
 FP16 reference is made once), so two of them may run at once; each appends its events to DIR/<shape>-<label>.jsonl
@@ -96,7 +97,7 @@ def run_job(model: Path, home: Path, label: str, qf_args: list[str], events_log:
     env = {**os.environ, "FACTORY_HOME": str(home), "FACTORY_DB_URL": ""}
     cmd = [sys.executable, "-m", "factory.cli", "run", str(model), "--name", model.name, "--json", *qf_args]
     home.mkdir(parents=True, exist_ok=True)
-    events, starts = [], {}
+    events = []
     start = time.monotonic()
     with open(events_log, "a") as log, subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True) as p:
         sampler = Sampler(p.pid, home)
@@ -106,10 +107,23 @@ def run_job(model: Path, home: Path, label: str, qf_args: list[str], events_log:
             events.append(event)
             log.write(json.dumps(event) + "\n")
             log.flush()
-            if event["event"] == "step" and event["state"] == "running":
-                starts[event["step"]] = event
     sampler.done.set()
-    wall = time.monotonic() - start
+    return {
+        "command": " ".join(["qf run", model.name, *qf_args]),
+        "returncode": p.returncode,
+        "wall_seconds": round(time.monotonic() - start, 1),
+        **summary(events, sampler),
+        "peak_host_bytes": max((s[1] for s in sampler.samples), default=None),
+        "peak_home_disk_bytes": max((s[2] for s in sampler.samples), default=None),
+        "home_disk_bytes_at_end": _du(home),
+    }
+
+
+def summary(events: list[dict], sampler: Sampler | None = None) -> dict:
+    """Each step's seconds against what was expected when it started, its peak GPU memory, and (sampled while it
+    ran) the job's peak host memory; the quants, notes and evaluations. From a run's events as they came, or from a
+    sitting's events log (`--events`: a sitting cut short before its job ended; no host samples then)."""
+    starts = {e["step"]: e for e in events if e["event"] == "step" and e["state"] == "running"}
     steps = {}
     for e in events:
         if e["event"] != "step" or e["state"] not in ("succeeded", "failed"):
@@ -120,24 +134,24 @@ def run_job(model: Path, home: Path, label: str, qf_args: list[str], events_log:
             "seconds": e.get("seconds"),
             "expected_seconds": began.get("expected_seconds"),
             "peak_gpu_bytes": e.get("peak_gpu_bytes"),
-            "peak_host_bytes": sampler.peak(began.get("at", 0), e["at"], 1),
+            "peak_host_bytes": sampler.peak(began.get("at", 0), e["at"], 1) if sampler else None,
             "started_at": began.get("at"),
             "ended_at": e["at"],
             **({"error": e["error"]} if e.get("error") else {}),
         }
     result = next((e for e in reversed(events) if e["event"] == "result"), {})
     return {
-        "command": " ".join(["qf run", model.name, *qf_args]),
-        "returncode": p.returncode,
-        "wall_seconds": round(wall, 1),
         "steps": steps,
+        "actual_over_expected": {
+            name: round(s["seconds"] / s["expected_seconds"], 2)
+            for name, s in steps.items()
+            if s["seconds"] and s["expected_seconds"] and s["state"] == "succeeded"
+        },
         "quants": result.get("quants", []),
         "notes": [e["message"] for e in events if e["event"] == "note"],
         "evaluations": [e for e in events if e["event"] == "evaluation"],
-        "peak_host_bytes": max((s[1] for s in sampler.samples), default=None),
-        "peak_home_disk_bytes": max((s[2] for s in sampler.samples), default=None),
-        "home_disk_bytes_at_end": _du(home),
         "error": result.get("error"),
+        "ended": bool(result),
     }
 
 
@@ -162,7 +176,14 @@ def main() -> None:
     parser.add_argument("--make", action="store_true", help="make the model and stop")
     parser.add_argument("--label", default="job")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "cost_growth.json")
+    parser.add_argument("--events", type=Path, help="record a sitting's events log (DIR is then not read)")
+    parser.add_argument("--gpu", help="with --events: the card it ran on")
     args = parser.parse_args(argv)
+    if args.events:
+        events = [json.loads(line) for line in args.events.read_text().splitlines()]
+        entry = {**summary(events), "command": "qf run " + " ".join(qf_args), "events": str(args.events.name)}
+        record(args.out, args.shape, args.label, {**entry, "gpu": args.gpu, "commit": os.environ.get("QF_COMMIT")})
+        return
     model = make(args.dir, args.shape)
     if args.make:
         return

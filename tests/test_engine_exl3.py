@@ -126,9 +126,9 @@ def test_head_bits_refused():
 
 def test_calibration_rows_follow_the_text():
     engine = engines.get("exl3")
-    assert engine.fit_calibration(Exl3Spec(bpw=4.0), 10**7).rows == 250  # exllamav3's default
-    assert engine.fit_calibration(Exl3Spec(bpw=4.0), 300_000).rows == 146  # all the text has
-    assert engine.fit_calibration(Exl3Spec(bpw=4.0, rows=20), 300_000).rows == 20  # what the recipe says
+    assert engine.fit_calibration(Exl3Spec(bpw=4.0), 10**7, "cuda").rows == 250  # exllamav3's default
+    assert engine.fit_calibration(Exl3Spec(bpw=4.0), 300_000, "cuda").rows == 146  # all the text has
+    assert engine.fit_calibration(Exl3Spec(bpw=4.0, rows=20), 300_000, "cuda").rows == 20  # what the recipe says
 
 
 @pytest.fixture

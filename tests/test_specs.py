@@ -41,9 +41,9 @@ def test_parse_bpw_list():
 
 def test_awq_group_resolution():
     cpu = resolve(AwqSpec(), [576, 1536], cuda=False)
-    assert (cpu.group_size, cpu.calib_rows, cpu.calib_length, cpu.clip) == (64, 16, 128, False)
+    assert (cpu.group_size, cpu.calib_rows, cpu.calib_length, cpu.clip) == (64, None, 128, False)
     gpu = resolve(AwqSpec(), [2048, 8192], cuda=True)
-    assert (gpu.group_size, gpu.calib_rows, gpu.calib_length, gpu.clip) == (128, 128, 512, True)
+    assert (gpu.group_size, gpu.calib_rows, gpu.calib_length, gpu.clip) == (128, None, 512, True)
     assert gpu.tag == "awq-w4g128"
     with pytest.raises(SpecError, match=r"AWQ group size 128 does not divide the model's input dims \[576\]"):
         resolve(AwqSpec(group_size=128), [576, 1536], cuda=False)
@@ -88,3 +88,28 @@ def test_build_recipe_flags_replace_targets(tmp_path):
     assert set(r.targets) == {"exl2"} and [s.tag for s in r.specs()] == ["exl2-4.0bpw-h8", "exl2-5.0bpw-h8"]
     assert (r.max_ppl_ratio, r.eval_windows) == (1.2, 3)
     assert recipes.build_recipe(path, awq=True).targets["awq"].group_size == 64
+
+
+@pytest.mark.parametrize("method", ["awq", "awqct"])
+def test_awq_calibration_rows_fit_a_short_text_unless_asked(method):
+    """At 8B on the H200, a 32k-token BPE made builtin:c4 64,601 tokens long: AutoAWQ's 128 x 512 on CUDA failed
+    the job at inspect. Unasked, the rows are as many windows as the text holds (at least 16, else the text is
+    refused in one sentence); asked for, they stay what the recipe says (and a short text is refused)."""
+    from factory import engines
+
+    engine = engines.get(method)
+    spec = engine.resolve(engine.spec(), _info([4096, 14336]), "cuda")
+    assert spec.calib_rows is None and spec.calib_length == 512
+    assert engine.fit_calibration(spec, 1_000_000, "cuda").calib_rows == 128
+    assert engine.fit_calibration(spec, 64_601, "cuda").calib_rows == 126
+    assert engine.fit_calibration(spec, 5_000, "cuda").calib_rows == 128  # under 16 windows: check_length refuses
+    assert engine.fit_calibration(spec.model_copy(update={"calib_rows": 128}), 64_601, "cuda").calib_rows == 128
+    cpu = engine.resolve(engine.spec(), _info([4096, 14336]), "cpu")
+    assert engine.fit_calibration(cpu, 1_000_000, "cpu").calib_rows == 16
+
+
+def _info(in_features: list[int]):
+    """What an engine's resolve reads of a model: its linear layers' input dims."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(in_features=in_features)

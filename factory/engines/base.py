@@ -326,7 +326,7 @@ class Engine:
         """Fill in defaults that depend on the model or the device, or refuse (SpecError) what cannot work."""
         return spec
 
-    def fit_calibration(self, spec: QuantSpec, tokens: int) -> QuantSpec:
+    def fit_calibration(self, spec: QuantSpec, tokens: int, device: str) -> QuantSpec:
         """The spec once the calibration text is tokenized (`tokens` long), for defaults that depend on it."""
         return spec
 

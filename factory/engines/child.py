@@ -187,6 +187,15 @@ def events() -> _Events:
     return _Events()
 
 
+def report_peak(emit: _Events) -> None:
+    """In the child, when it is done: the most GPU memory torch allocated in it (what packing predicts the next
+    unit of the same source by, and what `qf status` shows), where it used a GPU."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        emit(event="progress", peak_gpu_bytes=torch.cuda.max_memory_allocated())
+
+
 def read_request() -> dict:
     return json.loads(Path(sys.argv[1]).read_text())
 

@@ -74,7 +74,7 @@ def read(run: Run, job: Job, fetched: Path | None, where: Path) -> Prepared:
     specs = [engines.resolve(spec, info, job.device) for spec in specs]
     cal = _text(job.calibration, job.calibration_sha)
     cal_ids = _tokens(run, job, folder, cal)
-    specs = [engines.get(s.method).fit_calibration(s, len(cal_ids)) for s in specs]
+    specs = [engines.get(s.method).fit_calibration(s, len(cal_ids), job.device) for s in specs]
     config, tensors = sources.layout(str(source_folder))  # the staging folder is links: read the source
     shape = Shape.of(config)
     params = Params.of(tensors, shape)

@@ -13,7 +13,7 @@ from factory.engines import child
 from factory.engines.awq import evaluate
 from factory.engines.awq.card import VllmCard
 from factory.engines.awq.memory import AwqMemory
-from factory.engines.awq.spec import AwqSpec, resolve
+from factory.engines.awq.spec import AwqSpec, calibration_rows, resolve
 from factory.engines.base import Engine, Flag, QuantizeRequest, check_quant_folder
 
 # What benchmarks/coverage.py proved AutoAWQ 0.2.9 converts with our transformers (benchmarks/results/
@@ -62,6 +62,11 @@ class AwqEngine(Engine):
 
     def resolve(self, spec: AwqSpec, info, device: str) -> AwqSpec:
         return resolve(spec, info.in_features, device == "cuda")
+
+    def fit_calibration(self, spec: AwqSpec, tokens: int, device: str) -> AwqSpec:
+        return spec.model_copy(
+            update={"calib_rows": calibration_rows(spec.calib_rows, spec.calib_length, tokens, device)}
+        )
 
     def calibration_windows(self, spec: AwqSpec) -> tuple[int, int]:
         return spec.calib_rows, spec.calib_length

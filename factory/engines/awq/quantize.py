@@ -77,6 +77,7 @@ def main() -> None:
     emit(event="progress", done=n, total=n, unit="layer")
     model.model.to(saved)
     model.save_quantized(request["out_dir"])
+    child.report_peak(emit)
 
 
 if __name__ == "__main__":

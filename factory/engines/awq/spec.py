@@ -10,6 +10,8 @@ from factory.engines.base import QuantSpec, Targets
 from factory.errors import SpecError
 
 GROUP_SIZES = (32, 64, 128)
+CUDA_ROWS, CPU_ROWS = 128, 16  # AutoAWQ's default on CUDA; on a CPU 16 (DESIGN.md: AWQ calibration)
+MIN_ROWS = 16
 
 
 class AwqSpec(QuantSpec, Targets):
@@ -21,7 +23,7 @@ class AwqSpec(QuantSpec, Targets):
     group_size: int | None = None  # None: 128, or 64 where 128 does not divide the model's dims
     zero_point: bool = True
     version: Literal["gemm"] = "gemm"
-    calib_rows: int | None = Field(None, ge=1)  # None: 128 on CUDA, 16 on CPU
+    calib_rows: int | None = Field(None, ge=1)  # None: 128 on CUDA, 16 on CPU (fewer if the text is short)
     calib_length: int | None = Field(None, ge=16)  # None: 512 on CUDA, 128 on CPU
     clip: bool | None = None  # None: on with CUDA, off on CPU (8x slower there)
 
@@ -66,12 +68,22 @@ def group_size(label: str, wanted: int | None, in_features: list[int]) -> int:
     return wanted
 
 
+def calibration_rows(asked: int | None, length: int, tokens: int, device: str) -> int:
+    """The calibration rows: what the spec asked for, else the device's default, or as many windows as the text
+    holds where that is fewer but at least MIN_ROWS (builtin:c4 holds 64,601 tokens of a 32k-token BPE, not the
+    65,536 of 128 x 512); fewer than that is left for calibration.check_length to refuse in one sentence."""
+    if asked is not None:
+        return asked
+    default, held = CUDA_ROWS if device == "cuda" else CPU_ROWS, tokens // length
+    return default if held < MIN_ROWS else min(default, held)
+
+
 def resolve(spec: AwqSpec, in_features: list[int], cuda: bool) -> AwqSpec:
-    """Fill in the model- and device-dependent defaults; refuse a group size that does not divide the dims."""
+    """Fill in the model- and device-dependent defaults but the calibration rows (calibration_rows, once the
+    text is tokenized); refuse a group size that does not divide the dims."""
     return spec.model_copy(
         update={
             "group_size": group_size("AWQ", spec.group_size, in_features),
-            "calib_rows": spec.calib_rows or (128 if cuda else 16),
             "calib_length": spec.calib_length or (512 if cuda else 128),
             "clip": cuda if spec.clip is None else spec.clip,
         }

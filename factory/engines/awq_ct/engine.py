@@ -16,6 +16,7 @@ from factory.checkpoints.inspect import multimodal
 from factory.engines import child
 from factory.engines.awq.card import VllmCard
 from factory.engines.awq.memory import VllmMemory
+from factory.engines.awq.spec import calibration_rows
 from factory.engines.awq_ct import env, evaluate
 from factory.engines.awq_ct.spec import AwqCtSpec, resolve
 from factory.engines.base import Engine, Flag, QuantizeRequest, check_quant_folder
@@ -103,6 +104,11 @@ class AwqCtEngine(Engine):
 
     def resolve(self, spec: AwqCtSpec, info, device: str) -> AwqCtSpec:
         return resolve(spec, info.in_features, device == "cuda")
+
+    def fit_calibration(self, spec: AwqCtSpec, tokens: int, device: str) -> AwqCtSpec:
+        return spec.model_copy(
+            update={"calib_rows": calibration_rows(spec.calib_rows, spec.calib_length, tokens, device)}
+        )
 
     def calibration_windows(self, spec: AwqCtSpec) -> tuple[int, int]:
         return spec.calib_rows, spec.calib_length

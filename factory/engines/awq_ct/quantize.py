@@ -238,6 +238,7 @@ def main() -> None:
     model.to(saved).save_pretrained(request["out_dir"], save_original_format=not multimodal(config))
     if multimodal(config):
         ignore_by_pattern(Path(request["out_dir"]) / "config.json")
+    child.report_peak(emit)
 
 
 def ignore_by_pattern(path: Path) -> None:

@@ -18,7 +18,7 @@ class AwqCtSpec(QuantSpec, Targets):
     method: Literal["awqct"] = "awqct"
     w_bit: Literal[4] = 4
     group_size: int | None = None  # None: 128, or 64 where 128 does not divide the model's dims
-    calib_rows: int | None = Field(None, ge=1)  # None: 128 on CUDA, 16 on CPU
+    calib_rows: int | None = Field(None, ge=1)  # None: 128 on CUDA, 16 on CPU (fewer if the text is short)
     calib_length: int | None = Field(None, ge=16)  # None: 512 on CUDA, 128 on CPU
     duo_scaling: bool = True  # AWQModifier's: scales from activations and weights (False: activations only)
 
@@ -44,11 +44,11 @@ class AwqCtSpec(QuantSpec, Targets):
 
 
 def resolve(spec: AwqCtSpec, in_features: list[int], cuda: bool) -> AwqCtSpec:
-    """Fill in the model- and device-dependent defaults; refuse a group size that does not divide the dims."""
+    """Fill in the model- and device-dependent defaults but the calibration rows (awq.spec.calibration_rows, once
+    the text is tokenized); refuse a group size that does not divide the dims."""
     return spec.model_copy(
         update={
             "group_size": group_size("AWQ-CT", spec.group_size, in_features),
-            "calib_rows": spec.calib_rows or (128 if cuda else 16),
             "calib_length": spec.calib_length or (512 if cuda else 128),
         }
     )

@@ -152,7 +152,7 @@ class Exl3Engine(Engine):
             return f"EXL3 converts Llama models with the silu activation only, not {act}"
         return None
 
-    def fit_calibration(self, spec: Exl3Spec, tokens: int) -> Exl3Spec:
+    def fit_calibration(self, spec: Exl3Spec, tokens: int, device: str) -> Exl3Spec:
         if spec.rows is not None:
             return spec
         return spec.model_copy(update={"rows": max(MIN_ROWS, min(ROWS, tokens // spec.length))})
