@@ -2,8 +2,8 @@
 
 A source folder contributes its safetensors weights (and their index) and the companion files below, nothing else:
 the source identity hashes them, the Hub fetch downloads them, the engines see a staging folder that holds only
-them (the companions copied there at inspect, the weights linked), and a quant carries them beside its engine's own
-outputs. A source file is read only when it is a regular file; a symlink is followed only when its target lies inside
+them (a user's folder: the job's snapshot of them, hashed as it is made; a folder the factory owns: links to the
+weights), and a quant carries them beside its engine's own outputs. A source file is read only when it is a regular file; a symlink is followed only when its target lies inside
 the source folder or inside the same Hugging Face cache repository (`models--ORG--NAME/`, whose snapshots link into
 `blobs/`). Anything else (a link leaving the folder, a FIFO, socket or device) is refused (ModelRefused, exit 3),
 before any of it is opened.

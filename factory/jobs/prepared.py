@@ -151,6 +151,7 @@ def _local(run: Run, job: Job, where: Path, progress: Callable[..., None]) -> Pa
     hash cache that identity came from is a hint: SourceChanged names the files it was wrong about, and forgets
     them)."""
     if (copy := dequantize.made(run.settings.home, job.source_identity)) is not None:
+        _reused_copy(run, copy)
         return copy
     folder = Path(job.source)
     if not folder.is_dir():
@@ -175,8 +176,12 @@ def _bf16(run: Run, job: Job, folder: Path, progress: Callable[..., None] = _qui
     inspect(folder, engines.architectures())
     copy, made = dequantize.bf16(folder, job.source_identity, run.settings.home, progress)
     if not made:
-        run.emit(events.note(f"dequantize: the BF16 copy of this source made earlier is reused ({copy})"))
+        _reused_copy(run, copy)
     return copy
+
+
+def _reused_copy(run: Run, copy: Path) -> None:
+    run.emit(events.note(f"dequantize: the BF16 copy of this source made earlier is reused ({copy})"))
 
 
 def _tokens(run: Run, job: Job, folder: Path, text: calibration.TextSet, first: int | None = None) -> list[int]:
