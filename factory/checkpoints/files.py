@@ -2,11 +2,11 @@
 
 A source folder contributes its safetensors weights (and their index) and the companion files below, nothing else:
 the source identity hashes them, the Hub fetch downloads them, the engines see a staging folder that holds only
-them (a user's folder: the job's snapshot of them, hashed as it is made; a folder the factory owns: links to the
-weights), and a quant carries them beside its engine's own outputs. A source file is read only when it is a regular file; a symlink is followed only when its target lies inside
-the source folder or inside the same Hugging Face cache repository (`models--ORG--NAME/`, whose snapshots link into
-`blobs/`). Anything else (a link leaving the folder, a FIFO, socket or device) is refused (ModelRefused, exit 3),
-before any of it is opened.
+them (a user's folder: the job's snapshot of them, hashed once copied; a folder the factory owns: links to the
+weights), and a quant carries them beside its engine's own outputs. A source file is read only when it is a regular
+file; a symlink is followed only when its target lies inside the source folder or inside the same Hugging Face cache
+repository (`models--ORG--NAME/`, whose snapshots link into `blobs/`). Anything else (a link leaving the folder, a
+FIFO, socket or device) is refused (ModelRefused, exit 3), before any of it is opened.
 """
 
 from __future__ import annotations
@@ -129,9 +129,9 @@ def stage(folder: Path, dest: Path) -> Path:
 
 
 def snapshot(folder: Path, dest: Path, progress: Callable[..., None] = lambda **_: None) -> dict[str, str]:
-    """The job's own copy of a user's folder in `dest`: every source file copied and hashed in the same pass (what
-    was hashed is what was written), read-only; name -> sha256 of what `dest` holds. Whatever the folder does
-    later (rewritten in place, swapped, truncated), the job reads this copy. `progress(done=, total=, unit="B")`."""
+    """The job's own copy of a user's folder in `dest`: every source file copied, then the copy hashed (what was
+    hashed is what `dest` holds), read-only; name -> sha256. Whatever the folder does later (rewritten in place,
+    swapped, truncated), the job reads this copy. `progress(done=, total=, unit="B")` as it is copied."""
     files = source_files(folder)
     _empty(dest)
     total, done, hashes = sum(p.stat().st_size for p in files.values()), 0, {}
@@ -164,9 +164,10 @@ def _empty(dest: Path) -> None:
 
 def _copy(path: Path, dest: Path, progress: Callable[[int], None] = lambda _: None) -> str:
     """Copy `path` to `dest` through one descriptor opened without following a link; the sha256 of the copy. The
-    kernel copies (copy_file_range: a reflink where the filesystem shares blocks, else a copy that never enters
-    this process), then the copy is hashed: 2-4x as fast as reading, hashing and writing in one pass here (README,
-    Safety). A filesystem pair it cannot copy between gets the one-pass copy."""
+    kernel copies (copy_file_range: a reflink where the filesystem shares blocks, XFS or Btrfs, else a copy that
+    never passes through this process), then the copy is hashed; where the kernel cannot copy between the two
+    filesystems, one pass reads, hashes and writes. On ext4 both take about as long, bound by the disk's writes
+    (benchmarks/snapshot_cost.py)."""
     try:  # O_NONBLOCK: a FIFO swapped in does not make the open wait
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as e:
