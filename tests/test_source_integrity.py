@@ -6,12 +6,18 @@ copy of the model never reuses a quant made from them. Real `qf run` processes w
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 import struct
 import subprocess
+import tempfile
 from pathlib import Path
 
+import pytest
+
+from factory.checkpoints import files
 from factory.identity import file_sha256
 from tests.conftest import Qf
 from tests.test_publish_safety import _events_until
@@ -116,3 +122,21 @@ def test_weights_rewritten_before_the_job_reads_them_fail_it_in_one_sentence(qf,
     assert "reused" not in copy.stdout
     assert _published(qf, "copy:round-m5")["source"] == made["source"]
     assert _published(qf, "tiny:round-m3") == made
+
+
+def test_a_snapshot_between_filesystems_the_kernel_cannot_copy_across(model_copy, tmp_path):
+    """A source on tmpfs (/dev/shm) snapshot onto the job's filesystem: the kernel refuses the copy (EXDEV), so the
+    snapshot reads, hashes and writes in one pass; the copies are the source's bytes and their hashes."""
+    shm = Path(tempfile.mkdtemp(prefix="qf-test-", dir="/dev/shm"))
+    try:
+        model = shutil.copytree(model_copy("tiny"), shm / "tiny")
+        weights = model / "model.safetensors"
+        with open(weights, "rb") as f, open(tmp_path / "probe", "wb") as out:
+            with pytest.raises(OSError) as refused:
+                os.copy_file_range(f.fileno(), out.fileno(), 1 << 20)
+        assert refused.value.errno == errno.EXDEV
+        hashes = files.snapshot(model, tmp_path / "snapshot")
+        assert hashes == {p.name: file_sha256(p) for p in sorted(model.iterdir()) if files.is_source_file(p.name)}
+        assert all((tmp_path / "snapshot" / n).read_bytes() == (model / n).read_bytes() for n in hashes)
+    finally:
+        shutil.rmtree(shm)
