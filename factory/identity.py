@@ -52,11 +52,7 @@ def folder_identity(folder: Path, cache_dir: Path, staged: Path | None = None) -
     With `staged` (the job's staging folder of `folder`, files.stage): the identity of what the job reads, its
     companion copies hashed there (each time: they are small, and their paths are the job's) and its weights where
     their links lead."""
-    cache_file = cache_dir / "file-sha256.json"
-    try:
-        cache = json.loads(cache_file.read_text())
-    except (OSError, ValueError):
-        cache = {}
+    cache_file, cache = _hash_cache(cache_dir)
     hashes, hashed = {}, False
     found = staged_files(staged, folder) if staged else source_files(folder)
     for name, f in found.items():  # regular files only: a bad link or a FIFO is refused here
@@ -75,6 +71,15 @@ def folder_identity(folder: Path, cache_dir: Path, staged: Path | None = None) -
     return of_files(hashes)
 
 
+def _hash_cache(cache_dir: Path) -> tuple[Path, dict[str, list[str]]]:
+    """The file of cached sha256s (path -> [size:mtime, sha256]) and what it holds."""
+    cache_file = cache_dir / "file-sha256.json"
+    try:
+        return cache_file, json.loads(cache_file.read_text())
+    except (OSError, ValueError):
+        return cache_file, {}
+
+
 def of_files(hashes: dict[str, str]) -> str:
     """A local source's identity from its files' names and sha256s."""
     return "sha256:" + hashlib.sha256("\n".join(f"{n}:{h}" for n, h in sorted(hashes.items())).encode()).hexdigest()
@@ -83,11 +88,7 @@ def of_files(hashes: dict[str, str]) -> str:
 def forget_changed(folder: Path, cache_dir: Path, hashes: dict[str, str]) -> list[str]:
     """The files of `folder` whose cached sha256 is not the one just read (`hashes`, name -> sha256), and files
     the cache does not know; their entries leave the cache, so the next submit hashes them again."""
-    cache_file = cache_dir / "file-sha256.json"
-    try:
-        cache = json.loads(cache_file.read_text())
-    except (OSError, ValueError):
-        cache = {}
+    cache_file, cache = _hash_cache(cache_dir)
     try:
         paths = source_files(folder)
     except ModelRefused:  # a file became a FIFO, ...: its entry, if any, goes by its name
