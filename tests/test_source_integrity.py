@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from factory import tables
 from factory.checkpoints import files
+from factory.errors import JobFailed
 from factory.identity import file_sha256
 from tests.conftest import Qf
 from tests.test_publish_safety import _events_until
@@ -140,3 +142,22 @@ def test_a_snapshot_between_filesystems_the_kernel_cannot_copy_across(model_copy
         assert all((tmp_path / "snapshot" / n).read_bytes() == (model / n).read_bytes() for n in hashes)
     finally:
         shutil.rmtree(shm)
+
+
+def test_a_snapshot_that_fills_the_disk_fails_in_one_sentence(model_copy, tmp_path):
+    """The job's copy needs the checkpoint's size again: on a disk too small for it (a 512 KiB tmpfs, mounted here:
+    the tests run as root) the snapshot is JobFailed in one sentence and leaves nothing behind."""
+    model, small = model_copy("tiny"), tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(small)], check=True)
+    try:
+        with pytest.raises(JobFailed) as failed:
+            files.snapshot(model, small / "work" / "source")
+        size = sum(p.stat().st_size for p in model.iterdir() if files.is_source_file(p.name))
+        assert failed.value.message == (
+            f"no space left in {small / 'work'} for the job's copy of {model} ({tables.size(size)}); free some "
+            "(qf gc removes finished jobs' work folders) and run it again"
+        )
+        assert list((small / "work" / "source").iterdir()) == []
+    finally:
+        subprocess.run(["umount", str(small)], check=True)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from factory.errors import JobFailed, ModelRefused
+from factory.tables import size
 
 COMPANIONS = (
     "config.json",
@@ -131,7 +132,8 @@ def stage(folder: Path, dest: Path) -> Path:
 def snapshot(folder: Path, dest: Path, progress: Callable[..., None] = lambda **_: None) -> dict[str, str]:
     """The job's own copy of a user's folder in `dest`: every source file copied, then the copy hashed (what was
     hashed is what `dest` holds), read-only; name -> sha256. Whatever the folder does later (rewritten in place,
-    swapped, truncated), the job reads this copy. `progress(done=, total=, unit="B")` as it is copied."""
+    swapped, truncated), the job reads this copy. `progress(done=, total=, unit="B")` as it is copied. A disk that
+    fills up is JobFailed, and leaves `dest` empty."""
     files = source_files(folder)
     _empty(dest)
     total, done, hashes = sum(p.stat().st_size for p in files.values()), 0, {}
@@ -140,7 +142,16 @@ def snapshot(folder: Path, dest: Path, progress: Callable[..., None] = lambda **
         def copied(n: int, base: int = done) -> None:
             progress(done=base + n, total=total, unit="B")
 
-        hashes[name] = _copy(path, dest / name, copied)
+        try:
+            hashes[name] = _copy(path, dest / name, copied)
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            _empty(dest)
+            raise JobFailed(
+                f"no space left in {dest.parent} for the job's copy of {folder} ({size(total)}); free some "
+                "(qf gc removes finished jobs' work folders) and run it again"
+            ) from None
         os.chmod(dest / name, 0o444)
         done += (dest / name).stat().st_size
     return hashes
