@@ -6,6 +6,7 @@
 | 1    | JobFailed          | a step failed, or the quality gate refused a quant              |
 | 2    | SpecError          | bad usage or spec: numbers, names, recipe keys, no CUDA for an engine that needs it |
 | 3    | ModelRefused       | inspection refused the checkpoint                               |
+| 3    | SourceChanged      | a local source's bytes are not what its job was submitted with  |
 | 4    | NotFound           | a path, name or tag that does not exist                         |
 | 5    | ServiceUnavailable | database, broker, Hub or the factory's service unreachable      |
 | 5    | AccessDenied       | the service refused the token, its scope, or another user's job |
@@ -69,6 +70,19 @@ class Conflict(SpecError):
 
 class ModelRefused(FactoryError):
     exit_code = 3
+
+
+class SourceChanged(ModelRefused):
+    """A local source's files are not what was hashed when the job was submitted: the job's snapshot of the folder
+    (factory/checkpoints/files.py) hashed other bytes. `files` names those the hash cache knew otherwise."""
+
+    def __init__(self, source: str, files: list[str], then: str):
+        which = f"{', '.join(files)} {'is' if len(files) == 1 else 'are'} not" if files else "its files are not"
+        super().__init__(
+            f"source folder {source!r} changed since the job was submitted: {which} what was hashed then; {then}"
+        )
+        self.source = source
+        self.files = files
 
 
 class NotFound(FactoryError):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import time
 import psutil
 import pytest
 
+from factory import identity
 from factory.publish import folder as registry
 from factory.publish import prompt
 from factory.publish.publishing import STOP_AT
@@ -229,17 +229,18 @@ def test_a_template_bomb_and_a_companion_swapped_after_inspect(qf, model_copy, t
     assert _holds(qf, b"s3cret") == []
 
 
-def test_weights_swapped_for_a_link_after_inspect_are_refused_at_publish(qf, model_copy, tmp_path):
-    """model.safetensors becomes a link to another checkpoint's weights outside the folder before publishing: the
-    job fails with one sentence, exit 3, and publishes nothing."""
+def test_weights_swapped_for_a_link_after_inspect_do_not_reach_the_job(qf, model_copy, tmp_path):
+    """model.safetensors becomes a link to a private file outside the folder once the quantize step started: the
+    engines read the job's own snapshot, made and hashed at inspect, so the job publishes the quant of the weights it
+    inspected, under their identity, and the private file reaches nothing under FACTORY_HOME."""
     model = model_copy("tiny")
+    submitted = identity.folder_identity(model, tmp_path / "cache")
     other = tmp_path / "private.safetensors"
-    shutil.copyfile(model / "model.safetensors", other)
-    done = _swapped_after(qf, model, "publish:awq-w4g128", "model.safetensors", other)
-    assert done.returncode == 3
-    assert done.stderr.splitlines()[-1] == (
-        f"error: source folder {str(model)!r} changed since it was inspected (model.safetensors is a link to "
-        f"'{other}', outside the model folder; copy the file into the folder if it belongs to the model); nothing "
-        "was published"
-    )
-    assert qf.json("ls") == [] and not (qf.home / "registry" / "tiny").exists()
+    other.write_bytes(b"s3cret" * 1000)
+    done = _swapped_after(qf, model, "quantize:awq-w4g128", "model.safetensors", other)
+    assert done.returncode == 0, done.stderr
+    job, [quant] = _agree(qf)
+    assert job["state"] == "succeeded"
+    manifest = json.loads((qf.home / "registry" / quant["path"] / "manifest.json").read_text())
+    assert manifest["source_identity"] == submitted
+    assert _holds(qf, b"s3cret") == []

@@ -293,18 +293,32 @@ def _strays(model: Path) -> None:
 
 
 def test_the_exl2_staging_folder_holds_only_the_allowlist(model_copy, tmp_path):
-    """convert_exl2 -cf copies every regular file beside the weights: it gets this folder, not the source."""
+    """convert_exl2 -cf copies every regular file beside the weights: it gets this folder, not the source. A user's
+    folder is staged as the job's snapshot (read-only copies, each hashed as it is), a folder the factory owns as
+    copies of the companions and links to the weights."""
+    from factory.identity import file_sha256
+
     model = model_copy("tiny")
     _strays(model)
+    snapshot = tmp_path / "snapshot"
+    hashes = files.snapshot(model, snapshot)
+    assert set(hashes) == {p.name for p in snapshot.iterdir()}
+    for p in snapshot.iterdir():
+        assert not p.is_symlink() and p.read_bytes() == (model / p.name).read_bytes(), p.name
+        assert (p.stat().st_mode & 0o777, hashes[p.name]) == (0o444, file_sha256(p)), p.name
     staged = files.stage(model, tmp_path / "staged")
-    assert {p.name for p in staged.iterdir()} == {
-        "config.json",
-        "generation_config.json",
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "chat_template.jinja",
-        "model.safetensors",
-    }
+    assert (
+        {p.name for p in snapshot.iterdir()}
+        == {p.name for p in staged.iterdir()}
+        == {
+            "config.json",
+            "generation_config.json",
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "chat_template.jinja",
+            "model.safetensors",
+        }
+    )
     for p in staged.iterdir():  # the companions copied (what inspect hashed), the weights linked
         copied = not p.is_symlink() and p.read_bytes() == (model / p.name).read_bytes()
         assert p.resolve().parent == model.resolve() if p.name == "model.safetensors" else copied, p.name

@@ -2,23 +2,27 @@
 
 A source folder contributes its safetensors weights (and their index) and the companion files below, nothing else:
 the source identity hashes them, the Hub fetch downloads them, the engines see a staging folder that holds only
-them (the companions copied there at inspect, the weights linked), and a quant carries them beside its engine's own
-outputs. A source file is read only when it is a regular file; a symlink is followed only when its target lies inside
-the source folder or inside the same Hugging Face cache repository (`models--ORG--NAME/`, whose snapshots link into
-`blobs/`). Anything else (a link leaving the folder, a FIFO, socket or device) is refused (ModelRefused, exit 3),
-before any of it is opened.
+them (a user's folder: the job's snapshot of them, hashed once copied; a folder the factory owns: links to the
+weights), and a quant carries them beside its engine's own outputs. A source file is read only when it is a regular
+file; a symlink is followed only when its target lies inside the source folder or inside the same Hugging Face cache
+repository (`models--ORG--NAME/`, whose snapshots link into `blobs/`). Anything else (a link leaving the folder, a
+FIFO, socket or device) is refused (ModelRefused, exit 3), before any of it is opened.
 """
 
 from __future__ import annotations
 
+import errno
 import fnmatch
+import hashlib
 import os
-import shutil
 import stat
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 from factory.errors import JobFailed, ModelRefused
+from factory.tables import size
 
 COMPANIONS = (
     "config.json",
@@ -42,6 +46,8 @@ SOURCE_PATTERNS = (*COMPANIONS, WEIGHTS, INDEX)  # what a source contributes; th
 PUBLISHING = ("README.md", "manifest.json")  # what publishing adds: the model card and the manifest
 UPSTREAM_CARD = "README.md"  # the source's own model card: read for its license and language, never published
 MAX_CARD = 1 << 20
+CHUNK = 1 << 20  # a snapshot's reads (16 MiB made the one-pass copy 3x as slow: out of the CPU's cache)
+KERNEL_CHUNK = 1 << 26  # a snapshot's in-kernel copies, between progress events
 
 
 _KINDS = (
@@ -109,15 +115,12 @@ def upstream_card(folder: Path) -> str | None:
 
 
 def stage(folder: Path, dest: Path) -> Path:
-    """The job's own copy of the source: every engine and evaluator reads this folder, and a quant's companions come
-    from it, so a tool that copies "everything beside the weights" finds nothing else to copy, and what the job
-    inspected is what it publishes, whatever becomes of the source folder later. The companions are copied, each
-    read through one descriptor opened without following a link (a file swapped for a link since it was checked is
-    refused, not read); the weights, too large to copy, are links that staged_files checks again."""
+    """A staging folder of links to `folder`, for a source the factory owns (a verified Hub download, a BF16 copy):
+    every engine and evaluator reads the staging folder, so a tool that copies "everything beside the weights"
+    finds nothing else to copy. The companions are copied (read through one descriptor opened without following a
+    link); the weights are links that staged_files checks again. A user's folder is snapshot instead."""
     files = source_files(folder)
-    dest.mkdir(parents=True, exist_ok=True)
-    for old in dest.iterdir():
-        old.unlink()
+    _empty(dest)
     for name, path in files.items():
         if name in COMPANIONS:
             _copy(path, dest / name)
@@ -126,21 +129,104 @@ def stage(folder: Path, dest: Path) -> Path:
     return dest
 
 
-def _copy(path: Path, dest: Path) -> None:
+def snapshot(folder: Path, dest: Path, progress: Callable[..., None] = lambda **_: None) -> dict[str, str]:
+    """The job's own copy of a user's folder in `dest`: every source file copied, then the copy hashed (what was
+    hashed is what `dest` holds), read-only; name -> sha256. Whatever the folder does later (rewritten in place,
+    swapped, truncated), the job reads this copy. `progress(done=, total=, unit="B")` as it is copied. A disk that
+    fills up is JobFailed, and leaves `dest` empty."""
+    files = source_files(folder)
+    _empty(dest)
+    total, done, hashes = sum(p.stat().st_size for p in files.values()), 0, {}
+    for name, path in files.items():
+
+        def copied(n: int, base: int = done) -> None:
+            progress(done=base + n, total=total, unit="B")
+
+        try:
+            hashes[name] = _copy(path, dest / name, copied)
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            _empty(dest)
+            raise JobFailed(
+                f"no space left in {dest.parent} for the job's copy of {folder} ({size(total)}); free some "
+                "(qf gc removes finished jobs' work folders) and run it again"
+            ) from None
+        os.chmod(dest / name, 0o444)
+        done += (dest / name).stat().st_size
+    return hashes
+
+
+def stamps(dest: Path) -> dict[str, tuple[int, int, int]]:
+    """What a snapshot's files are on disk (inode, size, mtime): the same stamps mean the files the job hashed,
+    since only the factory writes under FACTORY_HOME."""
+    found = {}
+    for p in sorted(dest.iterdir()):
+        st = p.lstat()
+        found[p.name] = (st.st_ino, st.st_size, st.st_mtime_ns) if stat.S_ISREG(st.st_mode) else (0, -1, -1)
+    return found
+
+
+def _empty(dest: Path) -> None:
+    dest.mkdir(parents=True, exist_ok=True)
+    for old in dest.iterdir():
+        old.unlink()
+
+
+def _copy(path: Path, dest: Path, progress: Callable[[int], None] = lambda _: None) -> str:
+    """Copy `path` to `dest` through one descriptor opened without following a link; the sha256 of the copy. The
+    kernel copies (copy_file_range: a reflink where the filesystem shares blocks, XFS or Btrfs, else a copy that
+    never passes through this process), then the copy is hashed; where the kernel cannot copy between the two
+    filesystems, one pass reads, hashes and writes. On ext4 both take about as long, bound by the disk's writes
+    (benchmarks/snapshot_cost.py)."""
     try:  # O_NONBLOCK: a FIFO swapped in does not make the open wait
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as e:
         raise ModelRefused(
             f"{path.name} changed while it was read ({e.strerror}); the factory reads only regular files"
         ) from None
-    with os.fdopen(fd, "rb") as f:
+    with os.fdopen(fd, "rb", buffering=0) as f:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise ModelRefused(
                 f"{path.name} changed while it was read (it is not a regular file now); the factory "
                 "reads only regular files"
             )
-        with open(dest, "wb") as out:
-            shutil.copyfileobj(f, out)
+        with open(dest, "w+b", buffering=0) as out:
+            try:
+                return _kernel_copy(f, out, progress)
+            except OSError as e:
+                if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+                    raise
+            f.seek(0)
+            out.seek(0)
+            out.truncate()
+            return _copy_hashing(f, out, progress)
+
+
+def _kernel_copy(f: BinaryIO, out: BinaryIO, progress: Callable[[int], None]) -> str:
+    done = 0
+    while n := os.copy_file_range(f.fileno(), out.fileno(), KERNEL_CHUNK):
+        done += n
+        progress(done)
+    out.seek(0)
+    h, buf = hashlib.sha256(), bytearray(CHUNK)
+    view = memoryview(buf)
+    while n := out.readinto(buf):
+        h.update(view[:n])
+    return h.hexdigest()
+
+
+def _copy_hashing(f: BinaryIO, out: BinaryIO, progress: Callable[[int], None]) -> str:
+    h, buf, done = hashlib.sha256(), bytearray(CHUNK), 0
+    view = memoryview(buf)
+    while n := f.readinto(buf):
+        h.update(view[:n])
+        written = 0
+        while written < n:
+            written += out.write(view[written:n])
+        done += n
+        progress(done)
+    return h.hexdigest()
 
 
 def staged_files(dest: Path, folder: Path) -> dict[str, Path]:

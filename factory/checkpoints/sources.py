@@ -2,7 +2,8 @@
 
 A local folder's identity is `sha256:<hex>` over the files it contributes (factory/checkpoints/files.py: weights,
 config, tokenizer, chat template; names and contents);
-file hashes are cached by path, size and mtime under FACTORY_HOME, so a second run does not re-read the weights.
+file hashes are cached by path, size and mtime under FACTORY_HOME, so a second submit does not re-read the weights:
+a hint, which the job verifies against the bytes of its own snapshot of the folder (factory/jobs/prepared.py).
 A Hub repo (`org/name[@revision]`) is identified by `org/name@<commit sha>`, resolved when the job is submitted;
 the job's fetch step downloads the same allowlist of files pinned to that sha into
 FACTORY_HOME/cache/hub/<org>--<name>/<sha>/ and checks each against the Hub's sha256 (LFS) or git blob id, once.

@@ -100,9 +100,7 @@ class BpwTargets(Targets):
 
 @dataclass
 class QuantizeRequest:
-    source_dir: (
-        Path  # the job's staging folder: links to the source's allowlisted files only (factory/checkpoints/files.py)
-    )
+    source_dir: Path  # the job's staging folder: the source's allowlisted files only (factory/checkpoints/files.py)
     out_dir: Path  # empty; the engine fills it with the quant's files
     work_dir: Path  # the engine's scratch space, kept between attempts
     spec: dict

@@ -1,10 +1,13 @@
 """What every unit of a job works from, and how a job comes to it: the fetch, dequantize and inspect steps
-(`prepare`), and `read`, which a helping worker also uses (into a folder of its own). Sources are read through a
-staging folder of their allowlisted files (factory/checkpoints/files.py); `check_staged` says whether it still holds
-what was submitted."""
+(`prepare`), and `read`, which a helping worker also uses (into a folder of its own). Every unit reads the job's
+staging folder of the source's allowlisted files (factory/checkpoints/files.py): for a local folder, a snapshot the
+job copies and hashes in one pass, whose hash must be the identity the job was submitted with (SourceChanged, exit 3,
+otherwise); for a verified Hub download or a BF16 copy, both in FACTORY_HOME, links to it. `check_unchanged` says,
+before a publish, whether the staging still holds what the job verified."""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +18,7 @@ from factory.catalog import Job
 from factory.checkpoints import dequantize, files, sources
 from factory.checkpoints.inspect import inspect
 from factory.engines import QuantSpec
-from factory.errors import ModelRefused, SpecError
+from factory.errors import JobFailed, ModelRefused, SourceChanged, SpecError
 from factory.evaluation import evaluate, layered
 from factory.jobs.context import Run
 from factory.jobs.costs import Sized
@@ -23,31 +26,36 @@ from factory.publish import upstream
 from factory.vram import Params, Shape
 
 
+def _quiet(**_: object) -> None:
+    pass
+
+
 @dataclass
 class Prepared:
     """What the inspect step learns, kept in memory for the later units of this attempt (`read`)."""
 
-    folder: Path  # the staging folder: links to the source's allowlisted files
+    folder: Path  # the staging folder: the job's snapshot of a local folder, or links into FACTORY_HOME
     specs: list[QuantSpec]
     calibration: dict[str, list[list[int]]]  # tag -> token windows, for engines that take tokens
     calibration_file: Path  # the calibration text as parquet, for engines that tokenize it themselves
     stream: evaluate.Stream
     upstream: upstream.Upstream  # what the card says about the base model
     model: Sized
+    stamps: dict[str, tuple[int, int, int]] | None  # a snapshot's files as verified (files.stamps); None: links
 
 
 def prepare(run: Run, job: Job) -> Prepared:
     """The job's fetch (a Hub source), dequantize (FP8 or MXFP4) and inspect steps; inspect records the resolved
     specs."""
-    fetched = None
+    fetched, where = None, run.settings.work / job.id
     if identity.is_hub(job.source_identity):  # the Hub commit, downloaded and checked once
         with run.step(job.id, "fetch") as progress:
             fetched = sources.fetch_hub(job.source_identity, run.settings.cache, progress)
     if dequantize.wanted(fetched or Path(job.source)):  # FP8 or MXFP4: every unit reads its BF16 copy
         with run.step(job.id, "dequantize") as progress:
-            fetched = _bf16(run, job, fetched or _local_folder(run, job), progress)
-    with run.step(job.id, "inspect"):
-        prepared = read(run, job, fetched, run.settings.work / job.id)
+            fetched = _bf16(run, job, fetched or _local(run, job, where, progress), progress)
+    with run.step(job.id, "inspect") as progress:
+        prepared = read(run, job, fetched, where, progress)
         run.catalog.set_job_specs(
             job.id, [s.model_dump() for s in prepared.specs], run.token, parameters=prepared.model.parameters
         )
@@ -61,21 +69,24 @@ def prepare(run: Run, job: Job) -> Prepared:
     return prepared
 
 
-def read(run: Run, job: Job, fetched: Path | None, where: Path) -> Prepared:
-    """Check the source, stage it under `where`, resolve the specs against it and read the calibration and
-    eval texts' token ids (tokenized once, then from cache/tokens/): what every unit works from. Writes nothing
-    to the catalog (a helping worker reads a job this way, into a folder of its own: staging replaces the files
-    the job's own units read)."""
-    source_folder = _bf16(run, job, fetched or _local_folder(run, job))
+def read(run: Run, job: Job, fetched: Path | None, where: Path, progress: Callable[..., None] = _quiet) -> Prepared:
+    """Check the source, stage it under `where` (a local folder: snapshot and verified there), resolve the specs
+    against it and read the calibration and eval texts' token ids (tokenized once, then from cache/tokens/): what
+    every unit works from. Writes nothing to the catalog (a helping worker reads a job this way, into a folder of its
+    own: staging replaces the files the job's own units read)."""
+    folder = where / "source"
+    source_folder = _bf16(run, job, fetched or _local(run, job, where, progress))
     specs = engines.specs_from_dicts(job.specs)
     info = inspect(source_folder, engines.architectures())
-    folder = files.stage(source_folder, where / "source")
-    check_staged(run, job, source_folder, folder, "since the job was submitted", "submit it again")
+    stamps = files.stamps(folder) if source_folder == folder else None
+    if stamps is None:
+        files.stage(source_folder, folder)
+        _check_links(run, job, folder, "since the job was submitted", "submit it again")
     specs = [engines.resolve(spec, info, job.device) for spec in specs]
     cal = _text(job.calibration, job.calibration_sha)
     cal_ids = _tokens(run, job, folder, cal)
     specs = [engines.get(s.method).fit_calibration(s, len(cal_ids), job.device) for s in specs]
-    config, tensors = sources.layout(str(source_folder))  # the staging folder is links: read the source
+    config, tensors = sources.layout(str(source_folder))
     shape = Shape.of(config)
     params = Params.of(tensors, shape)
     windows = {}
@@ -94,7 +105,8 @@ def read(run: Run, job: Job, fetched: Path | None, where: Path) -> Prepared:
         first=job.eval_windows * evaluate.window_length(info.max_positions),
     )
     stream = evaluate.stream(eval_ids, job.eval_windows, info.max_positions, job.eval)
-    up = upstream.read(job.base_model, files.upstream_card(source_folder), folder)
+    card_from = Path(job.source) if stamps is not None else source_folder  # a snapshot holds no README
+    up = upstream.read(job.base_model, files.upstream_card(card_from), folder)
     return Prepared(
         folder=folder,
         specs=specs,
@@ -103,36 +115,59 @@ def read(run: Run, job: Job, fetched: Path | None, where: Path) -> Prepared:
         stream=stream,
         upstream=up,
         model=Sized(shape, params, stream.window_length, layered.walkable(config)),
+        stamps=stamps,
     )
 
 
-def check_staged(run: Run, job: Job, source_folder: Path, staged: Path, since: str, then: str) -> None:
-    """What the job reads, its staging of a local folder, is what was submitted (a Hub commit was checked by its
-    fetch; the BF16 copy of an FP8 or MXFP4 source is what the staging must hold): ModelRefused says that the
-    source changed `since`, and `then` what to do."""
-    expected = job.source_identity
-    if (copy := dequantize.made(run.settings.home, job.source_identity)) is not None:
-        source_folder, expected = copy, identity.folder_identity(copy, run.settings.cache)
-    elif identity.is_hub(job.source_identity):
+def check_unchanged(run: Run, job: Job, prepared: Prepared) -> None:
+    """Before a publish: the staging folder still holds what the job verified (a snapshot's files are the same files,
+    which only the factory writes; links still lead to what they led to), else nothing is published."""
+    if prepared.stamps is None:
+        _check_links(run, job, prepared.folder, "since it was inspected", "nothing was published")
+    elif files.stamps(prepared.folder) != prepared.stamps:
+        raise JobFailed(
+            f"the job's snapshot of {job.source!r} ({prepared.folder}) changed since it was inspected; nothing was "
+            "published"
+        )
+
+
+def _check_links(run: Run, job: Job, staged: Path, since: str, then: str) -> None:
+    """The staging folder's links lead to the BF16 copy of the source (a Hub commit was checked by its fetch):
+    ModelRefused says that it changed `since`, and `then` what to do."""
+    if (copy := dequantize.made(run.settings.home, job.source_identity)) is None:
         return
+    expected = identity.folder_identity(copy, run.settings.cache)
     try:
-        same, why = identity.folder_identity(source_folder, run.settings.cache, staged) == expected, ""
+        same, why = identity.folder_identity(copy, run.settings.cache, staged) == expected, ""
     except ModelRefused as e:  # a file became a link out of the folder, a FIFO, ...
         same, why = False, f" ({e.message})"
     if not same:
-        raise ModelRefused(f"source folder {job.source!r} changed {since}{why}; {then}")
+        raise ModelRefused(f"the BF16 copy of {job.source!r} changed {since}{why}; {then}")
 
 
-def _local_folder(run: Run, job: Job) -> Path:
+def _local(run: Run, job: Job, where: Path, progress: Callable[..., None]) -> Path:
+    """A local source as the job reads it: the BF16 copy made from it earlier (from bytes a job verified), else the
+    job's snapshot of the folder in `where`/source, whose hash must be the identity the job was submitted with (the
+    hash cache that identity came from is a hint: SourceChanged names the files it was wrong about, and forgets
+    them)."""
+    if (copy := dequantize.made(run.settings.home, job.source_identity)) is not None:
+        _reused_copy(run, copy)
+        return copy
     folder = Path(job.source)
     if not folder.is_dir():
         raise ModelRefused(f"source folder {job.source!r} is gone")
-    if identity.folder_identity(folder, run.settings.cache) != job.source_identity:
-        raise ModelRefused(f"source folder {job.source!r} changed since the job was submitted; submit it again")
-    return folder
+    dest = where / "source"
+    try:
+        hashes = files.snapshot(folder, dest, progress)
+    except ModelRefused as e:  # a file became a link out of the folder, a FIFO, ...
+        raise ModelRefused(f"source folder {job.source!r} changed since the job was submitted ({e.message})") from None
+    if identity.of_files(hashes) != job.source_identity:
+        shutil.rmtree(dest, ignore_errors=True)  # bytes no job will read
+        raise SourceChanged(job.source, identity.forget_changed(folder, run.settings.cache, hashes), "submit it again")
+    return dest
 
 
-def _bf16(run: Run, job: Job, folder: Path, progress: Callable[..., None] = lambda **_: None) -> Path:
+def _bf16(run: Run, job: Job, folder: Path, progress: Callable[..., None] = _quiet) -> Path:
     """The folder the units read: the source, or its BF16 copy when it is FP8 or MXFP4
     (factory/checkpoints/dequantize.py), made once per source (checked by inspection first) and then reused, by this
     job's next attempt, its helpers and later jobs of the same source."""
@@ -141,8 +176,12 @@ def _bf16(run: Run, job: Job, folder: Path, progress: Callable[..., None] = lamb
     inspect(folder, engines.architectures())
     copy, made = dequantize.bf16(folder, job.source_identity, run.settings.home, progress)
     if not made:
-        run.emit(events.note(f"dequantize: the BF16 copy of this source made earlier is reused ({copy})"))
+        _reused_copy(run, copy)
     return copy
+
+
+def _reused_copy(run: Run, copy: Path) -> None:
+    run.emit(events.note(f"dequantize: the BF16 copy of this source made earlier is reused ({copy})"))
 
 
 def _tokens(run: Run, job: Job, folder: Path, text: calibration.TextSet, first: int | None = None) -> list[int]:

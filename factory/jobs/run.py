@@ -28,7 +28,7 @@ from factory.jobs.context import Run
 from factory.jobs.costs import Sized
 from factory.jobs.graph import Unit
 from factory.jobs.packing import Need, Packer
-from factory.jobs.prepared import Prepared, check_staged, prepare
+from factory.jobs.prepared import Prepared, check_unchanged, prepare
 from factory.publish import publishing
 
 log = logging.getLogger("quantfactory")
@@ -239,8 +239,7 @@ def _publish(run: Run, job: Job, prepared: Prepared, spec: QuantSpec, out: Path,
         run.note(f"publish:{spec.tag}: {note}")
         return
     with run.step(job.id, f"publish:{spec.tag}"):
-        source = Path(job.source)
-        check_staged(run, job, source, prepared.folder, "since it was inspected", "nothing was published")
+        check_unchanged(run, job, prepared)
         run.publisher.to_registry(job, spec, out, scores, prepared.upstream, run.token)
     publishing.moment("ended")
 
