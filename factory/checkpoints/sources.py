@@ -93,6 +93,23 @@ def is_hub_name(arg: str) -> bool:
     return not at or (bool(_HUB_REVISION.fullmatch(revision)) and ".." not in revision)
 
 
+def check_base_model(text: str) -> str:
+    """`--base-model`, what the model card names as base_model and links to: a Hub repo id `owner/name` (is_hub_name's
+    rules, huggingface_hub's validate_repo_id, with no revision). SpecError (exit 2; the service's 422) otherwise: a
+    heading, a link or a command in it would reach the published card.
+
+    Valid: `meta-llama/Llama-3.1-8B`.
+    Not valid: `gpt2` (no owner), `org/name@main`, `org/x--y`, `org/a b`, `org/x\n# Hi`, `org/x](https://e.vil)`.
+    """
+    if "@" in text or not is_hub_name(text):
+        shown = repr(text) if len(text) <= 100 else repr(text[:100]) + "..."
+        raise SpecError(
+            f"--base-model {shown} is not a Hub repo id: owner/name, ASCII letters, digits, '-', '_' and '.', at most "
+            "96 each, no '--' or '..'"
+        )
+    return text
+
+
 def resolve_hub(repo: str, revision: str | None) -> str:
     """The commit sha that `revision` (default main) of `repo` points at now."""
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
