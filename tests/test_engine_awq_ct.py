@@ -348,6 +348,36 @@ def test_sigterm_stops_qf_run_while_pip_waits_on_an_index_that_never_answers(tin
     assert [p.name for p in envs.iterdir()] == [f"{env.folder().name}.lock"]
 
 
+def test_sigterm_stops_the_installers_own_process(tmp_path):
+    """A process that only installs the packages (scripts/setup's `python -c`), pip waiting on the silent index:
+    SIGTERM ends it within seconds, pip with it, and the half-made folder goes."""
+    cache = tmp_path / "cache"
+    envs = cache / "quantfactory" / "envs"
+    with fake_index.silent_index() as index:
+        installer = subprocess.Popen(
+            [sys.executable, "-c", ENSURE],
+            env=fake_index.pip_env(cache, index=index),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        deadline = time.monotonic() + 60
+        while (pip := _pip_under(envs)) is None:
+            assert installer.poll() is None and time.monotonic() < deadline, installer.communicate()
+            time.sleep(0.2)
+        installer.send_signal(signal.SIGTERM)
+        stopped = time.monotonic()
+        try:
+            _, stderr = installer.communicate(timeout=60)
+        finally:
+            installer.kill()
+        took = time.monotonic() - stopped
+    assert took < 10 and installer.returncode != 0 and "KeyboardInterrupt" in stderr, (took, stderr[-2000:])
+    assert not Path(f"/proc/{pip}").exists() or "zombie" in Path(f"/proc/{pip}/status").read_text()
+    assert [p.name for p in envs.iterdir()] == [f"{env.folder().name}.lock"]
+
+
 def test_an_install_that_outlasts_its_time_ends_with_one_sentence(tmp_path):
     """The same silent index, FACTORY_AWQCT_INSTALL_SECONDS=2: the install ends after its 2 s with one sentence."""
     cache = tmp_path / "cache"

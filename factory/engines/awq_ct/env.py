@@ -23,9 +23,10 @@ that replaces it; when that cannot be done the job fails saying what was wrong w
 
 An install runs under a lock (`awqct-<key>.lock` beside it, opened without following links, refused unless it is a
 plain file of this user's), in a temporary folder renamed into place when complete, so concurrent jobs make it once
-and a killed install leaves nothing. pip runs as a child process that gets SIGTERM when the job stops (Ctrl-C, SIGTERM,
-a failed unit beside it; child.stop_running) or the factory dies, and is killed after INSTALL_SECONDS
-(FACTORY_AWQCT_INSTALL_SECONDS, default 1800): a package index that never answers ends the job with one sentence.
+and a killed install leaves nothing (what a SIGKILL left is removed by the next install). pip runs as a child process
+that gets SIGTERM when the job stops (Ctrl-C, SIGTERM, a failed unit beside it: child.stop_running), when the process
+installing gets SIGTERM, or when it dies, and is killed after INSTALL_SECONDS (FACTORY_AWQCT_INSTALL_SECONDS, default
+1800): a package index that never answers ends the job with one sentence.
 """
 
 from __future__ import annotations
@@ -38,10 +39,12 @@ import hashlib
 import os
 import re
 import shutil
+import signal
 import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -84,7 +87,7 @@ def ensure(emit: Callable[[dict], None] = lambda event: None) -> Path:
     _make_safe_folder(target.parent)
     if (problem := _problem(target)) is None:
         return target
-    with _locked(target, emit):
+    with _sigterm_interrupts(), _locked(target, emit):
         if (problem := _problem(target)) is None:  # another job made it while this one waited
             return target
         _install(target, problem, emit)
@@ -284,6 +287,25 @@ def _locked(target: Path, emit) -> Iterator[None]:
         yield
     finally:
         os.close(fd)
+
+
+@contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """In a process that left SIGTERM as it comes (`python -c "...env.ensure()"`, scripts/setup): SIGTERM raises
+    KeyboardInterrupt while it installs, so pip is stopped and the half-made folder removed before the process ends.
+    `qf` sets its own (factory/cli/shared.py); a thread cannot set one."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _waiting(emit, what: str) -> Callable[[], None]:
