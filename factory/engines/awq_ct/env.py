@@ -222,10 +222,11 @@ def _installed_path(recorded: str) -> str | None:
 
 
 def _cached_bytecode(rel: str, recorded: dict) -> bool:
-    """Python's cache of a recorded module (`__pycache__/<module>.<tag>[.opt-N].pyc`)."""
+    """Python's cache of a recorded module (`__pycache__/<module>.<tag>[.opt-N].pyc`, or `.pyc.<id>` while Python
+    writes it)."""
     parent, name = os.path.split(rel)
     tag = re.escape(sys.implementation.cache_tag or "")
-    found = re.fullmatch(rf"(.+)\.{tag}(?:\.opt-[12])?\.pyc", name)
+    found = re.fullmatch(rf"(.+)\.{tag}(?:\.opt-[12])?\.pyc(?:\.\d+)?", name)
     return (
         os.path.basename(parent) == "__pycache__"
         and found is not None
