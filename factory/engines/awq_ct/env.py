@@ -105,7 +105,7 @@ def child_path(emit: Callable[[dict], None] = lambda event: None) -> dict[str, s
 
 
 def _make_safe_folder(path: Path) -> None:
-    """`path` made where missing (0755 whatever the umask), then checked as the module's docstring says."""
+    """`path` made where missing (0755 at most, whatever the umask), then checked as the module's docstring says."""
     missing = []
     at = path
     while not os.path.lexists(at):
@@ -121,7 +121,7 @@ def _make_safe_folder(path: Path) -> None:
     for chain in (path, Path(os.path.realpath(path))):
         if (why := _unsafe_chain(chain)) is not None:
             raise JobFailed(
-                f"AWQ-CT's packages folder {path} was not used: {why}, so another user could change what the "
+                f"AWQ-CT's packages under {path} were not used: {why}, so another user could change what the "
                 "engine runs; set XDG_CACHE_HOME to a folder that only you (or root) can write"
             )
 
