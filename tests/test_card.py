@@ -12,6 +12,7 @@ import pytest
 from markdown_it import MarkdownIt
 
 from factory.checkpoints import sources
+from factory.cli import app
 from factory.publish import card, upstream
 from factory.registry.published import QuantRow
 from tests.quant_rows import quant_row
@@ -168,3 +169,14 @@ def test_a_folders_name_reaches_the_card_as_a_plain_name(tiny, tmp_path):
     up = upstream.read(source.base_model, None, folder)
     text = card.render("free-gpus", up, _row("awq-w4g128", 4), [_row("awq-w4g128", 4)])
     assert [f for f in _outside_code(text) if f[0] == "link" or "Free GPUs" in f[1]] == []
+
+
+def test_a_base_model_that_is_not_a_hub_id_is_refused_before_asking_the_service(qf, tiny):
+    """`qf submit` through a service says so itself, before it sends anything (the service refuses it too)."""
+    args = ["submit", "org/model", "--awq", "--base-model", "org/x](https://e.vil)"]
+    result = qf.runner.invoke(app, args, env={**qf.env, "FACTORY_SERVER": "http://127.0.0.1:1", "FACTORY_TOKEN": "t"})
+    assert (result.exit_code, result.output) == (
+        2,
+        "error: --base-model 'org/x](https://e.vil)' is not a Hub repo id: owner/name, ASCII letters, digits, '-', "
+        "'_' and '.', at most 96 each, no '--' or '..'\n",
+    )
