@@ -160,9 +160,9 @@ class Client:
     def _download(
         self, quant: dict, fname: str, staging: PrivateFolder, have: int, size: int, progress: Callable[[int], None]
     ) -> None:
-        """`path` completed from its byte `have` (or from its start, when the server sends the whole file) to the
-        manifest's `size`, never past it: a longer body is cut off there, a shorter one (a Content-Length that
-        stops early, say) is refused too, and the file goes."""
+        """`fname` in the staging folder completed from its byte `have` (or from its start, when the server sends the
+        whole file) to the manifest's `size`, never past it: a longer body is cut off there, a shorter one (a
+        Content-Length that stops early, say) is refused too, and the file goes."""
         what = f"{fname} of {quant['name']}@{quant['rev']}"
         url = f"/api/quants/{quant['model']}/{quant['tag']}/files/{_segment(fname)}"
         headers = {"Range": f"bytes={have}-"} if have else {}
