@@ -34,8 +34,11 @@ def request(
     """The Request for SOURCE: the recipe (a file, or its YAML text from a service's client) with the engine flags
     (`--<engine> 3.0,4.0`) and options applied; `fit` (VRAM budgets) becomes the sizing engine's sizes, each
     choice told to `say`."""
+    from factory.checkpoints.sources import check_base_model
     from factory.jobs.planning import Request
 
+    if base_model is not None:
+        check_base_model(base_model)
     flags = dict(flags)
     written_recipe = recipe_from_yaml(recipe_text, "the recipe sent") if recipe_text is not None else None
     if fit:

@@ -1,15 +1,23 @@
 """The AWQ-CT engine (llm-compressor's AWQ, written as compressed-tensors), for real: `qf run --awqct` end to end on
 the tiny Llama, then what transformers (5.17, from the engine's own packages) makes of the pulled quant; the child's
 packages, made once; the mixtures of experts its mappings name, each a tiny checkpoint of tests/tiny_archs.py that the
-engine quantizes and scores; SmolLM2-135M on the CPU against the AutoAWQ quant's numbers; a child that fails."""
+engine quantizes and scores; SmolLM2-135M on the CPU against the AutoAWQ quant's numbers; a child that fails. And the
+packages' folder as another user of the machine or a package index may try to spoil it (a second uid, stand-in wheels
+and an index that never answers: tests/fake_index.py): nothing planted runs, nothing is followed, an install stops on
+SIGTERM or after its time, a damaged folder is installed again."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,10 +30,22 @@ from factory.engines.awq_ct import env
 from factory.engines.awq_ct.engine import ARCHITECTURES
 from factory.errors import JobFailed
 from factory.evaluation import evaluate
+from tests import fake_index, hostile_user
 from tests.smollm2 import PPL_WIKI
 from tests.tiny_archs import make_tiny
 
 ENGINE = engines.get("awqct")
+ROOT = Path(__file__).resolve().parent.parent
+# what a process of the victim's runs to get the packages: the folder, or the one sentence and exit 1
+ENSURE = """
+from factory.engines.awq_ct import env
+from factory.errors import JobFailed
+try:
+    print(env.ensure())
+except JobFailed as e:
+    print(e.message)
+    raise SystemExit(1)
+"""
 
 
 def _tensor_names(folder) -> set[str]:
@@ -204,3 +224,211 @@ def test_smollm2_lands_where_autoawq_does(smollm2_job):
     assert row["kld"] < 1.2 * autoawq["kld"]  # 0.1587 against 0.1546
     text = (qf.home / "registry" / row["path"] / "README.md").read_text()
     assert "builtin:c4, 8 x 128 tokens" in text and "vllm serve" in text
+
+
+# -- the packages' folder, attacked --------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def shared():
+    """A folder every user can reach (/tmp/qf-shared-*), holding a cache that every user of the machine shares:
+    cache/quantfactory/envs is writable by all and sticky, as /tmp is."""
+    shared = Path(tempfile.mkdtemp(prefix="qf-shared-", dir="/tmp"))
+    shared.chmod(0o755)
+    envs = shared / "cache" / "quantfactory" / "envs"
+    envs.mkdir(parents=True)
+    envs.chmod(0o1777)
+    yield shared
+    shutil.rmtree(shared)
+
+
+def _ensure(environment: dict, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", ENSURE], env=environment, cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def _qf_run(tiny, home: Path, environment: dict, **popen) -> subprocess.Popen:
+    """A real `qf run --awqct` on the tiny Llama, its units two at a time (each in a thread of its own)."""
+    environment = {k: v for k, v in environment.items() if not k.startswith("FACTORY_")}
+    return subprocess.Popen(
+        [sys.executable, "-m", "factory.cli", "run", str(tiny), "--awqct", "--eval-windows", "2", "--max-units", "2"],
+        env={**environment, "FACTORY_HOME": str(home), "OMP_NUM_THREADS": "1"},
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **popen,
+    )
+
+
+def test_a_packages_folder_another_user_planted_never_runs(tiny, shared, tmp_path):
+    """Another user makes the packages' folder in the shared cache first, with a `.complete` marker and a
+    `sitecustomize.py`; root's `qf run --awqct` fails with one sentence, and nothing of that folder ran as root."""
+    envs, ran = shared / "cache" / "quantfactory" / "envs", shared / "ran-as"
+    planted = envs / env.folder().name
+    hostile_user.run(
+        f"mkdir {planted}; printf '%s\\n' {' '.join(env.PINS)} > {planted}/.complete; "
+        f"echo \"import os; open('{ran}', 'w').write(str(os.getuid()))\" > {planted}/sitecustomize.py; "
+        f"chmod -R a+rX {planted}"
+    )
+    planted_files = {p.name: p.read_bytes() for p in planted.iterdir()}
+    run = _qf_run(tiny, tmp_path / "home", fake_index.pip_env(shared / "cache"))
+    _, stderr = run.communicate(timeout=300)
+    assert not ran.exists(), f"the planted sitecustomize.py ran as uid {ran.read_text()}"
+    assert run.returncode == 1, stderr[-3000:]
+    assert (
+        f"AWQ-CT's packages folder {planted} belongs to uid {hostile_user.uid()}, not to this user (uid 0), so it "
+        "was not used: its owner could have put anything in it; remove it, or set XDG_CACHE_HOME to a folder of "
+        "your own"
+    ) in stderr
+    assert {p.name: p.read_bytes() for p in planted.iterdir()} == planted_files  # theirs: neither used nor removed
+
+
+@pytest.mark.parametrize("layout", ["lock-linked-to-a-victim", "their-folder-on-the-way", "a-writable-folder"])
+def test_a_cache_others_can_change_is_refused_before_anything_is_written(layout, shared, tmp_path):
+    """The install's lock, planted as a link to root's file, is not followed (the file was truncated); a folder on
+    the way that another user owns, or that anyone can write (not sticky), is refused: another user could swap what
+    the engine runs. One sentence, exit 1, the victim's file as it was, nothing installed."""
+    cache, victim = shared / "cache", shared / "victim.txt"
+    victim.write_text("root's own file")
+    envs = cache / "quantfactory" / "envs"
+    lock = envs / f"{env.folder().name}.lock"
+    if layout == "lock-linked-to-a-victim":
+        hostile_user.run(f"ln -s {victim} {lock}")
+        said = f"AWQ-CT's install lock {lock} is a link; it was not used: remove it"
+    elif layout == "their-folder-on-the-way":
+        shutil.rmtree(cache / "quantfactory")
+        cache.chmod(0o1777)
+        hostile_user.run(f"mkdir -p {envs}; chmod 755 {cache / 'quantfactory'} {envs}")
+        said = f"{cache / 'quantfactory'} belongs to uid {hostile_user.uid()}, so another user could change what"
+    else:
+        envs.chmod(0o777)
+        said = f"{envs} is writable by others, so another user could change what"
+    done = _ensure(fake_index.pip_env(cache, fake_index.wheels(tmp_path / "wheels")))
+    assert done.returncode == 1 and said in done.stdout, done.stdout + done.stderr[-2000:]
+    assert done.stdout.count("\n") == 1 and victim.read_text() == "root's own file"
+    assert not (envs / env.folder().name).exists()
+
+
+def _pip_under(envs: Path) -> int | None:
+    """The pid of a pip installing into a temporary folder in `envs`, if one runs."""
+    for proc in Path("/proc").iterdir():
+        try:
+            args = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"pip" in args and any(a.startswith(f"{envs}/.".encode()) for a in args):
+            return int(proc.name)
+    return None
+
+
+def test_sigterm_stops_qf_run_while_pip_waits_on_an_index_that_never_answers(tiny, tmp_path):
+    """`qf run --awqct` with a fresh cache and a package index that accepts connections and never answers: SIGTERM
+    while pip waits ends the run within seconds, pip with it, and leaves no half-made folder (it ran on for minutes)."""
+    cache = tmp_path / "cache"
+    envs = cache / "quantfactory" / "envs"
+    with fake_index.silent_index() as index:
+        run = _qf_run(tiny, tmp_path / "home", fake_index.pip_env(cache, index=index))
+        deadline = time.monotonic() + 180
+        while (pip := _pip_under(envs)) is None:
+            assert run.poll() is None and time.monotonic() < deadline, run.communicate()[1][-3000:]
+            time.sleep(0.2)
+        time.sleep(1)
+        run.send_signal(signal.SIGTERM)
+        stopped = time.monotonic()
+        try:
+            _, stderr = run.communicate(timeout=60)
+        finally:
+            run.kill()
+        took = time.monotonic() - stopped
+    assert took < 10, f"qf run took {took:.1f} s to stop"
+    assert run.returncode == 130 and stderr.splitlines()[-1] == "interrupted", stderr[-3000:]
+    assert not Path(f"/proc/{pip}").exists() or "zombie" in Path(f"/proc/{pip}/status").read_text()
+    assert [p.name for p in envs.iterdir()] == [f"{env.folder().name}.lock"]
+
+
+def test_sigterm_stops_the_installers_own_process(tmp_path):
+    """A process that only installs the packages (scripts/setup's `python -c`), pip waiting on the silent index:
+    SIGTERM ends it within seconds, pip with it, and the half-made folder goes."""
+    cache = tmp_path / "cache"
+    envs = cache / "quantfactory" / "envs"
+    with fake_index.silent_index() as index:
+        installer = subprocess.Popen(
+            [sys.executable, "-c", ENSURE],
+            env=fake_index.pip_env(cache, index=index),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        deadline = time.monotonic() + 60
+        while (pip := _pip_under(envs)) is None:
+            assert installer.poll() is None and time.monotonic() < deadline, installer.communicate()
+            time.sleep(0.2)
+        installer.send_signal(signal.SIGTERM)
+        stopped = time.monotonic()
+        try:
+            _, stderr = installer.communicate(timeout=60)
+        finally:
+            installer.kill()
+        took = time.monotonic() - stopped
+    assert took < 10 and installer.returncode != 0 and "KeyboardInterrupt" in stderr, (took, stderr[-2000:])
+    assert not Path(f"/proc/{pip}").exists() or "zombie" in Path(f"/proc/{pip}/status").read_text()
+    assert [p.name for p in envs.iterdir()] == [f"{env.folder().name}.lock"]
+
+
+def test_an_install_that_outlasts_its_time_ends_with_one_sentence(tmp_path):
+    """The same silent index, FACTORY_AWQCT_INSTALL_SECONDS=2: the install ends after its 2 s with one sentence."""
+    cache = tmp_path / "cache"
+    with fake_index.silent_index() as index:
+        start = time.monotonic()
+        done = _ensure({**fake_index.pip_env(cache, index=index), "FACTORY_AWQCT_INSTALL_SECONDS": "2"}, timeout=60)
+        took = time.monotonic() - start
+    target = cache / "quantfactory" / "envs" / env.folder().name
+    assert done.returncode == 1 and took < 20, (took, done.stdout, done.stderr[-2000:])
+    assert done.stdout == (
+        f"AWQ-CT's packages ({', '.join(env.PINS)}) were not installed into {target} within 2 s "
+        "(FACTORY_AWQCT_INSTALL_SECONDS): pip was stopped; check that its package index answers (PIP_INDEX_URL, or "
+        "PIP_NO_INDEX=1 with PIP_FIND_LINKS)\n"
+    )
+    assert [p.name for p in target.parent.iterdir()] == [f"{target.name}.lock"]
+
+
+def test_a_half_installed_folder_is_installed_again_or_explained(tmp_path, monkeypatch):
+    """A folder whose transformers lost its files (a copy killed half-way, a disk cleaner) and that gained a
+    `sitecustomize.py` still has its `.complete`: the next job installs it again into a new folder that replaces it
+    (before, every job took the factory's own transformers, or failed with ModuleNotFoundError). Where that
+    cannot be done (no index), the job fails saying what was wrong with the folder."""
+    wheels = fake_index.wheels(tmp_path / "wheels")
+    for key, value in fake_index.pip_env(tmp_path / "cache", wheels).items():
+        monkeypatch.setenv(key, value)
+    target = env.ensure()
+    transformers = "import transformers; print(transformers.__version__, getattr(transformers, 'STAND_IN', False))"
+
+    def child_imports() -> str:
+        done = subprocess.run(
+            [sys.executable, "-c", transformers],
+            env={**os.environ, **env.child_path()},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        return done.stdout.strip()
+
+    assert child_imports() == "5.17.0 True"
+    (target / "transformers" / "__init__.py").unlink()
+    (target / "sitecustomize.py").write_text("print('planted')\n")
+    first = target.stat().st_ino
+    assert child_imports() == "5.17.0 True" and target.stat().st_ino != first
+    assert not (target / "sitecustomize.py").exists()
+    assert sorted(p.name for p in target.parent.iterdir()) == [target.name, f"{target.name}.lock"]
+
+    (target / "transformers" / "__init__.py").unlink()
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "no-wheels"))
+    with pytest.raises(JobFailed) as e:
+        env.ensure()
+    assert e.value.message.startswith(
+        f"AWQ-CT could not install its packages ({', '.join(env.PINS)}) into {target}: the folder there was damaged "
+        "(it is half-installed: 1 of its files are missing (transformers/__init__.py, ...)) and "
+    ), e.value.message

@@ -74,7 +74,7 @@ def _card(qf: Qf) -> str:
             "France?<|im_end|>\n<|im_start|>assistant\n",
             None,
         ),
-        ("{{ tools[0].name }}", "{{ tools[0].name }}", None),  # needs more than the usual variables: shown as it is
+        ("{{ tools[0].name }}", None, "jinja2's sandbox cannot render it (UndefinedError)"),  # needs `tools`
         (BOMB, None, "it renders to more than 64 KiB"),
         (SLOW, None, "rendering it took longer than 5 s"),
         ("{{ 'x' * 2000000000 }}", None, "rendering it needed more than 512 MiB"),

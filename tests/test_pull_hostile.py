@@ -2,7 +2,8 @@
 answers the real CLI in a subprocess with climbing revisions, absolute and `..` file names, names no quant carries,
 size and sha256 lies, short Content-Lengths and endless bodies. Each pull exits 1 with one sentence naming the server,
 writes nothing outside its staging folder and `-o`, and leaves the victim file where the attack points untouched.
-And a local pull copies the registry's files, never hard-links them."""
+Another local user who prepares the staging folder where a pull would make it (a second uid) changes nothing of
+root's. And a local pull copies the registry's files, never hard-links them."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -21,6 +24,7 @@ from pathlib import Path
 
 from factory.publish import folder
 from factory.service.client import MAX_ANSWER
+from tests import hostile_user
 from tests.test_service import ROOT, user_env
 
 MODEL, TAG, REV = "tiny", "awq-w4g128", "1234567"
@@ -142,10 +146,13 @@ def _tree(root: Path) -> dict[Path, tuple]:
 
 
 def _the_client_own(rel: Path) -> bool:
-    """Where a pull into pulls/out may write: -o itself and its staging folder `.qf-pull-out-<rev>` beside it."""
+    """Where a pull into pulls/out may write: -o itself and its staging folder `.qf-pull-out-<rev>.<random>` beside
+    it."""
     parts = rel.parts
     return parts[0] == "pulls" and (
-        len(parts) == 1 or parts[1] == "out" or re.fullmatch(r"\.qf-pull-out-[0-9a-f]{7,64}", parts[1]) is not None
+        len(parts) == 1
+        or parts[1] == "out"
+        or re.fullmatch(r"\.qf-pull-out-[0-9a-f]{7,64}\.[a-z0-9_]+", parts[1]) is not None
     )
 
 
@@ -223,8 +230,7 @@ def test_a_200_answer_to_a_range_request_starts_the_file_again(tmp_path):
     """A pull killed half-way left a wrong half file; the server ignores the Range and sends the whole file."""
     server = HostileServer({"honest": Answer()})
     try:
-        staged = tmp_path / f".qf-pull-out-{REV}"
-        staged.mkdir()
+        staged = Path(tempfile.mkdtemp(prefix=f".qf-pull-out-{REV}.", dir=tmp_path))  # as the killed pull made it
         (staged / "model.safetensors").write_bytes(b"\xff" * (len(WEIGHTS) // 2))
         pulled = subprocess.run(
             [sys.executable, "-m", "factory.cli", "pull", f"{MODEL}:{TAG}", "-o", tmp_path / "out"],
@@ -256,3 +262,54 @@ def test_a_local_pull_copies_and_never_shares_the_registry_files(finished, tmp_p
             f.write(b"edited by the user")
         assert theirs.read_bytes() == kept, theirs.name
     folder.verify(registry)
+
+
+def test_a_staging_folder_another_user_prepared_is_not_used(tmp_path):
+    """Root pulls into a folder another user can write (theirs, mode 0777), where that user made the staging folder
+    the pull used to make, `.qf-pull-out-<rev>`: a link to root's folder (the pull wrote into it, deleted the file
+    larger than the manifest's and exited 0), or a folder of links to root's files (the pull appended to one).
+    Each pull now stages in a folder of its own, exits 0 with the quant's files in -o, and root's folder is as it
+    was; what the other user made is left as it is."""
+    cases = {"linked-folder": tmp_path / "a", "linked-files": tmp_path / "b"}
+    victim = tmp_path / "victim"  # root's: a bigger model.safetensors and a shorter one, a config.json
+    victim.mkdir()
+    (victim / "model.safetensors").write_bytes(b"v" * (2 * len(WEIGHTS)))
+    (victim / "short.bin").write_bytes(VICTIM)
+    (victim / "config.json").write_bytes(VICTIM)
+    drops = {name: Path(tempfile.mkdtemp(prefix="qf-drop-", dir="/tmp")) for name in cases}
+    try:
+        for drop in drops.values():
+            os.chown(drop, hostile_user.uid(), -1)
+            drop.chmod(0o777)
+        staged = {name: drop / f".qf-pull-out-{REV}" for name, drop in drops.items()}
+        hostile_user.run(
+            f"ln -s {victim} {staged['linked-folder']}; mkdir -m 777 {staged['linked-files']}; "
+            f"ln -s {victim / 'short.bin'} {staged['linked-files'] / 'model.safetensors'}; "
+            f"ln -s {victim / 'config.json'} {staged['linked-files'] / 'config.json'}"
+        )
+        before, theirs = _tree(victim), {name: sorted(os.listdir(drop)) for name, drop in drops.items()}
+        server = HostileServer({"honest": Answer()})
+        try:
+            pulls = {
+                name: subprocess.run(
+                    [sys.executable, "-m", "factory.cli", "pull", f"{MODEL}:{TAG}", "-o", drop / "out"],
+                    env=user_env(server, "honest", cases[name] / "home"),
+                    cwd=ROOT,
+                    capture_output=True,
+                    text=True,
+                    timeout=60,
+                )
+                for name, drop in drops.items()
+            }
+        finally:
+            server.stop()
+        assert _tree(victim) == before
+        for name, drop in drops.items():
+            assert pulls[name].returncode == 0, (name, pulls[name].stderr)
+            assert (drop / "out" / "model.safetensors").read_bytes() == WEIGHTS and not (drop / "out").is_symlink()
+            assert (drop / "out" / "config.json").read_bytes() == CONFIG
+            assert sorted(os.listdir(drop)) == sorted([*theirs[name], "out"]), name
+            assert staged[name].is_symlink() or sorted(os.listdir(staged[name])) == ["config.json", "model.safetensors"]
+    finally:
+        for drop in drops.values():
+            shutil.rmtree(drop)

@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -299,6 +300,18 @@ def test_bad_requests_get_one_sentence_and_never_reach_the_filesystem(finished, 
         assert (
             api.post("/api/jobs", content=b"{not json", headers={"Content-Type": "application/json"}).status_code == 422
         )
+        for base_model in ("org/x\n# Free GPUs", "org/x](https://e.vil)", "gpt2"):  # it reached the card
+            hostile = api.post(
+                "/api/jobs", json={"source": "org/model", "flags": {"awq": True}, "base_model": base_model}
+            )
+            assert (hostile.status_code, hostile.json()) == (
+                422,
+                {
+                    "error": f"--base-model {base_model!r} is not a Hub repo id: owner/name, ASCII letters, digits, "
+                    "'-', '_' and '.', at most 96 each, no '--' or '..'",
+                    "exit_code": 2,
+                },
+            )
         extra = api.post("/api/jobs", json={"source": "org/model", "surprise": 1})
         assert extra.status_code == 422 and "surprise" in extra.json()["error"]
         assert api.get("/api/jobs", params={"limit": 0}).status_code == 422
@@ -412,7 +425,10 @@ def test_a_pull_killed_half_way_resumes_and_a_corrupt_one_is_refused(finished, t
         [row] = json.loads(qf(user, "ls", "--json", check=True).stdout)
         registry = qf_finished.home / "registry" / row["path"]
         biggest = max((p for p in registry.iterdir() if p.name != "manifest.json"), key=lambda p: p.stat().st_size)
-        partial = tmp_path / f".qf-pull-out-{row['rev']}" / biggest.name
+
+        def partial() -> Path:  # in the pull's own staging folder, .qf-pull-out-<rev>.<random>
+            return next(iter(tmp_path.glob(f".qf-pull-out-{row['rev']}.*/{biggest.name}")), tmp_path / "none")
+
         slow = {**user, "FACTORY_SERVER": SlowProxy(server.port).url}
         pull = subprocess.Popen(
             [sys.executable, "-m", "factory.cli", "pull", row["name"], "-o", tmp_path / "out"],
@@ -422,19 +438,18 @@ def test_a_pull_killed_half_way_resumes_and_a_corrupt_one_is_refused(finished, t
             stderr=subprocess.DEVNULL,
         )
         deadline = time.monotonic() + 60
-        while not (partial.exists() and partial.stat().st_size > biggest.stat().st_size // 4):
+        while not (partial().exists() and partial().stat().st_size > biggest.stat().st_size // 4):
             assert pull.poll() is None and time.monotonic() < deadline, "the pull ended before it could be killed"
             time.sleep(0.05)
         pull.kill()
         pull.wait()
-        assert 0 < partial.stat().st_size < biggest.stat().st_size and not (tmp_path / "out").exists()
+        assert 0 < partial().stat().st_size < biggest.stat().st_size and not (tmp_path / "out").exists()
         resumed = qf(user, "pull", row["name"], "-o", tmp_path / "out")
         assert resumed.returncode == 0, resumed.stderr
         assert (tmp_path / "out" / biggest.name).read_bytes() == biggest.read_bytes()
         assert "206 Partial Content" in server.log.read_text()  # it asked for the rest, not the whole file
 
-        staging = tmp_path / f".qf-pull-bad-{row['rev']}"
-        staging.mkdir()
+        staging = Path(tempfile.mkdtemp(prefix=f".qf-pull-bad-{row['rev']}.", dir=tmp_path))  # as a pull makes it
         (staging / biggest.name).write_bytes(b"\0" * (biggest.stat().st_size // 2))  # a partial download gone wrong
         refused = qf(user, "pull", row["name"], "-o", tmp_path / "bad")
         assert (refused.returncode, refused.stderr) == (

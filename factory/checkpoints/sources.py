@@ -60,12 +60,18 @@ def resolve(arg: str, cache_dir: Path) -> Source:
             label=path.name,
             owner=path.parent.name,
             identity=folder_identity(path, cache_dir),
-            base_model=path.name,
+            base_model=_plain(path.name),
         )
     repo, revision = parse_hub(arg)
     sha = resolve_hub(repo, revision)
     owner, label = repo.split("/")
     return Source(path=None, source=repo, label=label, owner=owner, identity=f"{repo}@{sha}", base_model=repo)
+
+
+def _plain(folder_name: str) -> str:
+    """A folder's name as the card names the base model: letters, digits, `.`, `_` and `-`, the rest `-` (a folder
+    may be named `x\n# Heading`, which would be a heading on the card)."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", folder_name).strip("-")[:96] or "model"
 
 
 def parse_hub(arg: str) -> tuple[str, str | None]:
@@ -92,6 +98,23 @@ def is_hub_name(arg: str) -> bool:
     if not _HUB_REPO.fullmatch(repo) or "--" in repo or ".." in repo or repo.endswith(".git"):
         return False
     return not at or (bool(_HUB_REVISION.fullmatch(revision)) and ".." not in revision)
+
+
+def check_base_model(text: str) -> str:
+    """`--base-model`, what the model card names as base_model and links to: a Hub repo id `owner/name` (is_hub_name's
+    rules, huggingface_hub's validate_repo_id, with no revision). SpecError (exit 2; the service's 422) otherwise: a
+    heading, a link or a command in it would reach the published card.
+
+    Valid: `meta-llama/Llama-3.1-8B`.
+    Not valid: `gpt2` (no owner), `org/name@main`, `org/x--y`, `org/a b`, `org/x\n# Hi`, `org/x](https://e.vil)`.
+    """
+    if "@" in text or not is_hub_name(text):
+        shown = repr(text) if len(text) <= 100 else repr(text[:100]) + "..."
+        raise SpecError(
+            f"--base-model {shown} is not a Hub repo id: owner/name, ASCII letters, digits, '-', '_' and '.', at most "
+            "96 each, no '--' or '..'"
+        )
+    return text
 
 
 def resolve_hub(repo: str, revision: str | None) -> str:

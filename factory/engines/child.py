@@ -21,7 +21,8 @@ import re
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from factory.errors import JobFailed
@@ -109,6 +110,16 @@ def stop_running() -> None:
     A unit that runs in a thread waits on its child's next line, which can be minutes away (a layer on a CPU)."""
     for proc in list(_running):
         proc.terminate()
+
+
+@contextmanager
+def stoppable(proc: subprocess.Popen) -> Iterator[subprocess.Popen]:
+    """`proc` is one of the children `stop_running()` stops while the block runs (an engine's installer, say)."""
+    _running.add(proc)
+    try:
+        yield proc
+    finally:
+        _running.discard(proc)
 
 
 def run_command(

@@ -10,6 +10,7 @@ snippet). A Hub repo's card shows two plots against size: perplexity, and KL div
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import yaml
@@ -91,7 +92,14 @@ def _prompt(up: Upstream) -> str:
     if shown.text is None:
         return f"\n## Prompt format\n\n{carried}. No example is shown: {shown.why_not}.\n"
     messages = "a system message and a user message with an image" if up.vision else "a system and a user message"
-    return f"\n## Prompt format\n\n{carried}; {messages} become:\n\n```\n{shown.text.strip()}\n```\n"
+    fence = _fence(shown.text)
+    return f"\n## Prompt format\n\n{carried}; {messages} become:\n\n{fence}\n{shown.text.strip()}\n{fence}\n"
+
+
+def _fence(text: str) -> str:
+    """A code fence that `text` cannot close (longer than any run of backticks in it): what a template renders stays
+    in its block, whatever headings or links it writes."""
+    return "`" * max(3, 1 + max((len(run) for run in re.findall(r"`+", text)), default=0))
 
 
 def _vision(up: Upstream) -> str:

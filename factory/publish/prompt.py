@@ -5,12 +5,14 @@ bound its loops: 80 bytes of two nested `range(99999)` loops ran for 272 s insid
 SIGTERM. So the template runs in a child process of its own (`python -I`, an empty environment) that is killed after
 SECONDS of wall time, may use at most MEMORY bytes of address space and CPU time for SECONDS, and whose output stops
 at MAX_BYTES. Whatever goes wrong, the card goes without the example and says why in one line; the publish goes on
-(tests/test_publish_safety.py).
+(tests/test_publish_safety.py). A template the sandbox cannot render (it needs variables beyond transformers' usual
+ones, or raises) gets no example either: the card shows only what the template rendered.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import resource
 import subprocess
 import sys
@@ -43,8 +45,7 @@ CHILD = (
 
 @dataclass(frozen=True)
 class Example:
-    """The rendered example (or the template itself, when it needs more than transformers' usual variables), or
-    None and why there is none."""
+    """The rendered example, or None and why there is none."""
 
     text: str | None
     why_not: str | None = None
@@ -64,8 +65,10 @@ def example(template: str, image: bool = False) -> Example:
         return _none(f"rendering it took longer than {SECONDS:g} s")
     if done.returncode == 0:
         return Example(done.stdout.decode("utf-8", errors="replace"))
-    if done.returncode == NOT_RENDERED:  # shown as it is
-        return Example(template) if len(template.encode()) <= MAX_BYTES else _none("the template is over 64 KiB")
+    if done.returncode == NOT_RENDERED:
+        error = done.stdout.decode("ascii", errors="replace")
+        named = f" ({error})" if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,79}", error) else ""
+        return _none(f"jinja2's sandbox cannot render it{named}")
     why = {
         TOO_LONG: f"it renders to more than {MAX_BYTES >> 10} KiB",
         OUT_OF_MEMORY: f"rendering it needed more than {MEMORY >> 20} MiB",
@@ -107,6 +110,7 @@ def _child() -> None:
         out = _render(template, IMAGE_EXAMPLE if sys.argv[1:] == ["image"] else EXAMPLE)
     except MemoryError:
         raise SystemExit(OUT_OF_MEMORY) from None
-    except Exception:  # a template that needs more than transformers' usual variables
+    except Exception as e:  # a template that needs more than transformers' usual variables, or raises
+        sys.stdout.write(type(e).__name__)  # the error's kind only: its words are the template's
         raise SystemExit(NOT_RENDERED) from None
     sys.stdout.buffer.write(out)

@@ -25,9 +25,9 @@ from factory.errors import (
     SpecError,
     mask_url,
 )
-from factory.identity import file_sha256
 from factory.publish.folder import MANIFEST
 from factory.registry import naming
+from factory.service.private_folder import PrivateFolder
 
 _BY_EXIT = {1: JobFailed, 2: SpecError, 3: ModelRefused, 4: NotFound}  # 409 is a Conflict (a SpecError: exit 2)
 Progress = Callable[[int, int], None]  # (bytes done, bytes in all)
@@ -127,43 +127,42 @@ class Client:
         match. Nothing the server says is trusted (see _refusal): a name, revision, size or sha256 that the factory
         would not make, or a body longer or shorter than the manifest says, is JobFailed (exit 1) naming the
         server. The only files written or removed are in the client's own staging folder beside `dest` (which then
-        becomes `dest`)."""
+        becomes `dest`), one no one else can make or change (factory/service/private_folder.py)."""
         info = self.call("GET", f"/api/quants/{ref.name}/{ref.tag}", params=_tag_rev(ref, tag=False))
         if (problem := _refusal(ref, info)) is not None:
             raise self._refused(f"{problem}; nothing was pulled")
         quant, manifest = info["quant"], info["manifest"]
-        staging = dest.parent / f".qf-pull-{dest.name}-{quant['rev']}"  # the same pull again resumes here
-        staging.mkdir(parents=True, exist_ok=True)
         files = manifest["files"]
         total, before = sum(f["bytes"] for f in files.values()), 0
-        for fname, want in files.items():
-            path = staging / fname  # a plain name (checked): inside the client's own staging folder
-            have = path.stat().st_size if path.exists() else 0
-            if have > want["bytes"]:
-                path.unlink()
-                have = 0
-            progress(before + have, total)
-            if have < want["bytes"] or not path.exists():
-                self._download(quant, fname, path, have, want["bytes"], lambda n, at=before: progress(at + n, total))
-            if file_sha256(path) != want["sha256"]:
-                path.unlink()
-                raise JobFailed(
-                    f"{fname} of {quant['name']}@{quant['rev']} from the factory's service at "
-                    f"{mask_url(self.url)} does not match its sha256 in the manifest; pull again"
-                )
-            before += want["bytes"]
-        (staging / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
-        if dest.exists():
-            dest.rmdir()  # empty: checked by the CLI
-        staging.rename(dest)
+        # the same pull again resumes in the folder this one leaves (factory/service/private_folder.py)
+        with PrivateFolder(dest, f".qf-pull-{dest.name}-{quant['rev']}.") as staging:
+            for fname, want in files.items():  # a plain name (checked): inside the client's own staging folder
+                have = staging.size(fname)
+                if have > want["bytes"]:
+                    staging.remove(fname)
+                    have = 0
+                progress(before + have, total)
+                if have < want["bytes"] or have == 0:
+                    self._download(
+                        quant, fname, staging, have, want["bytes"], lambda n, at=before: progress(at + n, total)
+                    )
+                if staging.sha256(fname) != want["sha256"]:
+                    staging.remove(fname)
+                    raise JobFailed(
+                        f"{fname} of {quant['name']}@{quant['rev']} from the factory's service at "
+                        f"{mask_url(self.url)} does not match its sha256 in the manifest; pull again"
+                    )
+                before += want["bytes"]
+            staging.write_text(MANIFEST, json.dumps(manifest, indent=2, sort_keys=True))
+            staging.move_into_place()
         return quant, [dest / f for f in files]
 
     def _download(
-        self, quant: dict, fname: str, path: Path, have: int, size: int, progress: Callable[[int], None]
+        self, quant: dict, fname: str, staging: PrivateFolder, have: int, size: int, progress: Callable[[int], None]
     ) -> None:
-        """`path` completed from its byte `have` (or from its start, when the server sends the whole file) to the
-        manifest's `size`, never past it: a longer body is cut off there, a shorter one (a Content-Length that
-        stops early, say) is refused too, and the file goes."""
+        """`fname` in the staging folder completed from its byte `have` (or from its start, when the server sends the
+        whole file) to the manifest's `size`, never past it: a longer body is cut off there, a shorter one (a
+        Content-Length that stops early, say) is refused too, and the file goes."""
         what = f"{fname} of {quant['name']}@{quant['rev']}"
         url = f"/api/quants/{quant['model']}/{quant['tag']}/files/{_segment(fname)}"
         headers = {"Range": f"bytes={have}-"} if have else {}
@@ -176,10 +175,10 @@ class Client:
                 if response.status_code not in (200, 206):
                     raise self._refused(f"answered {what} with HTTP {response.status_code}; nothing was pulled")
                 at = have if response.status_code == 206 else 0  # 200: the whole file again, from its start
-                with open(path, "ab" if at else "wb") as out:
+                with staging.open(fname, append=at > 0) as out:
                     for chunk in response.iter_bytes():  # as they arrive: a killed pull keeps what it got
                         if at + len(chunk) > size:
-                            path.unlink()
+                            staging.remove(fname)
                             raise self._refused(
                                 f"sent more than the {size} bytes the manifest gives {what}; the "
                                 "download was stopped there"
@@ -190,7 +189,7 @@ class Client:
         except httpx.TransportError:
             raise self._unreachable() from None
         if at < size:
-            path.unlink()
+            staging.remove(fname)
             raise self._refused(f"sent {at} of the {size} bytes the manifest gives {what}; pull again")
 
     def _refused(self, what: str) -> JobFailed:

@@ -135,7 +135,7 @@ class AwqCtEngine(Engine):
             request.work_dir / child.LOG_NAME,
             emit,
             what=f"AWQ-CT quantization ({rows} x {length} calibration tokens)",
-            env=env.child_path(),
+            env=env.child_path(emit),
         )
         check_output(request.out_dir, request.spec, request.work_dir / child.LOG_NAME)
         for name in COMPANIONS:  # the tokenizer, chat template, ...: save_pretrained writes config and weights
