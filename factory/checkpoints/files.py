@@ -6,7 +6,8 @@ them (the companions copied there at inspect, the weights linked), and a quant c
 outputs. A source file is read only when it is a regular file; a symlink is followed only when its target lies inside
 the source folder or inside the same Hugging Face cache repository (`models--ORG--NAME/`, whose snapshots link into
 `blobs/`). Anything else (a link leaving the folder, a FIFO, socket or device) is refused (ModelRefused, exit 3),
-before any of it is opened.
+before any of it is opened; so is a file not every user may read that belongs to another user or is a hard link
+(a quant's files are readable by all: publishing it would widen who may read it).
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def _checked(path: Path, roots: list[Path]) -> Path:
     """The regular file `path` is, or stands for through links that stay inside `roots`."""
     try:
         target = path.resolve(strict=True) if path.is_symlink() else path
-        mode = os.stat(target).st_mode  # a stat, never an open: opening a FIFO would wait forever
+        st = os.stat(target)  # a stat, never an open: opening a FIFO would wait forever
     except (OSError, RuntimeError):  # a dangling link or a loop
         raise ModelRefused(
             f"{path.name} is a link to nothing ({os.readlink(path)!r}); replace it with the file"
@@ -81,10 +82,29 @@ def _checked(path: Path, roots: list[Path]) -> Path:
             f"{path.name} is a link to {str(target)!r}, outside the model folder; copy the file "
             "into the folder if it belongs to the model"
         )
-    if not stat.S_ISREG(mode):
-        kind = next((k for k, test in _KINDS if test(mode)), "special file")
+    if not stat.S_ISREG(st.st_mode):
+        kind = next((k for k, test in _KINDS if test(st.st_mode)), "special file")
         raise ModelRefused(f"{path.name} is a {kind}, not a regular file; the factory reads only regular files")
+    _check_readers(path.name, st)
     return target
+
+
+def _check_readers(name: str, st: os.stat_result) -> None:
+    """A quant's files are readable by every user: a file that not everyone may read is taken only where its owner
+    is the one running the factory, through its only name. Another user's file, or a hard link that may stand for
+    someone's private file, would be published wider than its owner allowed."""
+    if st.st_mode & stat.S_IROTH:
+        return
+    if st.st_uid != os.geteuid():
+        why = f"belongs to another user (uid {st.st_uid})"
+    elif st.st_nlink > 1:
+        why = f"is a hard link ({st.st_nlink} names)"
+    else:
+        return
+    raise ModelRefused(
+        f"{name} {why} and not every user may read it (mode {stat.S_IMODE(st.st_mode):04o}); a quant's files are "
+        "readable by all, so make it readable (chmod a+r) or copy it into the folder as its owner"
+    )
 
 
 def source_files(folder: Path) -> dict[str, Path]:
