@@ -17,6 +17,9 @@ from tests.conftest import Qf
 from tests.test_safety import ROOT
 
 
+BROKER = os.environ.get("QF_TEST_BROKER", "redis://127.0.0.1:6379/7")  # as tests/test_workers.py
+
+
 def last_line(result) -> str:
     return result.stderr.splitlines()[-1]
 
@@ -170,6 +173,20 @@ def test_paths_that_do_not_exist_stay_not_found(qf, tmp_path):
             4,
             f"source {str(missing)!r} does not exist; pass a local folder with config.json and safetensors weights",
         )
+
+
+@pytest.mark.parametrize("command", [("run", "--awq"), ("submit", "--awq"), ("plan", "--vram", "24GB")])
+def test_the_home_of_a_user_that_does_not_exist_is_not_found(qf, monkeypatch, command):
+    """`~nouser/x` made pathlib raise RuntimeError: a traceback (issue 43)."""
+    monkeypatch.setenv("FACTORY_BROKER_URL", BROKER)  # qf submit asks the broker first; nothing reaches it
+    result = qf_process(qf, command[0], "~nouser/x", *command[1:])
+    refused(
+        result,
+        4,
+        "source '~nouser/x' does not exist (there is no user 'nouser'); pass a local folder with config.json and "
+        "safetensors weights",
+    )
+    assert qf.json("jobs") == []
 
 
 @pytest.mark.parametrize(

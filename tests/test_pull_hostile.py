@@ -1,7 +1,8 @@
 """`qf pull` trusts nothing a server says: a hostile factory service (a stdlib HTTP server in a thread of the test)
 answers the real CLI in a subprocess with climbing revisions, absolute and `..` file names, names no quant carries,
-size and sha256 lies, short Content-Lengths and endless bodies. Each pull exits 1 with one sentence naming the server,
-writes nothing outside its staging folder and `-o`, and leaves the victim file where the attack points untouched.
+JSON nested 100k deep, size and sha256 lies, short Content-Lengths and endless bodies. Each pull exits 1 with one
+sentence naming the server, writes nothing outside its staging folder and `-o`, and leaves the victim file where the
+attack points untouched.
 And a local pull copies the registry's files, never hard-links them."""
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class Answer:
     bodies: dict = field(default_factory=lambda: {"config.json": CONFIG, "model.safetensors": WEIGHTS})
     content_length: dict = field(default_factory=dict)
     endless: str | None = None  # "file" or "manifest": that answer's body never ends
+    raw: bytes | None = None  # the manifest's answer as these bytes, whatever they are
 
 
 def _answers(case: Path) -> dict[str, Answer]:
@@ -66,6 +68,8 @@ def _answers(case: Path) -> dict[str, Answer]:
         "body-short": Answer(bodies={"config.json": CONFIG, "model.safetensors": WEIGHTS[:1000]}),
         "endless-body": Answer(endless="file"),
         "endless-manifest": Answer(endless="manifest"),
+        # 100k levels of JSON: json.loads ends in RecursionError
+        "deep-manifest": Answer(raw=b'{"quant": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
     }
 
 
@@ -99,6 +103,8 @@ class HostileServer:
                 path = self.path.split("?")[0]
                 if answer.endless == ("manifest" if path == f"/api/quants/{MODEL}/{TAG}" else "file"):
                     return self._endless(scenario)
+                if path == f"/api/quants/{MODEL}/{TAG}" and answer.raw is not None:
+                    return self._send(answer.raw, "application/json")
                 if path == f"/api/quants/{MODEL}/{TAG}":
                     quant = {"name": f"{MODEL}:{TAG}", "model": MODEL, "tag": TAG, "rev": REV, **answer.quant}
                     manifest = {"name": quant["model"], "tag": quant["tag"], "rev": quant["rev"], "files": answer.files}

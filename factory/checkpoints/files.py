@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import re
 import shutil
 import stat
 import tempfile
@@ -43,6 +44,7 @@ SOURCE_PATTERNS = (*COMPANIONS, WEIGHTS, INDEX)  # what a source contributes; th
 PUBLISHING = ("README.md", "manifest.json")  # what publishing adds: the model card and the manifest
 UPSTREAM_CARD = "README.md"  # the source's own model card: read for its license and language, never published
 MAX_CARD = 1 << 20
+PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+-]{0,254}")  # a file name a quant's file may have
 
 
 _KINDS = (
@@ -170,14 +172,22 @@ def staged_files(dest: Path, folder: Path) -> dict[str, Path]:
     return {p.name: _checked(p, roots) if p.is_symlink() else p for p in sorted(dest.iterdir())}
 
 
+def carried(name: str, outputs: tuple[str, ...]) -> bool:
+    """Whether a quant may carry a file of this name, wherever it comes from (the registry, the factory's service,
+    the Hub): a plain name (no '/', NUL or leading dot, 255 characters at most) among the companions, the engine's
+    own `outputs` (glob patterns) and what publishing writes."""
+    return PLAIN_NAME.fullmatch(name) is not None and any(
+        fnmatch.fnmatchcase(name, pattern) for pattern in (*COMPANIONS, *outputs, *PUBLISHING)
+    )
+
+
 def check_publishable(folder: Path, outputs: tuple[str, ...]) -> None:
     """Refuse to publish a folder with anything but regular files on the allowlist: the companions, the engine's
     own `outputs` (glob patterns) and what publishing writes. JobFailed names the first stranger."""
-    allowed = (*COMPANIONS, *outputs, *PUBLISHING)
     for p in sorted(folder.iterdir()):
         if p.is_symlink() or not p.is_file():
             raise JobFailed(f"{p.name} in {folder} is not a regular file; nothing was published")
-        if not any(fnmatch.fnmatchcase(p.name, pattern) for pattern in allowed):
+        if not carried(p.name, outputs):
             raise JobFailed(
                 f"{p.name} in {folder} is not on the list of files a quant may carry; nothing was published"
             )

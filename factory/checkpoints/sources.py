@@ -47,8 +47,21 @@ class Source:
         return rev(self.identity)
 
 
+def local(arg: str) -> Path:
+    """The path a source names, `~` and `~user` expanded; NotFound (exit 4) for the home of a user that does not
+    exist."""
+    try:
+        return Path(arg).expanduser()
+    except RuntimeError:  # pathlib's "Could not determine home directory"
+        user = arg.split("/", 1)[0][1:]
+        raise NotFound(
+            f"source {arg!r} does not exist (there is no user {user!r}); pass a local folder with config.json and "
+            "safetensors weights"
+        ) from None
+
+
 def resolve(arg: str, cache_dir: Path) -> Source:
-    path = Path(arg).expanduser()
+    path = local(arg)
     if path.exists():
         if not path.is_dir():
             raise NotFound(f"source {arg!r} is a file; pass the folder that holds config.json and the weights")
@@ -142,7 +155,7 @@ def layout(arg: str) -> tuple[dict, dict[str, list[int]]]:
     """config.json and every tensor's shape of a local folder or a Hub repo (`org/name[@rev]`), without reading
     weights: safetensors headers locally, the Hub's safetensors metadata (ranged reads) for a repo. An FP8 or MXFP4
     source's shapes are those of its BF16 copy (factory/checkpoints/dequantize.py), which the engines read."""
-    path = Path(arg).expanduser()
+    path = local(arg)
     if path.is_dir():
         files = source_files(path)
         if "config.json" not in files:
