@@ -16,7 +16,6 @@ from factory.recipes import build_recipe
 from tests.conftest import Qf
 from tests.test_safety import ROOT
 
-
 BROKER = os.environ.get("QF_TEST_BROKER", "redis://127.0.0.1:6379/7")  # as tests/test_workers.py
 
 
