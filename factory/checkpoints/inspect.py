@@ -5,8 +5,10 @@ file that factory/checkpoints/files.py has not checked is a regular file of the 
 folder, a FIFO, socket or device; no or unparsable config.json, an already quantized model, custom code (`auto_map`),
 weights only as pickle, no weights, a truncated or malformed safetensors file, shards that disagree with the index,
 no tokenizer, an architecture no engine converts, config numbers that are not sane integers or disagree with the
-tensors, a config or headers larger, deeper or listing more tensors than a real model's (the bounds below). Every
-header and config is validated before anything is allocated from it. The numbers the engines need
+tensors, a config or headers larger, deeper or listing more tensors than a real model's (the bounds below), a
+companion file (processor configs, chat templates, tokenizer files) larger or deeper than real ones or naming custom
+code, and tensors that overlap or leave gaps in their file's data. Every header and config is validated before
+anything is allocated from it. The numbers the engines need
 later (input dims of the quantized linears, sizes) come from here.
 
 `read_config` and `read_header` are the one reader of a config.json and of a safetensors header (`read_headers` of a
