@@ -316,3 +316,31 @@ def test_a_hub_pull_takes_only_the_files_a_quant_may_carry(qf, hub, tmp_path, na
     )
     assert not out.exists() and list((tmp_path / "pulls").iterdir()) == []
     assert not (tmp_path / "pulls" / "escaped.json").exists() and not Path("/tmp/qf-hub-absolute.json").exists()
+
+
+DEEP = b"[" * 100_000 + b"]" * 100_000  # json.loads: RecursionError
+
+
+def test_a_hub_answer_nested_100k_deep_is_one_sentence(qf, hub, tmp_path):
+    """`qf pull --hub` from a Hub whose answer is JSON 100k deep (huggingface_hub's parser hit RecursionError; a
+    traceback, issue 43)."""
+    hub.add_repo("alice/tiny-AWQ", {"README.md": b"card"})
+    hub.fail("GET", r"/api/models/alice/tiny-AWQ/refs", 200, times=10, body=DEEP)
+    result = qf("pull", "tiny:awq-w4g128", "--hub", "alice", "-o", tmp_path / "out")
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: the Hub at {hub.url} answered for alice/tiny-AWQ with JSON nested too deeply to be read"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_source_index_nested_100k_deep_fails_the_fetch_in_one_sentence(qf, tiny, hub):
+    files = {p.name: p.read_bytes() for p in tiny.iterdir() if p.is_file()}
+    hub.add_repo("meta/tiny", {**files, "model.safetensors.index.json": b'{"weight_map": ' + DEEP + b"}"})
+    result = qf("run", "meta/tiny", "--awq")
+    assert result.exit_code == 3, result.output
+    assert "Traceback" not in result.output
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: model.safetensors.index.json is nested too deeply to be a model's metadata"
+    )

@@ -19,7 +19,14 @@ from pathlib import Path
 from factory import hubclient as hub
 from factory.checkpoints.dequantize import bf16_shapes
 from factory.checkpoints.files import UPSTREAM_CARD, is_source_file, source_files
-from factory.checkpoints.inspect import check_against_tensors, check_config, read_config, read_headers
+from factory.checkpoints.inspect import (
+    MAX_METADATA,
+    check_against_tensors,
+    check_config,
+    read_config,
+    read_headers,
+    read_json,
+)
 from factory.errors import ModelRefused, NotFound, SpecError
 from factory.identity import folder_identity, rev
 
@@ -136,7 +143,11 @@ def fetch_hub(identity: str, cache: Path, progress: Callable[..., None]) -> Path
             raise ModelRefused(f"{identity} has no safetensors weights; quantfactory reads only safetensors")
         index = next((s for s in files if s.rfilename == "model.safetensors.index.json"), None)
         if index is not None:  # only the shards it names (not e.g. Mistral's consolidated.safetensors beside them)
-            shards = set(json.loads(hub.download(repo, index, sha, dest).read_text())["weight_map"].values())
+            found = read_json(hub.download(repo, index, sha, dest), MAX_METADATA, "a safetensors index")
+            weight_map = found.get("weight_map") if isinstance(found, dict) else None
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise ModelRefused(f"{identity}: {index.rfilename} is not a valid safetensors index")
+            shards = set(weight_map.values())
             files = [s for s in files if not s.rfilename.endswith(".safetensors") or s.rfilename in shards]
         card = next((s for s in info.siblings if s.rfilename == UPSTREAM_CARD), None)
         if card is not None:  # the upstream card, for its license and language (not part of the source's identity)
