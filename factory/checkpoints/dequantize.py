@@ -480,12 +480,14 @@ def _fp8_pieces(t: _Tensor, scale: _Tensor, block: tuple[int, int]) -> Iterator[
                 yield _bytes(_fp8_piece(t, scale, block, matrix, (row, n), (col, w)))
 
 
-def _fp8_piece(t: _Tensor, scale: _Tensor, block: tuple[int, int], matrix: int, rows_: tuple, cols_: tuple):
-    """Rows row..row+n of one matrix of an FP8 weight (all its columns, or columns col..col+w of one row), in
-    BF16."""
+def _fp8_piece(
+    t: _Tensor, scale: _Tensor, block: tuple[int, int], matrix: int, at_row: tuple[int, int], at_col: tuple[int, int]
+):
+    """n rows from `row` of one matrix of an FP8 weight (`at_row` = (row, n)): all its columns, or w columns from
+    `col` of one row (`at_col` = (col, w)), in BF16."""
     import torch
 
-    (row, n), (col, w) = rows_, cols_
+    (row, n), (col, w) = at_row, at_col
     rows, cols = t.shape[-2:]
     scale_rows, scale_cols = scale.shape[-2:]
     item = DTYPE_BYTES[scale.dtype]
@@ -498,9 +500,9 @@ def _fp8_piece(t: _Tensor, scale: _Tensor, block: tuple[int, int], matrix: int, 
     else:  # part of one row: the part of its scale row it needs
         start = ((matrix * scale_rows + first_row) * scale_cols + first_col) * item
         scales = _scales(scale, start, count_cols * item, [1, count_cols])
-    at_rows = torch.arange(row, row + n) // block[0] - first_row
-    at_cols = torch.arange(col, col + w) // block[1] - first_col
-    grid = scales.to(torch.float32)[at_rows][:, at_cols]
+    scale_of_row = torch.arange(row, row + n) // block[0] - first_row
+    scale_of_col = torch.arange(col, col + w) // block[1] - first_col
+    grid = scales.to(torch.float32)[scale_of_row][:, scale_of_col]
     return (weight.to(torch.float32) * grid).to(torch.bfloat16)
 
 

@@ -283,10 +283,16 @@ def _in_features(shapes: dict[str, list[int]]) -> list[int]:
     )
 
 
-def _read_at_most(path: Path, most: int, what: str) -> bytes:
-    """The bytes of a metadata file, or ModelRefused when it is larger than `what` (a model's config, ...) can be."""
+def _check_size(path: Path, most: int, what: str, name: str | None = None) -> None:
+    """ModelRefused when a metadata file (`name`: its name in the model, where `path` is a link's target) is larger
+    than `what` (a model's config, ...) can be."""
     if (size := path.stat().st_size) > most:
-        raise ModelRefused(f"{path.name} is {size} bytes; {what} is at most {most}")
+        raise ModelRefused(f"{name or path.name} is {size} bytes; {what} is at most {most}")
+
+
+def _read_at_most(path: Path, most: int, what: str) -> bytes:
+    """The bytes of a metadata file, or ModelRefused when it is larger than `what` can be."""
+    _check_size(path, most, what)
     return path.read_bytes()
 
 
@@ -445,13 +451,10 @@ def check_companions(files: dict[str, Path]) -> None:
     for name, (most, what) in COMPANION_BOUNDS.items():
         if name not in files:
             continue
-        data = _read_at_most(files[name], most, what)
         if name not in PARSED:
+            _check_size(files[name], most, what, name)
             continue
-        try:
-            found = _json(data, name)
-        except ValueError as e:
-            raise ModelRefused(f"{name} is not valid JSON ({e})") from None
+        found = read_json(files[name], most, what, name)
         if not isinstance(found, dict):
             raise ModelRefused(f"{name} is not a JSON object")
         if "auto_map" in found and name in LOADS_CODE:
@@ -463,12 +466,15 @@ def custom_code(name: str) -> str:
     return f"the model needs custom code (auto_map{where}); only architectures built into transformers are allowed"
 
 
-def read_json(path: Path, most: int, what: str) -> object:
-    """A companion's JSON, bounded in size and depth as inspection bounds it; ModelRefused when it is not."""
+def read_json(path: Path, most: int, what: str, name: str | None = None) -> object:
+    """A companion's JSON (`name`: its name in the model), bounded in size and depth as inspection bounds it;
+    ModelRefused when it is not."""
+    name = name or path.name
+    _check_size(path, most, what, name)
     try:
-        return _json(_read_at_most(path, most, what), path.name)
+        return _json(path.read_bytes(), name)
     except ValueError as e:
-        raise ModelRefused(f"{path.name} is not valid JSON ({e})") from None
+        raise ModelRefused(f"{name} is not valid JSON ({e})") from None
 
 
 def read_headers(shards: dict[str, Path]) -> dict[str, dict[str, dict]]:

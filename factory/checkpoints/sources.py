@@ -143,7 +143,9 @@ def fetch_hub(identity: str, cache: Path, progress: Callable[..., None]) -> Path
             raise ModelRefused(f"{identity} has no safetensors weights; quantfactory reads only safetensors")
         index = next((s for s in files if s.rfilename == "model.safetensors.index.json"), None)
         if index is not None:  # only the shards it names (not e.g. Mistral's consolidated.safetensors beside them)
-            found = read_json(hub.download(repo, index, sha, dest), MAX_METADATA, "a safetensors index")
+            found = read_json(
+                hub.download(repo, index, sha, dest), MAX_METADATA, "a safetensors index", index.rfilename
+            )
             weight_map = found.get("weight_map") if isinstance(found, dict) else None
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
                 raise ModelRefused(f"{identity}: {index.rfilename} is not a valid safetensors index")
