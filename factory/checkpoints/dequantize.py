@@ -500,10 +500,14 @@ def _fp8_piece(
     else:  # part of one row: the part of its scale row it needs
         start = ((matrix * scale_rows + first_row) * scale_cols + first_col) * item
         scales = _scales(scale, start, count_cols * item, [1, count_cols])
-    scale_of_row = torch.arange(row, row + n) // block[0] - first_row
-    scale_of_col = torch.arange(col, col + w) // block[1] - first_col
-    grid = scales.to(torch.float32)[scale_of_row][:, scale_of_col]
-    return (weight.to(torch.float32) * grid).to(torch.bfloat16)
+    down, right = row - first_row * block[0], col - first_col * block[1]  # where the piece starts in its first block
+    grid = scales.to(torch.float32)
+    if count_rows > 1:  # one scale row serves every row of the piece by broadcasting
+        grid = grid.repeat_interleave(block[0], dim=0)[down : down + n]
+    grid = grid.repeat_interleave(block[1], dim=1)[:, right : right + w]
+    values = weight.to(torch.float32)
+    values *= grid  # in place: a piece costs its float32 values and their grid, no third copy
+    return values.to(torch.bfloat16)
 
 
 def _scales(scale: _Tensor, start: int, size: int, shape: list[int]):
