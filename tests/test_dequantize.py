@@ -1,7 +1,9 @@
 """Sources that are not FP16 (factory/checkpoints/dequantize.py): FP8 and MXFP4 checkpoints written here from tiny
 seeded models by the formats' own rules, dequantized to exactly what the reference formula, transformers' own
 dequantization and transformers' BF16 classes say; a kill leaves no copy, a second job reuses it, `qf run --awq`
-of an FP8 source publishes, and formats the factory does not read are refused in one sentence."""
+of an FP8 source publishes, and formats the factory does not read are refused in one sentence. Hostile shapes
+(issue 43): pieces stay within CHUNK whatever the shape, absurd stacks of experts are refused before any loop, and a
+NaN or infinite scale fails the job in one sentence."""
 
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
 """Inputs too large, too deep or malformed to be real are refused with one sentence before any job exists (issue 30,
 item 8): an eval window count beyond what an evaluation can reach (exit 2), a config.json nested 900 deep or larger
 than a config can be (exit 3), Hub ids that are not owner/name (exit 2, before any Hub call), and safetensors
-headers that list more tensors or bytes than a real shard (exit 3, without building the table)."""
+headers that list more tensors or bytes than a real shard (exit 3, without building the table). Issue 43: tensors
+that overlap or leave gaps, processor and template files bounded and validated like config.json, another user's
+private file through a hard link (exit 3), `~nouser/x` (exit 4)."""
 
 import json
 import os
