@@ -54,7 +54,7 @@ SCALE_DTYPES = ("F32", "BF16", "F16")
 FORMAT = 1  # what a copy is: a change to the output that older copies lack changes the key
 MARKER = ".quantfactory-dequantized"  # written last into a copy: its source and method (never a source file)
 TMP = ".tmp-"
-CHUNK = 16 << 20  # source bytes read at once (an FP8 piece takes about 10 times that while it is dequantized)
+CHUNK = 16 << 20  # source bytes read at once (an FP8 piece takes about 14 times that while it is dequantized)
 # A tensor stacks at most MAX_MATRICES matrices (experts; real MoE releases stack a few hundred: gpt-oss 128, or a
 # layer's experts times the layers), and an MXFP4 expert, dequantized whole, holds at most MAX_EXPERT source bytes
 # (gpt-oss: 8 MiB): a header that claims more is refused before anything is read or looped over.
