@@ -60,6 +60,13 @@ class LeaseLost(JobFailed):
     """Another holder took the job (this one stalled past its lease): stop, and write nothing more for it."""
 
 
+class QuantRemoved(JobFailed):
+    """A published quant this job reused was removed (`qf rm`) while the job evaluated or published it."""
+
+    def __init__(self, name: str, tag: str):
+        super().__init__(f"{name}:{tag} was removed while this job evaluated it; run the same command again to make it")
+
+
 class SpecError(FactoryError):
     exit_code = 2
 

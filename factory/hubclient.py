@@ -62,7 +62,8 @@ def _probe(url: str) -> None:
 
 @contextmanager
 def errors(what: str) -> Iterator[None]:
-    """The client's exceptions as one sentence each: missing or gated -> exit 4, unreachable or refused -> 5."""
+    """The client's exceptions as one sentence each: missing or gated -> exit 4, unreachable or refused -> 5, an
+    answer nested too deeply to parse -> 1 (as the factory's service's, factory/service/client.py)."""
     import httpx2
 
     _probe(endpoint())
@@ -99,6 +100,10 @@ def errors(what: str) -> Iterator[None]:
         raise ServiceUnavailable(f"the Hub at {mask_url(endpoint())} answered {status} for {what}") from None
     except (httpx2.TransportError, ConnectionError, TimeoutError):
         raise ServiceUnavailable(f"the Hub at {mask_url(endpoint())} cannot be reached") from None
+    except RecursionError:  # the client's json parsing of an answer nested thousands deep
+        raise JobFailed(
+            f"the Hub at {mask_url(endpoint())} answered for {what} with JSON nested too deeply to be read"
+        ) from None
 
 
 def status(e: Exception) -> int | None:

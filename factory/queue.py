@@ -3,12 +3,14 @@ check, a reconciler pass, the commands that start a worker or beat). factory/ na
 (Celery on Redis) knows factory/, never the reverse, and plugs its Queue in through the `quantfactory.queue` entry
 point of pyproject.toml, which `get` loads in any process (`qf`, `python -m factory.cli`, each server process of
 `qf serve`, a test's CliRunner). An installation without one refuses with one sentence, exit 5, like a broker that
-cannot be reached; `qf run` needs no queue.
+cannot be reached; so does one that does not load or is not a Queue (a missing name, a class in place of its
+object, a method that takes other arguments), before any of it is called. `qf run` needs no queue.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Iterator
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -63,8 +65,33 @@ def get() -> Queue:
         )
     try:
         queue = found[0].load()
-    except ImportError as e:
-        raise ServiceUnavailable(f"the job queue {found[0].value!r} cannot be loaded: {e}") from None
-    if not isinstance(queue, Queue):
-        raise ServiceUnavailable(f"the job queue {found[0].value!r} is not a Queue (factory/queue.py)")
+    except Exception as e:  # noqa: BLE001  (whatever a plugin raises while it loads: its name and words, one line)
+        reason = str(e).splitlines()[0] if str(e) else ""
+        raise ServiceUnavailable(
+            f"the job queue {found[0].value!r} cannot be loaded: {type(e).__name__}{': ' if reason else ''}{reason}"
+        ) from None
+    if (problem := _mismatch(queue)) is not None:
+        raise ServiceUnavailable(f"the job queue {found[0].value!r} is not a Queue (factory/queue.py): {problem}")
     return queue
+
+
+def _mismatch(queue: object) -> str | None:
+    """What makes `queue` not a Queue that can be called (None: nothing): isinstance only asks whether the names
+    exist, so a class in place of its instance, or a member that is no method or takes other arguments, passed it
+    and failed later, inside a request."""
+    if isinstance(queue, type):
+        return f"it is the class {queue.__name__}, not a Queue object"
+    for name, member in vars(Queue).items():
+        if name.startswith("_") or not callable(member):
+            continue
+        found = getattr(queue, name, None)
+        if not callable(found):
+            return f"it has no method {name}"
+        wanted = len(inspect.signature(member).parameters) - 1  # but self
+        try:
+            inspect.signature(found).bind(*range(wanted))
+        except TypeError:
+            return f"its {name} does not take the {wanted} arguments of Queue.{name}"
+        except ValueError:  # no signature to read (a builtin): called as it is
+            continue
+    return None

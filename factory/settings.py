@@ -134,7 +134,10 @@ def load() -> Settings:
     else:
         data = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
         home = Path(data) / "quantfactory"
-    home = home.expanduser().resolve()
+    try:
+        home = home.expanduser().resolve()
+    except RuntimeError:  # ~user of a user that does not exist
+        raise SpecError(f"FACTORY_HOME={str(home)!r} names the home of a user that does not exist") from None
     db_url = os.environ.get("FACTORY_DB_URL") or f"sqlite:///{home / 'catalog.db'}"
     found = {field: kind(os.environ[var]) for field, (var, kind) in _FROM_ENV.items() if os.environ.get(var)}
     repos = {m[1].lower(): v for k, v in os.environ.items() if (m := HUB_REPO_VARIABLE.fullmatch(k)) and v}

@@ -157,6 +157,7 @@ class Failure:
     status: int
     times: int
     headers: dict
+    body: bytes | None = None  # the answer's body as it is, instead of an error's JSON
 
 
 R = r"(?P<repo_id>[^/]+/[^/]+)"
@@ -231,12 +232,22 @@ class HubServer:
                 tree[path] = self._store(repo, data, is_lfs(path, len(data), data[:512]))
             return self._new_commit(repo, branch, tree, message, "", repo_id.split("/")[0]).sha
 
-    def fail(self, method: str, path_regex: str, status: int, times: int = 1, headers: dict | None = None) -> None:
+    def fail(
+        self,
+        method: str,
+        path_regex: str,
+        status: int,
+        times: int = 1,
+        headers: dict | None = None,
+        body: bytes | None = None,
+    ) -> None:
         """Answer the next `times` requests whose method is `method` ("*": any) and whose unquoted path matches
         `path_regex` (re.search) with `status`, e.g. fail("PUT", r"^/_lfs/", 500) or fail("POST", "/preupload/", 429,
-        headers={"Retry-After": "0"})."""
+        headers={"Retry-After": "0"}); with `body`, the answer is those bytes (a hostile Hub's JSON)."""
         with self.lock:
-            self.failures.append(Failure(method.upper(), re.compile(path_regex), status, times, dict(headers or {})))
+            self.failures.append(
+                Failure(method.upper(), re.compile(path_regex), status, times, dict(headers or {}), body)
+            )
 
     def corrupt(self, repo_id: str, path: str, revision: str = "main") -> None:
         """Flip the stored bytes of a file (same length) so downloads get wrong content; metadata is left alone."""
@@ -346,6 +357,8 @@ class HubServer:
                     self.failures.remove(failure)
                 status, payload = failure.status, {"error": f"injected failure ({failure.status})"}
                 headers = {"X-Error-Message": payload["error"], **failure.headers}
+                if failure.body is not None:
+                    payload, headers = failure.body, {"Content-Type": "application/json", **failure.headers}
             else:
                 try:
                     status, payload, headers = self._dispatch(h, split, body)

@@ -1,14 +1,18 @@
 """Sources that are not FP16 (factory/checkpoints/dequantize.py): FP8 and MXFP4 checkpoints written here from tiny
 seeded models by the formats' own rules, dequantized to exactly what the reference formula, transformers' own
 dequantization and transformers' BF16 classes say; a kill leaves no copy, a second job reuses it, `qf run --awq`
-of an FP8 source publishes, and formats the factory does not read are refused in one sentence."""
+of an FP8 source publishes, and formats the factory does not read are refused in one sentence. Hostile shapes
+(issue 43): pieces stay within CHUNK whatever the shape, absurd stacks of experts are refused before any loop, and a
+NaN or infinite scale fails the job in one sentence."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -360,6 +364,27 @@ def _fp8_without_scales(m: Path):
     _config(FP8_CONFIG)(m)
 
 
+def _sparse_shard(config: dict, tensors: dict[str, tuple[str, list[int]]]):
+    """config.json's quantization_config set to `config`, and a shard whose header lists `tensors` (name -> dtype,
+    shape) with their data as a hole: a header's claim, costing no disk."""
+
+    def change(m: Path):
+        _config(config)(m)
+        header, offset = {}, 0
+        for name, (dtype, shape) in tensors.items():
+            size = {"F8_E4M3": 1, "U8": 1, "F32": 4}[dtype] * math.prod(shape)
+            header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
+            offset += size
+        raw = json.dumps(header).encode()
+        with open(m / "experts.safetensors", "wb") as f:
+            f.write(struct.pack("<Q", len(raw)) + raw)
+            f.truncate(8 + len(raw) + offset)
+
+    return change
+
+
+EXPERTS = "model.layers.0.mlp.experts.weight"
+BLOCKS = "model.layers.0.mlp.experts.gate_up_proj_blocks"
 REFUSED = [
     (
         "awq",
@@ -431,6 +456,23 @@ REFUSED = [
         "model.layers.0.mlp.gate_proj.weight_scale_inv of shape [2, 1] for blocks of 128 x 128; "
         "the checkpoint has none",
     ),
+    (  # the issue's 2M one-row experts took 162 s of CPU, one expert a loop
+        "fp8-2M-experts",
+        _sparse_shard(
+            FP8_CONFIG, {EXPERTS: ("F8_E4M3", [2_000_000, 1, 128]), f"{EXPERTS}_scale_inv": ("F32", [2_000_000, 1, 1])}
+        ),
+        f"{EXPERTS} stacks 2000000 matrices (experts); the factory dequantizes at most 65536 a tensor (a real model "
+        "stacks a few hundred)",
+    ),
+    (
+        "mxfp4-expert-of-64-MiB",
+        _sparse_shard(
+            {"quant_method": "mxfp4"},
+            {BLOCKS: ("U8", [1, 65536, 64, 16]), BLOCKS.replace("_blocks", "_scales"): ("U8", [1, 65536, 64])},
+        ),
+        f"{BLOCKS} holds experts of 67108864 bytes each; the factory reads MXFP4 experts of at most 33554432 (a real "
+        "one has a few MB)",
+    ),
 ]
 
 
@@ -443,7 +485,7 @@ def test_formats_not_read_are_refused_in_one_sentence(model_copy, breaks, messag
     assert refused.value.message == message and refused.value.exit_code == 3
 
 
-@pytest.mark.parametrize("case", ["gptq", "gguf"])
+@pytest.mark.parametrize("case", ["gptq", "gguf", "fp8-2M-experts"])
 def test_qf_run_refuses_them_before_any_job(qf, model_copy, case):
     [(_, breaks, message)] = [c for c in REFUSED if c[0] == case]
     model = model_copy()
@@ -452,3 +494,52 @@ def test_qf_run_refuses_them_before_any_job(qf, model_copy, case):
     assert result.exit_code == 3, result.output
     assert result.stderr.splitlines()[-1] == f"error: {message}"
     assert "Traceback" not in result.output and qf.json("jobs") == []
+
+
+# -- hostile shapes and scales (issue 43) ----------------------------------------------------------------------------
+def test_every_piece_stays_within_chunk_whatever_the_shape(tiny, tmp_path, monkeypatch):
+    """The issue's FP8 tensor of 256 MiB (one long row, a sparse file) took 3.65 GB to dequantize: a piece was a
+    block row (128 rows), however long a row was. With CHUNK at 4 KiB: a row of 20,000 columns, and 5,000 one-row
+    experts; every piece the copy writes holds at most CHUNK source bytes (2 x CHUNK of BF16), and the copy is
+    still the formula."""
+    monkeypatch.setattr(dequantize, "CHUNK", 4096)
+    pieces = []
+    whole = dequantize._bytes
+    monkeypatch.setattr(dequantize, "_bytes", lambda tensor: pieces.append(tensor.numel()) or whole(tensor))
+    block = (128, 128)
+    weights = {"model.layers.0.mlp.down_proj.weight": torch.randn(2, 20_000), EXPERTS: torch.randn(5000, 1, 64)}
+    quantized = {}
+    for name, w in weights.items():
+        quantized[name], quantized[f"{name}_scale_inv"] = quantize_fp8(w, block)
+    source = write_source({}, quantized, tiny, tmp_path / "long", {**FP8_CONFIG, "weight_block_size": list(block)})
+    copy, _ = dequantize.bf16(source, "sha256:long", tmp_path / "home", lambda **_: None)
+    ours = tensors_of(copy)
+    for name in weights:
+        assert torch.equal(ours[name], fp8_formula(quantized[name], quantized[f"{name}_scale_inv"], block)), name
+    assert max(pieces) <= 4096 and sum(pieces) == sum(w.numel() for w in weights.values())
+    assert len(pieces) == 2 * 5 + math.ceil(5000 / 64)  # each row in 5 pieces; 64 experts a piece, not one each
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+def test_a_scale_that_is_not_a_number_fails_the_job_in_one_sentence(qf, tiny, tmp_path, bad):
+    source, _, quantized = fp8_release(tiny, tmp_path / "damaged", shards=1)
+    name = "model.layers.1.mlp.up_proj.weight_scale_inv"
+    tensors = load_file(source / "model.safetensors")
+    tensors[name][0, 0] = bad
+    save_file(tensors, source / "model.safetensors", metadata={"format": "pt"})
+    result = subprocess.run(
+        [sys.executable, "-m", "factory.cli", "run", str(source), "--awq", "--eval-windows", "1"],
+        env={**os.environ, **qf.env},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 3, result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: {name} holds a NaN or infinite scale; a FP8 checkpoint's scales are finite numbers (the release is "
+        "damaged)"
+    )
+    assert qf.json("ls") == [] and dequantize.root(qf.home).is_dir()
+    assert [p for p in dequantize.root(qf.home).iterdir() if not p.name.startswith(".")] == []

@@ -6,10 +6,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 from factory.publish import folder as registry
 from tests.conftest import Qf
+from tests.test_safety import ROOT
 
 
 def last_line(result) -> str:
@@ -92,3 +98,43 @@ def test_pull_shares_the_registry_files(finished, tmp_path):
     assert oct(src.stat().st_mode & 0o777) == "0o444"  # a linked copy cannot change the registry by accident
     shutil.rmtree(tmp_path / "pulled")
     assert src.is_file()
+
+
+def _stop_when_running(db: Path, step: str, child: subprocess.Popen, timeout: float = 300) -> None:
+    """SIGSTOP `child` as soon as the catalog (SQLite at `db`) shows `step` running."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and child.poll() is None:
+        if db.exists():
+            with sqlite3.connect(db, timeout=5) as conn:
+                if conn.execute("SELECT 1 FROM steps WHERE name = ? AND state = 'running'", (step,)).fetchone():
+                    os.kill(child.pid, signal.SIGSTOP)
+                    return
+        time.sleep(0.01)
+    raise AssertionError(f"{step} never ran: {child.communicate()}")
+
+
+def test_rm_of_a_quant_another_job_evaluates_fails_that_job_in_one_sentence(qf, tiny):
+    """A second job of the same weights (another eval length) reuses the published quant and evaluates it from the
+    registry; `qf rm` of it meanwhile fails that job in one sentence, not a traceback (issue 43)."""
+    first = _quant(qf, tiny)
+    again = subprocess.Popen(
+        [sys.executable, "-m", "factory.cli", "run", str(tiny), "--awq", "--eval-windows", "2"],
+        env={**os.environ, **qf.env},
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        _stop_when_running(qf.home / "catalog.db", "evaluate:awq-w4g128", again)  # stopped as its evaluation starts
+        removed = qf("rm", f"tiny:awq-w4g128@{first['rev']}")
+        assert removed.exit_code == 0, removed.output
+    finally:
+        os.kill(again.pid, signal.SIGCONT)
+    stdout, stderr = again.communicate(timeout=300)
+    assert again.returncode == 1, stderr
+    assert "Traceback" not in stderr
+    assert stderr.strip().splitlines()[-1] == (
+        "error: tiny:awq-w4g128 was removed while this job evaluated it; run the same command again to make it"
+    )
+    assert qf.json("ls") == []

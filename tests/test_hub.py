@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from factory import hubclient
+from factory import engines, hubclient
 from factory.publish import card
 from factory.publish import hub as hub_api
 
@@ -290,10 +290,57 @@ def test_concurrent_publishes_to_one_branch(tmp_path, hub, monkeypatch):
 def test_real_hub_round_trip(tmp_path):
     owner = os.environ["QF_TEST_REAL_HUB_OWNER"]
     api = hub_api.writer(owner)
-    note = tmp_path / "notes.txt"
-    note.write_text("quantfactory round trip\n")
-    hub_api.put_branch(api, f"{owner}/quantfactory-test-exl2", "4.0bpw", {"notes.txt": note}, "round trip")
-    files = hub_api.pull(
-        hub_api.Place(f"{owner}/quantfactory-test-exl2", "4.0bpw"), None, tmp_path / "out", lambda **_: None
+    note = tmp_path / "generation_config.json"
+    note.write_text('{"note": "quantfactory round trip"}\n')
+    hub_api.put_branch(api, f"{owner}/quantfactory-test-exl2", "4.0bpw", {note.name: note}, "round trip")
+    place = hub_api.Place(f"{owner}/quantfactory-test-exl2", "4.0bpw")
+    files = hub_api.pull(place, engines.get("exl2").outputs, None, tmp_path / "out", lambda **_: None)
+    assert note.name in files
+
+
+HOSTILE_NAMES = ["../escaped.json", "/tmp/qf-hub-absolute.json", "nested/config.json", "install.sh", ".bashrc"]
+
+
+@pytest.mark.parametrize("name", HOSTILE_NAMES, ids=["dotdot", "absolute", "nested", "off-the-list", "hidden"])
+def test_a_hub_pull_takes_only_the_files_a_quant_may_carry(qf, hub, tmp_path, name):
+    """A branch that lists a file no quant carries (a path out of -o, a script) is refused in one sentence, as a
+    pull from the factory's service refuses it; nothing is written, in -o or where the name points (issue 43)."""
+    hub.add_repo("alice/tiny-AWQ", {"README.md": b"card"})
+    hub.add_repo("alice/tiny-AWQ", {"config.json": b"{}", "model.safetensors": b"x" * 64, name: b"planted"}, "w4g128")
+    out = tmp_path / "pulls" / "out"
+    result = qf("pull", "tiny:awq-w4g128", "--hub", "alice", "-o", out)
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: alice/tiny-AWQ@w4g128 holds {name!r}, a name no quant's file has; nothing was pulled"
     )
-    assert "notes.txt" in files
+    assert not out.exists() and list((tmp_path / "pulls").iterdir()) == []
+    assert not (tmp_path / "pulls" / "escaped.json").exists() and not Path("/tmp/qf-hub-absolute.json").exists()
+
+
+DEEP = b"[" * 100_000 + b"]" * 100_000  # json.loads: RecursionError
+
+
+def test_a_hub_answer_nested_100k_deep_is_one_sentence(qf, hub, tmp_path):
+    """`qf pull --hub` from a Hub whose answer is JSON 100k deep (huggingface_hub's parser hit RecursionError; a
+    traceback, issue 43)."""
+    hub.add_repo("alice/tiny-AWQ", {"README.md": b"card"})
+    hub.fail("GET", r"/api/models/alice/tiny-AWQ/refs", 200, times=10, body=DEEP)
+    result = qf("pull", "tiny:awq-w4g128", "--hub", "alice", "-o", tmp_path / "out")
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: the Hub at {hub.url} answered for alice/tiny-AWQ with JSON nested too deeply to be read"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_source_index_nested_100k_deep_fails_the_fetch_in_one_sentence(qf, tiny, hub):
+    files = {p.name: p.read_bytes() for p in tiny.iterdir() if p.is_file()}
+    hub.add_repo("meta/tiny", {**files, "model.safetensors.index.json": b'{"weight_map": ' + DEEP + b"}"})
+    result = qf("run", "meta/tiny", "--awq")
+    assert result.exit_code == 3, result.output
+    assert "Traceback" not in result.output
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: model.safetensors.index.json is nested too deeply to be a model's metadata"
+    )

@@ -1,7 +1,9 @@
 """Inputs too large, too deep or malformed to be real are refused with one sentence before any job exists (issue 30,
 item 8): an eval window count beyond what an evaluation can reach (exit 2), a config.json nested 900 deep or larger
 than a config can be (exit 3), Hub ids that are not owner/name (exit 2, before any Hub call), and safetensors
-headers that list more tensors or bytes than a real shard (exit 3, without building the table)."""
+headers that list more tensors or bytes than a real shard (exit 3, without building the table). Issue 43: tensors
+that overlap or leave gaps, processor and template files bounded and validated like config.json, another user's
+private file through a hard link (exit 3), `~nouser/x` (exit 4)."""
 
 import json
 import os
@@ -15,6 +17,8 @@ from factory.checkpoints.sources import is_hub_name
 from factory.recipes import build_recipe
 from tests.conftest import Qf
 from tests.test_safety import ROOT
+
+BROKER = os.environ.get("QF_TEST_BROKER", "redis://127.0.0.1:6379/7")  # as tests/test_workers.py
 
 
 def last_line(result) -> str:
@@ -172,6 +176,20 @@ def test_paths_that_do_not_exist_stay_not_found(qf, tmp_path):
         )
 
 
+@pytest.mark.parametrize("command", [("run", "--awq"), ("submit", "--awq"), ("plan", "--vram", "24GB")])
+def test_the_home_of_a_user_that_does_not_exist_is_not_found(qf, monkeypatch, command):
+    """`~nouser/x` made pathlib raise RuntimeError: a traceback (issue 43)."""
+    monkeypatch.setenv("FACTORY_BROKER_URL", BROKER)  # qf submit asks the broker first; nothing reaches it
+    result = qf_process(qf, command[0], "~nouser/x", *command[1:])
+    refused(
+        result,
+        4,
+        "source '~nouser/x' does not exist (there is no user 'nouser'); pass a local folder with config.json and "
+        "safetensors weights",
+    )
+    assert qf.json("jobs") == []
+
+
 @pytest.mark.parametrize(
     "name",
     [
@@ -248,3 +266,152 @@ def test_more_tensors_over_all_shards_than_a_model_has_are_refused(qf, model_cop
         "the model's safetensors headers list more than 524288 tensors in all; a real model lists at most a few "
         "hundred thousand",
     )
+
+
+# --- safetensors data: tensors tile it (issue 43: overlapping offsets turned an 888 KB source into a 2.1 GB quant) ---
+
+
+def _shard(path, spans: list[tuple[int, int]], data: int) -> None:
+    """A shard of U8 tensors at these data_offsets over `data` bytes of data."""
+    header = {
+        f"t{i}": {"dtype": "U8", "shape": [end - begin], "data_offsets": [begin, end]}
+        for i, (begin, end) in enumerate(spans)
+    }
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(data))
+
+
+@pytest.mark.parametrize(
+    "spans, data, message",
+    [
+        ([(0, 64), (0, 64), (0, 64)], 64, "'t1' starts at byte 0 of the data, where 64 was expected"),
+        ([(0, 64), (32, 96)], 96, "'t1' starts at byte 32 of the data, where 64 was expected"),
+        ([(0, 32), (64, 96)], 96, "'t1' starts at byte 64 of the data, where 32 was expected"),
+        ([(8, 40)], 40, "'t0' starts at byte 8 of the data, where 0 was expected"),
+    ],
+    ids=["the-same-bytes-thrice", "overlapping", "a-gap", "a-gap-first"],
+)
+def test_tensors_that_overlap_or_leave_gaps_are_refused_before_a_job(qf, model_copy, spans, data, message):
+    model = model_copy()
+    _shard(model / "extra.safetensors", spans, data)
+    refused(
+        qf_process(qf, "run", model, "--awq"),
+        3,
+        f"extra.safetensors: tensor {message}; a safetensors file's tensors follow one another without overlap or gap",
+    )
+    assert qf.json("jobs") == []
+
+
+# --- processor and template files: bounded and validated like config.json (issue 43) ---
+
+
+def _deep(depth: int) -> str:
+    return '{"chat_template": "{{ messages }}", "a": ' + '{"a": ' * depth + "1" + "}" * depth + "}"
+
+
+def _write(name: str, text: str):
+    return lambda model: (model / name).write_text(text)
+
+
+def _sparse(name: str, size: int):
+    def change(model):
+        with open(model / name, "wb") as f:
+            f.truncate(size)
+
+    return change
+
+
+COMPANIONS_REFUSED = [
+    (  # the issue's: a 1 GiB sparse preprocessor_config.json reached the registry
+        "sparse-processor-config",
+        _sparse("preprocessor_config.json", 1 << 30),
+        f"preprocessor_config.json is {1 << 30} bytes; a processor's config is at most 1048576",
+    ),
+    (
+        "large-chat-template",
+        _sparse("chat_template.jinja", (1 << 20) + 1),
+        f"chat_template.jinja is {(1 << 20) + 1} bytes; a chat template is at most 1048576",
+    ),
+    (
+        "processor-auto-map",
+        _write("preprocessor_config.json", json.dumps({"auto_map": {"AutoImageProcessor": "evil.Processor"}})),
+        "the model needs custom code (auto_map in preprocessor_config.json); only architectures built into "
+        "transformers are allowed",
+    ),
+    (
+        "video-processor-auto-map",
+        _write("video_preprocessor_config.json", json.dumps({"auto_map": {"AutoVideoProcessor": "evil.Processor"}})),
+        "the model needs custom code (auto_map in video_preprocessor_config.json); only architectures built into "
+        "transformers are allowed",
+    ),
+    (  # 100k deep: json.loads itself hits the recursion limit
+        "deep-chat-template",
+        _write("chat_template.json", _deep(100_000)),
+        "chat_template.json is nested too deeply to be a model's metadata",
+    ),
+    (
+        "chat-template-nested-900",
+        _write("chat_template.json", _deep(900)),
+        "chat_template.json is nested too deeply to be a model's metadata",
+    ),
+    (
+        "processor-not-json",
+        _write("processor_config.json", "{not json"),
+        "processor_config.json is not valid JSON (Expecting property name enclosed in double quotes: line 1 column 2 "
+        "(char 1))",
+    ),
+    (
+        "generation-config-a-list",
+        _write("generation_config.json", "[1, 2]"),
+        "generation_config.json is not a JSON object",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("breaks", "message"), [c[1:] for c in COMPANIONS_REFUSED], ids=[c[0] for c in COMPANIONS_REFUSED]
+)
+def test_processor_and_template_files_are_refused_before_a_job(qf, model_copy, breaks, message):
+    model = model_copy()
+    breaks(model)
+    refused(qf_process(qf, "run", model, "--awq"), 3, message)
+    assert qf.json("jobs") == [] and qf.registry_files() == []
+
+
+def test_a_processor_config_as_real_ones_are_is_published(qf, model_copy, tmp_path):
+    model = model_copy()
+    processor = {"image_processor_type": "SiglipImageProcessor", "size": {"height": 896, "width": 896}}
+    (model / "preprocessor_config.json").write_text(json.dumps(processor))
+    (model / "chat_template.json").write_text(_deep(20))
+    result = qf("run", model, "--awq", "--eval-windows", 1)
+    assert result.exit_code == 0, result.output
+    [row] = qf.json("ls")
+    assert qf("pull", row["name"], "-o", tmp_path / "pulled").exit_code == 0
+    assert json.loads((tmp_path / "pulled" / "preprocessor_config.json").read_text()) == processor
+
+
+NOBODY = 65534  # another user: the files below are chowned to it (the tests run as root)
+
+
+@pytest.mark.parametrize("link", ["hard-link", "own-file"])
+def test_a_file_only_its_owner_may_read_is_not_published_for_another(qf, model_copy, tmp_path, link):
+    """A hard link to another user's 0600 file was published 0444 (issue 43). A file not every user may read is
+    taken only from its owner, through its only name: another user's, or a hard link, is refused."""
+    model = model_copy()
+    private = tmp_path / "private.json"
+    private.write_text('{"secret": "of another user"}')
+    private.chmod(0o600)
+    if link == "hard-link":
+        os.chown(private, NOBODY, NOBODY)
+        os.link(private, model / "preprocessor_config.json")
+        why = f"belongs to another user (uid {NOBODY})"
+    else:  # root's own private file, linked in: whoever made the link, it is the same file under two names
+        os.link(private, model / "preprocessor_config.json")
+        why = "is a hard link (2 names)"
+    refused(
+        qf_process(qf, "run", model, "--awq"),
+        3,
+        f"preprocessor_config.json {why} and not every user may read it (mode 0600); a quant's files are readable "
+        "by all, so make it readable (chmod a+r) or copy it into the folder as its owner",
+    )
+    assert qf.json("jobs") == [] and qf.registry_files() == []

@@ -1,9 +1,9 @@
 """`qf pull` trusts nothing a server says: a hostile factory service (a stdlib HTTP server in a thread of the test)
 answers the real CLI in a subprocess with climbing revisions, absolute and `..` file names, names no quant carries,
-size and sha256 lies, short Content-Lengths and endless bodies. Each pull exits 1 with one sentence naming the server,
-writes nothing outside its staging folder and `-o`, and leaves the victim file where the attack points untouched.
-Another local user who prepares the staging folder where a pull would make it (a second uid) changes nothing of
-root's. And a local pull copies the registry's files, never hard-links them."""
+size and sha256 lies, JSON nested 100k deep, short Content-Lengths and endless bodies. Each pull exits 1 with one
+sentence naming the server, writes nothing outside its staging folder and `-o`, and leaves the victim file where the
+attack points untouched. Another local user who prepares the staging folder where a pull would make it (a second
+uid) changes nothing of root's. And a local pull copies the registry's files, never hard-links them."""
 
 from __future__ import annotations
 
@@ -49,6 +49,7 @@ class Answer:
     bodies: dict = field(default_factory=lambda: {"config.json": CONFIG, "model.safetensors": WEIGHTS})
     content_length: dict = field(default_factory=dict)
     endless: str | None = None  # "file" or "manifest": that answer's body never ends
+    raw: bytes | None = None  # the manifest's answer as these bytes, whatever they are
 
 
 def _answers(case: Path) -> dict[str, Answer]:
@@ -103,6 +104,8 @@ class HostileServer:
                 path = self.path.split("?")[0]
                 if answer.endless == ("manifest" if path == f"/api/quants/{MODEL}/{TAG}" else "file"):
                     return self._endless(scenario)
+                if path == f"/api/quants/{MODEL}/{TAG}" and answer.raw is not None:
+                    return self._send(answer.raw, "application/json")
                 if path == f"/api/quants/{MODEL}/{TAG}":
                     quant = {"name": f"{MODEL}:{TAG}", "model": MODEL, "tag": TAG, "rev": REV, **answer.quant}
                     manifest = {"name": quant["model"], "tag": quant["tag"], "rev": quant["rev"], "files": answer.files}
@@ -245,6 +248,28 @@ def test_a_200_answer_to_a_range_request_starts_the_file_again(tmp_path):
         assert (tmp_path / "out" / "config.json").read_bytes() == CONFIG
     finally:
         server.stop()
+
+
+def test_a_manifest_nested_100k_deep_is_one_sentence(tmp_path):
+    """json.loads of 100k levels ends in RecursionError: a traceback (issue 43)."""
+    server = HostileServer({"deep": Answer(raw=b'{"quant": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")})
+    try:
+        pulled = subprocess.run(
+            [sys.executable, "-m", "factory.cli", "pull", f"{MODEL}:{TAG}", "-o", tmp_path / "out"],
+            env=user_env(server, "deep", tmp_path / "home"),
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        server.stop()
+    assert (pulled.returncode, pulled.stdout) == (1, "")
+    assert pulled.stderr == (
+        f"error: the factory's service at {server.url} answered /api/quants/{MODEL}/{TAG} with JSON nested too "
+        "deeply to be read\n"
+    )
+    assert list(tmp_path.iterdir()) == []  # no -o, no staging folder
 
 
 def test_a_local_pull_copies_and_never_shares_the_registry_files(finished, tmp_path):

@@ -551,3 +551,74 @@ def test_the_watchlist_through_the_service_is_for_admins(server, tmp_path):
         4,
         "error: 'Qwen/*-Instruct' is not on the watchlist; `qf watch ls` shows it\n",
     )
+
+
+# A queue plugin that imports but is not a Queue (issue 43: the service answered 500). Installed as the service's own
+# metadata would install it: a `quantfactory` distribution earlier on the path, whose entry point names the plugin.
+WRONG_QUEUE = """
+class Klass:
+    def check_broker(self): pass
+    def submit(self, factory, request): pass
+    def retry(self, factory, job_id): pass
+    def follow(self, catalog, broker_url, job_id): pass
+    def watch_check(self, dry_run): pass
+    def reconcile(self): pass
+    def worker_command(self, node, queues): pass
+    def beat_command(self, schedule): pass
+
+
+class Few(Klass):
+    def submit(self, factory): pass
+
+
+class Names:
+    check_broker = submit = retry = follow = watch_check = reconcile = worker_command = beat_command = "no method"
+
+
+FEW, NAMES = Few(), Names()
+"""
+
+
+@pytest.mark.parametrize(
+    ("target", "why"),
+    [
+        ("wrongqueue:MISSING", "cannot be loaded: AttributeError: module 'wrongqueue' has no attribute 'MISSING'"),
+        ("wrongqueue:Klass", "is not a Queue (factory/queue.py): it is the class Klass, not a Queue object"),
+        (
+            "wrongqueue:FEW",
+            "is not a Queue (factory/queue.py): its submit does not take the 2 arguments of Queue.submit",
+        ),
+        ("wrongqueue:NAMES", "is not a Queue (factory/queue.py): it has no method check_broker"),
+    ],
+    ids=["missing-name", "a-class", "other-arguments", "no-methods"],
+)
+def test_a_queue_plugin_that_is_not_a_queue_is_one_sentence_not_a_500(factory_env, tmp_path, target, why):
+    plugin = tmp_path / "plugin"
+    (plugin / "quantfactory-0.1.0.dist-info").mkdir(parents=True)
+    (plugin / "quantfactory-0.1.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: quantfactory\n")
+    (plugin / "quantfactory-0.1.0.dist-info" / "entry_points.txt").write_text(
+        f"[quantfactory.queue]\ncelery = {target}\n"
+    )
+    (plugin / "wrongqueue.py").write_text(WRONG_QUEUE)
+    env = {**factory_env, "PYTHONPATH": os.pathsep.join([str(plugin), str(ROOT)])}
+    server = Server(env, tmp_path / "server.log")
+    try:
+        token = server.token("alice")
+        model = Path(factory_env["FACTORY_SERVE_SOURCES"]) / "tiny"
+        answer = httpx.post(
+            server.url + "/api/jobs",
+            json={"source": str(model), "recipe": "awq: {w_bit: 4}\n"},
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=60,
+        )
+        assert answer.status_code == 503, answer.text
+        submitted = qf(user_env(server, token, tmp_path / "alice"), "submit", model, "--awq")
+        assert (submitted.returncode, submitted.stdout) == (5, "")
+        assert submitted.stderr == (
+            "error: the factory's service cannot reach a service it needs (its catalog, broker or the Hub) now; try "
+            "again later (its log says which)\n"
+        )
+    finally:
+        server.stop()
+    log = (tmp_path / "server.log").read_text()
+    assert f"the job queue '{target}' {why}" in log and "Traceback" not in log

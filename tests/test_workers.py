@@ -550,12 +550,14 @@ def test_reconcile_skips_a_malformed_message(env, tiny):
             "t3": "[]",
             "t4": "[1, 2]",
             "t5": json.dumps([{"headers": {"task": "quantfactory.run_job", "argsrepr": "(oops"}}, "", "cpu"]),
+            "t6": "[" * 100_000 + "]" * 100_000,  # json.loads: RecursionError (issue 43)
+            "t7": json.dumps([{"headers": {"task": "quantfactory.run_job", "argsrepr": "(" * 100_000}}, "", "cpu"]),
         },
     )
     _queued_long_ago(env, job_id)
     result = qf(env, "reconcile")
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
-    assert result.stdout.split() == [job_id] and result.stderr.count("skipped a malformed message") == 6
+    assert result.stdout.split() == [job_id] and result.stderr.count("skipped a malformed message") == 8
     assert client.llen("cpu") == 3
 
 

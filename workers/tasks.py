@@ -421,7 +421,7 @@ def _jobs_in_broker() -> set[str]:
             headers = decoded.get("headers", {})
             if headers.get("task") in (run_job.name, publish_job.name):  # help_job messages are optional
                 ids.update(ast.literal_eval(headers.get("argsrepr", "()")))
-        except (ValueError, SyntaxError, TypeError, AttributeError, IndexError):
+        except (ValueError, SyntaxError, TypeError, AttributeError, IndexError, RecursionError, MemoryError):
             log.warning("reconcile: skipped a malformed message in the broker: %.200r", message)
     return ids
 

@@ -17,11 +17,13 @@ says bfloat16; the other files a source contributes (factory/checkpoints/files.p
 are. It lives in FACTORY_HOME/dequantized/<key> (key: the source identity's digest, factory/identity.py) with a marker
 naming the source; `qf gc` removes a copy that no unfinished job needs (factory/registry/housekeeping.py).
 
-Streamed: a tensor is read and written in pieces of at most CHUNK source bytes (a block row of an FP8 weight, one
-expert of an MXFP4 one) straight into its place in the output shard, whose header is known beforehand, so memory is
-one piece, never a tensor or a shard. Written into `.tmp-<key>` under a lock (`.<key>.lock`: a second job of the
-same source waits for the first, then reuses its copy) and renamed into place when whole: a kill leaves no entry,
-and the next writer of that source (or `qf gc`) removes what it left. Tests: tests/test_dequantize.py.
+Streamed: a tensor is read and written in pieces of at most CHUNK source bytes (rows of an FP8 weight, part of a
+row, or many small matrices; as many whole MXFP4 experts as fit) straight into its place in the output shard, whose
+header is known beforehand, so memory is one piece, never a tensor or a shard; the shapes a header claims are
+bounded (MAX_MATRICES, MAX_EXPERT) before any loop over them starts, and a NaN or infinite FP8 scale is refused.
+Written into `.tmp-<key>` under a lock (`.<key>.lock`: a second job of the same source waits for the first, then
+reuses its copy) and renamed into place when whole: a kill leaves no entry, and the next writer of that source (or
+`qf gc`) removes what it left. Tests: tests/test_dequantize.py.
 """
 
 from __future__ import annotations
@@ -52,7 +54,12 @@ SCALE_DTYPES = ("F32", "BF16", "F16")
 FORMAT = 1  # what a copy is: a change to the output that older copies lack changes the key
 MARKER = ".quantfactory-dequantized"  # written last into a copy: its source and method (never a source file)
 TMP = ".tmp-"
-CHUNK = 16 << 20  # source bytes read at once (an FP8 piece takes about 10 times that while it is dequantized)
+CHUNK = 16 << 20  # source bytes read at once (an FP8 piece takes about 14 times that while it is dequantized)
+# A tensor stacks at most MAX_MATRICES matrices (experts; real MoE releases stack a few hundred: gpt-oss 128, or a
+# layer's experts times the layers), and an MXFP4 expert, dequantized whole, holds at most MAX_EXPERT source bytes
+# (gpt-oss: 8 MiB): a header that claims more is refused before anything is read or looped over.
+MAX_MATRICES = 1 << 16
+MAX_EXPERT = 2 * CHUNK
 WAIT_SECONDS = 2.0  # how often a job that waits for another's copy of the same source says so
 Progress = Callable[..., None]
 
@@ -227,8 +234,9 @@ def bf16(source: Path, source_identity: str, home: Path, progress: Progress) -> 
 # -- the copy ------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class _Tensor:
-    """A source tensor: its shard, dtype, shape and where its bytes are."""
+    """A source tensor: its name, shard, dtype, shape and where its bytes are."""
 
+    name: str
     shard: str
     path: Path
     dtype: str
@@ -322,7 +330,7 @@ def _tensors(shards: dict[str, Path]) -> dict[str, _Tensor]:
             (n,) = struct.unpack("<Q", f.read(8))
         for name, info in header.items():
             begin, end = info["data_offsets"]
-            found[name] = _Tensor(shard, path, info["dtype"], info["shape"], 8 + n + begin, end - begin)
+            found[name] = _Tensor(name, shard, path, info["dtype"], info["shape"], 8 + n + begin, end - begin)
     return found
 
 
@@ -343,6 +351,7 @@ def _fp8(tensors: dict[str, _Tensor], names: list[str], block: tuple[int, int]) 
         scale = tensors.get(f"{name}_scale_inv")
         if len(t.shape) < 2:
             raise ModelRefused(f"{name} is FP8 with shape {t.shape}; the factory reads FP8 matrices")
+        _check_stack(t)
         want = [*t.shape[:-2], -(-t.shape[-2] // block[0]), -(-t.shape[-1] // block[1])]
         if scale is None or scale.dtype not in SCALE_DTYPES or scale.shape != want:
             found = "none" if scale is None else f"{scale.dtype} {scale.shape}"
@@ -375,9 +384,23 @@ def _mxfp4(tensors: dict[str, _Tensor], names: list[str]) -> list[_Out]:
             )
         if base in tensors:
             raise ModelRefused(f"the checkpoint holds both {name} and {base}; the factory cannot tell which is meant")
+        _check_stack(t)
         experts, rows, groups, width = t.shape
+        if rows * groups * width > MAX_EXPERT:
+            raise ModelRefused(
+                f"{name} holds experts of {rows * groups * width} bytes each; the factory reads MXFP4 experts of "
+                f"at most {MAX_EXPERT} (a real one has a few MB)"
+            )
         outs.append(_Out(base, "BF16", [experts, groups * width * 2, rows], lambda t=t, s=scales: _mxfp4_pieces(t, s)))
     return outs
+
+
+def _check_stack(t: _Tensor) -> None:
+    if (count := math.prod(t.shape[:-2])) > MAX_MATRICES:
+        raise ModelRefused(
+            f"{t.name} stacks {count} matrices (experts); the factory dequantizes at most {MAX_MATRICES} a "
+            "tensor (a real model stacks a few hundred)"
+        )
 
 
 def _read(t: _Tensor, start: int, size: int) -> bytes:
@@ -429,20 +452,75 @@ def fp8_to_bf16(weight, scale, block: tuple[int, int]):
 
 
 def _fp8_pieces(t: _Tensor, scale: _Tensor, block: tuple[int, int]) -> Iterator[memoryview]:
-    """One FP8 weight in BF16, a run of whole block rows of one matrix at a time."""
+    """One FP8 weight in BF16, in pieces of at most CHUNK source bytes that are contiguous in the output: whole
+    matrices at once where they are small (many small experts), else runs of rows of one matrix, else (a row longer
+    than CHUNK) runs of one row's columns. Each piece reads only the scales it needs, and refuses a scale that is
+    NaN or infinite."""
+    rows, cols = t.shape[-2:]
+    matrices = math.prod(t.shape[:-2])
+    if rows * cols == 0 or matrices == 0:
+        return
+    if rows * cols <= CHUNK:
+        per = CHUNK // (rows * cols)
+        scale_rows, scale_cols = scale.shape[-2:]
+        for first in range(0, matrices, per):
+            k = min(per, matrices - first)
+            weight = _array(t, first * rows * cols, k * rows * cols, [k, rows, cols])
+            size = DTYPE_BYTES[scale.dtype] * scale_rows * scale_cols
+            yield _bytes(
+                fp8_to_bf16(weight, _scales(scale, first * size, k * size, [k, scale_rows, scale_cols]), block)
+            )
+        return
+    step = max(1, CHUNK // cols)  # rows a piece; one when a row is longer than CHUNK, cut into CHUNK columns then
+    width = cols if cols <= CHUNK else CHUNK
+    for matrix in range(matrices):
+        for row in range(0, rows, step):
+            for col in range(0, cols, width):
+                n, w = min(step, rows - row), min(width, cols - col)
+                yield _bytes(_fp8_piece(t, scale, block, matrix, (row, n), (col, w)))
+
+
+def _fp8_piece(
+    t: _Tensor, scale: _Tensor, block: tuple[int, int], matrix: int, at_row: tuple[int, int], at_col: tuple[int, int]
+):
+    """n rows from `row` of one matrix of an FP8 weight (`at_row` = (row, n)): all its columns, or w columns from
+    `col` of one row (`at_col` = (col, w)), in BF16."""
+    import torch
+
+    (row, n), (col, w) = at_row, at_col
     rows, cols = t.shape[-2:]
     scale_rows, scale_cols = scale.shape[-2:]
     item = DTYPE_BYTES[scale.dtype]
-    step = max(1, CHUNK // max(1, cols * block[0])) * block[0]  # rows a piece: whole blocks, about CHUNK bytes
-    for matrix in range(math.prod(t.shape[:-2])):
-        for row in range(0, rows, step):
-            n = min(step, rows - row)
-            weight = _array(t, (matrix * rows + row) * cols, n * cols, [n, cols])
-            first, count = row // block[0], -(-n // block[0])
-            scales = _array(
-                scale, (matrix * scale_rows + first) * scale_cols * item, count * scale_cols * item, [count, scale_cols]
-            )
-            yield _bytes(fp8_to_bf16(weight, scales, block))
+    weight = _array(t, (matrix * rows + row) * cols + col, n * w, [n, w])
+    first_row, first_col = row // block[0], col // block[1]
+    count_rows, count_cols = (row + n - 1) // block[0] - first_row + 1, (col + w - 1) // block[1] - first_col + 1
+    if w == cols:  # whole rows: their scale rows, in one read
+        start = (matrix * scale_rows + first_row) * scale_cols * item
+        scales = _scales(scale, start, count_rows * scale_cols * item, [count_rows, scale_cols])
+    else:  # part of one row: the part of its scale row it needs
+        start = ((matrix * scale_rows + first_row) * scale_cols + first_col) * item
+        scales = _scales(scale, start, count_cols * item, [1, count_cols])
+    down, right = row - first_row * block[0], col - first_col * block[1]  # where the piece starts in its first block
+    grid = scales.to(torch.float32)
+    if count_rows > 1:  # one scale row serves every row of the piece by broadcasting
+        grid = grid.repeat_interleave(block[0], dim=0)[down : down + n]
+    grid = grid.repeat_interleave(block[1], dim=1)[:, right : right + w]
+    values = weight.to(torch.float32)
+    values *= grid  # in place: a piece costs its float32 values and their grid, no third copy
+    return values.to(torch.bfloat16)
+
+
+def _scales(scale: _Tensor, start: int, size: int, shape: list[int]):
+    """Scales of an FP8 weight, or ModelRefused when one is NaN or infinite (every weight of its block would be)."""
+    import torch
+
+    found = _array(scale, start, size, shape)
+    if not bool(torch.isfinite(found).all()):
+        raise ModelRefused(
+            f"{scale.name} holds a NaN or infinite scale; a FP8 checkpoint's scales are finite numbers (the "
+            "release is damaged)"
+        )
+    return found
 
 
 def mxfp4_to_bf16(blocks, scales):
@@ -458,11 +536,17 @@ def mxfp4_to_bf16(blocks, scales):
 
 
 def _mxfp4_pieces(t: _Tensor, scales: _Tensor) -> Iterator[memoryview]:
-    """One MXFP4 tensor in BF16, an expert at a time."""
+    """One MXFP4 tensor in BF16, as many whole experts at a time as fit in CHUNK source bytes (at least one: _mxfp4
+    refused experts larger than MAX_EXPERT)."""
     _, rows, groups, width = t.shape
-    for expert in range(t.shape[0]):
-        blocks = _array(t, expert * rows * groups * width, rows * groups * width, [1, rows, groups, width])
-        exps = _array(scales, expert * rows * groups, rows * groups, [1, rows, groups])
+    each = rows * groups * width
+    if each == 0:
+        return
+    per = max(1, CHUNK // each)
+    for first in range(0, t.shape[0], per):
+        k = min(per, t.shape[0] - first)
+        blocks = _array(t, first * each, k * each, [k, rows, groups, width])
+        exps = _array(scales, first * rows * groups, k * rows * groups, [k, rows, groups])
         yield _bytes(mxfp4_to_bf16(blocks, exps))
 
 

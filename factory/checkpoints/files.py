@@ -6,7 +6,9 @@ them (a user's folder: the job's snapshot of them, hashed once copied; a folder 
 weights), and a quant carries them beside its engine's own outputs. A source file is read only when it is a regular
 file; a symlink is followed only when its target lies inside the source folder or inside the same Hugging Face cache
 repository (`models--ORG--NAME/`, whose snapshots link into `blobs/`). Anything else (a link leaving the folder, a
-FIFO, socket or device) is refused (ModelRefused, exit 3), before any of it is opened.
+FIFO, socket or device) is refused (ModelRefused, exit 3), before any of it is opened; so is a file not every user
+may read that belongs to another user or is a hard link (a quant's files are readable by all: publishing it would
+widen who may read it).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import errno
 import fnmatch
 import hashlib
 import os
+import re
 import stat
 import tempfile
 from collections.abc import Callable
@@ -48,6 +51,7 @@ UPSTREAM_CARD = "README.md"  # the source's own model card: read for its license
 MAX_CARD = 1 << 20
 CHUNK = 1 << 20  # a snapshot's reads (16 MiB made the one-pass copy 3x as slow: out of the CPU's cache)
 KERNEL_CHUNK = 1 << 26  # a snapshot's in-kernel copies, between progress events
+PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+-]{0,254}")  # a file name a quant's file may have
 
 
 _KINDS = (
@@ -77,7 +81,7 @@ def _checked(path: Path, roots: list[Path]) -> Path:
     """The regular file `path` is, or stands for through links that stay inside `roots`."""
     try:
         target = path.resolve(strict=True) if path.is_symlink() else path
-        mode = os.stat(target).st_mode  # a stat, never an open: opening a FIFO would wait forever
+        st = os.stat(target)  # a stat, never an open: opening a FIFO would wait forever
     except (OSError, RuntimeError):  # a dangling link or a loop
         raise ModelRefused(
             f"{path.name} is a link to nothing ({os.readlink(path)!r}); replace it with the file"
@@ -87,10 +91,29 @@ def _checked(path: Path, roots: list[Path]) -> Path:
             f"{path.name} is a link to {str(target)!r}, outside the model folder; copy the file "
             "into the folder if it belongs to the model"
         )
-    if not stat.S_ISREG(mode):
-        kind = next((k for k, test in _KINDS if test(mode)), "special file")
+    if not stat.S_ISREG(st.st_mode):
+        kind = next((k for k, test in _KINDS if test(st.st_mode)), "special file")
         raise ModelRefused(f"{path.name} is a {kind}, not a regular file; the factory reads only regular files")
+    _check_readers(path.name, st)
     return target
+
+
+def _check_readers(name: str, st: os.stat_result) -> None:
+    """A quant's files are readable by every user: a file that not everyone may read is taken only where its owner
+    is the one running the factory, through its only name. Another user's file, or a hard link that may stand for
+    someone's private file, would be published wider than its owner allowed."""
+    if st.st_mode & stat.S_IROTH:
+        return
+    if st.st_uid != os.geteuid():
+        why = f"belongs to another user (uid {st.st_uid})"
+    elif st.st_nlink > 1:
+        why = f"is a hard link ({st.st_nlink} names)"
+    else:
+        return
+    raise ModelRefused(
+        f"{name} {why} and not every user may read it (mode {stat.S_IMODE(st.st_mode):04o}); a quant's files are "
+        "readable by all, so make it readable (chmod a+r) or copy it into the folder as its owner"
+    )
 
 
 def source_files(folder: Path) -> dict[str, Path]:
@@ -236,14 +259,22 @@ def staged_files(dest: Path, folder: Path) -> dict[str, Path]:
     return {p.name: _checked(p, roots) if p.is_symlink() else p for p in sorted(dest.iterdir())}
 
 
+def carried(name: str, outputs: tuple[str, ...]) -> bool:
+    """Whether a quant may carry a file of this name, wherever it comes from (the registry, the factory's service,
+    the Hub): a plain name (no '/', NUL or leading dot, 255 characters at most) among the companions, the engine's
+    own `outputs` (glob patterns) and what publishing writes."""
+    return PLAIN_NAME.fullmatch(name) is not None and any(
+        fnmatch.fnmatchcase(name, pattern) for pattern in (*COMPANIONS, *outputs, *PUBLISHING)
+    )
+
+
 def check_publishable(folder: Path, outputs: tuple[str, ...]) -> None:
     """Refuse to publish a folder with anything but regular files on the allowlist: the companions, the engine's
     own `outputs` (glob patterns) and what publishing writes. JobFailed names the first stranger."""
-    allowed = (*COMPANIONS, *outputs, *PUBLISHING)
     for p in sorted(folder.iterdir()):
         if p.is_symlink() or not p.is_file():
             raise JobFailed(f"{p.name} in {folder} is not a regular file; nothing was published")
-        if not any(fnmatch.fnmatchcase(p.name, pattern) for pattern in allowed):
+        if not carried(p.name, outputs):
             raise JobFailed(
                 f"{p.name} in {folder} is not on the list of files a quant may carry; nothing was published"
             )

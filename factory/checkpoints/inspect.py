@@ -5,8 +5,10 @@ file that factory/checkpoints/files.py has not checked is a regular file of the 
 folder, a FIFO, socket or device; no or unparsable config.json, an already quantized model, custom code (`auto_map`),
 weights only as pickle, no weights, a truncated or malformed safetensors file, shards that disagree with the index,
 no tokenizer, an architecture no engine converts, config numbers that are not sane integers or disagree with the
-tensors, a config or headers larger, deeper or listing more tensors than a real model's (the bounds below). Every
-header and config is validated before anything is allocated from it. The numbers the engines need
+tensors, a config or headers larger, deeper or listing more tensors than a real model's (the bounds below), a
+companion file (processor configs, chat templates, tokenizer files) larger or deeper than real ones or naming custom
+code, and tensors that overlap or leave gaps in their file's data. Every header and config is validated before
+anything is allocated from it. The numbers the engines need
 later (input dims of the quantized linears, sizes) come from here.
 
 `read_config` and `read_header` are the one reader of a config.json and of a safetensors header (`read_headers` of a
@@ -46,6 +48,41 @@ MAX_RANK = 8
 MAX_CONFIG = 1 << 20  # real configs are a few KB; vision-language ones some tens of KB
 MAX_METADATA = 64 << 20  # a safetensors index or tokenizer_config.json: real ones are at most a few MB
 MAX_DEPTH = 32  # real configs nest 4 or 5 levels (text_config.rope_scaling.long_factor); headers 3
+# The companions (factory/checkpoints/files.py) but config.json: the most bytes each may have, and what it is.
+# Processor configs, chat templates and generation configs are a few KB (a template with tools some tens);
+# tokenizers and vocabularies some MB (Gemma 3's tokenizer.json 33 MB).
+COMPANION_BOUNDS = {
+    "generation_config.json": (MAX_CONFIG, "a generation config"),
+    "special_tokens_map.json": (MAX_CONFIG, "a special tokens map"),
+    "chat_template.jinja": (MAX_CONFIG, "a chat template"),
+    "chat_template.json": (MAX_CONFIG, "a chat template"),
+    "preprocessor_config.json": (MAX_CONFIG, "a processor's config"),
+    "processor_config.json": (MAX_CONFIG, "a processor's config"),
+    "video_preprocessor_config.json": (MAX_CONFIG, "a processor's config"),
+    "tokenizer_config.json": (MAX_METADATA, "a tokenizer's config"),
+    "tokenizer.json": (MAX_METADATA, "a tokenizer"),
+    "tokenizer.model": (MAX_METADATA, "a tokenizer"),
+    "added_tokens.json": (MAX_METADATA, "a tokenizer's added tokens"),
+    "vocab.json": (MAX_METADATA, "a vocabulary"),
+    "merges.txt": (MAX_METADATA, "a tokenizer's merges"),
+}
+# The small JSON companions that are parsed here (the tokenizer's large files are left to the tokenizer), and those
+# transformers would load custom code from (auto_map), as it would from config.json.
+PARSED = (
+    "generation_config.json",
+    "special_tokens_map.json",
+    "chat_template.json",
+    "preprocessor_config.json",
+    "processor_config.json",
+    "video_preprocessor_config.json",
+    "tokenizer_config.json",
+)
+LOADS_CODE = (
+    "preprocessor_config.json",
+    "processor_config.json",
+    "video_preprocessor_config.json",
+    "tokenizer_config.json",
+)
 # The config numbers the factory sizes a model with: (required, lowest, highest allowed).
 CONFIG_NUMBERS = {
     "hidden_size": (True, 1, 1 << 20),
@@ -135,10 +172,9 @@ def inspect(folder: Path, architectures: Collection[str]) -> ModelInfo:
         refuse_unreadable(folder, None)  # a GGUF file says what it is
         raise ModelRefused(f"no config.json in {str(folder)!r}; pass a Hugging Face checkpoint folder")
     config = read_config(files["config.json"], check_numbers=False)
-    if "auto_map" in config or _tokenizer_auto_map(files):
-        raise ModelRefused(
-            "the model needs custom code (auto_map); only architectures built into transformers are allowed"
-        )
+    if "auto_map" in config:
+        raise ModelRefused(custom_code("config.json"))
+    check_companions(files)
     refuse_unreadable(folder, config)  # already quantized: FP8 and MXFP4 are read (the pipeline dequantizes them)
     arches = config.get("architectures")
     arch = arches[0] if isinstance(arches, list) and arches else None
@@ -247,10 +283,16 @@ def _in_features(shapes: dict[str, list[int]]) -> list[int]:
     )
 
 
-def _read_at_most(path: Path, most: int, what: str) -> bytes:
-    """The bytes of a metadata file, or ModelRefused when it is larger than `what` (a model's config, ...) can be."""
+def _check_size(path: Path, most: int, what: str, name: str | None = None) -> None:
+    """ModelRefused when a metadata file (`name`: its name in the model, where `path` is a link's target) is larger
+    than `what` (a model's config, ...) can be."""
     if (size := path.stat().st_size) > most:
-        raise ModelRefused(f"{path.name} is {size} bytes; {what} is at most {most}")
+        raise ModelRefused(f"{name or path.name} is {size} bytes; {what} is at most {most}")
+
+
+def _read_at_most(path: Path, most: int, what: str) -> bytes:
+    """The bytes of a metadata file, or ModelRefused when it is larger than `what` can be."""
+    _check_size(path, most, what)
     return path.read_bytes()
 
 
@@ -402,16 +444,37 @@ def _short(value: object) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _tokenizer_auto_map(files: dict[str, Path]) -> bool:
-    if "tokenizer_config.json" not in files:
-        return False
+def check_companions(files: dict[str, Path]) -> None:
+    """The companions a quant carries (all but config.json, which read_config reads) are no larger than real ones
+    (COMPANION_BOUNDS); the JSON ones a tool parses are UTF-8 JSON objects nested at most MAX_DEPTH levels, and
+    none that transformers loads code from names custom code (auto_map). ModelRefused for the first that is not."""
+    for name, (most, what) in COMPANION_BOUNDS.items():
+        if name not in files:
+            continue
+        if name not in PARSED:
+            _check_size(files[name], most, what, name)
+            continue
+        found = read_json(files[name], most, what, name)
+        if not isinstance(found, dict):
+            raise ModelRefused(f"{name} is not a JSON object")
+        if "auto_map" in found and name in LOADS_CODE:
+            raise ModelRefused(custom_code(name))
+
+
+def custom_code(name: str) -> str:
+    where = "" if name == "config.json" else f" in {name}"
+    return f"the model needs custom code (auto_map{where}); only architectures built into transformers are allowed"
+
+
+def read_json(path: Path, most: int, what: str, name: str | None = None) -> object:
+    """A companion's JSON (`name`: its name in the model), bounded in size and depth as inspection bounds it;
+    ModelRefused when it is not."""
+    name = name or path.name
+    _check_size(path, most, what, name)
     try:
-        found = _json(
-            _read_at_most(files["tokenizer_config.json"], MAX_METADATA, "a tokenizer's config"), "tokenizer_config.json"
-        )
-    except ValueError:
-        return False
-    return isinstance(found, dict) and "auto_map" in found
+        return _json(path.read_bytes(), name)
+    except ValueError as e:
+        raise ModelRefused(f"{name} is not valid JSON ({e})") from None
 
 
 def read_headers(shards: dict[str, Path]) -> dict[str, dict[str, dict]]:
@@ -431,8 +494,9 @@ def read_headers(shards: dict[str, Path]) -> dict[str, dict[str, dict]]:
 def read_header(path: Path, name: str | None = None) -> dict[str, dict]:
     """A safetensors file's tensor table, validated before anything is sized from it: a bounded header of JSON,
     a known dtype, a shape of at most MAX_RANK non-negative integers and integer offsets for every tensor, sizes
-    that match, and a data section that ends where the last tensor does (truncation shows here), so no offset
-    points past the data."""
+    that match dtype x shape, tensors that tile the data in order of their offsets (no overlap: one stored tensor
+    read as many would multiply what is quantized; no gap), and a data section that ends where the last tensor does
+    (truncation shows here), so no offset points past the data."""
     name = name or path.name
     size = path.stat().st_size
     with open(path, "rb") as f:
@@ -464,7 +528,7 @@ def read_header(path: Path, name: str | None = None) -> dict[str, dict]:
     if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
         raise ModelRefused(f"{name} has an unparsable __metadata__ entry (it must map names to strings)")
     data = size - 8 - n
-    end = 0
+    spans = []
     for key, info in header.items():
         if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
             raise ModelRefused(f"{name} has an unparsable entry for tensor {_short(key)}")
@@ -487,7 +551,15 @@ def read_header(path: Path, name: str | None = None) -> dict[str, dict]:
             expected *= d
         if stop - begin != expected:
             raise ModelRefused(f"{name}: tensor {_short(key)} has {stop - begin} bytes, its shape needs {expected}")
-        end = max(end, stop)
+        spans.append((begin, stop, key))
+    end = 0
+    for begin, stop, key in sorted(spans):  # tensors tile the data: no two share a byte, no byte is skipped
+        if begin != end:
+            raise ModelRefused(
+                f"{name}: tensor {_short(key)} starts at byte {begin} of the data, where {end} was expected; "
+                "a safetensors file's tensors follow one another without overlap or gap"
+            )
+        end = stop
     if end != data:
         raise ModelRefused(f"{name} is truncated or padded: its tensors need {end} bytes of data, it holds {data}")
     return header

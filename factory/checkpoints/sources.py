@@ -20,7 +20,14 @@ from pathlib import Path
 from factory import hubclient as hub
 from factory.checkpoints.dequantize import bf16_shapes
 from factory.checkpoints.files import UPSTREAM_CARD, is_source_file, source_files
-from factory.checkpoints.inspect import check_against_tensors, check_config, read_config, read_headers
+from factory.checkpoints.inspect import (
+    MAX_METADATA,
+    check_against_tensors,
+    check_config,
+    read_config,
+    read_headers,
+    read_json,
+)
 from factory.errors import ModelRefused, NotFound, SpecError
 from factory.identity import folder_identity, rev
 
@@ -48,8 +55,21 @@ class Source:
         return rev(self.identity)
 
 
+def local(arg: str) -> Path:
+    """The path a source names, `~` and `~user` expanded; NotFound (exit 4) for the home of a user that does not
+    exist."""
+    try:
+        return Path(arg).expanduser()
+    except RuntimeError:  # pathlib's "Could not determine home directory"
+        user = arg.split("/", 1)[0][1:]
+        raise NotFound(
+            f"source {arg!r} does not exist (there is no user {user!r}); pass a local folder with config.json and "
+            "safetensors weights"
+        ) from None
+
+
 def resolve(arg: str, cache_dir: Path) -> Source:
-    path = Path(arg).expanduser()
+    path = local(arg)
     if path.exists():
         if not path.is_dir():
             raise NotFound(f"source {arg!r} is a file; pass the folder that holds config.json and the weights")
@@ -147,7 +167,13 @@ def fetch_hub(identity: str, cache: Path, progress: Callable[..., None]) -> Path
             raise ModelRefused(f"{identity} has no safetensors weights; quantfactory reads only safetensors")
         index = next((s for s in files if s.rfilename == "model.safetensors.index.json"), None)
         if index is not None:  # only the shards it names (not e.g. Mistral's consolidated.safetensors beside them)
-            shards = set(json.loads(hub.download(repo, index, sha, dest).read_text())["weight_map"].values())
+            found = read_json(
+                hub.download(repo, index, sha, dest), MAX_METADATA, "a safetensors index", index.rfilename
+            )
+            weight_map = found.get("weight_map") if isinstance(found, dict) else None
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise ModelRefused(f"{identity}: {index.rfilename} is not a valid safetensors index")
+            shards = set(weight_map.values())
             files = [s for s in files if not s.rfilename.endswith(".safetensors") or s.rfilename in shards]
         card = next((s for s in info.siblings if s.rfilename == UPSTREAM_CARD), None)
         if card is not None:  # the upstream card, for its license and language (not part of the source's identity)
@@ -166,7 +192,7 @@ def layout(arg: str) -> tuple[dict, dict[str, list[int]]]:
     """config.json and every tensor's shape of a local folder or a Hub repo (`org/name[@rev]`), without reading
     weights: safetensors headers locally, the Hub's safetensors metadata (ranged reads) for a repo. An FP8 or MXFP4
     source's shapes are those of its BF16 copy (factory/checkpoints/dequantize.py), which the engines read."""
-    path = Path(arg).expanduser()
+    path = local(arg)
     if path.is_dir():
         files = source_files(path)
         if "config.json" not in files:

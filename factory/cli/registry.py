@@ -254,6 +254,9 @@ def _pull_from_hub(parsed: naming.QuantRef, owner: str, output: Path | None) -> 
         TextColumn("{task.description}"), BarColumn(), DownloadColumn(), console=err, disable=not err.is_terminal
     ) as bar:
         task = bar.add_task(f"{where.repo}@{where.branch}", total=None)
-        files = hub.pull(where, parsed.rev, dest, lambda done, total: bar.update(task, completed=done, total=total))
+        outputs = engines.of_tag(parsed.tag).outputs
+        files = hub.pull(
+            where, outputs, parsed.rev, dest, lambda done, total: bar.update(task, completed=done, total=total)
+        )
     err.print(f"{parsed.name}:{parsed.tag} from {where.repo}@{where.branch}: {len(files)} files verified, in {dest}")
     out.print(str(dest.resolve()))

@@ -9,13 +9,15 @@ Each function takes the attempt's context (factory/jobs/context.py's Run) first.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import astuple
 from pathlib import Path
 
 from factory import engines, events
 from factory.catalog import Job
 from factory.engines import QuantSpec
+from factory.errors import QuantRemoved
 from factory.evaluation import evaluate, kld
 from factory.identity import reference_key
 from factory.jobs.context import Run
@@ -85,7 +87,10 @@ def evaluate_group(run: Run, job: Job, spec: QuantSpec, group: str, out: Path, s
     if all(s in done for s in subjects.values()):
         return {key: done[s] for key, s in subjects.items()}
     scores = {}
-    with run.step(job.id, f"evaluate:{spec.tag}:{group.split('_')[0]}") as progress:
+    with (
+        run.step(job.id, f"evaluate:{spec.tag}:{group.split('_')[0]}") as progress,
+        _published(run, job, spec.tag, out),
+    ):
         for e in mine:
 
             def on_progress(d: int, t: int, unit: str, window: str = e.unit) -> None:
@@ -112,7 +117,7 @@ def _scored(
 ) -> evaluate.Result:
     """One evaluation step: the model in `folder` scored on the job's stream (against FP16's `reference`, or
     keeping its own into `keep`); `on_scored` runs before the result is recorded (the reference is saved)."""
-    with run.step(job.id, f"evaluate:{subject}") as progress:
+    with run.step(job.id, f"evaluate:{subject}") as progress, _published(run, job, subject, folder):
         result = evaluate.evaluate(
             folder,
             load,
@@ -128,6 +133,18 @@ def _scored(
     divergence = astuple(result.divergence) if result.divergence else None  # mean, p99, top1
     run.emit(events.evaluation(subject, result.ppl, divergence))
     return result
+
+
+@contextmanager
+def _published(run: Run, job: Job, tag: str, folder: Path) -> Iterator[None]:
+    """An evaluation of `folder`; where it is a published quant (another job's, reused) that `qf rm` removed
+    meanwhile, it fails with that sentence (QuantRemoved), whatever the reader hit when its files went."""
+    try:
+        yield
+    except Exception as e:
+        if folder.is_relative_to(run.settings.registry) and not folder.is_dir():
+            raise QuantRemoved(job.name, tag) from e
+        raise
 
 
 def _record(

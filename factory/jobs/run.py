@@ -21,7 +21,7 @@ from pathlib import Path
 from factory import engines, events, tables
 from factory.catalog import Job, JobState
 from factory.engines import QuantSpec
-from factory.errors import Cancelled, FactoryError, JobFailed, LeaseLost, QualityGateRefused, mask_url
+from factory.errors import Cancelled, FactoryError, JobFailed, LeaseLost, QualityGateRefused, QuantRemoved, mask_url
 from factory.evaluation import kld
 from factory.jobs import conversions, eta, evaluations, graph, packing
 from factory.jobs.context import Run
@@ -231,9 +231,7 @@ def _publish(run: Run, job: Job, prepared: Prepared, spec: QuantSpec, out: Path,
     if out.is_relative_to(run.settings.registry):  # a published quant reused: its evaluation is added to it
         twin = run.catalog.quant_with_weights(publishing.weights_key(job, spec))
         if twin is None:
-            raise JobFailed(
-                f"{job.name}:{spec.tag} was removed while this job evaluated it; run the same command again to make it"
-            )
+            raise QuantRemoved(job.name, spec.tag)
         note = f"{twin.name}:{twin.tag}@{twin.rev} is published (job {twin.job_id}); this evaluation is added to it"
         run.catalog.reuse_step(job.id, f"publish:{spec.tag}", note, run.token)
         run.note(f"publish:{spec.tag}: {note}")

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from factory import engines
-from factory.errors import NotFound, ServiceUnavailable, SpecError
+from factory.checkpoints.files import carried
+from factory.errors import JobFailed, NotFound, ServiceUnavailable, SpecError
 from factory.hubclient import client, download, errors, file_id, remote_id, retrying, status, token
 
 KEEP_ON_BRANCH = (".gitattributes",)
@@ -121,10 +122,13 @@ def refs(repo: str) -> dict[str, str]:
 
 
 # pulling ---------------------------------------------------------------------------------------------------------
-def pull(where: Place, revision: str | None, dest: Path, progress: Callable[..., None]) -> list[str]:
+def pull(
+    where: Place, outputs: tuple[str, ...], revision: str | None, dest: Path, progress: Callable[..., None]
+) -> list[str]:
     """Download a published quant pinned to one commit (the branch head; with `revision`, the newest commit of the
     branch made from that source revision, or that commit) and check every file against the Hub; the files land
-    in `dest` only when all of them match."""
+    in `dest` only when all of them match. A branch that lists a file no quant of its engine carries (`outputs`,
+    files.carried: a path, a name off the list) is refused before anything is downloaded."""
     dest = dest.resolve()
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise SpecError(f"{dest} exists and is not an empty folder; pick another with -o")
@@ -146,6 +150,11 @@ def pull(where: Place, revision: str | None, dest: Path, progress: Callable[...,
         with errors(f"{where.repo}@{where.branch}"):
             info = retrying(lambda: client(token()).model_info(where.repo, revision=commit, files_metadata=True))
             files = [s for s in info.siblings if s.rfilename not in KEEP_ON_BRANCH]
+            if strangers := [s.rfilename for s in files if not carried(s.rfilename, outputs)]:
+                raise JobFailed(
+                    f"{where.repo}@{where.branch} holds {strangers[0]!r}, a name no quant's file has; nothing was "
+                    "pulled"
+                )
             total, done = sum(s.size or 0 for s in files), 0
             for s in files:
                 download(where.repo, s, commit, staging)  # a mismatch leaves nothing: staging goes below

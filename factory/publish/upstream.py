@@ -10,13 +10,12 @@ release (tests/smollm2.py writes one: its FP16 weights are dequantized from a GG
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
-from factory.checkpoints.inspect import multimodal, read_config, tower_kind
+from factory.checkpoints.inspect import COMPANION_BOUNDS, MAX_CONFIG, multimodal, read_config, read_json, tower_kind
 from factory.errors import ModelRefused
 
 
@@ -82,12 +81,13 @@ def _chat_template(staged: Path) -> str | None:
     tokenizer's config."""
     path = staged / "chat_template.jinja"
     if path.is_file():
-        return path.read_text(encoding="utf-8", errors="replace")
-    for name in ("chat_template.json", "tokenizer_config.json"):
+        with open(path, "rb") as f:
+            return f.read(MAX_CONFIG).decode("utf-8", errors="replace")
+    for name, (most, what) in ((n, COMPANION_BOUNDS[n]) for n in ("chat_template.json", "tokenizer_config.json")):
         try:
-            found = json.loads((staged / name).read_text(encoding="utf-8")).get("chat_template")
-        except (OSError, ValueError, AttributeError):
+            found = read_json(staged / name, most, what)
+        except (OSError, ModelRefused):
             continue
-        if isinstance(found, str):
-            return found
+        if isinstance(found, dict) and isinstance(found.get("chat_template"), str):
+            return found["chat_template"]
     return None

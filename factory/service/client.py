@@ -6,13 +6,12 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Iterator
-from fnmatch import fnmatchcase
 from pathlib import Path
 
 import httpx
 
 from factory import engines
-from factory.checkpoints.files import COMPANIONS, PUBLISHING
+from factory.checkpoints.files import carried
 from factory.errors import (
     AccessDenied,
     Conflict,
@@ -31,7 +30,6 @@ from factory.service.private_folder import PrivateFolder
 
 _BY_EXIT = {1: JobFailed, 2: SpecError, 3: ModelRefused, 4: NotFound}  # 409 is a Conflict (a SpecError: exit 2)
 Progress = Callable[[int, int], None]  # (bytes done, bytes in all)
-_FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+-]{0,254}")  # plain: no '/', NUL or leading dot; 255 at most
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 MAX_ANSWER = 64 << 20  # the most one JSON answer may take (a catalog of thousands of quants is a few MiB)
 
@@ -46,7 +44,7 @@ class Client:
         try:
             answer = json.loads(body)
             message, exit_code = answer["error"], int(answer.get("exit_code", 5))
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             return ServiceUnavailable(
                 f"the factory's service at {mask_url(self.url)} answered HTTP {status} without saying why"
             )
@@ -80,6 +78,8 @@ class Client:
             raise self._error(response.status_code, body)
         try:
             return json.loads(body)
+        except RecursionError:
+            raise self._refused(f"answered {path} with JSON nested too deeply to be read") from None
         except ValueError:
             raise ServiceUnavailable(
                 f"{mask_url(self.url)} answered {path} with something other than JSON; is "
@@ -117,7 +117,7 @@ class Client:
                     raise self._error(response.status_code, self._read(response, "the job's events"))
                 for line in response.iter_lines():
                     if line.startswith("data: "):
-                        yield json.loads(line.removeprefix("data: "))
+                        yield _event(line.removeprefix("data: "), self._refused)
         except httpx.TransportError:
             raise self._unreachable() from None
 
@@ -222,15 +222,26 @@ def _refusal(ref: naming.QuantRef, info) -> str | None:
         return f"answered {ref} with the quant {text!r}"
     if [manifest.get(key) for key in ("name", "tag", "rev")] != fields:
         return f"answered {ref} with the manifest of another quant"
-    allowed = (*COMPANIONS, *engines.of_tag(answered.tag).outputs, *PUBLISHING)
+    outputs = engines.of_tag(answered.tag).outputs
     for fname, entry in manifest["files"].items():
-        if not _FILE_NAME.fullmatch(fname) or fname == MANIFEST or not any(fnmatchcase(fname, p) for p in allowed):
+        if fname == MANIFEST or not carried(fname, outputs):
             return f"listed {fname!r} among the files of {text}, a name no quant's file has"
         if not isinstance(entry, dict) or type(entry.get("bytes")) is not int or entry["bytes"] < 0:
             return f"gave {fname} of {text} a size that is not a count of bytes"
         if not isinstance(entry.get("sha256"), str) or not _SHA256.fullmatch(entry["sha256"]):
             return f"gave {fname} of {text} a sha256 that is not 64 hex digits"
     return None
+
+
+def _event(data: str, refused: Callable[[str], JobFailed]) -> dict:
+    """One server-sent event of a job: a JSON object, or JobFailed naming the service."""
+    try:
+        event = json.loads(data)
+    except (ValueError, RecursionError):
+        event = None
+    if not isinstance(event, dict):
+        raise refused("sent an event of the job that is not a JSON object")
+    return event
 
 
 def _segment(text: str) -> str:
