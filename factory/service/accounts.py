@@ -166,33 +166,37 @@ class Accounts:
                     Submission.created_at < now() - timedelta(seconds=place_seconds),
                 )
             )
-            if account.quota_jobs_per_day is not None:
-                since = now() - DAY
-                recent = s.scalars(
-                    select(Submission.created_at)
-                    .where(Submission.username == account.user, Submission.created_at > since)
-                    .order_by(Submission.created_at)
-                )
-                recent = list(recent)
-                if len(recent) >= account.quota_jobs_per_day:
-                    resets = (recent[0] + DAY).isoformat(sep=" ", timespec="seconds")
-                    raise OverQuota(
-                        f"{account.user} has submitted {len(recent)} jobs in the last 24 hours, the quota "
-                        f"is {account.quota_jobs_per_day} a day; the next one may be submitted at "
-                        f"{resets} UTC"
-                    )
-            if account.max_running is not None:
-                running = self._running(s, account.user)
-                if running >= account.max_running:
-                    raise OverQuota(
-                        f"{account.user} has {running} jobs queued or running, at most "
-                        f"{account.max_running} are allowed at once; the next one may be submitted when "
-                        "one of them ends"
-                    )
+            self._check_quotas(s, account)
             place = Submission(username=account.user, job_id=None)
             s.add(place)
             s.flush()
             return place.id
+
+    def _check_quotas(self, s, account: Account) -> None:
+        """OverQuota unless `account`'s user may have one more job (the caller holds the user's token rows)."""
+        if account.quota_jobs_per_day is not None:
+            since = now() - DAY
+            recent = s.scalars(
+                select(Submission.created_at)
+                .where(Submission.username == account.user, Submission.created_at > since)
+                .order_by(Submission.created_at)
+            )
+            recent = list(recent)
+            if len(recent) >= account.quota_jobs_per_day:
+                resets = (recent[0] + DAY).isoformat(sep=" ", timespec="seconds")
+                raise OverQuota(
+                    f"{account.user} has submitted {len(recent)} jobs in the last 24 hours, the quota "
+                    f"is {account.quota_jobs_per_day} a day; the next one may be submitted at "
+                    f"{resets} UTC"
+                )
+        if account.max_running is not None:
+            running = self._running(s, account.user)
+            if running >= account.max_running:
+                raise OverQuota(
+                    f"{account.user} has {running} jobs queued or running, at most "
+                    f"{account.max_running} are allowed at once; the next one may be submitted when "
+                    "one of them ends"
+                )
 
     @staticmethod
     def _running(s, user: str) -> int:
@@ -217,15 +221,42 @@ class Accounts:
         )
         return s.scalar(select(jobs + pending)) or 0
 
-    def record(self, place: int, user: str, job_id: str) -> Job:
-        """The reserved place becomes the user's submission of `job_id` (a new row if the place was let go in the
-        meantime): under the job's row lock, so that a concurrent `withdraw` sees this owner or comes first. Returns
-        the job as it is now (a job its last other owner cancelled just before: the caller queues it again)."""
+    def record(self, place: int, account: Account, job_id: str) -> Job:
+        """The reserved place becomes the user's submission of `job_id`, under the job's row lock, so that a
+        concurrent `withdraw` sees this owner or comes first. The place is taken by compare-and-set: one that was let
+        go meanwhile (its submission outlived FACTORY_PLACE_SECONDS, and another submission of the user counted
+        without it) is taken again only if the quotas still allow it; else the job is cancelled unless another
+        owner wants it, and OverQuota says why. Returns the job as it is now (a job its last other owner cancelled
+        just before: the caller queues it again)."""
         with self.catalog.session() as s:
             job = s.get(Job, job_id, with_for_update=True)
-            if not s.execute(update(Submission).where(Submission.id == place).values(job_id=job_id)).rowcount:
-                s.add(Submission(username=user, job_id=job_id))
-            return job
+            taken = update(Submission).where(
+                Submission.id == place, Submission.username == account.user, Submission.job_id.is_(None)
+            )
+            if s.execute(taken.values(job_id=job_id)).rowcount:
+                return job
+            s.execute(update(Token).where(Token.username == account.user).values(last_used_at=now()))
+            try:
+                self._check_quotas(s, account)
+            except OverQuota as e:
+                if not self._owners(s, job_id):
+                    self.catalog.cancel_job(job_id, session=s)
+                lost = OverQuota(
+                    f"this submission took longer than its place in {account.user}'s quota is held "
+                    f"(FACTORY_PLACE_SECONDS), and the quota was taken meanwhile: {e.message}"
+                )
+            else:
+                s.add(Submission(username=account.user, job_id=job_id))
+                return job
+        raise lost  # after the session: the job's cancel is committed
+
+    @staticmethod
+    def _owners(s, job_id: str) -> int:
+        return s.scalar(
+            select(func.count())
+            .select_from(Submission)
+            .where(Submission.job_id == job_id, Submission.withdrawn_at.is_(None))
+        )
 
     def withdraw(self, account: Account, job_id: str) -> tuple[Job, int]:
         """`account`'s cancel of a job: its interest withdrawn and, when no other owner is left (or it is an
