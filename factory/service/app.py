@@ -260,7 +260,8 @@ def create_app(config: settings.Settings | None = None) -> FastAPI:
         """The job's progress events as server-sent events (`data: <json>`), until its result or its end."""
         who.require("read")
         accounts.check_job(who, job_id)
-        return followers.response(who.user, queue.get().follow(factory.catalog, config.broker_url, job_id))
+        events = queue.get().follow(factory.catalog, config.broker_url, job_id)
+        return followers.response(who.user, redact.shown_events(events, who, config))
 
     @app.post("/api/jobs/{job_id}/cancel")
     def cancel(job_id: str, who: Who) -> dict:
