@@ -13,13 +13,15 @@ Quotas are per user, over all of the user's tokens, and counted strictly: a subm
 (a row in `submissions`) while holding the user's token rows (UPDATE ... last_used_at: a row lock on PostgreSQL,
 the write lock on SQLite), so concurrent submissions cannot both take the last place
 (tests/test_service_races.py: 16 processes at one instant). A place whose submission never ended (its server was
-killed) is let go after FACTORY_PLACE_SECONDS.
+killed) is let go after FACTORY_PLACE_SECONDS; a submission that outlived its place takes it again at `record` only
+if the quotas still allow it (else OverQuota, and its job is cancelled unless another owner wants it).
 
 A job is owned by every user who submitted it (the same submission again is the same job: the quant's work is
 shared). `cancel` by a user withdraws that user's interest only: the job is cancelled when no owner is left (an
 admin's cancel cancels it outright), so no user can stop another's job by submitting it too. `retry` of a failed
 or cancelled job is what submitting it again does (it re-queues the job for everyone who wants it), so any owner
-may ask for it; it makes the caller an owner again if they had withdrawn.
+may ask for it; it counts against the caller's quotas as a submission does (a place reserved and recorded), and
+makes the caller an owner again if they had withdrawn.
 """
 
 from __future__ import annotations
