@@ -138,3 +138,36 @@ def test_rm_of_a_quant_another_job_evaluates_fails_that_job_in_one_sentence(qf, 
         "error: tiny:awq-w4g128 was removed while this job evaluated it; run the same command again to make it"
     )
     assert qf.json("ls") == []
+
+
+def test_a_publish_killed_before_its_row_is_recovered_and_its_folder_collected(qf, model_copy):
+    """`qf run` SIGKILLed with its quant's registry folder in place and the folder's row not recorded: once its lease
+    runs out, `qf status` shows the job queued again (it stayed `running` for ever: no reconciler runs beside `qf
+    run`); `qf gc` leaves the unlisted folder during the grace period (a publish may be recording its row) and
+    removes it after; running the job again publishes the quant."""
+    from tests.test_publish_safety import RUN, _stopped_at
+
+    model = model_copy("tiny")
+    proc = _stopped_at(qf, "placed", model, *RUN, FACTORY_LEASE_SECONDS="2")
+    proc.kill()
+    proc.wait(30)
+    [placed] = (qf.home / "registry" / "tiny").glob("awq-w4g128@*")
+    assert qf.json("ls") == []
+    time.sleep(2.5)  # the lease runs out
+    [job] = qf.json("status")
+    assert job["state"] == "queued" and job["holder"] is None
+
+    why = "registry folder that no catalog row lists (a publish killed before recording it)"
+    assert (str(placed), why) not in {(i["path"], i["why"]) for i in qf.json("gc", "--dry-run")["items"]}
+    hour_ago = time.time() - registry.STALE_SECONDS - 60
+    os.utime(placed, (hour_ago, hour_ago))
+    assert (str(placed), why) in {(i["path"], i["why"]) for i in qf.json("gc", "--dry-run")["items"]}
+    assert placed.is_dir()
+    assert (str(placed), why) in {(i["path"], i["why"]) for i in qf.json("gc")["items"]}
+    assert not placed.exists() and not list((qf.home / "registry").glob(f"*/{registry.STAGING}*"))
+
+    again = qf("run", model, *RUN)
+    assert again.exit_code == 0, again.output
+    [quant] = qf.json("ls")
+    registry.verify(qf.home / "registry" / quant["path"])
+    assert qf.json("status")[0]["state"] == "succeeded"

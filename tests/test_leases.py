@@ -216,3 +216,80 @@ def test_a_cancel_during_the_publish_waits_for_it(catalog):
     other.engine.dispose()
     assert seen == [True] and not cancel.is_alive()
     assert catalog.job(job_id).state == JobState.cancelled and len(catalog.quants(job_id=job_id)) == 1
+
+
+def test_a_holder_stopped_past_its_lease_has_its_engine_stopped_and_its_unit_made_elsewhere(qf, tiny, tmp_path):
+    """Only `qf run`'s own process is stopped (SIGSTOP) while its engine child converts (it would for 10 minutes):
+    past its lease a second `qf run` takes the job and the conversion over. The stopped holder's engine is killed
+    by its watchdog at the takeover (it went on writing into the job's work folder, and the new holder's engine
+    failed with FileExistsError there); the new holder converts in a folder of its own and publishes; the old
+    holder, continued, writes nothing."""
+    import signal
+    import subprocess
+
+    import psutil
+
+    from factory.publish import folder as registry
+    from tests.test_safety import qf_process, wait_until
+
+    recipe = tmp_path / "round.yaml"
+    recipe.write_text("round: {mantissa: [3]}\n")
+    args = ("run", tiny, "--recipe", recipe, "--eval-windows", 1)
+    env = {"FACTORY_ENGINES": "tests.round_engine:ENGINE", "FACTORY_LEASE_SECONDS": "2", "OMP_NUM_THREADS": "1"}
+    first = qf_process(qf, *args, env={**env, "QF_TEST_ROUND_SECONDS": "600"}, stderr=subprocess.DEVNULL)
+    try:
+
+        def converting():
+            kids = [p for p in psutil.Process(first.pid).children() if "tests.round_engine" in p.cmdline()]
+            return kids and kids[0]
+
+        engine = wait_until(converting, 120)
+        time.sleep(1)  # its first progress event recorded
+        _stop_outside_a_transaction(qf, first)
+        time.sleep(3)  # its lease and its unit's claim run out; its engine goes on
+        assert engine.status() != psutil.STATUS_STOPPED
+        second = qf_process(qf, *args, env={**env, "QF_TEST_ROUND_SECONDS": "0"}, stderr=subprocess.PIPE)
+        _, err = second.communicate(timeout=180)
+        assert second.returncode == 0, err
+        assert wait_until(lambda: not engine.is_running() or engine.status() == psutil.STATUS_ZOMBIE, 10)
+        [quant] = qf.json("ls")
+        before = registry.verify(qf.home / "registry" / quant["path"])
+        first.send_signal(signal.SIGCONT)
+        first.wait(60)
+        assert first.returncode != 0
+        [job] = qf.json("status")
+        assert job["state"] == "succeeded" and qf.json("ls") == [quant]
+        assert registry.verify(qf.home / "registry" / quant["path"]) == before
+    finally:
+        first.kill()
+        first.wait(30)
+
+
+def _stop_outside_a_transaction(qf, proc) -> None:
+    """SIGSTOP `proc` at a moment it holds no lock in the catalog (its heartbeat renews every third of the lease: a
+    process stopped inside that transaction would hold the catalog, on SQLite, or the job's row, for every other)."""
+    import signal
+
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.exc import OperationalError
+
+    url = qf.db_url or f"sqlite:///{qf.home / 'catalog.db'}"
+    sqlite = url.startswith("sqlite")
+    engine = create_engine(
+        url.replace("postgresql://", "postgresql+psycopg2://", 1),
+        connect_args={"timeout": 0.5} if sqlite else {"options": "-c lock_timeout=500"},
+    )
+    try:
+        for _ in range(50):
+            proc.send_signal(signal.SIGSTOP)
+            try:
+                with engine.begin() as conn:
+                    conn.execute(text("UPDATE jobs SET attempts = attempts"))
+                    conn.execute(text("UPDATE claims SET token = token"))
+                return
+            except OperationalError:
+                proc.send_signal(signal.SIGCONT)
+                time.sleep(0.2)
+        raise AssertionError("the process held the catalog every time it was stopped")
+    finally:
+        engine.dispose()

@@ -622,3 +622,47 @@ def test_a_queue_plugin_that_is_not_a_queue_is_one_sentence_not_a_500(factory_en
         server.stop()
     log = (tmp_path / "server.log").read_text()
     assert f"the job queue '{target}' {why}" in log and "Traceback" not in log
+
+
+def test_a_followers_events_hide_the_servers_paths_as_its_job_rows_do(server, factory_env, tmp_path):
+    """The factory's admin submits a job with a calibration text in FACTORY_HOME; alice submits the same text from a
+    served folder (the same job: its key is the text's hash). Her `qf status --follow` stream, like her job rows,
+    shows the admin's file as `<server>/<name>`, never its path in FACTORY_HOME."""
+    import calibration
+
+    home, served = Path(factory_env["FACTORY_HOME"]), Path(factory_env["FACTORY_SERVE_SOURCES"])
+    text = calibration.resolve("builtin:c4").text
+    (home / "texts").mkdir(parents=True)
+    for where in (home / "texts", served):
+        (where / "private-cal.txt").write_text(text)
+    model = served / "tiny"
+    args = ("--awq", "--eval-windows", 1, "--calibration")
+    job_id = qf(factory_env, "submit", model, *args, f"file:{home}/texts/private-cal.txt", check=True).stdout.strip()
+    alice = user_env(server, server.token("alice"), tmp_path / "alice")
+    assert qf(alice, "submit", model, *args, f"file:{served}/private-cal.txt", check=True).stdout.strip() == job_id
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "factory.cli", "status", job_id, "--follow", "--json"],
+        env=alice,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    broker, channel = redis.Redis.from_url(BROKER), f"quantfactory:events:{job_id}"
+    deadline = time.monotonic() + 30
+    while broker.pubsub_numsub(channel) != [(channel.encode(), 1)]:  # subscribed before the worker starts
+        assert follower.poll() is None and time.monotonic() < deadline, follower.communicate()
+        time.sleep(0.1)
+    worker = _start_worker(factory_env, tmp_path / "worker.log")
+    try:
+        out, errors = follower.communicate(timeout=240)
+    finally:
+        worker.terminate()
+        worker.wait(timeout=30)
+    assert follower.returncode == 0, errors
+    events = [json.loads(line) for line in out.splitlines()]
+    assert events[-1]["event"] == "result" and events[-1]["state"] == "succeeded"
+    assert str(home) not in out and "<server>/private-cal.txt" in out
+    assert events[-1]["quants"][0]["calibration"] == "file:<server>/private-cal.txt"
+    rows = qf(alice, "status", job_id, "--json", check=True).stdout
+    assert str(home) not in rows

@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -317,9 +318,79 @@ def test_a_place_recorded_between_the_quota_counts_is_still_counted(db_url):
     @event.listens_for(catalog.engine, "after_cursor_execute")
     def record_a_now(conn, cursor, statement, *args):
         if not recorded and "count(" in statement:  # C has read its count: A's record commits now
-            recorded.append(accounts.record(place_a, "frank", job_a.id))
+            recorded.append(accounts.record(place_a, frank, job_a.id))
 
     with pytest.raises(OverQuota, match="frank has 2 jobs queued or running"):
         accounts.reserve(frank, 900)
     assert recorded
+    catalog.engine.dispose()
+
+
+def test_a_retry_counts_against_the_quotas_as_a_submission_does(server, factory_env, tmp_path):
+    """gus may have 1 job at once and 4 a day. Of three jobs submitted and cancelled in turn, the third still
+    queued, the first two cannot be retried while it is (it was how a user had 3 jobs queued); once it is cancelled,
+    one retry is his 4th job of the day, and the next is refused by the daily quota."""
+    model = Path(factory_env["FACTORY_SERVE_SOURCES"]) / "tiny"
+    gus = user_env(server, server.token("gus", "--max-running", "1", "--quota-jobs-per-day", "4"), tmp_path / "gus")
+    jobs = []
+    for windows in (1, 2, 3):
+        jobs.append(qf(gus, "submit", model, "--awq", "--eval-windows", windows, check=True).stdout.strip())
+        if windows < 3:
+            qf(gus, "cancel", jobs[-1], check=True)
+    for job_id in jobs[:2]:
+        refused = qf(gus, "retry", job_id)
+        assert (refused.returncode, refused.stderr) == (
+            5,
+            "error: gus has 1 jobs queued or running, at most 1 are allowed at once; the next one may be "
+            "submitted when one of them ends\n",
+        )
+    qf(gus, "cancel", jobs[2], check=True)
+    assert qf(gus, "retry", jobs[0], check=True).stdout.strip() == jobs[0]
+    qf(gus, "cancel", jobs[0], check=True)
+    refused = qf(gus, "retry", jobs[1])
+    assert refused.returncode == 5 and refused.stderr.startswith(
+        "error: gus has submitted 4 jobs in the last 24 hours, the quota is 4 a day"
+    ), refused.stderr
+    states = {j["id"]: j["state"] for j in json.loads(qf(gus, "status", "--json", check=True).stdout)}
+    assert states == dict.fromkeys(jobs, "cancelled")
+    assert _pending_places(factory_env["FACTORY_DB_URL"], factory_env["FACTORY_HOME"]) == 0
+
+
+def test_a_place_let_go_while_its_submission_still_runs_is_not_recorded_past_the_quota(db_url):
+    """A's submission outlives its place (FACTORY_PLACE_SECONDS): B's reserve lets the place go, takes the user's
+    only place (--max-running 1) and records its job. A's record must not add a second running job: it is refused
+    with OverQuota and A's job, which nobody else wants, is cancelled. A place let go while the quota stays free is
+    taken again at record."""
+    from factory.catalog import Catalog, JobState, Model
+    from factory.errors import OverQuota
+    from factory.service.accounts import Accounts
+
+    catalog = Catalog(db_url or "sqlite:///" + str(Path(tempfile.mkdtemp()) / "catalog.db"))
+    with catalog.session() as s:
+        s.add(Model(name="tiny", source="/m/tiny"))
+    accounts = Accounts(catalog)
+    secret, _ = accounts.create("hal", max_running=1)
+    hal = accounts.authenticate(secret)
+
+    def job(windows: int):
+        fields = {"key": f"k{windows}", "name": "tiny", "source": "/m/tiny", "source_identity": "x"}
+        fields |= {"base_model": "b", "specs": [], "calibration": "c", "calibration_sha": "c", "eval": "e"}
+        fields |= {"eval_sha": "e", "eval_windows": windows, "max_ppl_ratio": 1.1, "max_kld": None, "versions": {}}
+        return catalog.create_job(**fields, device="cpu")[0]
+
+    place_a, job_a = accounts.reserve(hal, 900), job(1)
+    place_b = accounts.reserve(hal, 0)  # B finds A's place expired (a place of 0 seconds) and lets it go
+    job_b = job(2)
+    assert accounts.record(place_b, hal, job_b.id).state == JobState.queued
+    with pytest.raises(OverQuota, match="hal has 1 jobs queued or running, at most 1") as refused:
+        accounts.record(place_a, hal, job_a.id)
+    assert refused.value.message.startswith("this submission took longer than its place in hal's quota is held")
+    assert catalog.job(job_a.id).state == JobState.cancelled and catalog.job(job_b.id).state == JobState.queued
+    assert accounts.job_ids(hal) == {job_b.id}
+
+    catalog.cancel_job(job_b.id)  # the quota is free again: a place let go meanwhile is taken again at record
+    place_c, job_c = accounts.reserve(hal, 900), job(3)
+    accounts.release(accounts.reserve(hal, 0))  # lets C's place go; its own submission is refused (bad input)
+    assert accounts.record(place_c, hal, job_c.id).state == JobState.queued
+    assert accounts.job_ids(hal) == {job_b.id, job_c.id}
     catalog.engine.dispose()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 from sqlalchemy import select, update
@@ -54,6 +55,30 @@ class Quants(Store):
                         setattr(old, column, getattr(quant, column))
                 old.removed_at = None
             return old
+
+    def remove_unlisted(self, name: str, tag: str, rev: str, job_id: str | None, remove: Callable[[], None]) -> bool:
+        """Run `remove()`, the registry's removal of folder name:tag@rev, if no live row lists that folder and the job
+        that placed it (`job_id`, from its manifest) is not running, under the job's row lock: no publisher of it is
+        then between placing its folder and recording its row (put_quant fences on a running job, and waits for this
+        lock), and no later attempt adopts the folder while it goes. False when it was left."""
+        with self.session() as s:
+            if job_id is not None:
+                self._fence_quiet(s, job_id)
+                job = s.get(Job, job_id)
+                if job is not None and job.state == JobState.running:
+                    return False
+            listed = select(Quant.id).where(
+                Quant.name == name, Quant.tag == tag, Quant.rev == rev, Quant.removed_at.is_(None)
+            )
+            if s.scalars(listed).first() is not None:
+                return False
+            remove()
+            return True
+
+    @staticmethod
+    def _fence_quiet(s, job_id: str) -> None:
+        """The job's row lock, for the rest of the transaction (a no-op UPDATE, as Store._fence takes it)."""
+        s.execute(update(Job).where(Job.id == job_id).values(lease_token=Job.lease_token, updated_at=Job.updated_at))
 
     def quant_at(self, name: str, tag: str, rev: str) -> Quant | None:
         """The row of name:tag@rev, a tombstone too (what decides whether that rev is free for some files)."""

@@ -217,7 +217,11 @@ def job_rows(**query) -> list[dict]:
         return remote.jobs(limit=query.get("limit", 20), name=query.get("name"))
 
     config = settings.load()
-    return status.job_rows(config.db_url, broker_url=config.broker_url, **query)
+    rows = status.job_rows(config.db_url, broker_url=config.broker_url, **query)
+    if any(row["state"] == "running" and row["holder"] is None for row in rows) and open_catalog().expired_leases():
+        # a holder that was killed (a `qf run` has no reconciler): its job goes back to queued, as the fleet's would
+        rows = status.job_rows(config.db_url, broker_url=config.broker_url, **query)
+    return rows
 
 
 def latest(rows: list[dict]) -> list[dict]:

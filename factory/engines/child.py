@@ -8,6 +8,9 @@ its job stops (factory/jobs/packing.py), whichever thread waits on it. `run(modu
 the same for our own child modules (`python -m module request.json`), which speak JSON event lines.
 Child: `events()` claims the real stdout for events and points fd 1 at stderr, so libraries that print
 cannot corrupt the event stream.
+Inside `fenced(path, mark)`, a child started by this thread has a watchdog process beside it
+(`python -m factory.engines.fence`) that SIGKILLs it once `path` no longer holds `mark`: whoever holds the unit
+writes its own mark there, and a parent that was stopped past its claim cannot stop its child itself.
 The child's environment is an allowlist (`environment`): the locale, paths, CUDA, torch and thread settings a tool
 needs, HF_HUB_OFFLINE=1, and nothing else: no HF_TOKEN, no catalog or broker URL with its password.
 """
@@ -21,6 +24,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -103,6 +107,31 @@ def environment(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 _running: set[subprocess.Popen] = set()  # the engine children of this process, whichever thread started them
+_fences = threading.local()  # (path, mark) of the unit this thread runs, while `fenced`
+
+
+@contextmanager
+def fenced(path: Path, mark: str) -> Iterator[None]:
+    """The engine children this thread starts in the block are killed by a watchdog once `path` does not hold
+    `mark` (the caller wrote it there; another holder of the unit writes its own)."""
+    _fences.value = (path, mark)
+    try:
+        yield
+    finally:
+        _fences.value = None
+
+
+def _watchdog(proc: subprocess.Popen) -> subprocess.Popen | None:
+    fence = getattr(_fences, "value", None)
+    if fence is None:
+        return None
+    return subprocess.Popen(
+        [sys.executable, "-m", "factory.engines.fence", str(fence[0]), fence[1], str(proc.pid)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        env=environment(),
+        preexec_fn=die_with_parent,
+    )
 
 
 def stop_running() -> None:
@@ -144,6 +173,7 @@ def run_command(
             preexec_fn=die_with_parent,
         )
         _running.add(proc)
+        watchdog = _watchdog(proc)
         try:
             for line in proc.stdout:
                 log.write(line)
@@ -158,6 +188,9 @@ def run_command(
             proc.stdout.close()
             rc = proc.wait()
             _running.discard(proc)
+            if watchdog is not None:
+                watchdog.kill()
+                watchdog.wait()
     if rc != 0:
         raise JobFailed(f"{what} failed: {_reason(rc, log_path)}")
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from factory import engines, events, identity
 from factory.catalog import Job, JobState
 from factory.checkpoints import sources
-from factory.engines import QuantSpec
+from factory.engines import QuantSpec, child
 from factory.errors import Cancelled, JobFailed, LeaseLost
 from factory.jobs import graph, packing
 from factory.jobs import prepared as preparing
@@ -39,6 +39,7 @@ from factory.publish import publishing
 
 WAIT_SECONDS = 2.0  # how often a process that waits for another one (its measurement, a unit it claimed) looks again
 log = logging.getLogger("quantfactory")
+FENCE = ".claim"  # in a unit's work folder: the mark of the process that holds the unit (its claim)
 
 
 def help(run: Run, job_id: str) -> None:
@@ -65,7 +66,7 @@ def help(run: Run, job_id: str) -> None:
         if identity.is_hub(job.source_identity)
         else None
     )
-    prepared = preparing.read(run, job, fetched, _helper_work(run, job))
+    prepared = preparing.read(run, job, fetched, _own_work(run, job))
     keys = {s.tag: measurement_key(job, s) for s in prepared.specs if engines.get(s.method).needs_measurement}
     units = [
         replace(u, needs=frozenset()) for u in graph.units(prepared.specs, keys, False, False) if u.kind == "quantize"
@@ -161,19 +162,28 @@ def _make_quant(
     claim: tuple[str, int],
     helping: bool,
 ) -> None:
-    """The job's holder converts in the job's work folder (a conversion taken over resumes there); a helper in
-    a folder of its own, whose quant becomes the job's only under the claim's lock as its step succeeds, so
-    a helper that lost its claim (stopped past it) never mixes its files with the new holder's."""
+    """The job's holder converts in the job's work folder (a failed job run again resumes there); a helper, and
+    a holder that took the unit over from a process that may still be converting (stopped past its claim), in a
+    folder of its own, whose quant becomes the job's only under the claim's lock as its step succeeds, so that a
+    process that lost its claim never mixes its files with the new holder's. The engine is fenced by the claim:
+    the unit's FENCE file holds its taker's mark, and the engine of a process whose unit was taken over is killed
+    by its watchdog (factory/engines/fence.py) once the new taker writes its own."""
     job_work = run.settings.work / job.id / spec.tag
-    work = _helper_work(run, job) / spec.tag if helping else job_work
+    separate = helping or claim[1] > 1
+    work = _own_work(run, job, "helpers" if helping else "takeovers") / spec.tag if separate else job_work
     engine = engines.get(spec.method)
+    mark = f"{run.claimer(job)}#{claim[1]}"
+    _write_fence(job_work / FENCE, mark)
 
     def hand_over() -> None:
         shutil.rmtree(job_work / "out", ignore_errors=True)  # what a holder before left unfinished
         job_work.mkdir(parents=True, exist_ok=True)
         os.rename(work / "out", job_work / "out")
 
-    with run.step(job.id, f"quantize:{spec.tag}", claim, hand_over if helping else None) as progress:
+    with (
+        run.step(job.id, f"quantize:{spec.tag}", claim, hand_over if separate else None) as progress,
+        child.fenced(job_work / FENCE, mark),
+    ):
         request = engines.QuantizeRequest(
             source_dir=prepared.folder,
             out_dir=work / "out",
@@ -186,8 +196,16 @@ def _make_quant(
         engine.quantize(request, lambda event: progress(**event))
 
 
-def _helper_work(run: Run, job: Job) -> Path:
-    return run.settings.work / job.id / "helpers" / run.holder.replace(":", "-")
+def _own_work(run: Run, job: Job, kind: str = "helpers") -> Path:
+    return run.settings.work / job.id / kind / run.holder.replace(":", "-")
+
+
+def _write_fence(path: Path, mark: str) -> None:
+    """`mark` into `path` at once (a watchdog reading it sees the old mark or the new one, never a part)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{mark.replace('/', '-').replace(':', '-')}")
+    tmp.write_text(mark)
+    os.replace(tmp, path)
 
 
 def held_elsewhere(run: Run, job: Job, unit: Unit) -> bool:

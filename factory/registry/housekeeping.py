@@ -5,16 +5,22 @@ revision, not the Hub's copy, not the measurement other sizes reuse. `qf gc` fin
   - work folders of jobs that succeeded or were cancelled, and of jobs the catalog does not know (a failed job keeps
     its folder: running it again continues from there);
   - staging folders of publishes that were killed (older than an hour and not held, see publish/folder.py);
+  - registry folders that no catalog row lists (a publish killed between placing its folder and recording its row),
+    older than an hour, whose job is not running: taken out under the job's row lock (Catalog.remove_unlisted);
   - Hub downloads (FACTORY_HOME/cache/hub/ORG--NAME/SHA) that no queued, running or failed job needs;
   - BF16 copies of FP8/MXFP4 sources (FACTORY_HOME/dequantized/KEY, factory/checkpoints/dequantize.py) that no such job
   needs,
     and what a dequantization that was killed left (not held by a writer now).
+Before it looks, running jobs whose lease ran out (their holder was killed: a `qf run` has no reconciler) go back to
+queued, as the fleet's reconciler does: `qf run` again continues them, and their unlisted folders can go.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +38,7 @@ class Garbage:
     path: Path
     bytes: int
     why: str
+    remove: Callable[[], bool] | None = None  # where removing it must be decided again at that moment; False: left
 
 
 def disk_bytes(path: Path) -> int:
@@ -57,6 +64,7 @@ def remove_quant(settings: Settings, catalog: Catalog, quants: list[Quant]) -> t
 
 
 def garbage(settings: Settings, catalog: Catalog) -> list[Garbage]:
+    catalog.expired_leases()
     states = catalog.job_states()
     found = []
     if settings.work.is_dir():
@@ -71,12 +79,37 @@ def garbage(settings: Settings, catalog: Catalog) -> list[Garbage]:
             Garbage(p, disk_bytes(p), "staging of a publish that was killed")
             for p in registry.sweep(settings.registry, remove=False)
         ]
+        found += _unlisted(settings, catalog, states)
     needed = {_hub_folder(ident) for state, ident in states.values() if state not in DONE}
     for download in sorted((settings.cache / "hub").glob("*/*")):
         if download.relative_to(settings.cache / "hub").as_posix() not in needed:
             found.append(Garbage(download, disk_bytes(download), "Hub download that no unfinished job needs"))
     copies = {dequantize.folder(settings.home, ident) for state, ident in states.values() if state not in DONE}
     found += [Garbage(p, disk_bytes(p), why) for p, why in dequantize.leftovers(settings.home, copies)]
+    return found
+
+
+def _unlisted(settings: Settings, catalog: Catalog, states: dict) -> list[Garbage]:
+    """Registry folders that no live row lists, older than registry.STALE_SECONDS, whose job is not running."""
+    listed = {q.path for q in catalog.quants()}
+    found = []
+    for path in sorted(settings.registry.glob("*/*@*")):
+        relative = path.relative_to(settings.registry).as_posix()
+        if relative in listed or path.name.startswith(registry.STAGING) or path.is_symlink() or not path.is_dir():
+            continue
+        if time.time() - path.lstat().st_mtime < registry.STALE_SECONDS:
+            continue  # a publish may be recording its row now
+        job_id = (registry.read_manifest(path) or {}).get("job")
+        job_id = job_id if isinstance(job_id, str) else None
+        if states.get(job_id, (None, None))[0] == JobState.running:
+            continue
+        tag, _, rev = path.name.partition("@")
+
+        def remove(path=path, name=path.parent.name, tag=tag, rev=rev, job_id=job_id) -> bool:
+            return catalog.remove_unlisted(name, tag, rev, job_id, lambda: registry.remove(path))
+
+        why = "registry folder that no catalog row lists (a publish killed before recording it)"
+        found.append(Garbage(path, disk_bytes(path), why, remove))
     return found
 
 
@@ -87,9 +120,15 @@ def _hub_folder(identity: str) -> str:
 
 
 def collect(items: list[Garbage]) -> int:
+    """Remove `items`; the bytes freed (an item whose removal was decided against at its moment frees none)."""
+    freed = 0
     for item in items:
-        if item.path.is_dir() and not item.path.is_symlink():
+        if item.remove is not None:
+            if not item.remove():
+                continue
+        elif item.path.is_dir() and not item.path.is_symlink():
             shutil.rmtree(item.path, ignore_errors=True)
         else:
             item.path.unlink(missing_ok=True)
-    return sum(item.bytes for item in items)
+        freed += item.bytes
+    return freed

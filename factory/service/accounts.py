@@ -13,13 +13,15 @@ Quotas are per user, over all of the user's tokens, and counted strictly: a subm
 (a row in `submissions`) while holding the user's token rows (UPDATE ... last_used_at: a row lock on PostgreSQL,
 the write lock on SQLite), so concurrent submissions cannot both take the last place
 (tests/test_service_races.py: 16 processes at one instant). A place whose submission never ended (its server was
-killed) is let go after FACTORY_PLACE_SECONDS.
+killed) is let go after FACTORY_PLACE_SECONDS; a submission that outlived its place takes it again at `record` only
+if the quotas still allow it (else OverQuota, and its job is cancelled unless another owner wants it).
 
 A job is owned by every user who submitted it (the same submission again is the same job: the quant's work is
 shared). `cancel` by a user withdraws that user's interest only: the job is cancelled when no owner is left (an
 admin's cancel cancels it outright), so no user can stop another's job by submitting it too. `retry` of a failed
 or cancelled job is what submitting it again does (it re-queues the job for everyone who wants it), so any owner
-may ask for it; it makes the caller an owner again if they had withdrawn.
+may ask for it; it counts against the caller's quotas as a submission does (a place reserved and recorded), and
+makes the caller an owner again if they had withdrawn.
 """
 
 from __future__ import annotations
@@ -166,33 +168,37 @@ class Accounts:
                     Submission.created_at < now() - timedelta(seconds=place_seconds),
                 )
             )
-            if account.quota_jobs_per_day is not None:
-                since = now() - DAY
-                recent = s.scalars(
-                    select(Submission.created_at)
-                    .where(Submission.username == account.user, Submission.created_at > since)
-                    .order_by(Submission.created_at)
-                )
-                recent = list(recent)
-                if len(recent) >= account.quota_jobs_per_day:
-                    resets = (recent[0] + DAY).isoformat(sep=" ", timespec="seconds")
-                    raise OverQuota(
-                        f"{account.user} has submitted {len(recent)} jobs in the last 24 hours, the quota "
-                        f"is {account.quota_jobs_per_day} a day; the next one may be submitted at "
-                        f"{resets} UTC"
-                    )
-            if account.max_running is not None:
-                running = self._running(s, account.user)
-                if running >= account.max_running:
-                    raise OverQuota(
-                        f"{account.user} has {running} jobs queued or running, at most "
-                        f"{account.max_running} are allowed at once; the next one may be submitted when "
-                        "one of them ends"
-                    )
+            self._check_quotas(s, account)
             place = Submission(username=account.user, job_id=None)
             s.add(place)
             s.flush()
             return place.id
+
+    def _check_quotas(self, s, account: Account) -> None:
+        """OverQuota unless `account`'s user may have one more job (the caller holds the user's token rows)."""
+        if account.quota_jobs_per_day is not None:
+            since = now() - DAY
+            recent = s.scalars(
+                select(Submission.created_at)
+                .where(Submission.username == account.user, Submission.created_at > since)
+                .order_by(Submission.created_at)
+            )
+            recent = list(recent)
+            if len(recent) >= account.quota_jobs_per_day:
+                resets = (recent[0] + DAY).isoformat(sep=" ", timespec="seconds")
+                raise OverQuota(
+                    f"{account.user} has submitted {len(recent)} jobs in the last 24 hours, the quota "
+                    f"is {account.quota_jobs_per_day} a day; the next one may be submitted at "
+                    f"{resets} UTC"
+                )
+        if account.max_running is not None:
+            running = self._running(s, account.user)
+            if running >= account.max_running:
+                raise OverQuota(
+                    f"{account.user} has {running} jobs queued or running, at most "
+                    f"{account.max_running} are allowed at once; the next one may be submitted when "
+                    "one of them ends"
+                )
 
     @staticmethod
     def _running(s, user: str) -> int:
@@ -217,15 +223,42 @@ class Accounts:
         )
         return s.scalar(select(jobs + pending)) or 0
 
-    def record(self, place: int, user: str, job_id: str) -> Job:
-        """The reserved place becomes the user's submission of `job_id` (a new row if the place was let go in the
-        meantime): under the job's row lock, so that a concurrent `withdraw` sees this owner or comes first. Returns
-        the job as it is now (a job its last other owner cancelled just before: the caller queues it again)."""
+    def record(self, place: int, account: Account, job_id: str) -> Job:
+        """The reserved place becomes the user's submission of `job_id`, under the job's row lock, so that a
+        concurrent `withdraw` sees this owner or comes first. The place is taken by compare-and-set: one that was let
+        go meanwhile (its submission outlived FACTORY_PLACE_SECONDS, and another submission of the user counted
+        without it) is taken again only if the quotas still allow it; else the job is cancelled unless another
+        owner wants it, and OverQuota says why. Returns the job as it is now (a job its last other owner cancelled
+        just before: the caller queues it again)."""
         with self.catalog.session() as s:
             job = s.get(Job, job_id, with_for_update=True)
-            if not s.execute(update(Submission).where(Submission.id == place).values(job_id=job_id)).rowcount:
-                s.add(Submission(username=user, job_id=job_id))
-            return job
+            taken = update(Submission).where(
+                Submission.id == place, Submission.username == account.user, Submission.job_id.is_(None)
+            )
+            if s.execute(taken.values(job_id=job_id)).rowcount:
+                return job
+            s.execute(update(Token).where(Token.username == account.user).values(last_used_at=now()))
+            try:
+                self._check_quotas(s, account)
+            except OverQuota as e:
+                if not self._owners(s, job_id):
+                    self.catalog.cancel_job(job_id, session=s)
+                lost = OverQuota(
+                    f"this submission took longer than its place in {account.user}'s quota is held "
+                    f"(FACTORY_PLACE_SECONDS), and the quota was taken meanwhile: {e.message}"
+                )
+            else:
+                s.add(Submission(username=account.user, job_id=job_id))
+                return job
+        raise lost  # after the session: the job's cancel is committed
+
+    @staticmethod
+    def _owners(s, job_id: str) -> int:
+        return s.scalar(
+            select(func.count())
+            .select_from(Submission)
+            .where(Submission.job_id == job_id, Submission.withdrawn_at.is_(None))
+        )
 
     def withdraw(self, account: Account, job_id: str) -> tuple[Job, int]:
         """`account`'s cancel of a job: its interest withdrawn and, when no other owner is left (or it is an

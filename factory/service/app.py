@@ -230,7 +230,7 @@ def create_app(config: settings.Settings | None = None) -> FastAPI:
         except BaseException:
             accounts.release(place)
             raise
-        if accounts.record(place, who.user, job.id).state == JobState.cancelled:
+        if accounts.record(place, who, job.id).state == JobState.cancelled:
             job = fleet.submit(
                 factory, request
             )  # its last other owner cancelled it just before this user's place counted
@@ -260,7 +260,8 @@ def create_app(config: settings.Settings | None = None) -> FastAPI:
         """The job's progress events as server-sent events (`data: <json>`), until its result or its end."""
         who.require("read")
         accounts.check_job(who, job_id)
-        return followers.response(who.user, queue.get().follow(factory.catalog, config.broker_url, job_id))
+        events = queue.get().follow(factory.catalog, config.broker_url, job_id)
+        return followers.response(who.user, redact.shown_events(events, who, config))
 
     @app.post("/api/jobs/{job_id}/cancel")
     def cancel(job_id: str, who: Who) -> dict:
@@ -273,11 +274,21 @@ def create_app(config: settings.Settings | None = None) -> FastAPI:
 
     @app.post("/api/jobs/{job_id}/retry")
     def retry(job_id: str, who: Who) -> dict:
-        """Queue a failed or cancelled job again, as submitting it again would; the caller wants it again."""
+        """Queue a failed or cancelled job again, as submitting it again would: it counts against the caller's
+        quotas as a submission does, and the caller wants it again."""
         who.require("submit")
         accounts.check_job(who, job_id)
-        job = queue.get().retry(factory, job_id)
+        fleet, place = queue.get(), accounts.reserve(who, config.place_seconds)
+        try:
+            job = fleet.retry(factory, job_id)
+        except BaseException:
+            accounts.release(place)
+            raise
         accounts.rejoin(who, job_id)
+        if accounts.record(place, who, job_id).state == JobState.cancelled:
+            job = fleet.retry(
+                factory, job_id
+            )  # its last other owner cancelled it just before this user's place counted
         return {"id": job.id, "state": str(job.state)}
 
     @app.get("/api/quants")

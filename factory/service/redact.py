@@ -7,6 +7,7 @@ sees them whole, and the server's log has them for everyone."""
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from pathlib import PurePosixPath
 
 from factory import settings
@@ -48,3 +49,13 @@ def visible_jobs(config: settings.Settings, who: Account, **query) -> list[dict]
         config.db_url, user=None if who.sees_every_job else who.user, broker_url=config.broker_url, **query
     )
     return shown(rows, who, config)
+
+
+def shown_events(events: Iterator[dict | None], who: Account, config: settings.Settings) -> Iterator[dict | None]:
+    """A job's events (`GET /api/jobs/J/events`) as `who` may see them, as `shown` does for its rows; closing this
+    closes `events` (its Redis subscription)."""
+    try:
+        for event in events:
+            yield event if event is None else shown(event, who, config)
+    finally:
+        events.close()
