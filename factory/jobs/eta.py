@@ -116,7 +116,9 @@ def critical_path(units: list[Unit], slots: list[Slot]) -> list[Slot]:
 
 # the units no engine runs: gate, publish and push are quick; an evaluation is a forward pass over the windows
 OTHER_SECONDS = {"gate": 1.0, "publish": 2.0, "push": 30.0}
-GPU_FLOPS, CPU_FLOPS_PER_CORE = 2e13, 2.5e10  # what a small model's forward pass reaches, fp16 on an H200 / fp32
+# what a forward pass reaches, fp16 on an H200 / fp32 on a CPU core: the random 8B's FP16 evaluation (48 x 2048
+# tokens, walked a layer at a time) took 10.5 s and its AutoAWQ quant's 33 s (2026-12-06; 81 s expected at 2e13)
+GPU_FLOPS, CPU_FLOPS_PER_CORE = 1e14, 2.5e10
 
 
 def other_seconds(kind: str, parameters: int, tokens: int, device: str, cores: int) -> float:
