@@ -1,0 +1,47 @@
+#!/bin/bash
+# The 8B's second sitting (issue 44, prepared 2026-12-06, not run yet): what the first left, at once on one card, each
+# its own `qf run` in one home (benchmarks/cost_growth.py; the FP16 reference made once):
+#  - `--exl2 4.0`: the EXL2 measurement (predicted 17 min) and one size, once exllamav2's extension is built; the
+#    measurement.json is copied to /tmp/results as soon as it exists, so that a sitting cut short leaves it to carry;
+#  - `--exl3 4.0`, once exllamav3's extension is built;
+#  - `--awqct` at once (its pinned packages from .whl/awqct, no index).
+# Start it as the first one was (report.sh polls it):
+#   cp -a . /tmp/repo && cd /tmp/repo && setsid nohup bash benchmarks/results/gpu-2026-12-06/drive2.sh &
+# carrying .whl (scripts/gpu_wheels, plus AWQ-CT's pins in .whl/awqct) and .commit.
+export PYTHONPATH=/tmp/repo:/tmp/site TORCH_EXTENSIONS_DIR=/tmp/torch_ext TORCH_CUDA_ARCH_LIST=9.0 \
+    EXLLAMA_NO_SDPA=1 PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH \
+    PIP_NO_INDEX=1 PIP_FIND_LINKS=/tmp/repo/.whl/awqct QF_COMMIT=$(cat /tmp/repo/.commit 2>/dev/null)
+R=/tmp/results W=/tmp/w; mkdir -p $R $W
+cd /tmp/repo
+t0=$(date +%s)
+stamp() { echo "$(( $(date +%s) - t0 )) $*" >> $R/timeline.txt; }
+stamp start "$(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader)" "$(nproc) cores" \
+    "$(free -g | awk '/Mem/{print $2}') GiB" "$(df -h /tmp | awk 'NR==2{print $4}') free"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl .whl/exl3/*.whl \
+    > $R/pip.log 2>&1
+stamp wheels $?
+nvidia-smi dmon -s um -d 2 > $R/dmon.txt 2>&1 &
+(MAX_JOBS=8 python3 -c "import exllamav2" > $R/build2.log 2>&1; stamp built_exl2 $?) &
+b2=$!
+(MAX_JOBS=8 python3 -c "import exllamav3" > $R/build3.log 2>&1; stamp built_exl3 $?) &
+b3=$!
+python3 benchmarks/cost_growth.py $W --shape 8b --make > $R/make.log 2>&1
+stamp made $? "$(du -sh $W/llama-8b | cut -f1)"
+python3 benchmarks/cost_growth.py $W --shape 8b --label awqct -- --awqct --calibration builtin:mix > $R/awq.log 2>&1 &
+a=$!
+wait $b2
+python3 benchmarks/cost_growth.py $W --shape 8b --label exl2 -- --exl2 4.0 > $R/exl2.log 2>&1 &
+e2=$!
+(while kill -0 $e2 2>/dev/null; do
+     m=$(find $W/home-8b -name measurement.json 2>/dev/null | head -1)
+     [ -n "$m" ] && { cp "$m" $R/measurement-8b.json; stamp measured; break; }
+     sleep 10
+ done) &
+wait $b3
+python3 benchmarks/cost_growth.py $W --shape 8b --label exl3 -- --exl3 4.0 > $R/exl3.log 2>&1 &
+e3=$!
+wait $a; stamp awqct_job $?
+wait $e2; stamp exl2_job $?
+wait $e3; stamp exl3_job $?
+cp benchmarks/results/cost_growth.json $R/ 2>/dev/null
+stamp done
