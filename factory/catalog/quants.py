@@ -7,7 +7,7 @@ from dataclasses import replace
 from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 
-from factory.catalog.states import JobState, StepState, now
+from factory.catalog.states import DONE_STEPS, JobState, StepState, now
 from factory.catalog.store import Store
 from factory.catalog.tables import Evaluation, Job, Measurement, Quant, Step
 from factory.registry.published import QuantRow
@@ -15,6 +15,9 @@ from factory.registry.published import QuantRow
 
 class RevTaken(Exception):
     """name:tag@rev names other files (a row or a registry folder): publish under another rev."""
+
+
+SUPERSEDED = "its quant was removed with qf rm; made again"
 
 
 class Quants(Store):
@@ -118,9 +121,9 @@ class Quants(Store):
             if not self.transition(job_id, JobState.queued, only_from=frozenset({JobState.succeeded}), session=s):
                 return False
             names = {"gate"} | {f"{kind}:{tag}" for tag in tags for kind in ("quantize", "evaluate", "publish", "push")}
-            for step in s.scalars(select(Step).where(Step.job_id == job_id, Step.state == StepState.succeeded)):
+            for step in s.scalars(select(Step).where(Step.job_id == job_id, Step.state.in_(DONE_STEPS))):
                 if step.name in names or any(step.name.startswith(f"evaluate:{tag}:") for tag in tags):
-                    step.state = StepState.superseded
+                    step.state, step.note = StepState.superseded, SUPERSEDED
             return True
 
     def measurement(self, key: str) -> Measurement | None:
@@ -190,7 +193,7 @@ class Quants(Store):
                 for e, text_name in rows
             ]
         if found:
-            return found
+            return _once_each(found)
         e = quant.eval
         return [
             {
@@ -214,3 +217,12 @@ class Quants(Store):
     def evaluations(self, job_id: str) -> list[Evaluation]:
         with self.session() as s:
             return list(s.scalars(select(Evaluation).where(Evaluation.job_id == job_id).order_by(Evaluation.id)))
+
+
+def _once_each(evaluations: list[dict]) -> list[dict]:
+    """One evaluation per job and protocol (text, windows, device): a job that made its quant again after `qf rm`
+    evaluated the same files again; its latest scores stand in the place of its first."""
+    latest: dict[tuple, dict] = {}
+    for e in evaluations:
+        latest[(e["job"], e["text"], e["windows"], e["window_length"], e["device"])] = e
+    return list(latest.values())

@@ -92,7 +92,15 @@ def _show(parsed: naming.QuantRef, rows: list, job_rows: list[dict], as_json: bo
     if as_json:
         print(json.dumps({"quants": [r.to_json() for r in rows], "jobs": job_rows}, indent=2))
         return
-    out.print(tables.quants(rows, width, title=f"quants of {parsed.name}"))
+    if rows:
+        out.print(tables.quants(rows, width, title=f"quants of {parsed.name}"))
+    else:
+        jobs = "; its jobs are below" if job_rows else ""
+        out.print(
+            f"{parsed.name} has no quants (none published, or all removed with qf rm){jobs}",
+            markup=False,
+            highlight=False,
+        )
     for r in rows:
         engine = engines.get(r.method)
         if r.fits:
@@ -123,7 +131,8 @@ def _show(parsed: naming.QuantRef, rows: list, job_rows: list[dict], as_json: bo
 
 def _evaluations(r) -> list[str]:
     """Each evaluation of a quant's files, one line each: its own and those of later jobs that reused it."""
-    lines = [f"{r.ref}@{r.rev} evaluated {len(r.evaluations)} times:"] if r.evaluations else []
+    count = len(r.evaluations or [])
+    lines = [f"{r.ref}@{r.rev} evaluated {'once' if count == 1 else f'{count} times'}:"] if count else []
     for e in r.evaluations or []:
         scores = f"ppl {e['ppl']:.4f}"
         if e["kld"] is not None:

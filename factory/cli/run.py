@@ -154,7 +154,7 @@ def submit(
         print(answer["id"])
         guess = answer["estimate"] and (answer["estimate"]["packed"], answer["estimate"]["alone"])
     else:
-        factory = make_factory()
+        factory = make_factory(_print_note)
         job = queue.get().submit(
             factory,
             request_from(
@@ -182,3 +182,9 @@ def submit(
             markup=False,
             highlight=False,
         )
+
+
+def _print_note(event: dict) -> None:
+    """What `qf submit` says besides the job id: the notes of planning it (a quant `qf rm` removed is made again)."""
+    if event["event"] == "note":
+        err.print(event["message"], markup=False, highlight=False)

@@ -226,7 +226,12 @@ def create_app(config: settings.Settings | None = None) -> FastAPI:
             )
             for text in (request.recipe.calibration, request.recipe.eval):
                 _check_text(text, config)
-            job = fleet.submit(factory, request)
+
+            def note(event: dict) -> None:  # what planning says (a quant `qf rm` removed is made again)
+                if event["event"] == "note":
+                    notes.append(event["message"])
+
+            job = fleet.submit(factory.emitting(note), request)
         except BaseException:
             accounts.release(place)
             raise
