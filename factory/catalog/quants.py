@@ -214,6 +214,38 @@ class Quants(Store):
         """A quant's row with every evaluation of its weights (`qf show`, the Hub repo's main card)."""
         return replace(quant.row(), evaluations=self.quant_evaluations(quant))
 
+    def job_row(self, quant: Quant, job_id: str) -> QuantRow:
+        """A quant's row as job `job_id` scored it: its own scores for a quant the job published, the job's evaluation
+        for one it reused (on other windows or text), so that the job's own table shows what it measured."""
+        row = quant.row()
+        if quant.job_id == job_id:
+            return row
+        with self.session() as s:
+            e = s.scalars(
+                select(Evaluation)
+                .where(
+                    Evaluation.job_id == job_id,
+                    Evaluation.subject == quant.tag,
+                    Evaluation.weights_key == quant.weights_key,
+                )
+                .order_by(Evaluation.id.desc())
+                .limit(1)
+            ).first()
+            text = s.scalar(select(Job.eval).where(Job.id == job_id))
+        if e is None:
+            return row
+        fp16 = self.baseline(e.source_identity, e.eval_sha, e.windows, e.window_length, e.device)
+        protocol = {"text": text, "sha256": e.eval_sha, "windows": e.windows, "window_length": e.window_length}
+        return replace(
+            row,
+            ppl=e.ppl,
+            fp16_ppl=fp16 if fp16 is not None else row.fp16_ppl,
+            kld=e.kld,
+            kld_p99=e.kld_p99,
+            top1=e.top1,
+            eval={**protocol, "device": e.device},
+        )
+
     def evaluations(self, job_id: str) -> list[Evaluation]:
         with self.session() as s:
             return list(s.scalars(select(Evaluation).where(Evaluation.job_id == job_id).order_by(Evaluation.id)))

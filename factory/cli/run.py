@@ -74,7 +74,7 @@ def run(
         job, created = factory.submit(request)
         job = _run_held(factory, job)
     if not as_json:
-        rows = [q.row() for q in factory.catalog.quants(job_id=job.id)]
+        rows = [factory.catalog.job_row(q, job.id) for q in factory.catalog.quants(job_id=job.id)]  # its scores
         out.print(tables.quants(rows, out.width, title=f"job {job.id} {job.state}", shows="qf ls --wide"))
 
 
