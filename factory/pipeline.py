@@ -11,6 +11,8 @@ progress goes to `emit` as events (factory/events.py) that the CLI renders.
 
 from __future__ import annotations
 
+import copy
+
 from factory import identity
 from factory.catalog import Catalog, Job, Lease
 from factory.events import Emit
@@ -30,6 +32,12 @@ class Factory:
         self.publisher = publishing.Publisher(settings, self.catalog)
         self.costs = Costs(self.catalog, settings.max_units, settings.gpu_slots)
         self.holder = identity.holder_name()  # this process, in the steps it runs and the claims it holds
+
+    def emitting(self, emit: Emit) -> Factory:
+        """This factory with its events going to `emit` (the service: each request its own, sharing the catalog)."""
+        other = copy.copy(self)
+        other.emit = emit
+        return other
 
     def submit(self, request: Request) -> tuple[Job, bool]:
         """(the job, whether it needs running: created now, or a succeeded one queued again by remake_removed)."""

@@ -139,7 +139,7 @@ def _reason(watch: WatchEntry, release: Release, supported: set[str]) -> str | N
 
 
 # what the Hub says ---------------------------------------------------------------------------------------------
-def hub_releases(watches: list[WatchEntry]) -> tuple[list[Release], list[str]]:
+def hub_releases(watches: list[WatchEntry]) -> tuple[list[Release], list[FactoryError]]:
     """What the Hub says now about every repo the watches name: (releases, errors). A Hub
     error about one repo or author goes to `errors` and the others still count; the next check tries again."""
     repos, errors = set(), []
@@ -152,13 +152,13 @@ def hub_releases(watches: list[WatchEntry]) -> tuple[list[Release], list[str]]:
                 ids = hub.retrying(lambda w=w: [m.id for m in hub.client(hub.token()).list_models(author=w.author)])
             repos |= {i for i in ids if w.matches(i)}
         except FactoryError as e:
-            errors.append(e.message)
+            errors.append(e)
     releases = []
     for repo in sorted(repos):
         try:
             releases.append(_release(repo))
         except FactoryError as e:
-            errors.append(e.message)
+            errors.append(e)
     return releases, errors
 
 

@@ -8,10 +8,10 @@ FACTORY_BROKER_URL  the Celery broker and result backend for `qf submit` and wor
 FACTORY_VISIBILITY_TIMEOUT  seconds Redis waits before handing an unacknowledged job to another worker; longer
                   than the longest job (default 43200)
 FACTORY_WORKER_DEVICE  the device `qf submit`, the service and the watchlist plan a job for, and so its queue
-                  (DEVICE_QUEUES: a CUDA job goes to the `gpu` queue, a CPU job to `cpu`): cuda (default: GPU
-                  workers run every job), cpu (CPU workers only: engines that need CUDA are refused at submit) or
-                  auto (both kinds: CUDA when one of the job's engines needs it, EXL2 or EXL3, else the CPU, so an
-                  AWQ-only job runs on a CPU worker with the CPU's evaluation protocol; workers/tasks.py)
+                  (DEVICE_QUEUES: a CUDA job goes to the `gpu` queue, a CPU job to `cpu`): auto (default: CUDA
+                  when one of the job's engines needs it, EXL2 or EXL3, else the CPU, so an AWQ-only job runs on
+                  any worker that takes the cpu queue, with the CPU's evaluation protocol; workers/tasks.py), cuda
+                  (GPU workers run every job) or cpu (CPU workers only: engines that need CUDA are refused at submit)
 FACTORY_LEASE_SECONDS  how long a running job's lease lasts without a heartbeat (default 120; renewed every third)
 FACTORY_STALL_SECONDS  how long a job may go without progress (an event: a step, a layer, a window) before its
                   holder stops renewing the lease and kills it, so that it continues elsewhere (default 1800: the
@@ -63,7 +63,7 @@ class Settings:  # a plain dataclass: `qf status` must start fast, and pydantic'
     db_url: str
     broker_url: str = "redis://127.0.0.1:6379/0"
     visibility_timeout: int = 43200
-    worker_device: str = "cuda"
+    worker_device: str = "auto"
     lease_seconds: float = 120.0
     max_attempts: int = 3
     stall_seconds: float = 1800.0

@@ -143,17 +143,17 @@ def quants(rows: list, width: int | None, title: str | None = None, shows: str =
     )
 
 
-def _steps(steps: list[dict], state: str) -> str:
-    """A job's steps in a few words: the running one, else how many ended how, and their seconds (a job that failed
-    or was cancelled outside its steps, which all succeeded, says so instead of "2/2 done")."""
-    running = [s["name"] for s in steps if s["state"] == "running"]
-    if running:
-        return f"{', '.join(running)} running"
-    done = sum(s["state"] == "succeeded" for s in steps)
-    seconds = sum(s["seconds"] or 0 for s in steps)
-    if state in ("failed", "cancelled") and done == len(steps):
-        return f"{state} after {done} steps, {seconds:.0f}s"
-    return f"{done}/{len(steps)} done, {seconds:.0f}s" if steps else "-"
+def _steps(row: dict) -> str:
+    """A job's steps in a few words, from its `summary` (factory/catalog/status.py, what every view of a job says):
+    the running ones, else how many of its steps are done and their seconds (a job that failed or was cancelled
+    outside its steps, which are all done, says so instead of "2/2 done")."""
+    summary = row["summary"]
+    if summary["running"]:
+        return f"{', '.join(summary['running'])} running"
+    done, total, seconds = summary["done"], summary["total"], summary["seconds"]
+    if row["state"] in ("failed", "cancelled") and done == total:
+        return f"{row['state']} after {done} steps, {seconds:.0f}s"
+    return f"{done}/{total} done, {seconds:.0f}s" if total else "-"
 
 
 def jobs(rows: list[dict], width: int | None, title: str | None = None, shows: str = "--json") -> Table:
@@ -162,7 +162,7 @@ def jobs(rows: list[dict], width: int | None, title: str | None = None, shows: s
             Col("JOB", [r["id"] for r in rows]),
             Col("NAME", [r["name"] for r in rows]),
             Col("STATE", [r["state"] for r in rows]),
-            Col("STEPS", [_steps(r["steps"], r["state"]) for r in rows], priority=2),
+            Col("STEPS", [_steps(r) for r in rows], priority=2),
             Col("CREATED", [r["created_at"].replace("T", " ") for r in rows], priority=3),
             Col("ERROR", [r["error"] or "" for r in rows], priority=1, flex=True),
         ],

@@ -311,6 +311,7 @@ FUNCTION_IMPORTS = {
             ("factory.cli.registry", "factory.registry.housekeeping"),
             ("factory.cli.registry", "factory.registry.lookup"),
             ("factory.cli.registry", "factory.publish.folder"),
+            ("factory.cli.registry", "factory.publish.card"),
             ("factory.cli.run", "factory.catalog"),
             ("factory.cli.run", "factory.jobs.heartbeat"),
             ("factory.cli.services", "factory.service.accounts"),

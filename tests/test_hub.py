@@ -203,6 +203,20 @@ def test_publish_to_the_hub_then_pull_by_name_anywhere(qf, tiny, hub, alice, tmp
     assert not (tmp_path / "bad").exists() and not list(tmp_path.glob(".bad.partial-*"))
 
 
+def test_a_later_evaluation_reaches_the_hub_repos_main_card_and_no_quant_file_changes(qf, tiny, hub, alice):
+    """How a later evaluation of a published quant reaches the card a user reads on the Hub (issue 45): the job that
+    reuses the quant pushes it again; its branch (the quant's files, its card as published) does not change, and
+    the repo's main card is made again with every evaluation, one line each (`qf pull` does so for its own copy)."""
+    assert qf("run", tiny, "--awq", "--eval-windows", 1).exit_code == 0
+    branch = hub.files("alice/tiny-AWQ", "w4g128")
+    again = qf("run", tiny, "--awq", "--eval-windows", 2)
+    assert again.exit_code == 0, again.output
+    assert hub.files("alice/tiny-AWQ", "w4g128") == branch
+    main = hub.files("alice/tiny-AWQ", "main")["README.md"].decode()
+    rows = [line for line in main.split("## Evaluations")[1].splitlines() if line.startswith("| builtin:")]
+    assert [row.split("|")[2].strip().split()[0] for row in rows] == ["1", "2"], main
+
+
 def test_a_new_source_revision_is_published_and_the_old_one_stays_pullable(qf, model_copy, hub, alice, tmp_path):
     model = model_copy("tiny")
     first = _events(qf("run", model, "--awq", "--eval-windows", 1, "--json"))[-1]["quants"][0]

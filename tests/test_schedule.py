@@ -209,6 +209,21 @@ def test_hub_outage_loses_nothing_and_the_next_check_catches_up(env, hub, tiny, 
     assert len(jobs()) == 1
 
 
+def test_watch_check_exits_5_when_the_hub_cannot_be_reached(env, hub, tiny, monkeypatch):
+    """As every other command that asks the Hub (exit 5, errors.py): the error said once per watch, never "nothing
+    new"; with --json 0, and its `exit_code` says 5."""
+    hub.add_repo("meta/tiny-llama", _files(tiny))
+    qf("watch", "add", "meta/tiny-llama", "--awq")
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    down = qf("watch", "check", check=False)
+    assert down.returncode == 5, down.stderr
+    assert "cannot be reached" in down.stderr and "nothing new" not in down.stderr
+    assert watch_check()["exit_code"] == 5
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    up = qf("watch", "check", check=False)
+    assert up.returncode == 0 and "meta/tiny-llama: meta/tiny-llama@" in up.stdout, up.stderr
+
+
 def test_a_config_the_hub_cannot_serve_now_is_an_error_not_a_skip(env, hub, tiny, monkeypatch):
     """A 5xx on config.json (which huggingface_hub retries, then reports as a missing local entry) is an outage:
     the release is not recorded as skipped, and the next check gets it."""
@@ -273,5 +288,6 @@ def test_watch_add_refusals_and_rm(env):
         "HuggingFaceTB/SmolLM2-135M-Instruct",
         "Qwen/*-Instruct",
     ]
-    qf("watch", "rm", "Qwen/*-Instruct")
+    removed = qf("watch", "rm", "Qwen/*-Instruct")
+    assert removed.stderr == "stopped watching Qwen/*-Instruct; the jobs it submitted stay\n"  # says what went
     assert len(json.loads(qf("watch", "ls", "--json").stdout)) == 1

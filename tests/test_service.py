@@ -666,3 +666,63 @@ def test_a_followers_events_hide_the_servers_paths_as_its_job_rows_do(server, fa
     assert events[-1]["quants"][0]["calibration"] == "file:<server>/private-cal.txt"
     rows = qf(alice, "status", job_id, "--json", check=True).stdout
     assert str(home) not in rows
+
+
+def test_every_view_of_a_fleet_job_agrees_and_a_remake_says_so(server, factory_env, tmp_path):
+    """Issue 45 through the service and a real worker: `qf status --follow` shows each step once (the publishing
+    step's pass reads the source again without replaying inspect and the gate); `qf jobs`, `qf show`, the API and
+    the dashboard count the job's steps and seconds alike; after `qf rm` on the factory, `qf submit` says what
+    `qf run` says (the quant is made again), and the views still agree once it is."""
+    alice = user_env(server, server.token("alice"), tmp_path / "alice")
+    model = Path(factory_env["FACTORY_SERVE_SOURCES"]) / "tiny"
+    job_id = qf(alice, "submit", model, "--awq", "--eval-windows", 1, check=True).stdout.strip()
+    api = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {alice['FACTORY_TOKEN']}"}, timeout=60)
+
+    def followed(log: str) -> list[str]:
+        """The steps a follower sees start, from before a worker takes the job to its end."""
+        follower = subprocess.Popen(
+            [sys.executable, "-m", "factory.cli", "status", job_id, "--follow", "--json"],
+            env=alice,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        channel, deadline = f"quantfactory:events:{job_id}", time.monotonic() + 60
+        while not redis.Redis.from_url(BROKER).pubsub_numsub(channel)[0][1]:  # the service listens for it
+            assert follower.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        worker = _start_worker(factory_env, tmp_path / log)
+        try:
+            out, _ = follower.communicate(timeout=180)
+        finally:
+            worker.terminate()
+            worker.wait(timeout=30)
+        events = [json.loads(line) for line in out.splitlines()]
+        assert events[-1]["event"] == "result" and events[-1]["state"] == "succeeded", events[-1]
+        return [e["step"] for e in events if e["event"] == "step" and e["state"] == "running"]
+
+    def views_agree() -> str:
+        summary = api.get(f"/api/jobs/{job_id}").json()["summary"]
+        cell = f"{summary['done']}/{summary['total']} done, {summary['seconds']:.0f}s"
+        for args in (("jobs",), ("show", "tiny", "--wide")):
+            line = next(x for x in qf(alice, *args, check=True).stdout.splitlines() if x.startswith(job_id))
+            assert cell in line, (args, line, cell)
+        page = httpx.get(server.url + "/", cookies={"qf_token": alice["FACTORY_TOKEN"]}).text
+        row = page.split(f'data-job="{job_id}"', 1)[1].split("</tr>", 1)[0]
+        assert f'<td class="num">{summary["done"]}/{summary["total"]}, {summary["seconds"]:.0f}s</td>' in row, row
+        return cell
+
+    started = followed("worker.log")
+    assert started[0] == "inspect" and len(started) == len(set(started)), started  # each step once
+    assert views_agree().startswith(f"{len(started)}/{len(started)} done")
+    [quant] = json.loads(qf(alice, "ls", "--json", check=True).stdout)
+    ref = f"{quant['name']}@{quant['rev']}"
+    assert qf(factory_env, "rm", ref).returncode == 0  # on the factory's side
+    again = qf(alice, "submit", model, "--awq", "--eval-windows", 1, check=True)
+    assert again.stdout.strip() == job_id
+    assert f"job {job_id}: its quant {ref} was removed with qf rm; making it again\n" in again.stderr
+    remade = followed("worker-again.log")
+    assert "quantize:awq-w4g128" in remade and len(remade) == len(set(remade)), remade
+    views_agree()
+    shown = qf(alice, "show", "tiny", check=True).stdout
+    assert "evaluated once:" in shown and shown.count("(job ") == 1, shown

@@ -110,3 +110,15 @@ def test_the_compact_reference_gives_the_exact_kl_divergence(smollm2, smollm2_ru
     for name, measure, bound in (("mean", torch.mean, 0.01), ("p99", lambda t: torch.quantile(t, 0.99), 0.05)):
         print(f"KLD {name}: exact {measure(exact).item():.6f}, estimated {measure(estimated).item():.6f}")
         assert measure(estimated).item() == pytest.approx(measure(exact).item(), rel=bound)
+
+
+def test_the_readmes_demo_table_names_the_checkpoint_the_demo_makes(smollm2, tmp_path):
+    """scripts/demo makes its FP16 checkpoint with tests/smollm2.py, as the `smollm2` fixture does: the table the
+    README shows from the demo names that checkpoint (its rev and identity), so a change to how it is made, which
+    changes every score, changes the README with it (issue 45: it showed an older checkpoint's table)."""
+    from factory.identity import folder_identity
+    from tests.test_docs import ROOT
+
+    made = folder_identity(smollm2, tmp_path)
+    line = next(x for x in (ROOT / "README.md").read_text().splitlines() if x.startswith("smollm2-135m-instruct:awq-"))
+    assert line.split()[0].endswith("@" + made.removeprefix("sha256:")[:7]) and line.split()[-1] == made[:19], line

@@ -38,6 +38,12 @@ def test_plain_sql_reads_what_the_catalog_wrote(finished):
         ],
         "holder": None,
         "attempts": 1,  # `qf run` held it once and released it
+        "summary": {  # what every view of the job says: each step once, all of them done here
+            "done": len({s.name for s in job.steps}),
+            "total": len({s.name for s in job.steps}),
+            "running": [],
+            "seconds": round(sum(s.seconds for s in job.steps), 1),
+        },
         "expected_end": None,
         "eta_seconds": None,  # only while it runs
         "waiting": None,  # only for a queued job that no worker takes (tests/test_fleet_cpu.py)

@@ -6,6 +6,7 @@ import pytest
 from rich.console import Console
 
 from factory import tables
+from factory.catalog.status import summary
 from factory.registry.published import QuantRow
 from tests.quant_rows import quant_row
 
@@ -74,6 +75,7 @@ JOBS = [
         "created_at": "2026-12-01T10:40:00",
         "error": STEPS[-1]["error"],
         "steps": STEPS,
+        "summary": summary(STEPS),
     },
     {
         "id": "a1b2c3d4e5f6",
@@ -82,6 +84,7 @@ JOBS = [
         "created_at": "2026-12-01T10:41:00",
         "error": None,
         "steps": [{**STEPS[0]}, {**STEPS[1], "state": "running", "seconds": None}],
+        "summary": summary([{**STEPS[0]}, {**STEPS[1], "state": "running", "seconds": None}]),
     },
 ]
 

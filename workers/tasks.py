@@ -504,14 +504,15 @@ def check_watchlist() -> dict:
 
 
 def watch_check(dry_run: bool) -> dict:
-    """One check: {"planned": [...], "errors": [...]} (and "busy": True when another check holds the lock).
+    """One check: {"planned": [...], "errors": [...], "exit_code": N} (and "busy": True when another check holds the
+    lock); `exit_code` is the highest of its errors' (5: the Hub or the broker cannot be reached), 0 without one.
     dry_run plans without submitting or recording anything."""
     config = settings.load()
     factory = Factory(config)
     watches = [schedule.WatchEntry(w.target, w.recipe, w.filter) for w in factory.catalog.watches()]
     with _lock(config.broker_url, WATCH_LOCK, seconds=3600, skip=dry_run) as held:
         if not held:
-            return {"busy": True, "planned": [], "errors": []}
+            return {"busy": True, "planned": [], "errors": [], "exit_code": 0}
         releases, errors = schedule.hub_releases(watches)
         seen = {(u.watch, u.repo, u.sha): u for u in factory.catalog.upstream()}
         # a skipped release is planned again at every check: an engine that takes it now (a newer one, a wider
@@ -527,10 +528,14 @@ def watch_check(dry_run: bool) -> dict:
             if not dry_run:
                 row.update(_carry_out(factory, p, errors))
             rows.append(row)
-    return {"planned": rows, "errors": errors}
+    return {
+        "planned": rows,
+        "errors": [e.message for e in errors],
+        "exit_code": max((e.exit_code for e in errors), default=0),
+    }
 
 
-def _carry_out(factory: Factory, p: schedule.Planned, errors: list[str]) -> dict:
+def _carry_out(factory: Factory, p: schedule.Planned, errors: list[FactoryError]) -> dict:
     """Submit (or skip) one planned release and record it; a Hub or broker outage records nothing (next check)."""
     job_id, skipped = None, p.skipped
     if skipped is None:
@@ -540,7 +545,7 @@ def _carry_out(factory: Factory, p: schedule.Planned, errors: list[str]) -> dict
                 factory, Request(source=f"{p.repo}@{p.sha}", recipe=recipe, device=factory.settings.worker_device)
             ).id
         except ServiceUnavailable as e:
-            errors.append(e.message)
+            errors.append(e)
             return {"job": None, "error": e.message}
         except FactoryError as e:
             skipped = e.message

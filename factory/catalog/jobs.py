@@ -9,7 +9,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from factory.catalog.states import JobState, StepState, now
+from factory.catalog.states import DONE_STEPS, JobState, StepState, now
 from factory.catalog.store import Store
 from factory.catalog.tables import Job, Model, Step, Upstream, Watch
 from factory.errors import SpecError
@@ -151,24 +151,36 @@ class Jobs(Store):
     def skip_step(self, job_id: str, name: str, reason: str, token: int | None = None) -> None:
         with self.session() as s:
             self._fence(s, job_id, token)
-            s.add(Step(job_id=job_id, name=name, state=StepState.skipped, error=reason, ended_at=now()))
+            at = now()  # one instant: a step that did not run took no time (never -0.0 s)
+            s.add(Step(job_id=job_id, name=name, state=StepState.skipped, error=reason, started_at=at, ended_at=at))
 
     def reuse_step(self, job_id: str, name: str, note: str, token: int | None = None) -> None:
-        """A step that succeeded without its work: what it used instead (`note`)."""
+        """A step done without its work: what it used instead (`note`). Recorded as reused, at one instant: no
+        view shows it seconds, and no estimate learns from it (`unit_history`)."""
         with self.session() as s:
             self._fence(s, job_id, token)
+            at = now()
             s.add(
-                Step(job_id=job_id, name=name, state=StepState.succeeded, note=note, lease_token=token, ended_at=now())
+                Step(
+                    job_id=job_id,
+                    name=name,
+                    state=StepState.reused,
+                    note=note,
+                    lease_token=token,
+                    started_at=at,
+                    ended_at=at,
+                )
             )
 
     def done_steps(self, job_id: str) -> set[str]:
         with self.session() as s:
-            rows = s.scalars(select(Step.name).where(Step.job_id == job_id, Step.state == StepState.succeeded))
+            rows = s.scalars(select(Step.name).where(Step.job_id == job_id, Step.state.in_(DONE_STEPS)))
             return set(rows)
 
     def unit_history(self, family: str, device: str, limit: int = 200) -> list[tuple[str, float, int]]:
-        """(step name, seconds, the job's parameters) of the newest finished steps whose name starts with
-        `family` (jobs/eta.py: `quantize:<engine>`), on jobs of this device."""
+        """(step name, seconds, the job's parameters) of the newest steps whose name starts with `family`
+        (jobs/eta.py: `quantize:<engine>`) that ran and succeeded, on jobs of this device: never a reused step
+        (nor one a catalog from before the reused state recorded as succeeded with its note)."""
         with self.session() as s:
             rows = s.execute(
                 select(Step.name, Step.started_at, Step.ended_at, Job.parameters)
@@ -176,6 +188,7 @@ class Jobs(Store):
                 .where(
                     Step.name.startswith(family),
                     Step.state == StepState.succeeded,
+                    Step.note.is_(None),
                     Step.ended_at.is_not(None),
                     Job.parameters.is_not(None),
                     Job.device == device,

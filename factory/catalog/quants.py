@@ -8,7 +8,7 @@ from dataclasses import replace
 from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 
-from factory.catalog.states import JobState, StepState, now
+from factory.catalog.states import DONE_STEPS, JobState, StepState, now
 from factory.catalog.store import Store
 from factory.catalog.tables import Evaluation, Job, Measurement, Quant, Step
 from factory.registry.published import QuantRow
@@ -16,6 +16,9 @@ from factory.registry.published import QuantRow
 
 class RevTaken(Exception):
     """name:tag@rev names other files (a row or a registry folder): publish under another rev."""
+
+
+SUPERSEDED = "its quant was removed with qf rm; made again"
 
 
 class Quants(Store):
@@ -143,9 +146,9 @@ class Quants(Store):
             if not self.transition(job_id, JobState.queued, only_from=frozenset({JobState.succeeded}), session=s):
                 return False
             names = {"gate"} | {f"{kind}:{tag}" for tag in tags for kind in ("quantize", "evaluate", "publish", "push")}
-            for step in s.scalars(select(Step).where(Step.job_id == job_id, Step.state == StepState.succeeded)):
+            for step in s.scalars(select(Step).where(Step.job_id == job_id, Step.state.in_(DONE_STEPS))):
                 if step.name in names or any(step.name.startswith(f"evaluate:{tag}:") for tag in tags):
-                    step.state = StepState.superseded
+                    step.state, step.note = StepState.superseded, SUPERSEDED
             return True
 
     def measurement(self, key: str) -> Measurement | None:
@@ -215,7 +218,7 @@ class Quants(Store):
                 for e, text_name in rows
             ]
         if found:
-            return found
+            return _once_each(found)
         e = quant.eval
         return [
             {
@@ -236,6 +239,47 @@ class Quants(Store):
         """A quant's row with every evaluation of its weights (`qf show`, the Hub repo's main card)."""
         return replace(quant.row(), evaluations=self.quant_evaluations(quant))
 
+    def job_row(self, quant: Quant, job_id: str) -> QuantRow:
+        """A quant's row as job `job_id` scored it: its own scores for a quant the job published, the job's evaluation
+        for one it reused (on other windows or text), so that the job's own table shows what it measured."""
+        row = quant.row()
+        if quant.job_id == job_id:
+            return row
+        with self.session() as s:
+            e = s.scalars(
+                select(Evaluation)
+                .where(
+                    Evaluation.job_id == job_id,
+                    Evaluation.subject == quant.tag,
+                    Evaluation.weights_key == quant.weights_key,
+                )
+                .order_by(Evaluation.id.desc())
+                .limit(1)
+            ).first()
+            text = s.scalar(select(Job.eval).where(Job.id == job_id))
+        if e is None:
+            return row
+        fp16 = self.baseline(e.source_identity, e.eval_sha, e.windows, e.window_length, e.device)
+        protocol = {"text": text, "sha256": e.eval_sha, "windows": e.windows, "window_length": e.window_length}
+        return replace(
+            row,
+            ppl=e.ppl,
+            fp16_ppl=fp16 if fp16 is not None else row.fp16_ppl,
+            kld=e.kld,
+            kld_p99=e.kld_p99,
+            top1=e.top1,
+            eval={**protocol, "device": e.device},
+        )
+
     def evaluations(self, job_id: str) -> list[Evaluation]:
         with self.session() as s:
             return list(s.scalars(select(Evaluation).where(Evaluation.job_id == job_id).order_by(Evaluation.id)))
+
+
+def _once_each(evaluations: list[dict]) -> list[dict]:
+    """One evaluation per job and protocol (text, windows, device): a job that made its quant again after `qf rm`
+    evaluated the same files again; its latest scores stand in the place of its first."""
+    latest: dict[tuple, dict] = {}
+    for e in evaluations:
+        latest[(e["job"], e["text"], e["windows"], e["window_length"], e["device"])] = e
+    return list(latest.values())

@@ -39,6 +39,10 @@ class StepState(enum.StrEnum):
     skipped = "skipped"
     interrupted = "interrupted"  # stopped by Ctrl-C or SIGTERM, or left running by an attempt that was killed
     superseded = "superseded"  # succeeded once, but what it made was removed (`qf rm`): made again, not done
+    reused = "reused"  # done without its work: what an earlier job made or published is used (its note says which)
+
+
+DONE_STEPS = frozenset({StepState.succeeded, StepState.reused})  # a step that needs no running again
 
 
 def now() -> datetime:

@@ -5,11 +5,12 @@ through sqlite3 or psycopg2, because importing SQLAlchemy alone takes 0.4 s on a
 half a second (benchmarks/queue_costs.py). tests/test_status.py checks that both read the same rows.
 
 A row's `steps` are every attempt at each step, in order; the tables show each step once, its latest record
-(`latest_steps`): a job that ran on workers records two steps again in its publishing pass (`inspect`, which every
-pass needs, and `gate`, which decides what is published), and a job taken over or retried records again the steps
-it runs again. A queued job says why it waits when no worker takes its queue (`waiting`): each worker
-keeps its name in a sorted set per queue in Redis (settings.WORKERS_KEY, workers/tasks.py), so the answer is one
-ZCOUNT per queue (tests/test_fleet_cpu.py).
+(`latest_steps`): a job taken over, or retried after a step failed, records again the steps it runs again (a later
+pass reads the source again without recording its fetch, inspect or gate: factory/jobs/context.py, `step_once`).
+Every view of a job (`qf jobs`, `qf show`, `qf status`, the dashboard, the API) says how far it is from the same
+`summary`: done and total steps, each counted once, and their seconds. A queued job says why it waits when no
+worker takes its queue (`waiting`): each worker keeps its name in a sorted set per queue in Redis
+(settings.WORKERS_KEY, workers/tasks.py), so the answer is one ZCOUNT per queue (tests/test_fleet_cpu.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from datetime import UTC, datetime
 from factory.errors import ServiceUnavailable, database_error, mask_url
 from factory.settings import DEVICE_QUEUES, POSTGRES_URL, WORKER_BEAT_SECONDS, WORKERS_KEY, database_kind
 
+# states.DONE_STEPS and StepState.reused as strings: importing factory.catalog imports SQLAlchemy
+DONE, REUSED = frozenset({"succeeded", "reused"}), "reused"
 _JOBS = (
     "SELECT id, name, state, error, exit_code, source, source_identity, specs, created_at, worker, lease_until, "
     "attempts, expected_end, device FROM jobs"
@@ -68,7 +71,7 @@ def job_rows(
         conn.close()
     by_job: dict[str, list[dict]] = {i: [] for i in ids}
     for job, step, state, started, ended, error, peak, expected, holder, note in steps:
-        seconds = (_time(ended) - _time(started)).total_seconds() if ended else None
+        seconds = None if state == REUSED or not ended else (_time(ended) - _time(started)).total_seconds()
         by_job[job].append(
             {
                 "name": step,
@@ -98,6 +101,7 @@ def job_rows(
             "steps": by_job[i],
             "holder": worker if until is not None and _time(until) > now else None,
             "attempts": attempts,
+            "summary": summary(by_job[i]),
             **_eta(s, end, now),
             "waiting": None,
         }
@@ -114,6 +118,19 @@ def latest_steps(steps: list[dict]) -> list[dict]:
     for step in steps:
         latest[step["name"]] = step
     return list(latest.values())
+
+
+def summary(steps: list[dict]) -> dict:
+    """How far a job is, as every view says it: its steps each counted once (their latest records), how many of
+    them are done (succeeded, or reused from an earlier job), the ones running, and the seconds they took (reused
+    steps took none)."""
+    latest = latest_steps(steps)
+    return {
+        "done": sum(s["state"] in DONE for s in latest),
+        "total": len(latest),
+        "running": [s["name"] for s in latest if s["state"] == "running"],
+        "seconds": round(sum(s["seconds"] or 0.0 for s in latest), 1),
+    }
 
 
 def _queue(row: dict) -> str:

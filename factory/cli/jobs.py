@@ -35,7 +35,7 @@ def jobs(
     if as_json:
         print(json.dumps(rows, indent=2))
     else:
-        out.print(tables.jobs(latest(rows), out.width))
+        out.print(tables.jobs(rows, out.width))
 
 
 # `qf status JOB` of a job that ended so (errors.py); with --json 0, as its `state` says it to the scripts that read it
@@ -63,7 +63,7 @@ def status(
     if as_json and not follow:
         print(json.dumps(rows if job_id is None else rows[0], indent=2))
     elif job_id is None:
-        out.print(tables.jobs(latest(rows), out.width))
+        out.print(tables.jobs(rows, out.width))
     elif not as_json:  # with --follow --json, the events were the output
         _print_job(rows[0])
     if job_id is not None and not as_json and rows[0]["state"] in STATUS_EXIT:

@@ -92,7 +92,15 @@ def _show(parsed: naming.QuantRef, rows: list, job_rows: list[dict], as_json: bo
     if as_json:
         print(json.dumps({"quants": [r.to_json() for r in rows], "jobs": job_rows}, indent=2))
         return
-    out.print(tables.quants(rows, width, title=f"quants of {parsed.name}"))
+    if rows:
+        out.print(tables.quants(rows, width, title=f"quants of {parsed.name}"))
+    else:
+        jobs = "; its jobs are below" if job_rows else ""
+        out.print(
+            f"{parsed.name} has no quants (none published, or all removed with qf rm){jobs}",
+            markup=False,
+            highlight=False,
+        )
     for r in rows:
         engine = engines.get(r.method)
         if r.fits:
@@ -100,16 +108,12 @@ def _show(parsed: naming.QuantRef, rows: list, job_rows: list[dict], as_json: bo
                 f"{r.ref}@{r.rev}: the longest context that fits each GPU with {engine.evaluator}, "
                 f"{vram.human(vram.HEADROOM)} left free"
             )
-            cells = [
-                (f"{f['budget'] / 2**30:.0f} GB", *(f"{f[c]:,}" if f[c] else "-" for c in ("fp16", "q4")))
-                for f in r.fits
-            ]
+            caches = [k for k in r.fits[0] if k != "budget"]  # exllamav2's fp16 and q4, vLLM's fp16 and fp8
+            cells = [(f"{f['budget'] / 2**30:.0f} GB", *(f"{f[c]:,}" if f[c] else "-" for c in caches)) for f in r.fits]
+            headers = ("GPU", *(f"{c.upper()} CACHE" for c in caches))
             out.print(
                 tables.layout(
-                    [
-                        tables.Col(header, [c[i] for c in cells], right=True)
-                        for i, header in enumerate(("GPU", "FP16 CACHE", "Q4 CACHE"))
-                    ],
+                    [tables.Col(header, [c[i] for c in cells], right=True) for i, header in enumerate(headers)],
                     width,
                     title,
                 )
@@ -123,7 +127,8 @@ def _show(parsed: naming.QuantRef, rows: list, job_rows: list[dict], as_json: bo
 
 def _evaluations(r) -> list[str]:
     """Each evaluation of a quant's files, one line each: its own and those of later jobs that reused it."""
-    lines = [f"{r.ref}@{r.rev} evaluated {len(r.evaluations)} times:"] if r.evaluations else []
+    count = len(r.evaluations or [])
+    lines = [f"{r.ref}@{r.rev} evaluated {'once' if count == 1 else f'{count} times'}:"] if count else []
     for e in r.evaluations or []:
         scores = f"ppl {e['ppl']:.4f}"
         if e["kld"] is not None:
@@ -164,8 +169,8 @@ def pull(
         return _pull_from_hub(parsed, owner, output)
     dest = _output_folder(output or Path(f"{quant.name}-{quant.tag}"))
     files = folder.pull(settings.load().registry / quant.path, dest)
-    err.print(f"{quant.name}:{quant.tag}@{quant.rev}: {len(files)} files verified, in {dest}")
-    out.print(str(dest.resolve()))
+    _card_as_now(dest, open_catalog().quant_row(quant))
+    _pulled(f"{quant.name}:{quant.tag}@{quant.rev}", files, dest, output)
 
 
 @app.command()
@@ -239,8 +244,11 @@ def _pull_from_service(remote, parsed: naming.QuantRef, output: Path | None) -> 
         except KeyboardInterrupt:
             err.print("interrupted: the same qf pull continues where this one stopped")
             raise
-    err.print(f"{quant['name']}@{quant['rev']}: {len(files)} files verified, in {dest}")
-    out.print(str(dest.resolve()))
+    try:
+        _card_as_now(dest, QuantRow.from_json(quant))
+    except (KeyError, TypeError, ValueError, AttributeError):  # a service that says less: the card as published
+        pass
+    _pulled(f"{quant['name']}@{quant['rev']}", files, dest, output)
 
 
 def _pull_from_hub(parsed: naming.QuantRef, owner: str, output: Path | None) -> None:
@@ -258,5 +266,21 @@ def _pull_from_hub(parsed: naming.QuantRef, owner: str, output: Path | None) -> 
         files = hub.pull(
             where, outputs, parsed.rev, dest, lambda done, total: bar.update(task, completed=done, total=total)
         )
-    err.print(f"{parsed.name}:{parsed.tag} from {where.repo}@{where.branch}: {len(files)} files verified, in {dest}")
-    out.print(str(dest.resolve()))
+    _pulled(f"{parsed.name}:{parsed.tag} from {where.repo}@{where.branch}", files, dest, output)
+
+
+def _pulled(what: str, files: list, dest: Path, output: Path | None) -> None:
+    """Where a pull wrote (without -o, the folder NAME-TAG it made in the current one): said on stderr, and its
+    absolute path alone on stdout."""
+    where = f"in {dest.resolve()}" + ("" if output else " (without -o: NAME-TAG in the current folder)")
+    err.print(f"{what}: {len(files)} files verified, {where}", markup=False, highlight=False)
+    out.print(str(dest.resolve()), markup=False, highlight=False)
+
+
+def _card_as_now(dest: Path, row: QuantRow) -> None:
+    """The pulled card with every evaluation of the quant's files the catalog knows now (card.with_evaluations)."""
+    from factory.publish import card, folder
+
+    path = dest / card.FILENAME
+    if row.evaluations and path.is_file():
+        folder.replace_card(dest, card.with_evaluations(path.read_text(), row))

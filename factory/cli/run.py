@@ -74,7 +74,7 @@ def run(
         job, created = factory.submit(request)
         job = _run_held(factory, job)
     if not as_json:
-        rows = [q.row() for q in factory.catalog.quants(job_id=job.id)]
+        rows = [factory.catalog.job_row(q, job.id) for q in factory.catalog.quants(job_id=job.id)]  # its scores
         out.print(tables.quants(rows, out.width, title=f"job {job.id} {job.state}", shows="qf ls --wide"))
 
 
@@ -158,7 +158,7 @@ def submit(
         print(answer["id"])
         guess = answer["estimate"] and (answer["estimate"]["packed"], answer["estimate"]["alone"])
     else:
-        factory = make_factory()
+        factory = make_factory(_print_note)
         job = queue.get().submit(
             factory,
             request_from(
@@ -186,3 +186,9 @@ def submit(
             markup=False,
             highlight=False,
         )
+
+
+def _print_note(event: dict) -> None:
+    """What `qf submit` says besides the job id: the notes of planning it (a quant `qf rm` removed is made again)."""
+    if event["event"] == "note":
+        err.print(event["message"], markup=False, highlight=False)

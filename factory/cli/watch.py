@@ -72,6 +72,7 @@ def watch_rm(target: Annotated[str, typer.Argument(metavar="TARGET")]) -> None:
         remote.call("DELETE", "/api/watches", params={"target": target})
     elif not open_catalog().remove_watch(target):
         raise NotFound(f"{target!r} is not on the watchlist; `qf watch ls` shows it")
+    err.print(f"stopped watching {target}; the jobs it submitted stay", markup=False, highlight=False)
 
 
 @watch_app.command("ls")
@@ -133,7 +134,9 @@ def watch_check(
     ] = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """Ask the Hub about every watch now and submit what is new (what beat does every FACTORY_WATCH_SECONDS)."""
+    """Ask the Hub about every watch now and submit what is new (what beat does every FACTORY_WATCH_SECONDS). Exits
+    5 when the Hub cannot be reached (4 when a watched repo does not exist), after what it could do; with --json 0,
+    its `exit_code` says."""
     if (remote := service_client()) is not None:
         result = remote.call("POST", "/api/watches/check", params={"dry_run": dry_run})
     else:
@@ -148,5 +151,7 @@ def watch_check(
     for p in result["planned"]:
         what = f"skip: {p['skipped']}" if p["skipped"] else (f"job {p['job']}" if p["job"] else "would submit")
         out.print(f"{p['watch']}: {p['repo']}@{p['sha'][:7]} {what}", markup=False, highlight=False)
-    if not result["planned"] and not result.get("busy"):
+    if not result["planned"] and not result.get("busy") and not result["errors"]:
         err.print("nothing new")
+    if result.get("exit_code"):
+        raise typer.Exit(result["exit_code"])

@@ -63,6 +63,18 @@ class Run:
         return f"{job.id}@{self.holder}"
 
     @contextmanager
+    def step_once(self, job_id: str, name: str, done: set[str]):
+        """`step`, unless this job did it already (`done`: an earlier pass, such as the GPU worker's before the
+        publishing step, or an attempt before a retry): then it is done again as a re-read, with no record and no
+        events, so that every view and follower sees each step once. Yields `progress(**fields)` as `step` does."""
+        if name in done:
+            self.check_ours(job_id)
+            yield lambda **fields: None
+            return
+        with self.step(job_id, name) as progress:
+            yield progress
+
+    @contextmanager
     def step(
         self, job_id: str, name: str, claim: tuple[str, int] | None = None, on_success: Callable[[], None] | None = None
     ):

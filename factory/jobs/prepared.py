@@ -46,21 +46,24 @@ class Prepared:
 
 def prepare(run: Run, job: Job) -> Prepared:
     """The job's fetch (a Hub source), dequantize (FP8 or MXFP4) and inspect steps; inspect records the resolved
-    specs."""
+    specs. A later pass of the job (its publishing step, a retry) reads them again without recording them again."""
     fetched, where = None, run.settings.work / job.id
+    done = run.catalog.done_steps(job.id)  # done: read again quietly (Run.step_once)
     if identity.is_hub(job.source_identity):  # the Hub commit, downloaded and checked once
-        with run.step(job.id, "fetch") as progress:
+        with run.step_once(job.id, "fetch", done) as progress:
             fetched = sources.fetch_hub(job.source_identity, run.settings.cache, progress)
     if dequantize.wanted(fetched or Path(job.source)):  # FP8 or MXFP4: every unit reads its BF16 copy
-        with run.step(job.id, "dequantize") as progress:
+        with run.step_once(job.id, "dequantize", done) as progress:
             fetched = _bf16(run, job, fetched or _local(run, job, where, progress), progress)
-    with run.step(job.id, "inspect") as progress:
+    with run.step_once(job.id, "inspect", done) as progress:
         prepared = read(run, job, fetched, where, progress)
         run.catalog.set_job_specs(
             job.id, [s.model_dump() for s in prepared.specs], run.token, parameters=prepared.model.parameters
         )
     for s in prepared.specs:
-        if s.tag in prepared.calibration:  # what the engine takes of the text, said before it runs for minutes
+        if (
+            s.tag in prepared.calibration and "inspect" not in done
+        ):  # what the engine takes of the text, said before it runs for minutes
             used = engines.get(s.method).describe_calibration(s.model_dump(), job.calibration)
             run.note(
                 f"{s.tag}: calibration {used}; eval {job.eval} "

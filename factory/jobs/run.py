@@ -217,7 +217,7 @@ def _gate(
     """The quants the recipe's gate refuses: perplexity not finite or above max_ppl_ratio x FP16, or (with
     max_kld) a mean KL divergence from FP16 above it."""
     refused = {}
-    with run.step(job.id, "gate"):
+    with run.step_once(job.id, "gate", run.catalog.done_steps(job.id)):  # decided again quietly in a later pass
         for tag, ppl in ppls.items():
             divergence = divergences.get(tag)
             if not (math.isfinite(ppl) and ppl <= job.max_ppl_ratio * fp16):

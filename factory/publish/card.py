@@ -117,12 +117,15 @@ def _vision(up: Upstream) -> str:
     )
 
 
+EVALUATIONS = "\n## Evaluations\n"  # the card's last section: the one a pull writes again (`with_evaluations`)
+
+
 def _evaluations(rows: list[QuantRow]) -> str:
-    """Every evaluation of each quant that has more than the one it was published with (later jobs that reused its
-    weights on other windows or text): the table above shows the first."""
+    """Every evaluation of each quant's files, as `qf show` lists them: the one it was published with and those of
+    later jobs that reused its weights (on other windows or text)."""
     lines = []
     for r in rows:
-        if len(r.evaluations or []) < 2:
+        if not r.evaluations:
             continue
         lines.append(f"\n`{r.ref}@{r.rev}`, each evaluation of the same files:\n")
         lines += ["| eval | windows | perplexity | KLD | top-1 | job |", "|---|---|---|---|---|---|"]
@@ -133,7 +136,19 @@ def _evaluations(rows: list[QuantRow]) -> str:
                 f"| {public_name(e['text'])}, {e['device']} | {e['windows']} x {e['window_length']} "
                 f"| {e['ppl']:.4f} | {kld_text} | {top1_text} | {e['job']} |"
             )
-    return "\n## Evaluations\n" + "\n".join(lines) + "\n" if lines else ""
+    if not lines:
+        return ""
+    later = (
+        "\nA quant's files never change; a later job that reuses them adds its evaluation here: `qf show` and "
+        "`qf pull` give this section as the catalog has it then, and so does the Hub repo's main card.\n"
+    )
+    return EVALUATIONS + "\n".join(lines) + "\n" + later
+
+
+def with_evaluations(text: str, row: QuantRow) -> str:
+    """The card `text` of a quant's folder with its Evaluations section made again from `row.evaluations` (the
+    catalog's now): what `qf pull` writes (the rest of the card, and every other file, are as published)."""
+    return text.split(EVALUATIONS, 1)[0].rstrip("\n") + "\n" + _evaluations([row])
 
 
 def render(name: str, upstream: Upstream, this: QuantRow, rows: list[QuantRow], places: dict | None = None) -> str:
@@ -170,7 +185,6 @@ def render(name: str, upstream: Upstream, this: QuantRow, rows: list[QuantRow], 
         )
     loads = "\n".join(_how_to_load(r, places.get(r.tag)) for r in ordered)
     before, after = _sections(rows)
-    before = _evaluations(ordered) + before
     picture = ""
     if places:
         picture = f"\n![perplexity against size]({PLOT})\n"
@@ -194,7 +208,7 @@ most likely next token.
 {_vision(upstream)}{before}{_prompt(upstream)}
 ## How to load
 
-{loads}{chr(10) + after if after else ""}"""
+{loads}{chr(10) + after if after else ""}{_evaluations(ordered)}"""
 
 
 def plot(rows: list[QuantRow], path: Path) -> Path:

@@ -166,7 +166,20 @@ def _share_or_copy(src: str, dst: str) -> None:
         return
     except OSError:
         Path(dst).unlink(missing_ok=True)
-    shutil.copy2(src, dst)
+    shutil.copyfile(src, dst)  # not copy2: the registry's 0444 stays there; the user's copy is theirs to edit
+
+
+def replace_card(folder: Path, text: str, card: str = CARD) -> None:
+    """A pulled folder's card replaced by `text`, its manifest's entry for it too (the card is no part of the
+    quant's content: `content`); the folder is the user's copy, never the registry's."""
+    path = folder / card
+    manifest = read_manifest(folder)
+    if manifest is None or card not in manifest["files"] or path.read_text() == text:
+        return
+    path.unlink()
+    path.write_text(text)
+    manifest["files"][card] = {"sha256": file_sha256(path), "bytes": path.stat().st_size}
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
 
 
 def read_manifest(folder: Path) -> dict | None:

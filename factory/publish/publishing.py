@@ -13,7 +13,10 @@ short rev when no row (live or a `qf rm` tombstone) and no folder holds other fi
 and the first 9 hex of the files' sha256 (`@<source rev>` still selects the newest quant of that source revision:
 factory/registry/lookup.py). The registry folder's card and manifest record the evaluation the quant was published with;
 a later job with the same weights key reuses the quant (factory/jobs/conversions.py) and its evaluation is added to
-the catalog, listed by `qf show` and the Hub repo's main card.
+the catalog, listed by `qf show` and the Hub repo's main card (made again by that job's push). The card is the one
+file that is not the quant's content: `qf pull` writes its Evaluations section again from the catalog
+(card.with_evaluations, folder.replace_card), so the card a user pulls lists every evaluation; the registry's
+folder itself never changes.
 """
 
 from __future__ import annotations
@@ -132,7 +135,7 @@ class Publisher:
                 },
             },
         )
-        this = _with_engine_notes(quant.row(), engine, out)
+        this = _with_engine_notes(self.catalog.quant_row(quant), engine, out)  # with its evaluations
         others = [q.row() for q in self.catalog.quants(name=job.name) if (q.tag, q.rev) != (spec.tag, rev)]
         moment("card")
         (out / card.FILENAME).write_text(card.render(job.name, upstream, this, [this, *others]))

@@ -226,7 +226,12 @@ def create_app(config: settings.Settings | None = None) -> FastAPI:
             )
             for text in (request.recipe.calibration, request.recipe.eval):
                 _check_text(text, config)
-            job = fleet.submit(factory, request)
+
+            def note(event: dict) -> None:  # what planning says (a quant `qf rm` removed is made again)
+                if event["event"] == "note":
+                    notes.append(event["message"])
+
+            job = fleet.submit(factory.emitting(note), request)
         except BaseException:
             accounts.release(place)
             raise
@@ -313,7 +318,8 @@ def create_app(config: settings.Settings | None = None) -> FastAPI:
         """One quant (the newest revision, or `rev`) with its manifest: what `qf pull` downloads and checks."""
         who.require("read")
         found, manifest = _quant(name, tag, rev)
-        return shown({"quant": found.row().to_json(), "manifest": manifest}, who, config)
+        row = factory.catalog.quant_row(found)  # with every evaluation: the card a pull writes lists them
+        return shown({"quant": row.to_json(), "manifest": manifest}, who, config)
 
     @app.get("/api/quants/{name}/{tag}/files/{fname}")
     def quant_file(name: str, tag: str, fname: str, who: Who, rev: str | None = None) -> FileResponse:

@@ -5,8 +5,13 @@ and vLLM's own rule that it uses at most gpu_memory_utilization (0.9) of the car
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from factory.checkpoints.inspect import read_config
 from factory.engines.base import Memory, MemoryPlan
-from factory.vram import CONTEXT_BYTES, MiB, Params, Shape, human
+from factory.vram import CONTEXT_BYTES, HEADROOM, GiB, MiB, Params, Shape, human
+
+FIT_BUDGETS = (8 * GiB, 12 * GiB, 16 * GiB, 24 * GiB, 48 * GiB)  # the card sizes EXL2's "fits on" tables use
 
 
 def vllm_awq(shape: Shape, params: Params, ctx: int, kv: str = "fp16", group: int = 128) -> dict[str, int]:
@@ -45,11 +50,36 @@ def plan(label: str, shape: Shape, params: Params, budget: int, ctx: int | None,
     return MemoryPlan(estimates, lines=lines)
 
 
+def fits_table(shape: Shape, weights: int, budgets=FIT_BUDGETS) -> list[dict]:
+    """For a finished quant whose files hold `weights` bytes: the longest context (2k, 4k, 8k, ... up to the model's
+    maximum) vLLM holds on each card size with an fp16 and an fp8 KV cache, by `vllm_awq`'s estimate of the rest,
+    with HEADROOM left and vLLM's 0.9 of the card."""
+    contexts = [c for c in (2048, 4096, 8192, 16384, 32768, 65536, 131072) if c <= shape.max_positions]
+    if shape.max_positions not in contexts:
+        contexts.append(shape.max_positions)
+    none = Params(embed=0, head=0, linear=0, other=0)
+    rows = []
+    for budget in budgets:
+        row = {"budget": budget}
+        for kv in ("fp16", "fp8"):
+            rest = {c: vllm_awq(shape, none, c, kv)["total"] for c in contexts}  # all but the weights
+            row[kv] = max((c for c in contexts if (weights + rest[c]) / 0.9 <= budget - HEADROOM), default=None)
+        rows.append(row)
+    return rows
+
+
 class VllmMemory(Memory):
-    """The memory part of an engine whose quants vLLM serves as AWQ w4 (AutoAWQ's, AWQ-CT's): `qf plan` as above."""
+    """The memory part of an engine whose quants vLLM serves as AWQ w4 (AutoAWQ's, AWQ-CT's): `qf plan` as above,
+    and the card's "fits on" table of a finished quant (its config and the bytes of its weight files)."""
 
     def plan(self, shape, params, budget: int, ctx: int | None, cache: str, gpus: int) -> MemoryPlan:
         return plan(self.engine.label, shape, params, budget, ctx, gpus)  # the module's plan, above
+
+    def fits(self, folder: Path) -> list[dict] | None:
+        weights = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+        if not weights or not (folder / "config.json").is_file():
+            return None
+        return fits_table(Shape.of(read_config(folder / "config.json")), weights)
 
 
 class AwqMemory(VllmMemory):
