@@ -109,6 +109,7 @@ class QuantizeRequest:
     calibration: list[list[int]] = field(default_factory=list)  # token windows, for engines that take tokens
     calibration_file: Path | None = None  # the calibration text as parquet ("text"), for engines that tokenize
     measurement: Path | None = None  # for engines with needs_measurement
+    model: str = "model"  # the source's name as its owner wrote it (`SmolLM2-135M-Instruct`), for file names
 
 
 @dataclass(frozen=True)
