@@ -1,24 +1,30 @@
 """The GGUF engine (llama.cpp's converter, llama-imatrix and llama-quantize at the pinned version), for real: `qf run
 --gguf` end to end on the tiny Llama, the pulled file scored again through llama.cpp to the published numbers,
-llama.cpp's tokenizer against the source's, the type names against llama-quantize's own list, the architectures
-against the converter's registrations, a tool that fails, a machine without the build, and the parsers of the tools'
-lines."""
+llama.cpp's tokenizer against the source's, `qf plan`'s sizes, the type names against llama-quantize's own list,
+the architectures against the converter's registrations, a tool that fails, a converter killed mid-way, a machine
+without the build, and the parsers of the tools' lines."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
 
+import psutil
 import pytest
 
 from calibration import builtin_text
-from factory import engines
+from factory import engines, settings
 from factory.engines.gguf import engine as gguf_engine
 from factory.engines.gguf import evaluate as gguf_evaluate
 from factory.engines.gguf import gguf_file, llama
 from factory.engines.gguf.spec import TYPES
 from factory.errors import JobFailed
 from factory.evaluation import evaluate
+from factory.jobs.planning import Request
+from factory.pipeline import Factory
+from factory.recipes import build_recipe
 
 ENGINE = engines.get("gguf")
 
@@ -78,6 +84,34 @@ def test_the_pulled_file_is_named_as_uploaders_do_and_llama_cpp_scores_it_to_the
     assert "| `tiny-Q4_K_M.gguf` | Q4_K_M |" in card and "ollama run hf.co/" in card
 
 
+def test_qf_plan_sizes_each_type_with_its_kv_cache(tiny_gguf, tiny):
+    """Weights at the type's bits (the tiny model's Q8_0 file, its vocabulary included, within 10%), the f16 KV cache
+    for the context exactly (2 layers x 2048 tokens x 2 KV heads x 32 x K and V x 2 bytes)."""
+    qf, rows = tiny_gguf
+    plan = qf.json("plan", tiny, "--engine", "gguf", "--vram", "1GB", "--ctx", 2048)["gguf"]
+    by_type = {r["type"]: r for r in plan["rows"]}
+    made = qf.home / "registry" / rows["tiny:gguf-q8_0"]["path"] / "tiny-Q8_0.gguf"
+    assert by_type["Q8_0"]["weights"] == pytest.approx(made.stat().st_size, rel=0.1)
+    assert by_type["Q8_0"]["cache"] == 2 * 2048 * 2 * 32 * 2 * 2
+    assert by_type["Q8_0"]["weights"] > by_type["Q4_K_M"]["weights"] > by_type["IQ4_XS"]["weights"]
+    assert plan["best_type"] == "F16"
+
+
+def test_every_type_goes_on_the_hub_repos_main_as_uploaders_publish(qf, tiny, hub, monkeypatch, tmp_path):
+    monkeypatch.setenv("FACTORY_HUB_OWNER", "alice")
+    monkeypatch.setenv("HF_TOKEN", "hf_alice_write")
+    recipe = tmp_path / "gguf.yaml"
+    recipe.write_text("gguf:\n  types: [Q8_0, Q4_K_M]\n  imatrix_chunks: 4\n  imatrix_ctx: 256\n")
+    result = qf("run", tiny, "--recipe", recipe, "--eval-windows", 1)
+    assert result.exit_code == 0, result.output
+    main = hub.files("alice/tiny-GGUF", "main")
+    assert {"tiny-Q8_0.gguf", "tiny-Q4_K_M.gguf", "tiny-imatrix.gguf", "README.md"} <= set(main)
+    assert main["tiny-Q4_K_M.gguf"] == hub.files("alice/tiny-GGUF", "q4_k_m")["tiny-Q4_K_M.gguf"]
+    text = main["README.md"].decode()
+    assert "| `tiny-Q8_0.gguf` | Q8_0 |" in text and "| `tiny-Q4_K_M.gguf` | Q4_K_M |" in text
+    assert "`ollama run hf.co/<this repository>:<TYPE>`" in text
+
+
 def test_llama_cpp_tokenizes_the_eval_text_as_the_source_tokenizer_does(tiny_gguf, tiny, tmp_path):
     """The windows are the source tokenizer's ids; llama.cpp reads them as given, and its own vocabulary (the file's)
     gives the same ids for the same text."""
@@ -129,6 +163,30 @@ def test_a_tool_that_fails_fails_the_unit_with_its_last_line(tmp_path):
     request.measurement = measurement
     with pytest.raises(JobFailed, match=r"GGUF quantization to Q4_K_M failed: .*\(exit 1; log: .*engine.log\)"):
         ENGINE.quantize(request, lambda event: None)
+
+
+def test_a_killed_converter_fails_the_shared_unit_and_the_job_runs_again(tiny, tmp_path, db_url, monkeypatch):
+    monkeypatch.setenv("FACTORY_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("FACTORY_DB_URL", db_url)
+    monkeypatch.setenv("FACTORY_MAX_UNITS", "1")
+    killed = []
+
+    def kill_the_converter(event):
+        if event["event"] == "progress" and event.get("stage") == "convert" and not killed:
+            for child in psutil.Process().children():
+                os.kill(child.pid, signal.SIGKILL)
+                killed.append(child.pid)
+
+    factory = Factory(settings.load(), kill_the_converter)
+    recipe = build_recipe(gguf="Q8_0", eval_windows=1)
+    job, _ = factory.submit(Request(source=str(tiny), recipe=recipe))
+    with pytest.raises(JobFailed, match=r"GGUF conversion to f16 failed: the engine process was killed by SIGKILL"):
+        factory.execute(job.id)
+    assert killed and factory.catalog.quants() == []
+    failed = factory.catalog.job(job.id)
+    assert [s.state for s in failed.steps if s.name.startswith("measure:")] == ["failed"]
+    done = factory.execute(job.id)
+    assert done.state == "succeeded" and [q.tag for q in factory.catalog.quants()] == ["gguf-q8_0"]
 
 
 # Lines the pinned tools print (recorded from the tiny model's run), and the events they become.

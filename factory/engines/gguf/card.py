@@ -36,7 +36,8 @@ def files_table(rows: list[QuantRow]) -> str:
     types = ", ".join(r.spec["type"] for r in sorted(rows, key=lambda r: -r.bits))
     lines += [
         "",
-        f"With ollama, from this repository: `ollama run hf.co/<this repository>:<TYPE>` (TYPE one of {types}).",
+        f"From this repository, every type's file on main (TYPE one of {types}): `ollama run "
+        "hf.co/<this repository>:<TYPE>`, or llama.cpp's `llama-cli -hf <this repository>:<TYPE>`.",
     ]
     return "\n".join(lines) + "\n"
 
@@ -45,6 +46,8 @@ class GgufCard(Card):
     library_name = "gguf"
     hub_repo = "{owner}/{model}-GGUF"
     plot_marker = "s"
+    every_variant_on_main = True  # as uploaders publish: every type's file on main, where ollama and llama.cpp's
+    # `-hf REPO:TYPE` look for it
 
     def how_to_load(self, folder: str) -> str:
         return f"""```bash
@@ -56,3 +59,6 @@ llama-server -m "$(ls ./{folder}/*.gguf | grep -v -- -imatrix.gguf | head -1)" -
 
     def sections(self, rows: list[QuantRow]) -> tuple[str, str]:
         return files_table(rows), ""
+
+    def main_files(self, newest: Path) -> list[str]:
+        return sorted(p.name for p in newest.glob("*.gguf"))
