@@ -22,8 +22,9 @@ def files_table(rows: list[QuantRow]) -> str:
         "## Files",
         "",
         "Each type's file, with its importance matrix (`*-imatrix.gguf`, computed once on the calibration text) beside "
-        "it (the size counts both). PPL, KLD and top-1 are llama.cpp's own inference on the factory's windows (no BOS, every position), "
-        "against the FP16 source in transformers on the same windows, so they compare with the other formats' rows.",
+        "it (the size counts both). PPL, KLD and top-1 are llama.cpp's own inference on the factory's windows (no BOS, "
+        "every position), against the FP16 source in transformers on the same windows, so they compare with the "
+        "other formats' rows.",
         "",
         "| file | type | size | PPL | KLD | top-1 |",
         "|---|---|---|---|---|---|",
