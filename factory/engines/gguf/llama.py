@@ -12,9 +12,10 @@ worker of the machine shares it):
     bin/qf-llama  our driver over libllama (logits.cpp): every position's logits of the token ids it is given, and
               llama.cpp's own tokenization of a text
 
-`python -m factory.engines.gguf.llama` makes it (scripts/setup runs it, so CI counts its minutes); a job never builds
+`python -m factory.engines.gguf.build` makes it (scripts/setup runs it, so CI counts its minutes); a job never builds
 it: without it a GGUF job is refused at submit with one sentence naming that command. Made under a lock, in a
-temporary folder renamed when complete, so concurrent builds make it once and a killed build leaves nothing.
+hidden temporary folder renamed when complete, so concurrent builds make it once and a killed build is never taken
+for a finished one (run again, it starts over).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
 TOOLS = ("llama-quantize", "llama-imatrix", "llama-gguf-split")
 DRIVER = "qf-llama"
 DONE = ".complete"
-SETUP = "python -m factory.engines.gguf.llama"  # or scripts/setup, which runs it
+SETUP = "python -m factory.engines.gguf.build"  # or scripts/setup, which runs it
 CMAKE_FLAGS = (
     "-G",
     "Ninja",
@@ -152,9 +153,3 @@ def _run(cmd: list[str], where: Path, what: str) -> None:
     if done.returncode != 0:
         last = [ln for ln in (done.stderr or done.stdout).splitlines() if ln.strip()][-1:] or ["no output"]
         raise JobFailed(f"llama.cpp's {what} failed: {last[0][:300]} (see {where / 'build.log'})")
-
-
-if __name__ == "__main__":
-    start = time.monotonic()
-    made = build()
-    print(f"llama.cpp ({version()}, {flavour()}) is in {made} ({time.monotonic() - start:.0f} s)")
