@@ -180,6 +180,32 @@ CANDIDATES["awqct"] = [
 ]
 
 
+# llama.cpp's converter registers these among the families tests/tiny_archs.py builds (conversion/*.py of the pinned
+# llama.cpp: factory/engines/gguf/llama.py)
+CANDIDATES["gguf"] = [
+    "llama",
+    "mistral",
+    "mixtral",
+    "qwen2",
+    "qwen2_moe",
+    "qwen3",
+    "qwen3_moe",
+    "gemma",
+    "gemma2",
+    "gemma3_text",
+    "phi3",
+    "cohere",
+    "cohere2",
+    "granite",
+    "glm4",
+    "olmo2",
+    "starcoder2",
+    "smollm3",
+    "stablelm",
+    "gpt_neox",
+]
+
+
 # engine -> how its pulled quant of a vision-language model is given an image, as its users load it
 def _exl3_image(folder: Path) -> dict:
     from tests.exl3_image import first_token
@@ -188,7 +214,13 @@ def _exl3_image(folder: Path) -> dict:
 
 
 SEES_IMAGES = {"exl3": _exl3_image}
-FLAGS = {"awq": ["--awq"], "awqct": ["--awqct"], "exl2": ["--exl2", "4.0"], "exl3": ["--exl3", "4.0"]}
+FLAGS = {
+    "awq": ["--awq"],
+    "awqct": ["--awqct"],
+    "exl2": ["--exl2", "4.0"],
+    "exl3": ["--exl3", "4.0"],
+    "gguf": ["--gguf", "Q4_K_M"],
+}
 WIDTH = {"exl2": 256, "exl3": 256}  # the GPU engines: heads of 64 (tests/tiny_archs.py); the others 128
 WINDOWS = 2
 RESULTS = ROOT / "benchmarks" / "results"
@@ -218,15 +250,16 @@ def _why(run: subprocess.CompletedProcess) -> str:
     return re.sub(r" \(exit \d+; log: [^)]*\)", "", why)[:400]  # the log's path is this machine's
 
 
-def _rescore(engine_name: str, folder: Path, device: str) -> float:
-    """The pulled quant's perplexity through its engine's loader, on the windows `qf run` scored."""
+def _rescore(engine_name: str, folder: Path, source: Path, device: str) -> float:
+    """The pulled quant's perplexity through its engine's loader, on the windows `qf run` scored (the source's
+    tokens: a GGUF quant carries its vocabulary inside the file, not a tokenizer folder)."""
     from factory import engines
     from factory.checkpoints.inspect import read_config
     from factory.evaluation import evaluate
 
     engine = engines.get(engine_name)
-    ids = evaluate.tokenize(folder, __import__("calibration").builtin_text("wiki"))
-    data = evaluate.stream(ids, WINDOWS, read_config(folder / "config.json").get("max_position_embeddings"), "wiki")
+    ids = evaluate.tokenize(source, __import__("calibration").builtin_text("wiki"))
+    data = evaluate.stream(ids, WINDOWS, read_config(source / "config.json").get("max_position_embeddings"), "wiki")
     return evaluate.perplexity(engine.load(folder, device), data)
 
 
@@ -264,7 +297,7 @@ def run_one(engine: str, model_type: str, models: Path, work: Path, device: str)
     if pull.returncode != 0:
         return {**result, "status": "refused", "reason": f"pull: {_why(pull)}"}
     try:
-        again = _rescore(engine, pulled, device)
+        again = _rescore(engine, pulled, source, device)
     except Exception as e:  # noqa: BLE001
         return {**result, "status": "refused", "reason": f"the pulled quant does not load: {type(e).__name__}: {e}"}
     if abs(again - quant["ppl"]) > 1e-3 * quant["ppl"]:

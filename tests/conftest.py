@@ -170,8 +170,9 @@ def smollm2(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_job(smollm2, tmp_path_factory):
     """One `qf run` on SmolLM2 with both AWQ engines, AutoAWQ and llm-compressor, each on 8 x 128 calibration
-    tokens of builtin:c4 (the demo's CPU default is 16: AWQ's grid search is most of the run), scored on the same 8
-    windows of builtin:wiki against one FP16 evaluation. Yields the runner and the job's quants by method."""
+    tokens of builtin:c4 (the demo's CPU default is 16: AWQ's grid search is most of the run), and GGUF Q4_K_M and
+    IQ4_XS with an importance matrix on 16 x 512 tokens of it, scored on the same 8 windows of builtin:wiki against
+    one FP16 evaluation. Yields the runner and the job's quants by method (GGUF's: `gguf-q4_k_m`, `gguf-iq4_xs`)."""
     from tests.smollm2 import BASE
 
     with fresh_database() as url:
@@ -179,12 +180,14 @@ def smollm2_job(smollm2, tmp_path_factory):
         recipe = tmp_path_factory.mktemp("recipe") / "awq.yaml"
         recipe.write_text(
             "awq:\n  w_bit: 4\n  calib_rows: 8\nawqct:\n  w_bit: 4\n  calib_rows: 8\n"
+            "gguf:\n  types: [Q4_K_M, IQ4_XS]\n  imatrix_chunks: 16\n  imatrix_ctx: 512\n"
             "eval: builtin:wiki\nmax_ppl_ratio: 1.5\n"
         )
         result = qf("run", smollm2, "--recipe", recipe, "--eval-windows", 8, "--base-model", BASE, "--json")
         assert result.exit_code == 0, result.output
         events = [json.loads(line) for line in result.stdout.splitlines()]
-        yield qf, {row["method"]: row for row in events[-1]["quants"]}
+        rows = events[-1]["quants"]
+        yield qf, {row["method"]: row for row in rows} | {row["name"].split(":")[1]: row for row in rows}
 
 
 @pytest.fixture

@@ -39,6 +39,11 @@ UNPROVEN = {
         "Qwen3MoeForCausalLM": "transformers 5.24 saves num_local_experts, releases (and exllamav3) num_experts",
         "Qwen2ForCausalLM": "exllamav3 found calibration ids outside the tiny model's vocabulary",
     },
+    "gguf": dict.fromkeys(
+        ["GemmaForCausalLM", "Gemma2ForCausalLM", "Phi3ForCausalLM"],
+        "the tiny checkpoint has no tokenizer.model, which llama.cpp's converter reads for these families (releases "
+        "ship it)",
+    ),
 }
 
 

@@ -44,7 +44,7 @@ def test_an_unknown_engine_key_lists_the_registered_ones(qf, tiny, tmp_path, rou
     recipe.write_text("rounds: {mantissa: [3]}\n")
     result = qf("run", tiny, "--recipe", recipe)
     assert result.exit_code == 2
-    assert "unknown key 'rounds' (recipe keys: awq, awqct, exl2, exl3, round, calibration" in result.stderr
+    assert "unknown key 'rounds' (recipe keys: awq, awqct, exl2, exl3, gguf, round, calibration" in result.stderr
 
 
 CYCLES_INSPECT = (
@@ -262,6 +262,7 @@ FUNCTION_IMPORTS = {
             ("factory.engines.awq_ct.quantize", "transformers"),
             ("factory.engines.exl2.evaluate", "torch"),
             ("factory.engines.exl3.evaluate", "torch"),
+            ("factory.engines.gguf.evaluate", "torch"),
             ("factory.engines.script", "torch"),
             ("factory.evaluation.evaluate", "torch"),
             ("factory.evaluation.evaluate", "transformers"),
@@ -280,6 +281,7 @@ FUNCTION_IMPORTS = {
             ("factory.evaluation.evaluate", "numpy"),
             ("factory.engines.exl3.engine", "numpy"),
             ("factory.engines.exl3.engine", "safetensors"),
+            ("factory.engines.gguf.evaluate", "numpy"),
         ],
         _NUMPY,
     ),
@@ -294,6 +296,8 @@ FUNCTION_IMPORTS = {
         _CUDA,
     ),
     ("factory.engines.awq_ct.quantize", "llmcompressor"): _LLMCOMPRESSOR,
+    ("factory.engines.gguf.convert", "conversion"): "llama.cpp's converter package, on the path only once main() has "
+    "put the pinned llama.cpp there",
     **dict.fromkeys(
         [
             ("factory.hubclient", "httpx2"),

@@ -5,6 +5,7 @@ default is 16 (AutoAWQ's grid search is most of the run, and halving it costs 1.
 14.18, KLD 0.154 at both), 8 eval windows.
 """
 
+import difflib
 import math
 
 import pytest
@@ -122,3 +123,44 @@ def test_the_readmes_demo_table_names_the_checkpoint_the_demo_makes(smollm2, tmp
     made = folder_identity(smollm2, tmp_path)
     line = next(x for x in (ROOT / "README.md").read_text().splitlines() if x.startswith("smollm2-135m-instruct:awq-"))
     assert line.split()[0].endswith("@" + made.removeprefix("sha256:")[:7]) and line.split()[-1] == made[:19], line
+
+
+@pytest.mark.parametrize("tag", ["gguf-q4_k_m", "gguf-iq4_xs"])
+def test_gguf_lands_between_fp16_and_the_gate_on_the_same_windows(smollm2_job, tag):
+    """GGUF through llama.cpp's inference, scored against the same FP16 evaluation as the AWQ quants of the job.
+    SmolLM2's "FP16" here was itself a Q4_1 GGUF, so its weights lie on a 4-bit grid that GGUF's types reproduce
+    well: a comparison with AWQ on it favours GGUF (docs/measured.md)."""
+    _, rows = smollm2_job
+    row = rows[tag]
+    assert row["fp16_ppl"] == rows["awq"]["fp16_ppl"]
+    assert row["fp16_ppl"] < row["ppl"] < 1.5 * row["fp16_ppl"]
+    assert 0 < row["kld"] < 0.5 and 0.5 < row["top1"] < 1
+    print(f"{tag}: {row['bytes']} bytes, ppl {row['ppl']:.4f}, KLD {row['kld']:.4f}, top-1 {row['top1']:.4f}")
+
+
+def test_the_pulled_gguf_scores_in_llama_cpp_to_the_published_numbers(smollm2, smollm2_job, tmp_path):
+    """`qf pull` gives the .gguf (every sha256 checked); llama.cpp's inference on it, on the job's 8 windows, gives the
+    perplexity the job published; llama.cpp's tokenizer gives the source tokenizer's ids for the eval text."""
+    from calibration import builtin_text
+    from factory.engines.gguf import evaluate as gguf_evaluate
+
+    qf, rows = smollm2_job
+    row = rows["gguf-q4_k_m"]
+    result = qf("pull", row["name"], "-o", tmp_path / "pulled")
+    assert result.exit_code == 0, result.output
+    pulled = tmp_path / "pulled"
+    assert {"SmolLM2-135M-Instruct-Q4_K_M.gguf", "SmolLM2-135M-Instruct-imatrix.gguf"} <= {
+        p.name for p in pulled.iterdir()
+    }
+    data = evaluate.stream(evaluate.tokenize(smollm2, builtin_text("wiki")), 8, None, "builtin:wiki")
+    gguf = engines.get("gguf")
+    assert evaluate.evaluate(pulled, gguf.load, gguf.evaluator, data).ppl == pytest.approx(row["ppl"], rel=1e-5)
+    # llama.cpp's tokenizer, on the eval text: the source's ids but where a blank line runs into a number, which
+    # llama.cpp keeps as one "\n\n" token and the source splits (1 token in 8104 of the first 30,000 characters)
+    text = builtin_text("wiki")[:50000]
+    llama_ids = gguf_evaluate.tokenize(pulled / "SmolLM2-135M-Instruct-Q4_K_M.gguf", text)
+    source_ids = evaluate.tokenize(smollm2, text)
+    ops = difflib.SequenceMatcher(None, llama_ids, source_ids, autojunk=False).get_opcodes()
+    differ = sum(max(i2 - i1, j2 - j1) for op, i1, i2, j1, j2 in ops if op != "equal")
+    print(f"llama.cpp's tokenizer: {differ} of {len(source_ids)} ids differ from the source tokenizer's")
+    assert differ <= len(source_ids) / 1000

@@ -19,6 +19,7 @@ from factory.engines.awq_ct.engine import ENGINE as AWQCT
 from factory.engines.base import Emit, Engine, Evaluation, Flag, Logits, QuantizeRequest, QuantSpec, check_quant_folder
 from factory.engines.exl2.engine import ENGINE as EXL2
 from factory.engines.exl3.engine import ENGINE as EXL3
+from factory.engines.gguf.engine import ENGINE as GGUF
 from factory.errors import ModelRefused, SpecError
 from factory.registry import naming
 
@@ -83,7 +84,7 @@ def of_tag(tag: str) -> Engine:
 
 
 def _builtin() -> None:
-    for engine in (AWQ, AWQCT, EXL2, EXL3):
+    for engine in (AWQ, AWQCT, EXL2, EXL3, GGUF):
         register(engine)
 
 

@@ -107,6 +107,7 @@ class QuantizeRequest:
     calibration: list[list[int]] = field(default_factory=list)  # token windows, for engines that take tokens
     calibration_file: Path | None = None  # the calibration text as parquet ("text"), for engines that tokenize
     measurement: Path | None = None  # for engines with needs_measurement
+    model: str = "model"  # the source's name as its owner wrote it (`SmolLM2-135M-Instruct`), for file names
 
 
 @dataclass(frozen=True)
@@ -236,6 +237,7 @@ class Card(Part):
     hub_repo: ClassVar[str]  # the default Hub repo template (FACTORY_HUB_<NAME>_REPO replaces it)
     plot_marker: ClassVar[str] = "o"
     scores_about: ClassVar[dict[str, str]] = {}  # evaluations' group -> what it measures, for people
+    every_variant_on_main: ClassVar[bool] = False  # main holds main_files of every variant (GGUF), not the newest's
 
     def how_to_load(self, folder: str) -> str:
         """The card's snippet after `qf pull ... -o FOLDER`: markdown code blocks."""
@@ -266,7 +268,8 @@ class Card(Part):
         return f"{self.engine.name}-{branch}"
 
     def main_files(self, newest: Path) -> list[str]:
-        """Which files of the newest quant also go on the repo's main branch (beside the card and its plot)."""
+        """Which files of the newest quant (of each, with every_variant_on_main) also go on the repo's main branch
+        (beside the card and its plot)."""
         return []
 
 

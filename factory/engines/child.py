@@ -158,14 +158,16 @@ def run_command(
     what: str,
     parse: Callable[[str], dict | None] = json_event,
     env: dict[str, str] | None = None,
+    merge: bool = False,
 ) -> None:
+    """`merge`: the tool's stderr is read for progress too (a C++ tool that logs there), not only kept in the log."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "a", encoding="utf-8", errors="replace") as log:
         # PDEATHSIG fires when the thread that started the child ends: start engines from the main thread.
         proc = subprocess.Popen(
             cmd,
             stdout=subprocess.PIPE,
-            stderr=log,
+            stderr=subprocess.STDOUT if merge else log,
             stdin=subprocess.DEVNULL,
             text=True,
             errors="replace",

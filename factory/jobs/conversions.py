@@ -192,6 +192,7 @@ def _make_quant(
             calibration=prepared.calibration.get(spec.tag, []),
             calibration_file=prepared.calibration_file,
             measurement=measurement,
+            model=Path(job.source.split("@")[0].rstrip("/")).name or job.name,
         )
         engine.quantize(request, lambda event: progress(**event))
 

@@ -188,7 +188,8 @@ class Publisher:
 
     def to_hub(self, job: Job, spec: QuantSpec, upstream: Upstream, check_ours: Callable[[], None]) -> None:
         """The quant's branch on the Hub, then main of its repo: the card of every variant there with its plot, and
-        the files the engine puts on main (Engine.card.main_files). `check_ours` runs right before the push (it raises
+        the files the engine puts on main (Engine.card.main_files: of the newest variant, or of every variant on the
+        Hub where the engine's card says `every_variant_on_main`). `check_ours` runs right before the push (it raises
         once the job is not the caller's any more)."""
         s, engine = self.settings, engines.get(spec.method)
         templates = hub.templates(s.hub_repos)
@@ -210,10 +211,12 @@ class Publisher:
             }
             rows = [_with_engine_notes(self.catalog.quant_row(q), engine, s.registry / q.path) for q in latest.values()]
             newest = max(rows, key=lambda r: r.created_at)
-            newest_dir = s.registry / newest.path
-            main_quant = {name: newest_dir / name for name in engine.card.main_files(newest_dir)}
+            on_main = [s.registry / r.path for r in rows] if engine.card.every_variant_on_main else []
+            on_main.append(s.registry / newest.path)  # the newest last: its files win a name two variants share
+            main_quant = {name: folder / name for folder in on_main for name in engine.card.main_files(folder)}
             if main_quant:
-                files.check_publishable(newest_dir, engine.outputs)
+                for folder in on_main:
+                    files.check_publishable(folder, engine.outputs)
             main = s.work / job.id / "hub-main" / spec.method
             shutil.rmtree(main, ignore_errors=True)
             main.mkdir(parents=True)

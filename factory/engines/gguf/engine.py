@@ -1,0 +1,179 @@
+"""GGUF through llama.cpp's own converter and tools (pinned and built once per machine: llama.py), in child processes.
+
+    measure (shared by every type of a model and calibration, as EXL2's measurement is):
+      python -m factory.engines.gguf.convert LLAMA SRC --outtype f16|bf16 --outfile KEY.f16.gguf   the 16-bit GGUF
+        (convert_hf_to_gguf.py; convert.py says what it adds)
+      llama-imatrix -m KEY.f16.gguf -f CAL.txt -c CTX --chunks N -o KEY.imatrix.gguf    the importance matrix
+    quantize (one unit per type):
+      llama-quantize --imatrix KEY.imatrix.gguf KEY.f16.gguf <Model>-<TYPE>.gguf TYPE THREADS
+      llama-gguf-split --split --split-max-size 48G ...   where the file is over the Hub's 50 GB per file
+
+What we add, and why:
+- the 16-bit type is the source's (bf16 for a bfloat16 checkpoint: float16 would clip its range);
+- the importance matrix is computed once on the job's calibration text, for every type (the IQ types need one,
+  the K-quants are better with one, Q8_0 ignores it); it is published beside each quant, as uploaders do;
+- outputs are checked, not trusted: each file must be GGUF with `general.file_type` the type asked for;
+- the tools print to stderr too: their lines are read for progress (`blk.N` of the converter, `[i/n]` tensors of
+  llama-quantize, `computing over N chunks` of llama-imatrix);
+- quants are scored by llama.cpp's own inference (evaluate.py) on the factory's windows, never llama-perplexity's.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import calibration
+from factory.checkpoints.inspect import read_config
+from factory.engines import child
+from factory.engines.base import Engine, Flag, QuantizeRequest
+from factory.engines.gguf import evaluate, gguf_file, llama
+from factory.engines.gguf.card import GgufCard
+from factory.engines.gguf.memory import GgufMemory
+from factory.engines.gguf.spec import TYPES, GgufSpec, GgufTargets, targets_from_flag
+from factory.errors import JobFailed
+from factory.settings import cpu_threads
+
+CONVERTED = re.compile(r"\bblk\.(\d+)\.")
+CHUNKS = re.compile(r"computing over (\d+) chunks")
+TENSOR = re.compile(r"^\[\s*(\d+)/\s*(\d+)\]")
+SPLIT_OVER = 50 * 10**9  # the Hub's largest file
+SPLIT_SIZE = "48G"
+
+# What benchmarks/coverage.py proved llama.cpp's converter, tools and inference take on the CPU
+# (benchmarks/results/coverage-cpu.json; tests/test_coverage.py keeps the two equal), and the claims that run failed
+# for a reason of the tiny checkpoints' (UNPROVEN there).
+ARCHITECTURES = frozenset({
+    "Gemma3ForCausalLM", "GraniteForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM",
+    "Olmo2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "SmolLM3ForCausalLM",
+    "StableLmForCausalLM", "Starcoder2ForCausalLM",
+    # the converter reads these families' vocabulary from tokenizer.model, which their releases ship and the tiny
+    # checkpoints do not
+    "GemmaForCausalLM", "Gemma2ForCausalLM", "Phi3ForCausalLM",
+})  # fmt: skip
+
+
+def _converter_parser(layers: int):
+    def parse(line: str) -> dict | None:
+        if match := CONVERTED.search(line):
+            done = min(int(match.group(1)) + 1, layers)
+            return {"event": "progress", "stage": "convert", "done": done, "total": layers, "unit": "layer"}
+        return None
+
+    return parse
+
+
+def _imatrix_parser(line: str) -> dict | None:
+    if match := CHUNKS.search(line):
+        return {"event": "progress", "stage": "imatrix", "done": 0, "total": int(match.group(1)), "unit": "chunk"}
+    return None
+
+
+def _quantize_parser(line: str) -> dict | None:
+    if match := TENSOR.match(line):
+        done, total = int(match.group(1)), int(match.group(2))
+        return {"event": "progress", "stage": "quantize", "done": done, "total": total, "unit": "tensor"}
+    return None
+
+
+def check_gguf(path: Path, type_: str, log: Path) -> None:
+    """The file is GGUF and says it holds `type_` (general.file_type, llama.cpp's ftype)."""
+    try:
+        got = gguf_file.metadata(path).get("general.file_type")
+    except (OSError, ValueError) as e:
+        raise JobFailed(f"llama.cpp wrote no readable GGUF {path.name}: {e}; see {log}") from None
+    if got != TYPES[type_][1]:
+        raise JobFailed(f"{path.name} has file type {got}, not {type_}'s {TYPES[type_][1]}; see {log}")
+
+
+class GgufEngine(Engine):
+    name = "gguf"
+    label = "GGUF"
+    spec = GgufSpec
+    targets = GgufTargets
+    flag = Flag("GGUF types in llama-quantize's names, e.g. Q8_0,Q6_K,Q5_K_M,Q4_K_M,IQ4_XS.", takes_value=True)
+    tag_pattern = r"gguf-[a-z0-9_]+"
+    tag_example = "gguf-q4_k_m"
+    architectures = ARCHITECTURES
+    needs_measurement = True  # the 16-bit conversion and the importance matrix, shared by every type
+    default_calibration = "builtin:c4"
+    outputs = ("*.gguf",)
+    evaluator = "llama.cpp"
+    Memory = GgufMemory
+    Card = GgufCard
+
+    def version(self) -> str:
+        llama.built()  # refused at submit, naming the setup command, where llama.cpp is not built
+        return llama.version()
+
+    def targets_from_flag(self, value: str | dict, written: dict) -> dict:
+        return value if isinstance(value, dict) else targets_from_flag(value, written)
+
+    def measurement_settings(self, spec: GgufSpec) -> tuple[int, int]:
+        return spec.imatrix_chunks, spec.imatrix_ctx
+
+    def calibration_lengths(self, spec: GgufSpec) -> list[tuple[int, int]]:
+        return [(spec.imatrix_chunks, spec.imatrix_ctx)]
+
+    def describe_calibration(self, spec: dict, text: str) -> str:
+        return f"{text}, importance matrix on {spec['imatrix_chunks']} x {spec['imatrix_ctx']} tokens"
+
+    def load(self, folder: Path, device: str):
+        return evaluate.load(folder, device)
+
+    def measure(
+        self, source_dir: Path, calibration_file: Path, rows: int, length: int, work_dir: Path, measurement: Path, emit
+    ) -> None:
+        work_dir.mkdir(parents=True, exist_ok=True)
+        log = work_dir.parent / f"{work_dir.name}.log"
+        config = read_config(source_dir / "config.json", check_numbers=False)
+        outtype = "bf16" if child.saved_dtype(config.get("text_config", config)) == "bfloat16" else "f16"
+        f16 = measurement.with_name(f"{measurement.stem}.{outtype}.gguf")
+        imatrix = measurement.with_name(f"{measurement.stem}.imatrix.gguf")
+        layers = int(config.get("text_config", config).get("num_hidden_layers") or 1)
+        converted = work_dir / f"model.{outtype}.gguf"
+        cmd = [sys.executable, "-m", "factory.engines.gguf.convert", str(llama.source()), str(source_dir)]
+        cmd += ["--outtype", outtype, "--outfile", str(converted)]
+        child.run_command(cmd, log, emit, f"GGUF conversion to {outtype}", _converter_parser(layers), merge=True)
+        check_gguf(converted, outtype.upper(), log)
+        text = work_dir / "calibration.txt"
+        text.write_text(calibration.read_file(calibration_file, "calibration"))
+        made = work_dir / "imatrix.gguf"
+        cmd = [str(llama.tool("llama-imatrix")), "-m", str(converted), "-f", str(text), "-o", str(made)]
+        cmd += ["-c", str(length), "--chunks", str(rows), "-t", str(cpu_threads()), *evaluate.gpu_layers()]
+        child.run_command(
+            cmd, log, emit, f"GGUF importance matrix ({rows} x {length} tokens)", _imatrix_parser, merge=True
+        )
+        try:
+            gguf_file.metadata(made)
+        except (OSError, ValueError):
+            raise JobFailed(f"llama-imatrix wrote no importance matrix; see {log}") from None
+        converted.replace(f16)
+        made.replace(imatrix)
+        measurement.write_text(json.dumps({"f16": f16.name, "imatrix": imatrix.name, "chunks": rows, "ctx": length}))
+        shutil.rmtree(work_dir, ignore_errors=True)
+
+    def quantize(self, request: QuantizeRequest, emit) -> None:
+        spec, log = request.spec, request.work_dir / child.LOG_NAME
+        made = json.loads(request.measurement.read_text())
+        f16, imatrix = (request.measurement.parent / made[k] for k in ("f16", "imatrix"))
+        shutil.rmtree(request.out_dir, ignore_errors=True)
+        request.out_dir.mkdir(parents=True)
+        quant = request.work_dir / gguf_file.name(request.model, spec["type"])
+        cmd = [str(llama.tool("llama-quantize")), "--imatrix", str(imatrix), str(f16), str(quant), spec["type"]]
+        cmd.append(str(cpu_threads()))
+        child.run_command(cmd, log, emit, f"GGUF quantization to {spec['type']}", _quantize_parser, merge=True)
+        check_gguf(quant, spec["type"], log)
+        if quant.stat().st_size > SPLIT_OVER:
+            split = [str(llama.tool("llama-gguf-split")), "--split", "--split-max-size", SPLIT_SIZE]
+            child.run_command([*split, str(quant), str(request.out_dir / quant.stem)], log, emit, "gguf-split")
+            quant.unlink()
+        else:
+            quant.replace(request.out_dir / quant.name)
+        shutil.copy2(imatrix, request.out_dir / gguf_file.name(request.model, "imatrix"))
+
+
+ENGINE = GgufEngine()
