@@ -13,7 +13,7 @@ from factory.engines import child
 from factory.engines.awq import evaluate
 from factory.engines.awq.card import VllmCard
 from factory.engines.awq.memory import AwqMemory
-from factory.engines.awq.spec import AwqSpec, calibration_rows, resolve
+from factory.engines.awq.spec import CUDA_ROWS, AwqSpec, calibration_rows, resolve
 from factory.engines.base import Engine, Flag, QuantizeRequest, check_quant_folder
 
 # What benchmarks/coverage.py proved AutoAWQ 0.2.9 converts with our transformers (benchmarks/results/
@@ -69,7 +69,7 @@ class AwqEngine(Engine):
         )
 
     def calibration_windows(self, spec: AwqSpec) -> tuple[int, int]:
-        return spec.calib_rows, spec.calib_length
+        return spec.calib_rows or CUDA_ROWS, spec.calib_length  # before fit_calibration: the most it takes
 
     def describe_calibration(self, spec: dict, text: str) -> str:
         clipping = "on" if spec["clip"] else "off"

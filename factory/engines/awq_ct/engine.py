@@ -16,7 +16,7 @@ from factory.checkpoints.inspect import multimodal
 from factory.engines import child
 from factory.engines.awq.card import VllmCard
 from factory.engines.awq.memory import VllmMemory
-from factory.engines.awq.spec import calibration_rows
+from factory.engines.awq.spec import CUDA_ROWS, calibration_rows
 from factory.engines.awq_ct import env, evaluate
 from factory.engines.awq_ct.spec import AwqCtSpec, resolve
 from factory.engines.base import Engine, Flag, QuantizeRequest, check_quant_folder
@@ -111,7 +111,7 @@ class AwqCtEngine(Engine):
         )
 
     def calibration_windows(self, spec: AwqCtSpec) -> tuple[int, int]:
-        return spec.calib_rows, spec.calib_length
+        return spec.calib_rows or CUDA_ROWS, spec.calib_length  # before fit_calibration: the most it takes
 
     def describe_calibration(self, spec: dict, text: str) -> str:
         return f"{text}, {spec['calib_rows']} x {spec['calib_length']} tokens"
