@@ -6,6 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from factory import engines
+from factory.checkpoints.sources import check_base_model
 from factory.errors import SpecError
 from factory.recipes import build_recipe, recipe_from_yaml
 
@@ -34,7 +35,6 @@ def request(
     """The Request for SOURCE: the recipe (a file, or its YAML text from a service's client) with the engine flags
     (`--<engine> 3.0,4.0`) and options applied; `fit` (VRAM budgets) becomes the sizing engine's sizes, each
     choice told to `say`."""
-    from factory.checkpoints.sources import check_base_model
     from factory.jobs.planning import Request
 
     if base_model is not None:

@@ -168,7 +168,7 @@ def test_no_cuda_is_one_sentence(qf, tiny):
     assert result.stderr.strip().splitlines()[-1] == (
         "error: EXL3 (--exl3) needs a CUDA GPU and this machine has "
         "none; AWQ runs without one (--awq), AWQ-CT runs without "
-        "one (--awqct)"
+        "one (--awqct), GGUF runs without one (--gguf)"
     )
 
 

@@ -251,6 +251,7 @@ FUNCTION_IMPORTS = {
     **dict.fromkeys(
         [
             ("factory.checkpoints.dequantize", "torch"),
+            ("factory.engines.child", "torch"),
             ("factory.engines.awq.evaluate", "safetensors"),
             ("factory.engines.awq.evaluate", "torch"),
             ("factory.engines.awq.evaluate", "transformers"),

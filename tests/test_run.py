@@ -222,7 +222,7 @@ def test_exl2_without_cuda(qf, tiny):
     assert result.exit_code == 2
     assert last_line(result) == (
         "error: EXL2 (--exl2, --fit) needs a CUDA GPU and this machine has none; AWQ runs "
-        "without one (--awq), AWQ-CT runs without one (--awqct)"
+        "without one (--awq), AWQ-CT runs without one (--awqct), GGUF runs without one (--gguf)"
     )
 
 

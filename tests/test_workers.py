@@ -127,7 +127,7 @@ def test_submit_exl2_for_cpu_workers(env, tiny):
     assert result.stderr.strip() == (
         "error: EXL2 (--exl2, --fit) needs a CUDA GPU and the workers "
         "(FACTORY_WORKER_DEVICE) have none; AWQ runs without one (--awq), AWQ-CT "
-        "runs without one (--awqct)"
+        "runs without one (--awqct), GGUF runs without one (--gguf)"
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from factory import identity, queue, settings, tables
+from factory.checkpoints.sources import check_base_model
 from factory.cli.render import Renderer
 from factory.cli.shared import (
     BaseOpt,
@@ -133,8 +134,6 @@ def submit(
     """Queue a job for the workers; prints only its id (the same job twice: the same id)."""
     if (remote := service_client()) is not None:
         if base_model is not None:
-            from factory.checkpoints.sources import check_base_model
-
             check_base_model(base_model)  # as submission.request does here, and the service there
         if recipe is not None and not recipe.is_file():
             raise SpecError(f"recipe {str(recipe)!r} does not exist; pass a YAML file such as configs/standard.yaml")
