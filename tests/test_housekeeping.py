@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
-import sqlite3
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from factory.publish import folder as registry
 from tests.conftest import Qf
@@ -100,16 +99,28 @@ def test_pull_shares_the_registry_files(finished, tmp_path):
     assert src.is_file()
 
 
-def _stop_when_running(db: Path, step: str, child: subprocess.Popen, timeout: float = 300) -> None:
-    """SIGSTOP `child` as soon as the catalog (SQLite at `db`) shows `step` running."""
+def _stop_when_running(qf: Qf, step: str, child: subprocess.Popen, timeout: float = 300) -> None:
+    """SIGSTOP `child` as soon as its catalog (SQLite in FACTORY_HOME, or the PostgreSQL of the test) shows `step`
+    running."""
+    from sqlalchemy import create_engine, exc, text
+
+    url = qf.db_url or f"sqlite:///{qf.home / 'catalog.db'}"
+    engine = create_engine(re.sub(r"^postgres(ql)?://", "postgresql+psycopg2://", url))
+    query = text("SELECT 1 FROM steps WHERE name = :step AND state = 'running'")
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and child.poll() is None:
-        if db.exists():
-            with sqlite3.connect(db, timeout=5) as conn:
-                if conn.execute("SELECT 1 FROM steps WHERE name = ? AND state = 'running'", (step,)).fetchone():
-                    os.kill(child.pid, signal.SIGSTOP)
-                    return
-        time.sleep(0.01)
+    try:
+        while time.monotonic() < deadline and child.poll() is None:
+            if qf.db_url or (qf.home / "catalog.db").exists():
+                try:
+                    with engine.connect() as conn:
+                        if conn.execute(query, {"step": step}).first():
+                            os.kill(child.pid, signal.SIGSTOP)
+                            return
+                except exc.DBAPIError:  # the tables are not made yet
+                    pass
+            time.sleep(0.01)
+    finally:
+        engine.dispose()
     raise AssertionError(f"{step} never ran: {child.communicate()}")
 
 
@@ -126,7 +137,7 @@ def test_rm_of_a_quant_another_job_evaluates_fails_that_job_in_one_sentence(qf, 
         text=True,
     )
     try:
-        _stop_when_running(qf.home / "catalog.db", "evaluate:awq-w4g128", again)  # stopped as its evaluation starts
+        _stop_when_running(qf, "evaluate:awq-w4g128", again)  # stopped as its evaluation starts
         removed = qf("rm", f"tiny:awq-w4g128@{first['rev']}")
         assert removed.exit_code == 0, removed.output
     finally:
