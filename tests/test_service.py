@@ -35,14 +35,14 @@ def _free_port() -> int:
 class Server:
     """`qf serve` in a child process, with the factory's own environment (catalog, broker, registry)."""
 
-    def __init__(self, env: dict, log: Path, *args: str):
+    def __init__(self, env: dict, log: Path, *args: str, cwd: Path = ROOT):
         self.env, self.port = env, _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "factory.cli", "serve", "--port", str(self.port), *args],
             env=env,
-            cwd=ROOT,
+            cwd=cwd,
             stdout=open(log, "w"),
             stderr=subprocess.STDOUT,
         )
@@ -601,7 +601,9 @@ def test_a_queue_plugin_that_is_not_a_queue_is_one_sentence_not_a_500(factory_en
     )
     (plugin / "wrongqueue.py").write_text(WRONG_QUEUE)
     env = {**factory_env, "PYTHONPATH": os.pathsep.join([str(plugin), str(ROOT)])}
-    server = Server(env, tmp_path / "server.log")
+    # from the plugin's folder: `python -m` puts its cwd first on the path, and the clone's root holds the real
+    # quantfactory.egg-info (an editable install's), whose entry point would be found first
+    server = Server(env, tmp_path / "server.log", cwd=plugin)
     try:
         token = server.token("alice")
         model = Path(factory_env["FACTORY_SERVE_SOURCES"]) / "tiny"
