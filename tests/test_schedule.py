@@ -85,7 +85,7 @@ def test_plan_skips_with_a_reason():
     [
         ("tiny-llama", {"awq": {}}, None, "is neither org/name nor org/pattern"),
         ("me*/x", {"awq": {}}, None, "is neither org/name nor org/pattern"),
-        ("meta/x", {}, None, "makes nothing: give it awq, awqct, exl2 or exl3 targets"),
+        ("meta/x", {}, None, "makes nothing: give it awq, awqct, exl2, exl3 or gguf targets"),
         ("meta/x", {"awq": {"w_bit": 3}}, None, "w_bit"),
         ("meta/x", {"awq": {}}, {"size": 1}, "unknown filter keys ['size']"),
         ("meta/x", {"awq": {}}, {"max_params": "big"}, "max_params must be a number"),
