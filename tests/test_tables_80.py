@@ -199,7 +199,9 @@ def test_plan_fits_a_40_line_screen(tiny, tmp_path):
     one = qf(tmp_path, "plan", tiny, "--vram", "24GB", "--engine", "exl3")
     assert "EXL3 with exllamav3" in one.stdout and "EXL2" not in one.stdout and "AWQ" not in one.stdout
     unknown = qf(tmp_path, "plan", tiny, "--vram", "24GB", "--engine", "gptq", check=False)
-    assert unknown.returncode == 2 and "no engine named 'gptq'; available: awq, awqct, exl2, exl3, gguf" in unknown.stderr
+    assert (
+        unknown.returncode == 2 and "no engine named 'gptq'; available: awq, awqct, exl2, exl3, gguf" in unknown.stderr
+    )
 
 
 def test_exl3_weights_the_same_at_every_size_are_explained(tiny, tmp_path):
