@@ -51,7 +51,7 @@ def plan(
     if as_json:
         answers = {name: {**p.data, "expected_seconds": times[name]} for name, p in plans.items()}
         answers.update({name: {"refused": why} for name, why in refused.items()})
-        print(json.dumps({**dict(sorted(answers.items())), "job": _job_data(specs, job)}, indent=2))
+        print(json.dumps({**dict(sorted(answers.items())), "job": _job_data(specs, job) if job else None}, indent=2))
         return
     if info.vision is not None:  # say which part is which: the plans size the language model's quant and the rest
         out.print(info.parts(), markup=False, highlight=False)

@@ -156,7 +156,7 @@ def estimate(costs: Costs, settings: Settings, job: Job) -> tuple[float, float] 
     return costs.estimate(job, model, graph.units(specs, keys, True, bool(settings.hub_owner)))
 
 
-def projection(costs: Costs, source: str, recipe: Recipe, vram: int, info) -> tuple[list[QuantSpec], Projection]:
+def projection(costs: Costs, source: str, recipe: Recipe, vram: int, info) -> tuple[list[QuantSpec], Projection | None]:
     """How long `recipe` takes for `source` on one CUDA card of `vram` bytes beside this machine's cores, packed as
     the factory packs (`qf plan`): the specs its engines take (those that refuse the model are left out: `qf plan`
     says why) and the projection. Reads the config and safetensors headers only; `info` is what the engines'
@@ -169,6 +169,8 @@ def projection(costs: Costs, source: str, recipe: Recipe, vram: int, info) -> tu
         for s in recipe.specs()
         if engines.get(s.method).refuse(info) is None
     ]
+    if not specs:  # every engine of the recipe refuses the model (qf plan says why)
+        return [], None
     cal = _calibration(recipe.calibration, [engines.get(name) for name in sorted({s.method for s in specs})])
     job = Job(
         source=source,
