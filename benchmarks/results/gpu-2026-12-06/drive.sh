@@ -9,19 +9,7 @@
 #  3. when exllamav3's extension is built: `qf run --exl3 4.0` in the same home (the FP16 reference made once);
 #     EXL3=0 leaves EXL3 out (a sitting with too few minutes left for its build and conversion) and runs AutoAWQ's
 #     job alone, then AWQ-CT's, so that each one's seconds are its own.
-export PYTHONPATH=/tmp/repo:/tmp/site TORCH_EXTENSIONS_DIR=/tmp/torch_ext TORCH_CUDA_ARCH_LIST=9.0 \
-    EXLLAMA_NO_SDPA=1 PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH \
-    PIP_NO_INDEX=1 PIP_FIND_LINKS=/tmp/repo/.whl/awqct QF_COMMIT=$(cat /tmp/repo/.commit 2>/dev/null)
-R=/tmp/results W=/tmp/w; mkdir -p $R $W
-cd /tmp/repo
-t0=$(date +%s)
-stamp() { echo "$(( $(date +%s) - t0 )) $*" >> $R/timeline.txt; }
-stamp start "$(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader)" "$(nproc) cores" \
-    "$(free -g | awk '/Mem/{print $2}') GiB" "$(df -h /tmp | awk 'NR==2{print $4}') free"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl .whl/exl3/*.whl \
-    > $R/pip.log 2>&1
-stamp wheels $?
-nvidia-smi dmon -s um -d 2 > $R/dmon.txt 2>&1 &
+source /tmp/repo/benchmarks/results/gpu-2026-12-06/setup.sh
 free -b -s 2 > $R/free.txt 2>&1 &
 if [ "${EXL3:-1}" = 1 ]; then
     (MAX_JOBS=16 python3 -c "import exllamav3" > $R/build3.log 2>&1; stamp built_exl3 $?) &

@@ -8,19 +8,7 @@
 # Start it as the first one was (report.sh polls it):
 #   cp -a . /tmp/repo && cd /tmp/repo && setsid nohup bash benchmarks/results/gpu-2026-12-06/drive2.sh &
 # carrying .whl (scripts/gpu_wheels, plus AWQ-CT's pins in .whl/awqct) and .commit.
-export PYTHONPATH=/tmp/repo:/tmp/site TORCH_EXTENSIONS_DIR=/tmp/torch_ext TORCH_CUDA_ARCH_LIST=9.0 \
-    EXLLAMA_NO_SDPA=1 PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH \
-    PIP_NO_INDEX=1 PIP_FIND_LINKS=/tmp/repo/.whl/awqct QF_COMMIT=$(cat /tmp/repo/.commit 2>/dev/null)
-R=/tmp/results W=/tmp/w; mkdir -p $R $W
-cd /tmp/repo
-t0=$(date +%s)
-stamp() { echo "$(( $(date +%s) - t0 )) $*" >> $R/timeline.txt; }
-stamp start "$(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader)" "$(nproc) cores" \
-    "$(free -g | awk '/Mem/{print $2}') GiB" "$(df -h /tmp | awk 'NR==2{print $4}') free"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl .whl/exl3/*.whl \
-    > $R/pip.log 2>&1
-stamp wheels $?
-nvidia-smi dmon -s um -d 2 > $R/dmon.txt 2>&1 &
+source /tmp/repo/benchmarks/results/gpu-2026-12-06/setup.sh
 (MAX_JOBS=8 python3 -c "import exllamav2" > $R/build2.log 2>&1; stamp built_exl2 $?) &
 b2=$!
 (MAX_JOBS=8 python3 -c "import exllamav3" > $R/build3.log 2>&1; stamp built_exl3 $?) &
