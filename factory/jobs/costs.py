@@ -125,14 +125,9 @@ class Costs:
 
     def estimate(self, job: Job, model: Sized, units: list[Unit]) -> tuple[float, float]:
         """(packed, one after another) expected seconds of a job planned for its workers' device."""
-        seconds = {u.name: self.seconds(job, model, u) for u in units}
-        needs = self.needs(job, model, units)
-
-        def need(unit: Unit) -> Need:
-            return needs[unit.name]
-
         packed = Packer(self.max_units or AUTOMATIC_MAX_UNITS, None, AUTOMATIC_MAX_UNITS * 2)
-        return eta.wall_seconds(units, seconds, need, packed), eta.wall_seconds(units, seconds, need, Packer(1))
+        projected = self.projection(job, model, units, packed)
+        return projected.seconds, projected.serial_seconds
 
     def projection(self, job: Job, model: Sized, units: list[Unit], packer: Packer) -> Projection:
         """The whole job on a machine that admits what `packer` does (`qf plan`: a card of --vram, this machine's
