@@ -136,6 +136,38 @@ def test_the_child_has_its_own_transformers_and_makes_its_packages_once():
     assert ENGINE.version() == "llmcompressor 0.14.0.1, compressed-tensors 0.19.0, transformers 5.17.0"
 
 
+def test_the_grid_search_losses_stay_finite_at_an_8b_width_in_float16():
+    """llm-compressor's AWQ sums a candidate's squared error in the activations' dtype: in float16, one window of an
+    8B's hidden width (512 x 4096) with errors of 0.25 already sums past 65504, so every candidate's loss is inf and
+    AWQ stops ("No finite loss was found": the H100 sitting of 2026-12-06). The child sums them in float32."""
+    code = """
+import torch
+from llmcompressor.modifiers.transform.awq.base import AWQModifier
+from factory.engines.awq_ct.quantize import losses_in_float32
+torch.manual_seed(0)
+fp16 = [torch.randn(1, 512, 4096).half() for _ in range(2)]
+int_w = [(t.float() + 0.25 * torch.randn(t.shape)).half() for t in fp16]
+exact = sum(((a.double() - b.double()) ** 2).sum() for a, b in zip(fp16, int_w)).item() / (2 * 512 * 4096)
+before = AWQModifier._compute_loss(None, fp16, int_w)
+losses_in_float32()
+losses_in_float32()  # twice is once
+after = AWQModifier._compute_loss(None, fp16, int_w)
+print(before, after, exact)
+"""
+    env.ensure()
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, **env.child_path()},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    before, after, exact = map(float, done.stdout.split()[-3:])
+    assert math.isinf(before)
+    assert after == pytest.approx(exact, rel=1e-4)
+
+
 # The mixtures of experts: tests/tiny_archs.py model type -> the router's name and an expert's linear names in the
 # checkpoint (experts quantized, routers not; Mixtral keeps its own w1/w3/w2).
 MOE = {

@@ -8,6 +8,10 @@ by `save_pretrained` in compressed-tensors' pack-quantized format. What it does 
 - llm-compressor 0.14.0.1's AWQ pins its cached activations (`IntermediatesCache.pin_memory`) before each grid
   search, which raises "Cannot access accelerator device when none is available" on a machine without one; pinning
   only speeds copies to a GPU, so without an accelerator it is skipped;
+- its grid search sums each candidate's squared error with `mse_loss(..., reduction="sum")` in the activations'
+  dtype: in float16 at an 8B's widths (4096 x 512 tokens a window) the sum passes 65504 for every candidate, every
+  loss is inf and AWQ stops with "No finite loss was found" (H100, random 8B, 2026-12-06); the losses are summed in
+  float32 instead (`losses_in_float32`), as AutoAWQ computes them;
 - on the CPU the model computes in float32 (float16 matmuls there are slow and lose precision) and is cast back to
   the source's dtype before saving, so the scales and the unquantized tensors are stored as the source's;
 - the output head and the router of a mixture of experts (`mlp.gate`, Llama 4's `feed_forward.router`) stay
@@ -161,6 +165,20 @@ def skip_pinning_without_accelerator() -> None:
         IntermediatesCache.pin_memory = lambda self, batch_index, input_names=None: None
 
 
+def losses_in_float32() -> None:
+    from llmcompressor.modifiers.transform.awq.base import AWQModifier
+
+    compute_loss = AWQModifier._compute_loss
+    if getattr(compute_loss, "in_float32", False):
+        return
+
+    def in_float32(self, fp16_outputs, int_w_outputs):
+        return compute_loss(self, [t.float() for t in fp16_outputs], [t.float() for t in int_w_outputs])
+
+    in_float32.in_float32 = True
+    AWQModifier._compute_loss = in_float32
+
+
 def save_with_checkpoint_names(model, model_type: str) -> None:
     """Experts saved as the source names them (see the module's docstring)."""
     from llmcompressor.modeling.moe.conversion_mappings import (
@@ -211,6 +229,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     skip_pinning_without_accelerator()
+    losses_in_float32()
     emit(event="progress", done=0, total=1, unit="load")
     config = with_standard_names(json.loads((Path(request["source_dir"]) / "config.json").read_text()))
     saved = getattr(torch, child.saved_dtype(config))
