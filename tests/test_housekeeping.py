@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+from factory import tables
 from factory.publish import folder as registry
 from tests.conftest import Qf
 from tests.test_safety import ROOT
@@ -71,17 +72,22 @@ def test_gc_frees_what_finished_work_left(qf, tiny, tmp_path):
     hour_ago = time.time() - registry.STALE_SECONDS - 60
     os.utime(stale, (hour_ago, hour_ago))
 
+    [snapshot] = [p for p in (qf.home / "snapshots").iterdir() if not p.name.startswith(".")]  # the quant's job's
+    snapshot_bytes = sum(p.stat().st_size for p in snapshot.iterdir())
+
     planned = qf.json("gc", "--dry-run")
-    assert planned["dry_run"] and planned["bytes"] == 6300
+    assert planned["dry_run"] and planned["bytes"] == 6300 + snapshot_bytes
     assert {(i["path"], i["why"]) for i in planned["items"]} == {
         (str(work / "0123456789ab"), "work folder of a job the catalog does not know"),
         (str(download), "Hub download that no unfinished job needs"),
         (str(stale), "staging of a publish that was killed"),
+        (str(snapshot), "snapshot of a local source that no unfinished job needs"),
     }
     assert stale.exists() and (work / "0123456789ab").exists()
     done = qf("gc")
-    assert done.exit_code == 0 and last_line(done) == "freed 6.2 KiB in 3 places"
+    assert done.exit_code == 0 and last_line(done) == f"freed {tables.size(6300 + snapshot_bytes)} in 4 places"
     assert not stale.exists() and not (work / "0123456789ab").exists() and not download.exists()
+    assert not snapshot.exists()
     assert qf.json("gc")["items"] == [] and len(qf.json("ls")) == 1
 
 

@@ -121,7 +121,8 @@ def test_weights_rewritten_before_the_job_reads_them_fail_it_in_one_sentence(qf,
 
     copy = _run(qf, model_copy("copy"), recipe, "--eval-windows", 2)
     assert copy.returncode == 0, copy.stderr
-    assert "reused" not in copy.stdout
+    assert "reused tiny:" not in copy.stdout  # tiny:round-m5 is of other bytes
+    assert "the snapshot of this source an earlier job made is reused" in copy.stdout  # the first job's, same bytes
     assert _published(qf, "copy:round-m5")["source"] == made["source"]
     assert _published(qf, "tiny:round-m3") == made
 
@@ -161,3 +162,41 @@ def test_a_snapshot_that_fills_the_disk_fails_in_one_sentence(model_copy, tmp_pa
         assert list((small / "work" / "source").iterdir()) == []
     finally:
         subprocess.run(["umount", str(small)], check=True)
+
+
+def test_jobs_of_one_folder_read_one_snapshot_on_disk(qf, model_copy, tmp_path):
+    """Three jobs of one folder (a size each) read one copy of it: the first makes the snapshot in
+    FACTORY_HOME/snapshots, the others read the folder again (it must still hold the job's bytes) and link the
+    snapshot, so a running job's staging files are the snapshot's inodes (three jobs of a 14 GB 8B, a copy each,
+    filled a 64 GB disk). `qf gc` then removes the snapshot, which no unfinished job needs."""
+    recipe, model = tmp_path / "round.yaml", model_copy("tiny")
+    outs = []
+    for mantissa in (3, 4):
+        recipe.write_text(f"round: {{mantissa: [{mantissa}]}}\nmax_ppl_ratio: 100.0\n")
+        done = _run(qf, model, recipe)
+        assert done.returncode == 0, done.stderr
+        outs.append(done.stdout)
+    assert ["snapshot of this source an earlier job made is reused" in out for out in outs] == [False, True]
+    [shared] = [p for p in (qf.home / "snapshots").iterdir() if not p.name.startswith(".")]
+    made = {p.name: p.stat().st_ino for p in shared.iterdir() if p.name != ".quantfactory-snapshot"}
+    assert set(made) == {p.name for p in model.iterdir() if files.is_source_file(p.name)}
+
+    recipe.write_text("round: {mantissa: [5]}\nmax_ppl_ratio: 100.0\n")
+    proc = qf_process(qf, "run", model, "--recipe", recipe, "--eval-windows", 1, "--json", env=ROUND,
+                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        _events_until(proc, "quantize:round-m5")
+        [staging] = (qf.home / "work").glob("*/source")
+        assert {p.name: p.stat().st_ino for p in staging.iterdir()} == made
+        out, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err
+    finally:
+        proc.kill()
+
+    planned = qf.json("gc", "--dry-run")
+    assert [(Path(i["path"]), i["why"]) for i in planned["items"]] == [
+        (shared, "snapshot of a local source that no unfinished job needs")
+    ]
+    assert planned["bytes"] == sum(p.stat().st_size for p in shared.iterdir())
+    qf("gc")
+    assert not shared.exists()

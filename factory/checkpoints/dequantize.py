@@ -28,7 +28,6 @@ reuses its copy) and renamed into place when whole: a kill leaves no entry, and 
 
 from __future__ import annotations
 
-import fcntl
 import json
 import math
 import os
@@ -36,10 +35,10 @@ import shutil
 import struct
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from factory.checkpoints import files
 from factory.checkpoints.files import COMPANIONS, INDEX, source_files, upstream_card, write_atomic
 from factory.checkpoints.inspect import DTYPE_BYTES, MAX_CONFIG, read_headers
 from factory.errors import JobFailed, ModelRefused
@@ -60,7 +59,6 @@ CHUNK = 16 << 20  # source bytes read at once (an FP8 piece takes about 14 times
 # (gpt-oss: 8 MiB): a header that claims more is refused before anything is read or looped over.
 MAX_MATRICES = 1 << 16
 MAX_EXPERT = 2 * CHUNK
-WAIT_SECONDS = 2.0  # how often a job that waits for another's copy of the same source says so
 Progress = Callable[..., None]
 
 
@@ -168,42 +166,11 @@ def leftovers(home: Path, keep: set[Path]) -> list[tuple[Path, str]]:
     found = []
     base = root(home)
     for path in sorted(base.iterdir()) if base.is_dir() else []:
-        if path.name.startswith(TMP) and not _held(base / f".{path.name.removeprefix(TMP)}.lock"):
+        if path.name.startswith(TMP) and not files.held(base / f".{path.name.removeprefix(TMP)}.lock"):
             found.append((path, "BF16 copy of a source whose dequantization was killed"))
         elif not path.name.startswith(".") and path not in keep:
             found.append((path, "BF16 copy of an FP8/MXFP4 source that no unfinished job needs"))
     return found
-
-
-def _held(lock: Path) -> bool:
-    try:
-        fd = os.open(lock, os.O_RDONLY)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-
-
-@contextmanager
-def _locked(lock: Path, progress: Progress) -> Iterator[None]:
-    """Hold the copy's lock; while another process holds it, say so through `progress` (which may stop the wait)."""
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                progress(waiting_for="the BF16 copy of this source that another job is making")
-                time.sleep(WAIT_SECONDS)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
 
 
 def bf16(source: Path, source_identity: str, home: Path, progress: Progress) -> tuple[Path, bool]:
@@ -214,7 +181,9 @@ def bf16(source: Path, source_identity: str, home: Path, progress: Progress) -> 
     if made(home, source_identity):
         return dest, False
     dest.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(dest.parent / f".{dest.name}.lock", progress):
+    with files.locked(
+        dest.parent / f".{dest.name}.lock", progress, "the BF16 copy of this source that another job is making"
+    ):
         if made(home, source_identity):  # the job that held the lock made it
             return dest, False
         tmp = dest.parent / f"{TMP}{dest.name}"

@@ -14,13 +14,16 @@ widen who may read it).
 from __future__ import annotations
 
 import errno
+import fcntl
 import fnmatch
 import hashlib
 import os
 import re
 import stat
 import tempfile
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
@@ -51,6 +54,7 @@ UPSTREAM_CARD = "README.md"  # the source's own model card: read for its license
 MAX_CARD = 1 << 20
 CHUNK = 1 << 20  # a snapshot's reads (16 MiB made the one-pass copy 3x as slow: out of the CPU's cache)
 KERNEL_CHUNK = 1 << 26  # a snapshot's in-kernel copies, between progress events
+WAIT_SECONDS = 2.0  # how often a job that waits for another's copy of the same source says so
 PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+-]{0,254}")  # a file name a quant's file may have
 
 
@@ -143,7 +147,7 @@ def stage(folder: Path, dest: Path) -> Path:
     finds nothing else to copy. The companions are copied (read through one descriptor opened without following a
     link); the weights are links that staged_files checks again. A user's folder is snapshot instead."""
     files = source_files(folder)
-    _empty(dest)
+    empty(dest)
     for name, path in files.items():
         if name in COMPANIONS:
             _copy(path, dest / name)
@@ -158,7 +162,7 @@ def snapshot(folder: Path, dest: Path, progress: Callable[..., None] = lambda **
     swapped, truncated), the job reads this copy. `progress(done=, total=, unit="B")` as it is copied. A disk that
     fills up is JobFailed, and leaves `dest` empty."""
     files = source_files(folder)
-    _empty(dest)
+    empty(dest)
     total, done, hashes = sum(p.stat().st_size for p in files.values()), 0, {}
     for name, path in files.items():
 
@@ -170,7 +174,7 @@ def snapshot(folder: Path, dest: Path, progress: Callable[..., None] = lambda **
         except OSError as e:
             if e.errno != errno.ENOSPC:
                 raise
-            _empty(dest)
+            empty(dest)
             raise JobFailed(
                 f"no space left in {dest.parent} for the job's copy of {folder} ({size(total)}); free some "
                 "(qf gc removes finished jobs' work folders) and run it again"
@@ -190,7 +194,41 @@ def stamps(dest: Path) -> dict[str, tuple[int, int, int]]:
     return found
 
 
-def _empty(dest: Path) -> None:
+def held(lock: Path) -> bool:
+    """Whether a process holds `lock` (`locked`): a copy it is writing is not a leftover."""
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def locked(lock: Path, progress: Callable[..., None], waiting_for: str) -> Iterator[None]:
+    """Hold `lock` (a copy made once for every job that needs it: a snapshot, a BF16 copy); while another process
+    holds it, say what this one waits for through `progress` (which may stop the wait)."""
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                progress(waiting_for=waiting_for)
+                time.sleep(WAIT_SECONDS)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def empty(dest: Path) -> None:
+    """`dest` as an empty folder (made if missing; its files removed)."""
     dest.mkdir(parents=True, exist_ok=True)
     for old in dest.iterdir():
         old.unlink()
@@ -202,28 +240,54 @@ def _copy(path: Path, dest: Path, progress: Callable[[int], None] = lambda _: No
     never passes through this process), then the copy is hashed; where the kernel cannot copy between the two
     filesystems, one pass reads, hashes and writes. On ext4 both take about as long, bound by the disk's writes
     (benchmarks/snapshot_cost.py)."""
+    with _open_regular(path) as f, open(dest, "w+b", buffering=0) as out:
+        try:
+            return _kernel_copy(f, out, progress)
+        except OSError as e:
+            if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+        f.seek(0)
+        out.seek(0)
+        out.truncate()
+        return _copy_hashing(f, out, progress)
+
+
+def _open_regular(path: Path) -> BinaryIO:
+    """`path` opened for reading without following a link, refused unless it is a regular file now."""
     try:  # O_NONBLOCK: a FIFO swapped in does not make the open wait
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as e:
         raise ModelRefused(
             f"{path.name} changed while it was read ({e.strerror}); the factory reads only regular files"
         ) from None
-    with os.fdopen(fd, "rb", buffering=0) as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ModelRefused(
-                f"{path.name} changed while it was read (it is not a regular file now); the factory "
-                "reads only regular files"
-            )
-        with open(dest, "w+b", buffering=0) as out:
-            try:
-                return _kernel_copy(f, out, progress)
-            except OSError as e:
-                if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
-                    raise
-            f.seek(0)
-            out.seek(0)
-            out.truncate()
-            return _copy_hashing(f, out, progress)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ModelRefused(
+            f"{path.name} changed while it was read (it is not a regular file now); the factory reads only "
+            "regular files"
+        )
+    return os.fdopen(fd, "rb", buffering=0)
+
+
+def hashes(folder: Path, progress: Callable[..., None] = lambda **_: None) -> dict[str, str]:
+    """The sha256 of every source file of `folder` (name -> sha256), each read through one descriptor opened without
+    following a link; `progress(done=, total=, unit="B")` as they are read."""
+    found, done = {}, 0
+    paths = source_files(folder)
+    total = sum(p.stat().st_size for p in paths.values())
+    buf = bytearray(CHUNK)
+    view = memoryview(buf)
+    for name, path in paths.items():
+        h = hashlib.sha256()
+        with _open_regular(path) as f:
+            while n := f.readinto(buf):
+                h.update(view[:n])
+                done += n
+                if done % KERNEL_CHUNK < CHUNK:
+                    progress(done=done, total=total, unit="B")
+        found[name] = h.hexdigest()
+    progress(done=done, total=total, unit="B")
+    return found
 
 
 def _kernel_copy(f: BinaryIO, out: BinaryIO, progress: Callable[[int], None]) -> str:

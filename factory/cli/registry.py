@@ -193,7 +193,8 @@ def gc(
     dry_run: Annotated[bool, typer.Option("--dry-run", metavar="", help="List what would go; remove nothing.")] = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """Free disk: work folders of finished jobs, staging of killed publishes, Hub downloads no unfinished job needs."""
+    """Free disk: work folders of finished jobs, staging of killed publishes, Hub downloads, snapshots of local
+    sources and BF16 copies that no unfinished job needs."""
     from factory.registry import housekeeping
 
     items = housekeeping.garbage(settings.load(), open_catalog())

@@ -7,7 +7,6 @@ before a publish, whether the staging still holds what the job verified."""
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +14,7 @@ from pathlib import Path
 import calibration
 from factory import engines, events, identity
 from factory.catalog import Job
-from factory.checkpoints import dequantize, files, sources
+from factory.checkpoints import dequantize, files, snapshots, sources
 from factory.checkpoints.inspect import inspect
 from factory.engines import QuantSpec
 from factory.errors import JobFailed, ModelRefused, SourceChanged, SpecError
@@ -149,24 +148,33 @@ def _check_links(run: Run, job: Job, staged: Path, since: str, then: str) -> Non
 
 
 def _local(run: Run, job: Job, where: Path, progress: Callable[..., None]) -> Path:
-    """A local source as the job reads it: the BF16 copy made from it earlier (from bytes a job verified), else the
-    job's snapshot of the folder in `where`/source, whose hash must be the identity the job was submitted with (the
-    hash cache that identity came from is a hint: SourceChanged names the files it was wrong about, and forgets
-    them)."""
+    """A local source as the job reads it: the BF16 copy made from it earlier (from bytes a job verified), else
+    `where`/source, links to the snapshot of the folder that every job of it shares (factory/checkpoints/snapshots.py;
+    made now if no job made it), whose hash must be the identity the job was submitted with (the hash cache that
+    identity came from is a hint: SourceChanged names the files it was wrong about, and forgets them)."""
     if (copy := dequantize.made(run.settings.home, job.source_identity)) is not None:
         _reused_copy(run, copy)
         return copy
     folder = Path(job.source)
     if not folder.is_dir():
         raise ModelRefused(f"source folder {job.source!r} is gone")
+
+    def verify(hashes: dict[str, str]) -> None:
+        if identity.of_files(hashes) != job.source_identity:
+            raise SourceChanged(
+                job.source, identity.forget_changed(folder, run.settings.cache, hashes), "submit it again"
+            )
+
     dest = where / "source"
     try:
-        hashes = files.snapshot(folder, dest, progress)
+        made = snapshots.staged(run.settings.home, folder, job.source_identity, dest, verify, progress)
+    except SourceChanged:
+        raise
     except ModelRefused as e:  # a file became a link out of the folder, a FIFO, ...
         raise ModelRefused(f"source folder {job.source!r} changed since the job was submitted ({e.message})") from None
-    if identity.of_files(hashes) != job.source_identity:
-        shutil.rmtree(dest, ignore_errors=True)  # bytes no job will read
-        raise SourceChanged(job.source, identity.forget_changed(folder, run.settings.cache, hashes), "submit it again")
+    if not made:
+        shared = snapshots.folder(run.settings.home, job.source_identity)
+        run.emit(events.note(f"inspect: the snapshot of this source an earlier job made is reused ({shared})"))
     return dest
 
 

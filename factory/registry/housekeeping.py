@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from factory.catalog import Catalog, JobState, Quant
-from factory.checkpoints import dequantize
+from factory.checkpoints import dequantize, snapshots
 from factory.errors import SpecError
 from factory.publish import folder as registry
 from factory.settings import Settings
@@ -42,9 +43,15 @@ class Garbage:
 
 
 def disk_bytes(path: Path) -> int:
+    """The bytes `path` holds, a file with several names (a job's links to a shared snapshot) counted by its share:
+    removing every name of it frees the whole."""
     if not path.is_dir() or path.is_symlink():
-        return path.lstat().st_size
-    return sum(os.lstat(os.path.join(root, f)).st_size for root, _, files in os.walk(path) for f in files)
+        return _share(path.lstat())
+    return sum(_share(os.lstat(os.path.join(root, f))) for root, _, files in os.walk(path) for f in files)
+
+
+def _share(st: os.stat_result) -> int:
+    return st.st_size // max(st.st_nlink, 1) if stat.S_ISREG(st.st_mode) else st.st_size
 
 
 def remove_quant(settings: Settings, catalog: Catalog, quants: list[Quant]) -> tuple[Quant, int]:
@@ -86,6 +93,8 @@ def garbage(settings: Settings, catalog: Catalog) -> list[Garbage]:
             found.append(Garbage(download, disk_bytes(download), "Hub download that no unfinished job needs"))
     copies = {dequantize.folder(settings.home, ident) for state, ident in states.values() if state not in DONE}
     found += [Garbage(p, disk_bytes(p), why) for p, why in dequantize.leftovers(settings.home, copies)]
+    snapshots_read = {snapshots.folder(settings.home, ident) for state, ident in states.values() if state not in DONE}
+    found += [Garbage(p, disk_bytes(p), why) for p, why in snapshots.leftovers(settings.home, snapshots_read)]
     return found
 
 
