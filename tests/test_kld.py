@@ -100,7 +100,8 @@ def test_kld_is_published_falls_as_bits_rise_and_the_gate_can_refuse_on_it(qf, t
     result = qf("run", tiny, "--recipe", recipe, "--eval-windows", 1, "--calibration", "builtin:code", "--json")
     assert result.exit_code == 1, result.output
     events = [json.loads(line) for line in result.stdout.splitlines()]
-    assert "FP16 perplexity" in next(e["message"] for e in events if e["event"] == "note" and "reused" in e["message"])
+    reused = [e["message"] for e in events if e["event"] == "note" and "reused" in e["message"]]
+    assert any("FP16 perplexity" in m for m in reused), reused
     [scored] = [e for e in events if e["event"] == "evaluation" and e["subject"] == "round-m2"]
     assert scored["kld"] == pytest.approx(coarse["kld"], rel=1e-6)  # the same reference, the same positions
     message = (
