@@ -30,16 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 WIDTH = coverage.WIDTH["exl3"]
 # Qwen2: transformers' AutoTokenizer gave ids past the vocabulary; the others' configs said other keys than releases
 CHECKED = {"qwen2", "qwen3_moe", "exaone4", "nemotron_h"}
-
-
-def _architecture(model_type: str) -> str | None:
-    """The class a tiny checkpoint of `model_type` names (tests/tiny_archs.py, tests/tiny_vlms.py)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    return FAMILIES.get(model_type) or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
-
-
-CLAIMED = [t for t in coverage.CANDIDATES["exl3"] if _architecture(t) in engines.get("exl3").architectures]
+CLAIMED = [t for t in coverage.CANDIDATES["exl3"] if coverage.architecture(t) in engines.get("exl3").architectures]
 FAMILIES_TRIED = [t for t in CLAIMED if t in CHECKED or os.environ.get("QF_COVERAGE") == "all"]
 
 
