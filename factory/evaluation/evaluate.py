@@ -19,6 +19,8 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tokenizers import Tokenizer
+
 from factory.checkpoints.files import write_atomic
 from factory.checkpoints.inspect import multimodal, read_config
 from factory.errors import SpecError
@@ -78,8 +80,6 @@ def _encoder(tokenizer_dir: Path) -> Callable[[str], list[int]]:
     vocabulary without it), so its ids can differ from the checkpoint's and pass the model's vocabulary. A
     checkpoint without tokenizer.json (a sentencepiece model only) is read through transformers."""
     if (tokenizer_dir / "tokenizer.json").is_file():
-        from tokenizers import Tokenizer
-
         own = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
         return lambda part: own.encode(part, add_special_tokens=False).ids
     from transformers import AutoTokenizer
