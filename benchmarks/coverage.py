@@ -6,9 +6,13 @@ compressed-tensors) and scored again on the same windows, which must give the pe
 vision-language quant is also given an image where SEES_IMAGES says how (EXL3: tests/exl3_image.py).
 
     python benchmarks/coverage.py DIR [--engine awq] [--arch llama,qwen3] [--jobs N] [--out RESULTS.json]
+    python benchmarks/coverage.py DIR --engine exl3 --claimed --jobs 10 --out benchmarks/results/coverage-h200.json
     python benchmarks/coverage.py --table        # the README's table, from every benchmarks/results/coverage-*.json
+    python benchmarks/coverage.py --unproven exl3   # its claims the committed results do not prove, and why
 
-An engine's `architectures` must be exactly the set that passed (tests/test_coverage.py checks the committed
+`--claimed` tries the candidates whose architecture the engine claims, those the committed results do not prove
+first (benchmarks/exl3_sitting.sh runs EXL3's so on the GPU). An engine's `architectures` must be exactly the set
+that passed (tests/test_coverage.py checks the committed
 results against each engine, and the README's table against the results). To try an architecture the engine does
 not claim yet, the `qf` of each run is this module (`--as-qf`), which adds it to the engine's claims in that
 process only; nothing else changes.
@@ -263,6 +267,46 @@ def _rescore(engine_name: str, folder: Path, source: Path, device: str) -> float
     return evaluate.perplexity(engine.load(folder, device), data)
 
 
+def architecture(model_type: str) -> str | None:
+    """The class a tiny checkpoint of `model_type` names (tests/tiny_archs.py, tests/tiny_vlms.py), without building
+    it."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from tests.tiny_vlms import FAMILIES
+
+    return FAMILIES.get(model_type) or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+
+
+def claimed(engine: str) -> list[str]:
+    """The candidates whose architecture `engine` claims: those its committed results do not prove first."""
+    from factory import engines
+
+    claims = engines.get(engine).architectures
+    done = proven(results()[engine]) if engine in results() else frozenset()
+    mine = [t for t in CANDIDATES[engine] if architecture(t) in claims]
+    return sorted(mine, key=lambda t: architecture(t) in done)
+
+
+def unproven(engine: str) -> dict[str, str]:
+    """`engine`'s claims its committed results do not prove -> the result's reason (or "not run")."""
+    from factory import engines
+
+    rows = results()[engine]["architectures"]
+    why = {architecture(t): r.get("reason", r["status"]) for t, r in rows.items() if r["status"] != "quantized"}
+    return {a: why.get(a, "not run") for a in sorted(engines.get(engine).architectures - proven(results()[engine]))}
+
+
+def _commit() -> str:
+    """QF_COMMIT (a copy of the repo without .git, as on the GPU machine), else git's HEAD."""
+    if os.environ.get("QF_COMMIT"):
+        return os.environ["QF_COMMIT"]
+    try:
+        run = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    except OSError:  # no git
+        return "unknown"
+    return run.stdout.strip() or "unknown"
+
+
 def run_one(engine: str, model_type: str, models: Path, work: Path, device: str) -> dict:
     from tests.tiny_archs import HIDDEN, make_tiny
     from tests.tiny_vlms import FAMILIES, make_tiny_vlm
@@ -377,10 +421,16 @@ def main() -> None:
     if sys.argv[1:2] == ["--table"]:
         print(table(results()))
         return
+    if sys.argv[1:2] == ["--unproven"]:
+        print(json.dumps(unproven(sys.argv[2]), indent=2))
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("dir", type=Path)
     parser.add_argument("--engine", default=",".join(CANDIDATES))
     parser.add_argument("--arch", default=None, help="model types to try (default: each engine's candidates)")
+    parser.add_argument(
+        "--claimed", action="store_true", help="the candidates each engine claims, unproven first (then --arch's)"
+    )
     parser.add_argument("--jobs", type=int, default=1, help="architectures converted at once")
     parser.add_argument("--out", type=Path, default=RESULTS / "coverage-cpu.json")
     args = parser.parse_args()
@@ -393,18 +443,30 @@ def main() -> None:
     from factory.evaluation import evaluate
 
     device = evaluate.device()
+    commit = _commit()
     written = json.loads(args.out.read_text()) if args.out.exists() else {}
     lock = threading.Lock()
     for engine in args.engine.split(","):
-        wanted = args.arch.split(",") if args.arch else CANDIDATES[engine]
+        asked = args.arch.split(",") if args.arch else []
+        if args.claimed:
+            wanted = claimed(engine) + [t for t in asked if t not in claimed(engine)]
+        else:
+            wanted = asked or CANDIDATES[engine]
         found = written.setdefault(engine, {"device": device, "architectures": {}})
         found["versions"] = {
             "engine": engines.get(engine).version(),
             **{p: md.version(p) for p in ("transformers", "torch")},
         }
+        found["command"] = " ".join(["python3 benchmarks/coverage.py DIR", *sys.argv[2:]])
+        found["commit"] = commit
+        if device == "cuda":
+            import torch
+
+            found["gpu"] = torch.cuda.get_device_name(0)
 
         def one(model_type: str, engine=engine, found=found) -> None:
-            outcome = run_one(engine, model_type, args.dir / "models", args.dir / "work", device)
+            # each row names its commit: a sitting cut short leaves older runs' rows beside its own
+            outcome = {**run_one(engine, model_type, args.dir / "models", args.dir / "work", device), "commit": commit}
             with lock:
                 found["architectures"][model_type] = outcome
                 print(engine, model_type, json.dumps(outcome), flush=True)

@@ -22,7 +22,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from factory.errors import SpecError
+from factory.errors import ModelRefused, SpecError
 
 BUILTIN = ("c4", "code", "multilingual", "technical", "tiny", "wiki", "mix")
 MIX = ("c4", "code", "multilingual", "technical", "tiny")
@@ -132,6 +132,18 @@ def check_length(ids: list[int], rows: int, length: int, name: str) -> None:
         raise SpecError(
             f"text set {name!r} has {len(ids)} tokens, fewer than the {rows} x {length} = {needed} requested; "
             f"ask for fewer rows or shorter rows, or use a longer text"
+        )
+
+
+def check_vocabulary(ids: list[int], vocab: int, name: str) -> None:
+    """Every id of a text's tokens must have a row in the model's embedding (`vocab`, config.json's vocab_size):
+    an id past it is a tokenizer that does not belong to the weights, which a converter refuses (exllamav3:
+    "Calibration file contains token ids outside the model's vocab") or reads out of bounds."""
+    top = max(ids, default=-1)
+    if top >= vocab:
+        raise ModelRefused(
+            f"the checkpoint's tokenizer turns text set {name!r} into token id {top}, past the model's vocabulary of "
+            f"{vocab} (config.json vocab_size): its tokenizer and its weights do not belong together"
         )
 
 

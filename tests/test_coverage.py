@@ -6,8 +6,11 @@ with QF_COVERAGE=all).
 
 UNPROVEN lists the claims an engine keeps that its last run did not prove, each with why: the H200 run of
 2026-12-03 ran out of device time before some EXL3 families, and some failed for a reason in the factory or in our
-tiny checkpoints (fixed since, not yet run again) rather than in exllamav3. An entry leaves the list when a run
-proves it (or drops the claim, when the engine itself refuses it)."""
+tiny checkpoints, fixed since (issue 48: tests/test_exl3_checkpoints.py reads each checkpoint with exllamav3's own
+classes on CPU) and not yet run again. An entry leaves the list when a run proves it (this test says which), or the
+claim goes, when the engine itself refuses it: `python benchmarks/coverage.py --unproven exl3` prints what the
+committed results leave unproven, with the results' reasons. benchmarks/exl3_sitting.sh is the GPU run that
+empties EXL3's entries."""
 
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from factory import engines
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = coverage.results()
+FIXED_STATE = "the factory's chunked evaluation lost exllamav3's recurrent state (fixed since: one state a window)"
 UNPROVEN = {
     "exl3": {
         "Olmo3ForCausalLM": "not run",
@@ -31,13 +35,17 @@ UNPROVEN = {
         "Qwen3NextForCausalLM": "not run",
         "SeedOssForCausalLM": "not run",
         "SmolLM3ForCausalLM": "not run",
-        "AfmoeForCausalLM": "the factory's chunked evaluation lost exllamav3's recurrent state (fixed since)",
-        "GptOssForCausalLM": "the factory's chunked evaluation lost exllamav3's recurrent state (fixed since)",
-        "Lfm2ForCausalLM": "the factory's chunked evaluation lost exllamav3's recurrent state (fixed since)",
-        "NemotronHForCausalLM": "the factory read its layer count from the raw config (fixed since)",
-        "Exaone4ForCausalLM": "transformers 5.24 saves sliding_window_pattern as a number, releases as a string",
-        "Qwen3MoeForCausalLM": "transformers 5.24 saves num_local_experts, releases (and exllamav3) num_experts",
-        "Qwen2ForCausalLM": "exllamav3 found calibration ids outside the tiny model's vocabulary",
+        "AfmoeForCausalLM": FIXED_STATE,
+        "GptOssForCausalLM": FIXED_STATE,
+        "Lfm2ForCausalLM": FIXED_STATE,
+        "NemotronHForCausalLM": "the factory read its layer count from the raw config, and the tiny checkpoint said "
+        "layers_block_type in transformers' words (fixed since: hybrid_override_pattern, as releases write it)",
+        "Exaone4ForCausalLM": "transformers 5.24 saves sliding_window_pattern as a number, releases as a string "
+        "(fixed since: the tiny checkpoint writes the release's letters)",
+        "Qwen3MoeForCausalLM": "transformers 5.24 saves num_local_experts, releases (and exllamav3) num_experts "
+        "(fixed since: the tiny checkpoint writes num_experts)",
+        "Qwen2ForCausalLM": "transformers' AutoTokenizer gave calibration ids past the tiny model's vocabulary "
+        "(fixed since: ids from the checkpoint's own tokenizer.json)",
     },
     "gguf": dict.fromkeys(
         ["GemmaForCausalLM", "Gemma2ForCausalLM", "Phi3ForCausalLM"],

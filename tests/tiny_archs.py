@@ -48,6 +48,7 @@ def sizes(model_type: str, hidden: int = HIDDEN) -> dict:
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
         "norm_topk_prob": True,
+        "moe_shared_expert_intermediate_size": hidden,
     }
     # multi-head latent attention: the low ranks as wide as the model, so group 128 divides every input, and a key
     # and a value for every head, as DeepSeek's releases have (eager attention refuses fewer)
@@ -74,6 +75,9 @@ def sizes(model_type: str, hidden: int = HIDDEN) -> dict:
         "deepseek_v3": {**latent, "q_lora_rank": hidden},
         "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
         "llama4_text": {"intermediate_size_mlp": 2 * hidden},
+        # every kind of layer a release has (Mamba-2, experts, attention: NVIDIA-Nemotron-3-Nano's "MEMEM*E..."),
+        # which two layers cannot hold
+        "nemotron_h": {"layers_block_type": ["linear_attention", "moe", "full_attention", "moe"]},
     }
     return {**shared, **family.get(model_type, {})}
 
@@ -112,6 +116,49 @@ def _per_layer(config, layers: int | None) -> None:
                 pass
 
 
+# Nemotron-H's layer kinds as its releases spell them (hybrid_override_pattern, one letter a layer)
+NEMOTRON_LETTERS = {"linear_attention": "M", "full_attention": "*", "mlp": "-", "moe": "E"}
+
+
+def _qwen3_moe(cfg: dict) -> dict:
+    """Qwen/Qwen3-30B-A3B's config.json says num_experts (transformers 5.24 saves num_local_experts)."""
+    return {"num_experts": cfg.pop("num_local_experts")}
+
+
+def _exaone4(cfg: dict) -> dict:
+    """LGAI-EXAONE/EXAONE-4.0-32B's says sliding_window_pattern as letters ("LLLG": L a sliding layer, G a global
+    one); transformers 5.24 saves a number."""
+    return {"sliding_window_pattern": "".join("L" if t == "sliding_attention" else "G" for t in cfg["layer_types"])}
+
+
+def _nemotron_h(cfg: dict) -> dict:
+    """nvidia's Nemotron-H releases say hybrid_override_pattern ("M-M*-E...") and num_hidden_layers; transformers
+    5.24 saves layers_block_type in its own words (and an MTP pattern a release without MTP layers lacks)."""
+    mtp = cfg.pop("mtp_layers_block_type", None)
+    pattern = "".join(NEMOTRON_LETTERS[t] for t in cfg.pop("layers_block_type"))
+    written = {"hybrid_override_pattern": pattern, "num_hidden_layers": len(pattern)}
+    if cfg.get("num_nextn_predict_layers") and mtp:
+        written["mtp_hybrid_override_pattern"] = "".join(NEMOTRON_LETTERS[t] for t in mtp)
+    return written
+
+
+# model type -> what its release's config.json says where transformers' save_pretrained writes otherwise: exllamav3
+# reads the releases' form (tests/test_exl3_checkpoints.py reads each checkpoint with exllamav3's own classes)
+RELEASE = {"qwen3_moe": _qwen3_moe, "exaone4": _exaone4, "nemotron_h": _nemotron_h}
+
+
+def as_released(model_type: str, config_path: Path) -> None:
+    """Rewrite a saved config.json as the family's release writes it: rope_theta beside rope_parameters
+    (transformers 5 writes only the latter; exllamav2 reads the former) and the family's RELEASE keys."""
+    cfg = json.loads(config_path.read_text())
+    theta = (cfg.get("rope_parameters") or {}).get("rope_theta")
+    if theta is not None:
+        cfg.setdefault("rope_theta", theta)
+    if model_type in RELEASE:
+        cfg.update(RELEASE[model_type](cfg))
+    config_path.write_text(json.dumps(cfg, indent=2))
+
+
 def make_tiny(model_type: str, out: Path, seed: int = 0, hidden: int = HIDDEN) -> Path:
     """A tiny random checkpoint of `model_type` (FP16 weights, the tests' tokenizer), `hidden` wide, in `out`."""
     import torch
@@ -124,12 +171,7 @@ def make_tiny(model_type: str, out: Path, seed: int = 0, hidden: int = HIDDEN) -
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).to(torch.float16)
     model.save_pretrained(out)
-    cfg_path = out / "config.json"  # transformers 5 writes rope_parameters; exllamav2 reads rope_theta
-    cfg = json.loads(cfg_path.read_text())
-    theta = (cfg.get("rope_parameters") or {}).get("rope_theta")
-    if theta is not None:
-        cfg.setdefault("rope_theta", theta)
-    cfg_path.write_text(json.dumps(cfg, indent=2))
+    as_released(model_type, out / "config.json")
     return out
 
 

@@ -19,6 +19,8 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tokenizers import Tokenizer
+
 from factory.checkpoints.files import write_atomic
 from factory.checkpoints.inspect import multimodal, read_config
 from factory.errors import SpecError
@@ -59,13 +61,7 @@ def tokenize(tokenizer_dir: Path, text: str, first: int | None = None) -> list[i
     """The text's token ids; with `first`, only its first `first` ids (all of them when the text holds fewer),
     read from the shortest prefix that holds them with PREFIX_SLACK to spare (cut where a line starts): the same ids
     as the whole text's, at a fraction of the cost (an eval of 8 windows reads about 2% of builtin:wiki's 2 MB)."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=False)
-
-    def ids_of(part: str) -> list[int]:
-        return tokenizer(part, add_special_tokens=False)["input_ids"]
-
+    ids_of = _encoder(Path(tokenizer_dir))
     if first is not None:
         chars = 4 * (first + PREFIX_SLACK)
         while chars < len(text):
@@ -75,6 +71,21 @@ def tokenize(tokenizer_dir: Path, text: str, first: int | None = None) -> list[i
             chars *= 2
         return ids_of(text)[:first]
     return ids_of(text)
+
+
+def _encoder(tokenizer_dir: Path) -> Callable[[str], list[int]]:
+    """The checkpoint's own tokenizer: its tokenizer.json read by `tokenizers`, as the runtimes read it (exllamav3,
+    llama.cpp's converter). transformers 5's AutoTokenizer rebuilds some families' tokenizers from the vocabulary
+    with the class's own pre-tokenizer, normalizer and special tokens (Qwen2's adds `<|endoftext|>` past a
+    vocabulary without it), so its ids can differ from the checkpoint's and pass the model's vocabulary. A
+    checkpoint without tokenizer.json (a sentencepiece model only) is read through transformers."""
+    if (tokenizer_dir / "tokenizer.json").is_file():
+        own = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+        return lambda part: own.encode(part, add_special_tokens=False).ids
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=False)
+    return lambda part: tokenizer(part, add_special_tokens=False)["input_ids"]
 
 
 def _line_start(text: str, before: int) -> int:
@@ -103,7 +114,7 @@ def cached_tokens(tokenizer_dir: Path, text: str, cache_file: Path, first: int |
     return ids
 
 
-TOKENIZE_VERSION = 2  # raise it when `tokenize` changes how it calls the tokenizer: cached ids are made again
+TOKENIZE_VERSION = 3  # raise it when `tokenize` changes how it calls the tokenizer: cached ids are made again
 
 
 def tokenizer_version() -> str:

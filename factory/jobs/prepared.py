@@ -87,6 +87,7 @@ def read(run: Run, job: Job, fetched: Path | None, where: Path, progress: Callab
     specs = [engines.resolve(spec, info, job.device) for spec in specs]
     cal = _text(job.calibration, job.calibration_sha)
     cal_ids = _tokens(run, job, folder, cal)
+    calibration.check_vocabulary(cal_ids, info.config["vocab_size"], job.calibration)
     specs = [engines.get(s.method).fit_calibration(s, len(cal_ids), job.device) for s in specs]
     config, tensors = sources.layout(str(source_folder))
     shape = Shape.of(config)
@@ -106,6 +107,7 @@ def read(run: Run, job: Job, fetched: Path | None, where: Path, progress: Callab
         _text(job.eval, job.eval_sha),
         first=job.eval_windows * evaluate.window_length(info.max_positions),
     )
+    calibration.check_vocabulary(eval_ids, info.config["vocab_size"], job.eval)
     stream = evaluate.stream(eval_ids, job.eval_windows, info.max_positions, job.eval)
     card_from = Path(job.source) if stamps is not None else source_folder  # a snapshot holds no README
     up = upstream.read(job.base_model, files.upstream_card(card_from), folder)

@@ -24,7 +24,12 @@ def _model(folder: Path, cache_bits: int | None = None):
         cache = None
         if cache_bits is not None:  # made before the model loads, so its memory is planned with the weights
             cache = Cache(
-                model, max_num_tokens=WINDOW, layer_type=CacheLayer_quant, k_bits=cache_bits, v_bits=cache_bits
+                model,
+                max_num_tokens=WINDOW,
+                layer_type=CacheLayer_quant,
+                k_bits=cache_bits,
+                v_bits=cache_bits,
+                max_batch_size=1,  # one window at a time: one slot of recurrent state
             )
         model.load("cuda:0")
     return model, cache, config.vocab_size
@@ -42,20 +47,29 @@ def cached_loader(cache: str):
     bits = int(cache.removeprefix("q"))
 
     def load_cached(folder: Path, device: str):
-        import torch
-
         model, kv, vocab = _model(folder, bits)
-
-        def logits(ids: torch.Tensor) -> torch.Tensor:
-            chunks, states = [], None
-            for start in range(0, ids.shape[1], KV_CHUNK):
-                params = {"attn_mode": "flash_attn", "cache": kv, "past_len": start, "batch_shape": (1, WINDOW)}
-                if states is not None:  # recurrent, linear-attention and sliding-window layers go on from their state
-                    params["recurrent_states"] = states
-                chunks.append(model.forward(ids[:, start : start + KV_CHUNK], params)[..., :vocab])
-                states = params.get("recurrent_states")  # the first chunk's forward makes them (exllamav3)
-            return torch.cat(chunks, 1)
-
-        return logits
+        return lambda ids: chunked(model, kv, ids, vocab)
 
     return load_cached
+
+
+def chunked(model, kv, ids, vocab: int):
+    """One window's logits, KV_CHUNK tokens a forward. A model with recurrent state (linear attention, short
+    convolutions, sliding-window layers that keep only their window) takes one state of the cache's pool for the
+    window, as exllamav3's generator and warmup do: passed to every chunk (exllamav3 refuses a chunk past the first
+    without it: "Past length given, but no previous state for recurrence") and given back after the window, or the
+    pool (one slot here) runs dry at the next window."""
+    import torch
+
+    states = [kv.get_new_state()] if model.caps.get("recurrent_states") else None
+    chunks = []
+    try:
+        for start in range(0, ids.shape[1], KV_CHUNK):
+            params = {"attn_mode": "flash_attn", "cache": kv, "past_len": start, "batch_shape": (1, WINDOW)}
+            if states:
+                params["recurrent_states"] = states
+            chunks.append(model.forward(ids[:, start : start + KV_CHUNK], params)[..., :vocab])
+    finally:
+        for state in states or ():
+            state.free()
+    return torch.cat(chunks, 1)
