@@ -201,3 +201,21 @@ def test_qf_worker_refuses_bad_slots_before_it_reaches_anything(tmp_path):
 def test_each_card_has_its_own_ledger():
     assert slots.ledger_path("0") != slots.ledger_path("1") != slots.ledger_path(None)
     assert slots.ledger_path("0,1").name == f"quantfactory-{os.getuid()}-gpu-0-1.json"
+
+
+@pytest.mark.parametrize(
+    "max_units, device, processes", [(None, "cuda", 4), (2, "cuda", 4), (1, "cuda", 1), (None, "cpu", 1)]
+)
+def test_a_measurement_runs_its_ranges_at_once_unless_one_unit_at_a_time(max_units, device, processes):
+    """EXL2's measurement in layer ranges (factory/engines/exl2/ranges.py) takes a process per core its engine asks
+    for; `--max-units 1` runs one process after another, as before packing, and its expected seconds say so."""
+    from types import SimpleNamespace
+
+    from factory import engines
+    from factory.jobs.costs import Costs
+
+    exl2, job = engines.get("exl2"), SimpleNamespace(device=device)
+    assert Costs(None, max_units).measure_processes(exl2, job) == processes
+    serial = exl2.memory.unit_seconds("measure", int(1.1e9), "cuda", 1)
+    assert serial == pytest.approx(sum(exl2.memory.UNIT_SECONDS["measure"][i] * (1, 1.1)[i] for i in (0, 1)))
+    assert (exl2.memory.unit_seconds("measure", int(1.1e9), "cuda", processes) < serial) is (processes > 1)

@@ -262,6 +262,7 @@ def measure(run: Run, job: Job, prepared: Prepared, spec: QuantSpec, key: str) -
                 run.settings.work / job.id / f"measure-{key[:12]}",
                 path,
                 lambda event: progress(**event),
+                run.costs.measure_processes(engine, job),
             )
             run.catalog.add_measurement(
                 job.id,

@@ -56,13 +56,21 @@ class Costs:
         self.ledger = ledger  # the units of other jobs on this machine's GPU and cores (qf worker's slots)
         self._history: dict[tuple[str, str], tuple[float, list]] = {}  # (family, device) -> (read at, rows)
 
+    def measure_processes(self, engine: engines.Engine, job: Job) -> int:
+        """The processes a measure unit may run at once (EXL2's layer ranges): the cores its engine asks for on a
+        GPU, one each; one with --max-units 1 (one process after another, as before packing)."""
+        if job.device != "cuda" or self.max_units == 1:
+            return 1
+        return engine.memory.unit_cores("measure", job.device)
+
     def seconds(self, job: Job, model: Sized, unit: Unit) -> float:
         """A unit's expected seconds (jobs/eta.py): history of its family near this size, else an estimate."""
         if unit.kind in ("measure", "quantize"):
             engine = engines.get(unit.spec.method)
-            guess = engine.memory.unit_seconds(
-                unit.kind, model.parameters, job.device, engine.memory.unit_cores(unit.kind, job.device)
-            )
+            cores = engine.memory.unit_cores(unit.kind, job.device)
+            if unit.kind == "measure" and job.device == "cuda":
+                cores = self.measure_processes(engine, job)
+            guess = engine.memory.unit_seconds(unit.kind, model.parameters, job.device, cores)
         else:
             guess = eta.other_seconds(
                 unit.kind, model.parameters, job.eval_windows * model.window_length, job.device, cpu_threads()

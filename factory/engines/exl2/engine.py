@@ -136,15 +136,23 @@ class Exl2Engine(Engine):
         child.run_command(cmd, log, emit, what, parse=parse_status, env=ENV)
 
     def measure(
-        self, source_dir: Path, calibration_file: Path, rows: int, length: int, work_dir: Path, measurement: Path, emit
+        self,
+        source_dir: Path,
+        calibration_file: Path,
+        rows: int,
+        length: int,
+        work_dir: Path,
+        measurement: Path,
+        emit,
+        processes: int = 1,
     ) -> None:
-        """Its layer ranges measured by several processes at once (factory/engines/exl2/ranges.py)."""
+        """Its layer ranges measured by up to `processes` processes at once (factory/engines/exl2/ranges.py)."""
         shutil.rmtree(work_dir, ignore_errors=True)  # a range killed midway starts over
 
         def tool(cmd: list[str], log: Path, emit, what: str) -> None:
             child.run_command(cmd, log, emit, what, parse=parse_status, env=ENV)
 
-        ranges.measure(source_dir, calibration_file, rows, length, work_dir, measurement, emit, tool)
+        ranges.measure(source_dir, calibration_file, rows, length, work_dir, measurement, emit, tool, processes)
         shutil.rmtree(work_dir, ignore_errors=True)
 
     def quantize(self, request: QuantizeRequest, emit) -> None:

@@ -246,12 +246,13 @@ class Exl2Memory(Memory):
         return int(one_pass * 1.2) * processes + (processes - 1) * CONTEXT_BYTES
 
     def unit_seconds(self, kind: str, parameters: int, device: str, cores: int) -> float:
-        """The measurement's ranges run at once: its per-billion seconds shared among them, at a quarter more each
-        (they share the card's SMs; a predicted figure until the catalog has one measured)."""
-        if kind != "measure" or device != "cuda":
+        """The measurement's ranges (one a core) run at once: its per-billion seconds shared among them, at a
+        quarter more each (they share the card's SMs; a prediction until the catalog has one measured)."""
+        processes = min(cores, ranges.RANGES)
+        if kind != "measure" or device != "cuda" or processes <= 1:
             return super().unit_seconds(kind, parameters, device, cores)
         fixed, per_b = self.UNIT_SECONDS["measure"]
-        return fixed + 1.25 * per_b * parameters / 1e9 / ranges.RANGES
+        return fixed + 1.25 * per_b * parameters / 1e9 / processes
 
     def unit_cores(self, kind: str, device: str) -> int:
         """A process feeds the card from about one core: the measurement's ranges one each."""

@@ -66,13 +66,24 @@ def merge(parts: list[dict], modules: int) -> dict:
 
 
 def measure(
-    source_dir: Path, calibration_file: Path, rows: int, length: int, work_dir: Path, out: Path, emit, tool
+    source_dir: Path,
+    calibration_file: Path,
+    rows: int,
+    length: int,
+    work_dir: Path,
+    out: Path,
+    emit,
+    tool,
+    processes: int = RANGES,
 ) -> None:
-    """The measurement into `out`, its ranges measured at once (the engine's `measure`). `tool(cmd, log, emit,
-    what)` runs a child as the engine runs convert_exl2 (its environment, its status lines as progress)."""
+    """The measurement into `out`, in up to `processes` ranges measured at once (the engine's `measure`).
+    `tool(cmd, log, emit, what)` runs a child as the engine runs convert_exl2 (its environment, its status lines as
+    progress)."""
     base = {"source_dir": str(source_dir), "calibration": str(calibration_file), "rows": rows, "length": length}
     shared = work_dir / "prepare"
-    _child(tool, {**base, "stage": "prepare"}, shared, emit, "EXL2 measurement (its embeddings)")
+    _child(
+        tool, {**base, "stage": "prepare", "processes": processes}, shared, emit, "EXL2 measurement (its embeddings)"
+    )
     spans = json.loads((shared / "ranges.json").read_text())
     done, peaks = [0.0] * len(spans["ranges"]), [0] * len(spans["ranges"])
     lock, failures = threading.Lock(), []
@@ -172,7 +183,7 @@ def _prepare(request: dict, work: Path) -> None:
     embeddings(job, lambda: None, model)
     (work / "hidden_states.safetensors").rename(work / "states")
     keys = [module.key for module in model.modules]
-    (work / "ranges.json").write_text(json.dumps({"modules": len(keys), "ranges": split(keys)}))
+    (work / "ranges.json").write_text(json.dumps({"modules": len(keys), "ranges": split(keys, request["processes"])}))
 
 
 def _range(request: dict, work: Path) -> None:
