@@ -19,13 +19,10 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from factory.engines import child
 from factory.jobs.graph import Unit
-
-if TYPE_CHECKING:
-    from factory.jobs.ledger import Ledger
 
 OOM_MARKS = ("CUDA out of memory", "OutOfMemoryError", "out of memory")
 DEFERRED_POLL_SECONDS = 1.0
@@ -58,6 +55,14 @@ class Packer:
         return sum(n.cores for n in running) + need.cores <= self.cores
 
 
+class Shared(Protocol):
+    """The running units of every process on this machine (factory/jobs/ledger.py's Ledger)."""
+
+    def take(self, key: str, need: Need, admits: Callable[[list[Need]], bool]) -> bool: ...
+
+    def give_back(self, key: str) -> None: ...
+
+
 def out_of_memory(error: BaseException) -> bool:
     text = f"{type(error).__name__}: {getattr(error, 'message', None) or error}"
     return any(mark in text for mark in OOM_MARKS)
@@ -75,7 +80,7 @@ def run(
     stop: threading.Event,
     note: Callable[[str], None] = lambda message: None,
     deferred: Callable[[Unit], bool] = lambda unit: False,
-    ledger: Ledger | None = None,
+    ledger: Shared | None = None,
     waiting: Callable[[list[str]], None] = lambda names: None,
 ) -> None:
     """Run every unit once its `needs` are done. The first failure stops the rest (`stop_units`: their progress
