@@ -41,7 +41,9 @@ def test_ranges_measure_what_one_serial_measurement_does(tmp_path):
     serial_seconds = time.monotonic() - start
     events: list[dict] = []
     start = time.monotonic()
-    engines.get("exl2").measure(source, cal, 16, 2048, tmp_path / "ranges", tmp_path / "ranges.json", events.append)
+    engines.get("exl2").measure(
+        source, cal, 16, 2048, tmp_path / "ranges", tmp_path / "ranges.json", events.append, processes=ranges.RANGES
+    )
     ranges_seconds = time.monotonic() - start
 
     serial = json.loads((tmp_path / "serial.json").read_text())
@@ -69,7 +71,7 @@ def test_ranges_measure_what_one_serial_measurement_does(tmp_path):
         record = {
             "model": "tiny-llama (8 layers, hidden 256)",
             "gpu": torch.cuda.get_device_name(0),
-            "ranges": ranges.processes(8),
+            "ranges": ranges.RANGES,
             "serial_seconds": round(serial_seconds, 1),
             "ranges_seconds": round(ranges_seconds, 1),
         }

@@ -100,10 +100,9 @@ def measure(
         request = {**base, "stage": "range", "first": first, "end": end, "states": str(shared / "states")}
         try:
             _child(tool, request, work_dir / f"range-{r}", lambda e: progress(r, e), f"EXL2 measurement range {r}")
-        except BaseException as e:  # the first failure is raised; the other ranges stop
-            with lock:
+        except BaseException as e:  # raised once the other ranges end (stopping them would stop the job's other
+            with lock:  # units' engines too: child.stop_running is the process's; a range takes a minute or two)
                 failures.append(e)
-            child.stop_running()
 
     threads = [
         threading.Thread(target=one, args=(r, first, end), name=f"measure range {r}")
