@@ -219,3 +219,31 @@ def test_a_measurement_runs_its_ranges_at_once_unless_one_unit_at_a_time(max_uni
     serial = exl2.memory.unit_seconds("measure", int(1.1e9), "cuda", 1)
     assert serial == pytest.approx(sum(exl2.memory.UNIT_SECONDS["measure"][i] * (1, 1.1)[i] for i in (0, 1)))
     assert (exl2.memory.unit_seconds("measure", int(1.1e9), "cuda", processes) < serial) is (processes > 1)
+
+
+def test_one_unit_at_a_time_still_holds_its_room_and_waits_for_it(tmp_path):
+    """A job run one unit at a time (--max-units 1) in a slot: each unit waits for room beside the other processes'
+    units, and holds its room in the ledger while it runs."""
+    ledger, path, parent = Ledger(tmp_path / "ledger.json"), tmp_path / "ledger.json", os.getppid()
+    path.write_text(
+        json.dumps({f"{parent}:quantize:x": {"pid": parent, "gpu_bytes": 8 * GiB, "cores": 1, "alone": False}})
+    )
+    seen: list[dict] = []
+
+    def work(unit: Unit) -> None:
+        seen.append(json.loads(path.read_text()))
+
+    units = [Unit("quantize:a", "quantize")]
+    pool = threading.Thread(
+        target=packing.run,
+        args=(units, work, lambda u: Need(4 * GiB, 1), Packer(1, 10 * GiB, 16), threading.Event()),
+        kwargs={"ledger": ledger},
+    )
+    pool.start()
+    pool.join(timeout=2.5)
+    assert pool.is_alive() and seen == []  # 8 + 4 GiB do not fit in 10
+    ledger.give_back(f"{parent}:quantize:x")  # the other process's unit ended
+    pool.join(timeout=10)
+    assert not pool.is_alive()
+    assert list(seen[0]) == [f"{os.getpid()}:quantize:a"]  # held while it ran
+    assert json.loads(path.read_text()) == {}

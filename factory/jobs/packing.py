@@ -18,6 +18,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -91,7 +92,8 @@ def run(
     (`waiting`) every WAITING_EVERY_SECONDS."""
     if packer.max_units <= 1:
         for unit in units:  # in dependency order already
-            work(unit)
+            with _held(unit, need(unit), packer, ledger, waiting):
+                work(unit)
         return
     pending, done = list(units), set()
     running: dict[str, tuple[Unit, Need, threading.Thread, int]] = {}  # name -> unit, need, thread, others beside
@@ -163,6 +165,26 @@ def run(
         raise
     if failure is not None:
         raise failure
+
+
+@contextmanager
+def _held(unit: Unit, wanted: Need, packer: Packer, ledger: Shared | None, waiting: Callable[[list[str]], None]):
+    """One unit at a time: its room in the ledger while it runs, once the other processes' units leave room for it
+    (memory and cores: this job's one unit at a time is its own rule, not theirs)."""
+    if ledger is None:
+        yield
+        return
+    roomy = replace(packer, max_units=2**31)
+    said = time.monotonic()
+    while not ledger.take(_key(unit), wanted, lambda others: roomy.admits(wanted, others)):
+        if time.monotonic() - said > WAITING_EVERY_SECONDS:
+            said = time.monotonic()
+            waiting([unit.name])
+        time.sleep(DEFERRED_POLL_SECONDS)
+    try:
+        yield
+    finally:
+        ledger.give_back(_key(unit))
 
 
 def _key(unit: Unit) -> str:
