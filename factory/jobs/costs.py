@@ -58,10 +58,10 @@ class Costs:
 
     def measure_processes(self, engine: engines.Engine, job: Job) -> int:
         """The processes a measure unit may run at once (EXL2's layer ranges): the cores its engine asks for on a
-        GPU, one each; one with --max-units 1 (one process after another, as before packing)."""
+        GPU (one each), as many as this machine has; one with --max-units 1 (one after another, as before packing)."""
         if job.device != "cuda" or self.max_units == 1:
             return 1
-        return engine.memory.unit_cores("measure", job.device)
+        return min(engine.memory.unit_cores("measure", job.device), self._cores())
 
     def seconds(self, job: Job, model: Sized, unit: Unit) -> float:
         """A unit's expected seconds (jobs/eta.py): history of its family near this size, else an estimate."""
