@@ -11,7 +11,8 @@ pipeline makes them with the functions here, so that every consumer can rely on 
                                                 its engine reports
     evaluation  a perplexity was measured:      subject (fp16, a tag, or tag:group:key), ppl; a quant's kld,
                                                 kld_p99 and top1 against FP16 where they were measured
-    waiting     a helper waits for the job:     units (the units it waits for), by (its process)
+    waiting     units wait for others:          units (the units that wait), by (a helper: the job's process; a
+                                                job: "other jobs' units on this machine", which hold the card)
     result      the job ended or was found done: job, state, error, exit_code, quants (QuantRow.to_json each)
 """
 

@@ -19,6 +19,7 @@ from factory.events import Emit
 from factory.jobs import conversions, planning, run
 from factory.jobs.context import Run
 from factory.jobs.costs import Costs
+from factory.jobs.ledger import Ledger
 from factory.jobs.planning import Request
 from factory.publish import publishing
 from factory.settings import Settings
@@ -30,7 +31,9 @@ class Factory:
         self.catalog = Catalog(settings.db_url)
         self.emit = emit  # read at each call: `qf run` wraps it once the job is created
         self.publisher = publishing.Publisher(settings, self.catalog)
-        self.costs = Costs(self.catalog, settings.max_units, settings.gpu_slots)
+        self.costs = Costs(
+            self.catalog, settings.max_units, Ledger(settings.gpu_ledger) if settings.gpu_ledger else None
+        )
         self.holder = identity.holder_name()  # this process, in the steps it runs and the claims it holds
 
     def emitting(self, emit: Emit) -> Factory:

@@ -71,7 +71,7 @@ class Settings:  # a plain dataclass: `qf status` must start fast, and pydantic'
     watch_seconds: float = 3600.0
     hub_owner: str | None = None
     max_units: int | None = None  # units of a job run at once on this machine; None: as many as fit
-    gpu_slots: int = 1  # jobs run at once on this GPU (qf worker --slots): each packs into its share of the card
+    gpu_ledger: Path | None = None  # the units of every job on this GPU and its cores (qf worker's slots share it)
     hub_repos: dict[str, str] = field(default_factory=dict)  # engine name -> repo template, where one is set
     server: str | None = None  # the service the CLI talks to instead of the catalog and broker
     token: str | None = None
@@ -118,7 +118,7 @@ _FROM_ENV = {  # field -> (variable, type); an unset or empty variable leaves th
     "watch_seconds": ("FACTORY_WATCH_SECONDS", float),
     "hub_owner": ("FACTORY_HUB_OWNER", str),
     "max_units": ("FACTORY_MAX_UNITS", int),
-    "gpu_slots": ("FACTORY_GPU_SLOTS", int),
+    "gpu_ledger": ("FACTORY_GPU_LEDGER", Path),
     "server": ("FACTORY_SERVER", str),
     "token": ("FACTORY_TOKEN", str),
     "serve_sources": ("FACTORY_SERVE_SOURCES", lambda v: tuple(Path(p).resolve() for p in v.split(":") if p)),

@@ -138,7 +138,15 @@ class MeasuredRoundEngine(RoundEngine):
         return 2, 16
 
     def measure(
-        self, source_dir: Path, calibration_file: Path, rows: int, length: int, work_dir: Path, measurement: Path, emit
+        self,
+        source_dir: Path,
+        calibration_file: Path,
+        rows: int,
+        length: int,
+        work_dir: Path,
+        measurement: Path,
+        emit,
+        processes: int = 1,
     ) -> None:
         payload = {"measure": str(measurement), "seconds": self.measure_seconds}
         child.run(__name__, payload, work_dir, emit, what="measuring")

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from factory.engines.exl2 import engine as exl2
+from factory.engines.exl2 import ranges as exl2_ranges
 from factory.errors import JobFailed
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -80,3 +81,53 @@ def test_outputs_are_checked_not_trusted(tmp_path):
 
 def test_flags():
     assert exl2._flags(i="/m", mr=16, cf=Path("/o")) == ["-i", "/m", "-mr", "16", "-cf", "/o"]
+
+
+# -- the measurement in layer ranges (factory/engines/exl2/ranges.py; tests/test_gpu_ranges.py runs it) -----------
+
+LLAMA_MODULES = ["model.embed_tokens"] + [f"model.layers.{i}.{m}" for i in range(16) for m in ("self_attn", "mlp")]
+
+
+@pytest.mark.parametrize(
+    "keys, most, spans",
+    [
+        ([*LLAMA_MODULES, "model.norm", "lm_head"], 4, [(1, 9), (9, 17), (17, 25), (25, 35)]),
+        ([*LLAMA_MODULES[:7], "model.norm", "lm_head"], 4, [(1, 3), (3, 5), (5, 9)]),  # 3 layers: 3 ranges
+        ([*LLAMA_MODULES[:11], "model.norm", "lm_head"], 4, [(1, 3), (3, 5), (5, 7), (7, 13)]),
+        ([*LLAMA_MODULES, "model.norm", "lm_head"], 1, [(1, 35)]),
+        (["model.embed_tokens", "model.pos_emb", *LLAMA_MODULES[1:5], "lm_head"], 2, [(1, 4), (4, 7)]),
+    ],
+)
+def test_ranges_cut_between_layers_and_cover_every_module(keys, most, spans):
+    assert exl2_ranges.split(keys, most) == spans
+    covered = [i for first, end in spans for i in range(first, end)]
+    assert covered == list(range(1, len(keys)))  # each module once, in order, after the embedding
+
+
+def test_ranges_merge_as_one_measurement():
+    parts = [
+        {"measurement": {"model.layers.0.self_attn.self_attn": [{"accuracy": 0.9}]}, "last_module_idx": 2},
+        {"measurement": {"model.layers.1.mlp.mlp": [{"accuracy": 0.8}], "lm_head.linear": None}, "last_module_idx": 6},
+    ]
+    merged = exl2_ranges.merge(parts, modules=7)
+    assert merged == {"measurement": {**parts[0]["measurement"], **parts[1]["measurement"]}, "last_module_idx": 6}
+    with pytest.raises(ValueError, match="two ranges measured model.layers.0"):
+        exl2_ranges.merge([parts[0], parts[0]], modules=7)
+
+
+def test_the_measurement_unit_predicts_its_ranges_together():
+    from factory.engines.exl2.memory import CONTEXT_BYTES
+    from factory.vram import Params, Shape
+
+    memory = exl2.ENGINE.memory
+    shape = Shape(
+        hidden=2048, layers=16, heads=32, kv_heads=8, head_dim=64, intermediate=8192, vocab=32000, max_positions=32768
+    )
+    params = Params(embed=32000 * 2048, head=32000 * 2048, linear=16 * 62_914_560, other=0)  # the random 1.1B
+    spec = exl2.ENGINE.spec(bpw=4.0)
+    one = int(memory.unit_gpu_bytes("quantize", spec, shape, params) * 1.2)
+    processes = exl2_ranges.processes(shape.layers)
+    assert processes == exl2_ranges.RANGES == memory.unit_cores("measure", "cuda")
+    assert memory.unit_gpu_bytes("measure", spec, shape, params) == processes * one + (processes - 1) * CONTEXT_BYTES
+    serial = memory.UNIT_SECONDS["measure"][0] + memory.UNIT_SECONDS["measure"][1] * 1.1
+    assert memory.unit_seconds("measure", int(1.1e9), "cuda", 4) < 0.6 * serial  # the fixed part stays

@@ -45,7 +45,7 @@ def qf(env, *args, check=False) -> subprocess.CompletedProcess:
 def _start_worker(env, log_path: Path, queues: str = "gpu,cpu") -> subprocess.Popen:
     log = open(log_path, "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "factory.cli", "worker", "--queues", queues],
+        [sys.executable, "-m", "factory.cli", "worker", "--queues", queues, "--slots", "1"],  # one job at a time
         env=env,
         cwd=ROOT,
         stdout=log,
@@ -137,7 +137,11 @@ def test_cancel_a_queued_job(env, tiny, tmp_path):
     # a worker that starts afterwards takes the message and leaves the job alone
     log = open(tmp_path / "late-worker.log", "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "factory.cli", "worker"], env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT
+        [sys.executable, "-m", "factory.cli", "worker", "--slots", "1"],
+        env=env,
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     try:
         deadline = time.monotonic() + 60
@@ -306,7 +310,11 @@ def test_queued_jobs_survive_a_redis_restart(env, tiny, tmp_path):
         assert redis.Redis.from_url(server.url).llen("cpu") == 3
         log = open(tmp_path / "worker.log", "w")
         worker = subprocess.Popen(
-            [sys.executable, "-m", "factory.cli", "worker"], env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT
+            [sys.executable, "-m", "factory.cli", "worker", "--slots", "1"],
+            env=env,
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
         try:
             assert [wait_for(env, job_id)["state"] for job_id in ids] == ["succeeded"] * 3

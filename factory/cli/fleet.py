@@ -9,13 +9,13 @@ from typing import Annotated
 import typer
 
 from factory import queue, settings
+from factory.cli import slots as sharing
 from factory.cli.shared import (
     UnitsOpt,
     app,
     handled,
     open_catalog,
 )
-from factory.cli.slots import supervise
 
 
 @app.command()
@@ -44,16 +44,18 @@ def worker(
     queues: Annotated[str, typer.Option("--queues", help="Queues to take jobs from.")] = "gpu,cpu",
     max_units: UnitsOpt = None,
     slots: Annotated[
-        int,
+        str,
         typer.Option(
             "--slots",
-            min=1,
-            help="Jobs run at once on this worker's GPU, each packing its units into its share of the card.",
+            help="Jobs run at once on this worker's GPU, their units packed together into the card by what each is "
+            "predicted to need: a number, or auto (a job for every 4 cores, at most 4).",
         ),
-    ] = 1,
+    ] = "auto",
 ) -> None:
     """Start a Celery worker with the factory's settings: one job at a time (per slot), acknowledged when done. A
-    catalog or broker that cannot be reached is exit 5 before it takes any message."""
+    catalog or broker that cannot be reached is exit 5 before it takes any message; --slots that is neither a
+    positive number nor auto is exit 2."""
+    count = sharing.count(slots, os.cpu_count() or 1)
     fleet = queue.get()
     open_catalog()
     fleet.check_broker()
@@ -62,9 +64,9 @@ def worker(
         env["CUDA_VISIBLE_DEVICES"] = str(gpu)
     if max_units is not None:
         env["FACTORY_MAX_UNITS"] = str(max_units)  # read by the job processes it spawns (factory/settings.py)
-    env["FACTORY_GPU_SLOTS"] = str(slots)
     node = f"qf-{'gpu' + str(gpu) if gpu is not None else 'worker'}"
-    if slots == 1:
+    if count == 1:
         os.execvpe(sys.executable, fleet.worker_command(node, queues), env)
-    commands = [fleet.worker_command(f"{node}-{i}", queues) for i in range(1, slots + 1)]
-    sys.exit(supervise(commands, env))
+    env["FACTORY_GPU_LEDGER"] = str(sharing.ledger_path(env.get("CUDA_VISIBLE_DEVICES")))  # the slots share it
+    commands = [fleet.worker_command(f"{node}-{i}", queues) for i in range(1, count + 1)]
+    sys.exit(sharing.supervise(commands, env))

@@ -288,7 +288,9 @@ class Engine:
     tag_example: ClassVar[str]
     architectures: ClassVar[frozenset[str]]  # config.json `architectures[0]` it converts
     requires_cuda: ClassVar[bool] = False
-    needs_measurement: ClassVar[bool] = False  # then it has measure(...) and measurement_settings(spec)
+    # then it has measurement_settings(spec) and measure(source_dir, calibration_file, rows, length, work_dir,
+    # measurement, emit, processes=1): `processes`, how many processes it may run at once (EXL2's layer ranges)
+    needs_measurement: ClassVar[bool] = False
     default_calibration: ClassVar[str] = "builtin:c4"
     outputs: ClassVar[tuple[str, ...]]  # globs of what it writes beyond files.COMPANIONS; nothing else is published
     evaluator: ClassVar[str]  # the runtime its perplexity is measured with

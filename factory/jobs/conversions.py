@@ -84,7 +84,16 @@ def help(run: Run, job_id: str) -> None:
             if not left:
                 return
             if ready:
-                packing.run(ready, work, lambda unit: needs[unit.name], packer, run.stop, run.note)
+                packing.run(
+                    ready,
+                    work,
+                    lambda unit: needs[unit.name],
+                    packer,
+                    run.stop,
+                    run.note,
+                    ledger=run.costs.ledger,
+                    waiting=lambda names: run.emit(events.waiting(names, "other jobs' units on this machine")),
+                )
             else:  # the job's holder is making the measurement; an event: this helper is alive
                 run.emit(events.waiting(sorted({u.measurement for u in left}), run.holder))
                 time.sleep(WAIT_SECONDS)
@@ -253,6 +262,7 @@ def measure(run: Run, job: Job, prepared: Prepared, spec: QuantSpec, key: str) -
                 run.settings.work / job.id / f"measure-{key[:12]}",
                 path,
                 lambda event: progress(**event),
+                run.costs.measure_processes(engine, job),
             )
             run.catalog.add_measurement(
                 job.id,

@@ -13,6 +13,7 @@ from factory import engines
 from factory.catalog import Catalog, Job
 from factory.jobs import eta
 from factory.jobs.graph import Unit
+from factory.jobs.ledger import Ledger
 from factory.jobs.packing import Need, Packer
 from factory.settings import cpu_threads
 from factory.vram import CONTEXT_BYTES, HEADROOM, Params, Shape
@@ -49,19 +50,27 @@ def evaluation_bytes(model: Sized, windows: int, walked: bool) -> int:
 
 
 class Costs:
-    def __init__(self, catalog: Catalog | None, max_units: int | None, slots: int = 1):
+    def __init__(self, catalog: Catalog | None, max_units: int | None, ledger: Ledger | None = None):
         self.catalog = catalog  # None: no history here (`qf plan` where no catalog exists): the engines' estimates
         self.max_units = max_units  # None: as many units at once as fit
-        self.slots = slots  # jobs sharing this machine's GPU and cores (qf worker --slots), each with its share
+        self.ledger = ledger  # the units of other jobs on this machine's GPU and cores (qf worker's slots)
         self._history: dict[tuple[str, str], tuple[float, list]] = {}  # (family, device) -> (read at, rows)
+
+    def measure_processes(self, engine: engines.Engine, job: Job) -> int:
+        """The processes a measure unit may run at once (EXL2's layer ranges): the cores its engine asks for on a
+        GPU (one each), as many as this machine has; one with --max-units 1 (one after another, as before packing)."""
+        if job.device != "cuda" or self.max_units == 1:
+            return 1
+        return min(engine.memory.unit_cores("measure", job.device), self._cores())
 
     def seconds(self, job: Job, model: Sized, unit: Unit) -> float:
         """A unit's expected seconds (jobs/eta.py): history of its family near this size, else an estimate."""
         if unit.kind in ("measure", "quantize"):
             engine = engines.get(unit.spec.method)
-            guess = engine.memory.unit_seconds(
-                unit.kind, model.parameters, job.device, engine.memory.unit_cores(unit.kind, job.device)
-            )
+            cores = engine.memory.unit_cores(unit.kind, job.device)
+            if unit.kind == "measure" and job.device == "cuda":
+                cores = self.measure_processes(engine, job)
+            guess = engine.memory.unit_seconds(unit.kind, model.parameters, job.device, cores)
         else:
             guess = eta.other_seconds(
                 unit.kind, model.parameters, job.eval_windows * model.window_length, job.device, cpu_threads()
@@ -109,19 +118,21 @@ class Costs:
         return Need(peak + CONTEXT_BYTES if cuda else 0, cores)
 
     def _cores(self) -> int:
-        """The cores a job may use: this machine's, or its slot's share of them."""
-        return max(1, (os.cpu_count() or 1) // self.slots)
+        return os.cpu_count() or 1
 
     def packer(self, job: Job) -> Packer:
-        """What this machine admits at once for the job: its GPU's free memory less HEADROOM, its cores; with
-        several slots (jobs at once on one GPU), its share of each."""
+        """What this machine admits at once: its GPU's free memory less HEADROOM, its cores. With a ledger, the
+        memory other jobs' running units are predicted to take counts as free here (the ledger counts it against
+        them when a unit is admitted), up to the card's total."""
         cores = self._cores()
         if job.device != "cuda":
             return Packer(self.max_units or cores, None, cores)
         import torch
 
-        free, _ = torch.cuda.mem_get_info()
-        return Packer(self.max_units or AUTOMATIC_MAX_UNITS, max(0, free - HEADROOM) // self.slots, cores)
+        free, total = torch.cuda.mem_get_info()
+        if self.ledger is not None:
+            free = min(total, free + sum(n.gpu_bytes for n in self.ledger.others()))
+        return Packer(self.max_units or AUTOMATIC_MAX_UNITS, max(0, free - HEADROOM), cores)
 
     def estimate(self, job: Job, model: Sized, units: list[Unit]) -> tuple[float, float]:
         """(packed, one after another) expected seconds of a job planned for its workers' device."""

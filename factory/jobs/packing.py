@@ -7,6 +7,8 @@ Units run in threads; the work they start (engine conversions) runs in child pro
 unit's thread ends only after its child has (child.py's PDEATHSIG belongs to the thread that started it).
 Evaluations run torch in this process: one at a time (`in_process`), so that each one's peak memory is its own.
 With max_units 1 the units run in this thread, in their order: the job runs as it did before packing.
+With a ledger (factory/jobs/ledger.py: the slots of one worker share the card), a unit is admitted beside the running
+units of every job process on the machine, and its entry there is given back when it ends.
 """
 
 from __future__ import annotations
@@ -16,13 +18,16 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 from factory.engines import child
 from factory.jobs.graph import Unit
 
 OOM_MARKS = ("CUDA out of memory", "OutOfMemoryError", "out of memory")
 DEFERRED_POLL_SECONDS = 1.0
+WAITING_EVERY_SECONDS = 60.0  # how often units kept waiting by other jobs' units say so (an event: alive)
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,14 @@ class Packer:
         return sum(n.cores for n in running) + need.cores <= self.cores
 
 
+class Shared(Protocol):
+    """The running units of every process on this machine (factory/jobs/ledger.py's Ledger)."""
+
+    def take(self, key: str, need: Need, admits: Callable[[list[Need]], bool]) -> bool: ...
+
+    def give_back(self, key: str) -> None: ...
+
+
 def out_of_memory(error: BaseException) -> bool:
     text = f"{type(error).__name__}: {getattr(error, 'message', None) or error}"
     return any(mark in text for mark in OOM_MARKS)
@@ -68,21 +81,34 @@ def run(
     stop: threading.Event,
     note: Callable[[str], None] = lambda message: None,
     deferred: Callable[[Unit], bool] = lambda unit: False,
+    ledger: Shared | None = None,
+    waiting: Callable[[list[str]], None] = lambda names: None,
 ) -> None:
     """Run every unit once its `needs` are done. The first failure stops the rest (`stop_units`: their progress
     raises Stopped, their engines get SIGTERM) and is raised once they have ended; so is a KeyboardInterrupt of
     this thread. A unit that is `deferred` (another machine makes it) waits, taking nothing from the packer, while
     others run; its work runs once it is not, and finds what the other machine made. One at a time, `work` itself
-    waits."""
+    waits. With a `ledger`, units that are ready but find no room beside other processes' units wait, and say so
+    (`waiting`) every WAITING_EVERY_SECONDS."""
     if packer.max_units <= 1:
         for unit in units:  # in dependency order already
-            work(unit)
+            with _held(unit, need(unit), packer, ledger, waiting):
+                work(unit)
         return
     pending, done = list(units), set()
     running: dict[str, tuple[Unit, Need, threading.Thread, int]] = {}  # name -> unit, need, thread, others beside
     ended: queue.Queue[tuple[str, BaseException | None]] = queue.Queue()
     alone: set[str] = set()
     failure: BaseException | None = None
+    said = time.monotonic()
+
+    def admitted(unit: Unit, wanted: Need) -> bool:
+        local = [n for _, n, _, _ in running.values()]
+        if ledger is None:
+            return packer.admits(wanted, local)
+        return packer.admits(wanted, local) and ledger.take(
+            _key(unit), wanted, lambda others: packer.admits(wanted, local + others)
+        )
 
     def body(unit: Unit) -> None:
         try:
@@ -97,13 +123,17 @@ def run(
             if failure is None:
                 for unit in [u for u in pending if u.needs <= done and not deferred(u)]:
                     wanted = replace(need(unit), alone=unit.name in alone)
-                    if packer.admits(wanted, [n for _, n, _, _ in running.values()]):
+                    if admitted(unit, wanted):
                         thread = threading.Thread(target=body, args=(unit,), name=unit.name, daemon=True)
                         running[unit.name] = (unit, wanted, thread, len(running))
                         pending.remove(unit)
                         thread.start()
+            if ledger is not None and failure is None and time.monotonic() - said > WAITING_EVERY_SECONDS:
+                said = time.monotonic()
+                if ready := [u.name for u in pending if u.needs <= done and not deferred(u)]:
+                    waiting(ready)  # for room on the card, which other jobs' units hold
             if not running:
-                if failure is None and any(u.needs <= done for u in pending):  # deferred ones: look again
+                if failure is None and any(u.needs <= done for u in pending):  # deferred, or no room: look again
                     time.sleep(DEFERRED_POLL_SECONDS)
                     continue
                 if failure is None and pending:
@@ -115,6 +145,8 @@ def run(
                 continue
             unit, _, thread, beside = running.pop(name)
             thread.join()
+            if ledger is not None:
+                ledger.give_back(_key(unit))
             if error is None:
                 done.add(name)
             elif out_of_memory(error) and beside + len(running) > 0 and name not in alone and failure is None:
@@ -126,11 +158,38 @@ def run(
                 stop_units(stop)
     except BaseException:
         stop_units(stop)
-        for _, _, thread, _ in running.values():
+        for unit, _, thread, _ in running.values():
             thread.join()
+            if ledger is not None:
+                ledger.give_back(_key(unit))
         raise
     if failure is not None:
         raise failure
+
+
+@contextmanager
+def _held(unit: Unit, wanted: Need, packer: Packer, ledger: Shared | None, waiting: Callable[[list[str]], None]):
+    """One unit at a time: its room in the ledger while it runs, once the other processes' units leave room for it
+    (memory and cores: this job's one unit at a time is its own rule, not theirs)."""
+    if ledger is None:
+        yield
+        return
+    roomy = replace(packer, max_units=2**31)
+    said = time.monotonic()
+    while not ledger.take(_key(unit), wanted, lambda others: roomy.admits(wanted, others)):
+        if time.monotonic() - said > WAITING_EVERY_SECONDS:
+            said = time.monotonic()
+            waiting([unit.name])
+        time.sleep(DEFERRED_POLL_SECONDS)
+    try:
+        yield
+    finally:
+        ledger.give_back(_key(unit))
+
+
+def _key(unit: Unit) -> str:
+    """A unit's entry in the ledger: this process's (the ledger counts a process's own units as it runs them)."""
+    return f"{os.getpid()}:{unit.name}"
 
 
 def stop_units(stop: threading.Event) -> None:

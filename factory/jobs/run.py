@@ -79,6 +79,8 @@ def execute(run: Run, job_id: str, publish: bool) -> Job:
             run.stop,
             run.note,
             lambda unit: conversions.held_elsewhere(run, job, unit),
+            run.costs.ledger,
+            lambda names: run.emit(events.waiting(names, "other jobs' units on this machine")),
         )
         if not publish:
             handed = run.catalog.transition(job_id, JobState.queued, run.token, only_from=frozenset({JobState.running}))

@@ -1,7 +1,7 @@
 """EXL2 through exllamav2's own conversion script, in a child process.
 
-    measure:  python -m factory.engines.script exllamav2.conversion.convert_exl2 -i SRC -o WORK -c CAL.parquet
-              -om MEASUREMENT.json ...
+    measure:  python -m factory.engines.exl2.ranges REQUEST.json, once to prepare, then once per range of layers,
+              all at once (ranges.py: exllamav2's own measure_quant on each range)
     quantize: python -m factory.engines.script exllamav2.conversion.convert_exl2 -i SRC -o WORK -c CAL.parquet
               -m MEASUREMENT.json -b BPW -hb HEAD -cf OUT ...
 factory/engines/script.py runs the script as __main__ with exactly those arguments (runpy) and then reports the peak
@@ -32,11 +32,11 @@ from pathlib import Path
 
 from factory.engines import child
 from factory.engines.base import Engine, Evaluation, Flag, QuantizeRequest, check_quant_folder
-from factory.engines.exl2 import evaluate
+from factory.engines.exl2 import evaluate, ranges
 from factory.engines.exl2.card import Exl2Card
 from factory.engines.exl2.memory import Exl2Memory
 from factory.engines.exl2.spec import Exl2Spec, Exl2Targets, targets_from_flag
-from factory.errors import JobFailed, SpecError
+from factory.errors import SpecError
 
 SCRIPT = "exllamav2.conversion.convert_exl2"
 STATUS = re.compile(r"\[STATUS\](.*)\[/STATUS\]")
@@ -136,15 +136,23 @@ class Exl2Engine(Engine):
         child.run_command(cmd, log, emit, what, parse=parse_status, env=ENV)
 
     def measure(
-        self, source_dir: Path, calibration_file: Path, rows: int, length: int, work_dir: Path, measurement: Path, emit
+        self,
+        source_dir: Path,
+        calibration_file: Path,
+        rows: int,
+        length: int,
+        work_dir: Path,
+        measurement: Path,
+        emit,
+        processes: int = 1,
     ) -> None:
-        log = work_dir.parent / f"{work_dir.name}.log"
-        args = _flags(i=source_dir, o=work_dir, c=calibration_file, om=measurement, mr=rows, ml=length)
-        self._run(args, work_dir, log, emit, what=f"EXL2 measurement ({rows} x {length} tokens)")
-        try:
-            json.loads(measurement.read_text())["measurement"]
-        except (OSError, ValueError, KeyError):
-            raise JobFailed(f"EXL2 measurement wrote no usable {measurement.name}; see {log}") from None
+        """Its layer ranges measured by up to `processes` processes at once (factory/engines/exl2/ranges.py)."""
+        shutil.rmtree(work_dir, ignore_errors=True)  # a range killed midway starts over
+
+        def tool(cmd: list[str], log: Path, emit, what: str) -> None:
+            child.run_command(cmd, log, emit, what, parse=parse_status, env=ENV)
+
+        ranges.measure(source_dir, calibration_file, rows, length, work_dir, measurement, emit, tool, processes)
         shutil.rmtree(work_dir, ignore_errors=True)
 
     def quantize(self, request: QuantizeRequest, emit) -> None:

@@ -32,6 +32,7 @@ from typing import Literal, get_args
 
 from factory.checkpoints.inspect import read_config
 from factory.engines.base import Memory, MemoryPlan
+from factory.engines.exl2 import ranges
 from factory.vram import (  # noqa: F401  (the shared pieces, here too for the arithmetic's tests and benchmark)
     CONTEXT_BYTES,
     HEADROOM,
@@ -236,6 +237,23 @@ class Exl2Memory(Memory):
 
     def unit_gpu_bytes(self, kind: str, spec, shape, params) -> int:
         """The measurement tries every candidate bitrate of a layer: about 1.2 x a pass (1.1B on an H200: 2.4 GiB
-        against 2.0)."""
+        against 2.0), in each of its ranges' processes (factory/engines/exl2/ranges.py), each with its CUDA
+        context."""
         one_pass = super().unit_gpu_bytes("quantize", spec, shape, params)
-        return int(one_pass * 1.2) if kind == "measure" else one_pass
+        if kind != "measure":
+            return one_pass
+        processes = ranges.processes(shape.layers)
+        return int(one_pass * 1.2) * processes + (processes - 1) * CONTEXT_BYTES
+
+    def unit_seconds(self, kind: str, parameters: int, device: str, cores: int) -> float:
+        """The measurement's ranges (one a core) run at once: its per-billion seconds shared among them, at a
+        quarter more each (they share the card's SMs; a prediction until the catalog has one measured)."""
+        processes = min(cores, ranges.RANGES)
+        if kind != "measure" or device != "cuda" or processes <= 1:
+            return super().unit_seconds(kind, parameters, device, cores)
+        fixed, per_b = self.UNIT_SECONDS["measure"]
+        return fixed + 1.25 * per_b * parameters / 1e9 / processes
+
+    def unit_cores(self, kind: str, device: str) -> int:
+        """A process feeds the card from about one core: the measurement's ranges one each."""
+        return ranges.RANGES if kind == "measure" and device == "cuda" else super().unit_cores(kind, device)

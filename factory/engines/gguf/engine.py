@@ -125,7 +125,15 @@ class GgufEngine(Engine):
         return evaluate.load(folder, device)
 
     def measure(
-        self, source_dir: Path, calibration_file: Path, rows: int, length: int, work_dir: Path, measurement: Path, emit
+        self,
+        source_dir: Path,
+        calibration_file: Path,
+        rows: int,
+        length: int,
+        work_dir: Path,
+        measurement: Path,
+        emit,
+        processes: int = 1,
     ) -> None:
         work_dir.mkdir(parents=True, exist_ok=True)
         log = work_dir.parent / f"{work_dir.name}.log"
