@@ -1,5 +1,7 @@
 #!/bin/bash
-# The 8B's second sitting (issue 44, prepared 2026-12-06, not run yet): what the first left, at once on one card, each
+# The 8B's second sitting (issue 44): what the first left, at once on one card, each
+# (run once on an H100, 2026-12-06: sitting2/README.md; the disk filled and AWQ-CT overflowed float16, both mended
+# since: run it again as it is)
 # its own `qf run` in one home (benchmarks/cost_growth.py; the FP16 reference made once):
 #  - `--exl2 4.0`: the EXL2 measurement (predicted 17 min) and one size, once exllamav2's extension is built; the
 #    measurement.json is copied to /tmp/results as soon as it exists, so that a sitting cut short leaves it to carry;
