@@ -58,9 +58,9 @@ class Costs:
     def seconds(self, job: Job, model: Sized, unit: Unit) -> float:
         """A unit's expected seconds (jobs/eta.py): history of its family near this size, else an estimate."""
         if unit.kind in ("measure", "quantize"):
-            engine = engines.get(unit.spec.method)
+            engine, kind = engines.get(unit.spec.method), _engine_kind(unit)
             guess = engine.memory.unit_seconds(
-                unit.kind, model.parameters, job.device, engine.memory.unit_cores(unit.kind, job.device)
+                kind, model.parameters, job.device, engine.memory.unit_cores(kind, job.device)
             )
         else:
             guess = eta.other_seconds(
@@ -95,15 +95,15 @@ class Costs:
         if unit.kind == "evaluate":
             gpu = evaluation_bytes(model, job.eval_windows, walked=unit.spec is None and model.walkable)
             return Need(gpu if cuda else 0, 1 if cuda else min(cpu_threads(), self._cores()), in_process=True)
-        engine = engines.get(unit.spec.method)
-        family = "measure:" if unit.kind == "measure" else f"quantize:{unit.spec.tag.split('-')[0]}-"
+        engine, kind = engines.get(unit.spec.method), _engine_kind(unit)
+        family = f"{unit.stage}:" if unit.kind == "measure" else f"quantize:{unit.spec.tag.split('-')[0]}-"
         seen = peaks.get(unit.name) or max((p for n, p in peaks.items() if n.startswith(family)), default=None)
         peak = (
             int(seen * HISTORY_MARGIN)
             if seen
-            else engine.memory.unit_gpu_bytes(unit.kind, unit.spec, model.shape, model.params)
+            else engine.memory.unit_gpu_bytes(kind, unit.spec, model.shape, model.params)
         )
-        cores = min(engine.memory.unit_cores(unit.kind, job.device), self._cores())
+        cores = min(engine.memory.unit_cores(kind, job.device), self._cores())
         if self.max_units:  # asked for: the job's cores are shared among them
             cores = min(cores, max(1, self._cores() // self.max_units))
         return Need(peak + CONTEXT_BYTES if cuda else 0, cores)
@@ -142,6 +142,11 @@ class Costs:
         return Projection(
             max((s.end for s in slots), default=0.0), sum(seconds.values()), slots, eta.critical_path(units, slots)
         )
+
+
+def _engine_kind(unit: Unit) -> str:
+    """What the engine's Memory calls a unit: `quantize`, or its shared unit's stage (`measure`, `convert`, ...)."""
+    return unit.stage if unit.kind == "measure" else unit.kind
 
 
 @dataclass(frozen=True)

@@ -56,15 +56,16 @@ def plan(shape: Shape, params: Params, budget: int, ctx: int | None, cache: str,
 
 
 class GgufMemory(Memory):
-    """GGUF's part of an engine: the estimate above (`qf plan`), and its units: the conversion and importance matrix
-    (`measure`) and each llama-quantize (SmolLM2-135M on 2 cores: F16 in 3.5 s, Q4_K_M in 1.4 s)."""
+    """GGUF's part of an engine: the estimate above (`qf plan`), and its units: the 16-bit conversion (`convert`), the
+    importance matrix (`imatrix`) and each llama-quantize (SmolLM2-135M on 2 cores: F16 in 3.5 s, Q4_K_M in 1.4 s)."""
 
-    UNIT_SECONDS = {"measure": (20.0, 60.0), "quantize": (10.0, 20.0)}
+    UNIT_SECONDS = {"convert": (10.0, 30.0), "imatrix": (10.0, 30.0), "quantize": (10.0, 20.0)}
     CPU_CORE_SECONDS_PER_B = 200.0
 
     def plan(self, shape, params, budget: int, ctx: int | None, cache: str, gpus: int) -> MemoryPlan:
         return plan(shape, params, budget, ctx, cache, gpus)
 
     def unit_gpu_bytes(self, kind: str, spec, shape, params) -> int:
-        """llama-quantize works on the CPU; the importance matrix runs the 16-bit model (on the GPU with CUDA)."""
-        return params.total * 2 + compute_bytes(shape) if kind == "measure" else 0
+        """The converter and llama-quantize work on the CPU; the importance matrix runs the 16-bit model (on the GPU
+        with CUDA)."""
+        return params.total * 2 + compute_bytes(shape) if kind == "imatrix" else 0
