@@ -93,7 +93,11 @@ class GgufEngine(Engine):
     label = "GGUF"
     spec = GgufSpec
     targets = GgufTargets
-    flag = Flag("GGUF types in llama-quantize's names, e.g. Q8_0,Q6_K,Q5_K_M,Q4_K_M,IQ4_XS.", takes_value=True)
+    flag = Flag(
+        "GGUF types in llama-quantize's names, e.g. Q8_0,Q6_K,Q5_K_M,Q4_K_M,IQ4_XS; or fit: the best type for each "
+        "--fit budget.",
+        takes_value=True,
+    )
     tag_pattern = r"gguf-[a-z0-9_]+"
     tag_example = "gguf-q4_k_m"
     architectures = ARCHITECTURES
