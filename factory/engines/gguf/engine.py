@@ -115,6 +115,10 @@ class GgufEngine(Engine):
         llama.built()  # refused at submit, naming the setup command, where llama.cpp is not built
         return llama.version()
 
+    def resolve(self, spec: GgufSpec, info, device: str) -> GgufSpec:
+        gguf_split_bytes()  # a bad FACTORY_GGUF_SPLIT_BYTES is refused at submit, not after the conversion
+        return spec
+
     def targets_from_flag(self, value: str | dict, written: dict) -> dict:
         return value if isinstance(value, dict) else targets_from_flag(value, written)
 
