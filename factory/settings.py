@@ -37,7 +37,8 @@ OMP_NUM_THREADS   the threads torch's CPU kernels take in each process (the fact
                   what a unit on the CPU keeps busy, so that units pack beside each other when it is below the
                   machine's cores (default: all of them)
 FACTORY_GGUF_SPLIT_BYTES  the largest GGUF file the factory publishes: a quant's file over it is cut by llama.cpp's
-                  gguf-split into parts of at most this size (default 48e9, under the Hub's 50 GB per file)
+                  gguf-split into parts of at most this many bytes of tensors, each with its metadata (default 48e9,
+                  2 GB under the Hub's 50 GB per file)
 FACTORY_PLACE_SECONDS  how long a submission to the service may hold its place in its user's quota before the
                   place is let go (a server killed mid-submission; default 900)
 """

@@ -134,7 +134,7 @@ def test_fit_picks_the_best_type_for_a_budget_and_reuses_the_conversion_on_anoth
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     notes = [json.loads(line).get("message", "") for line in result.stdout.splitlines()]
-    assert any(n.startswith("--fit 1GB: GGUF Q8_0 for 4096 tokens with a fp16 cache") for n in notes), notes
+    assert "--fit 1GB: GGUF Q8_0 for 4096 tokens with a fp16 cache" in result.stderr
     assert any(n.startswith("reusing GGUF 16-bit conversion ") for n in notes), notes
     job = json.loads(result.stdout.splitlines()[-1])
     steps = [s["name"] for s in qf.json("status", job["job"])["steps"]]
@@ -156,7 +156,8 @@ def test_a_file_over_the_split_size_is_published_in_parts_pulled_back_and_loaded
     [row] = qf.json("ls")
     parts = sorted(p.name for p in (qf.home / "registry" / row["path"]).glob("tiny-F16*.gguf"))
     assert len(parts) >= 2 and parts[0] == f"tiny-F16-00001-of-{len(parts):05d}.gguf", parts
-    assert all((qf.home / "registry" / row["path"] / p).stat().st_size <= 10**6 for p in parts)
+    # gguf-split counts the tensors' bytes, not each part's metadata (13 kB here; the default leaves 2 GB for it)
+    assert all((qf.home / "registry" / row["path"] / p).stat().st_size <= 1.05 * 10**6 for p in parts)
     assert set(parts) <= set(hub.files("alice/tiny-GGUF", "main"))
     elsewhere = type(qf)(home=tmp_path / "elsewhere")
     pulled = tmp_path / "pulled"
