@@ -84,6 +84,8 @@ def test_the_pulled_file_is_named_as_uploaders_do_and_llama_cpp_scores_it_to_the
     assert rescored(pulled, tiny, 2) == pytest.approx(rows["tiny:gguf-q4_k_m"]["ppl"], rel=1e-5)
     card = (pulled / "README.md").read_text()
     assert "| `tiny-Q4_K_M.gguf` | Q4_K_M |" in card and "ollama run hf.co/" in card
+    # what fits which RAM or VRAM: the tiny model holds its 4096 positions in 4 GB with either cache
+    assert "## Fits in" in card and "| Q4_K_M | 4,096 | 4,096 |" in card, card
 
 
 def test_qf_plan_sizes_each_type_with_its_kv_cache(tiny_gguf, tiny):
