@@ -20,12 +20,14 @@ from factory import engines, settings
 from factory.engines.gguf import engine as gguf_engine
 from factory.engines.gguf import evaluate as gguf_evaluate
 from factory.engines.gguf import gguf_file, llama
-from factory.engines.gguf.spec import TYPES
+from factory.engines.gguf import memory as gguf_memory
+from factory.engines.gguf.spec import LADDER, TYPES
 from factory.errors import JobFailed
 from factory.evaluation import evaluate
 from factory.jobs.planning import Request
 from factory.pipeline import Factory
 from factory.recipes import build_recipe
+from factory.vram import Params, Shape
 from tests.llama_buffers import allocated
 
 ENGINE = engines.get("gguf")
@@ -167,6 +169,23 @@ def test_a_file_over_the_split_size_is_published_in_parts_pulled_back_and_loaded
     assert got.exit_code == 0, got.output
     assert sorted(p.name for p in pulled.glob("tiny-F16*.gguf")) == parts
     assert rescored(pulled, tiny, 1) == pytest.approx(row["ppl"], rel=1e-5)
+
+
+def test_the_best_type_for_a_budget_is_the_first_of_the_ladder_that_fits():
+    """Llama-3-8B's shape at 8192 tokens: from 24 GB down to 4 GB each budget gets the first type of LADDER whose
+    weights, cache and compute fit with 512 MiB free (the one above it does not), smaller as the budget shrinks."""
+    shape = Shape(4096, 32, 32, 8, 128, 14336, 128256, 8192)
+    layer = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336
+    params = Params(embed=128256 * 4096, head=128256 * 4096, linear=32 * layer, other=65 * 4096)
+    picked = []
+    for gib in (24, 12, 8, 6, 5, 4):
+        plan = gguf_memory.plan(shape, params, gib * 2**30, 8192, "fp16", 1).data
+        total = {r["type"]: r["total"] for r in plan["rows"]}
+        room = gib * 2**30 - 512 * 2**20
+        best = plan["best_type"]
+        assert total[best] <= room and all(total[t] > room for t in LADDER[: LADDER.index(best)]), (gib, best)
+        picked.append(best)
+    assert picked == sorted(picked, key=LADDER.index) and len(set(picked)) >= 4, picked
 
 
 def test_every_type_goes_on_the_hub_repos_main_as_uploaders_publish(qf, tiny, hub, monkeypatch, tmp_path):
