@@ -282,6 +282,7 @@ def test_a_killed_converter_fails_the_shared_unit_and_the_job_runs_again(tiny, t
 TRANSCRIPT = [
     ("INFO:hf-to-gguf:blk.1.attn_q.weight,       torch.float32 --> F16, shape = {128, 128}", "convert", 2, 2),
     ("compute_imatrix: computing over 8 chunks, n_ctx=256, batch_size=256, n_seq=1", "imatrix", 0, 8),
+    ("[69]33.2900,[70]33.3188,[71]33.2234,", "imatrix", 71, 128),
     (
         "[   3/  21]                  blk.0.attn_k.weight - [  128,    64,     1,     1], type =    f16, ",
         "quantize",
@@ -295,7 +296,7 @@ TRANSCRIPT = [
 def test_the_tools_lines_become_progress_events(line, stage, done, total):
     parse = {
         "convert": gguf_engine._converter_parser(2),
-        "imatrix": gguf_engine._imatrix_parser,
+        "imatrix": gguf_engine._imatrix_parser(128),
         "quantize": gguf_engine._quantize_parser,
     }[stage]
     event = parse(line)

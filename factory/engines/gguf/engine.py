@@ -16,7 +16,7 @@ What we add, and why:
   the K-quants are better with one, Q8_0 ignores it); it is published beside each quant, as uploaders do;
 - outputs are checked, not trusted: each file must be GGUF with `general.file_type` the type asked for;
 - the tools print to stderr too: their lines are read for progress (`blk.N` of the converter, `[i/n]` tensors of
-  llama-quantize, `computing over N chunks` of llama-imatrix);
+  llama-quantize, `computing over N chunks` and each chunk's `[i]` of llama-imatrix);
 - quants are scored by llama.cpp's own inference (evaluate.py) on the factory's windows, never llama-perplexity's.
 """
 
@@ -40,6 +40,7 @@ from factory.settings import cpu_threads, gguf_split_bytes
 
 CONVERTED = re.compile(r"\bblk\.(\d+)\.")
 CHUNKS = re.compile(r"computing over (\d+) chunks")
+CHUNK_DONE = re.compile(r"\[(\d+)\]-?[\d.]+(?:e[+-]?\d+)?,")
 TENSOR = re.compile(r"^\[\s*(\d+)/\s*(\d+)\]")
 
 # What benchmarks/coverage.py proved llama.cpp's converter, tools and inference take on the CPU
@@ -65,10 +66,20 @@ def _converter_parser(layers: int):
     return parse
 
 
-def _imatrix_parser(line: str) -> dict | None:
-    if match := CHUNKS.search(line):
-        return {"event": "progress", "stage": "imatrix", "done": 0, "total": int(match.group(1)), "unit": "chunk"}
-    return None
+def _imatrix_parser(chunks: int):
+    """llama-imatrix says how many chunks it computes over, then each chunk's running perplexity (`[7]33.29,`),
+    several to a line: the last of a line is how far it got (a model that takes hours must not look stalled)."""
+    total = [chunks]
+
+    def parse(line: str) -> dict | None:
+        if match := CHUNKS.search(line):
+            total[0] = int(match.group(1))
+            return {"event": "progress", "stage": "imatrix", "done": 0, "total": total[0], "unit": "chunk"}
+        if done := CHUNK_DONE.findall(line):
+            return {"event": "progress", "stage": "imatrix", "done": int(done[-1]), "total": total[0], "unit": "chunk"}
+        return None
+
+    return parse
 
 
 def _quantize_parser(line: str) -> dict | None:
@@ -163,7 +174,7 @@ class GgufEngine(Engine):
             cmd = [str(llama.tool("llama-imatrix")), "-m", str(earlier["convert"]), "-f", str(text), "-o", str(made)]
             cmd += ["-c", str(length), "--chunks", str(rows), "-t", str(cpu_threads()), *evaluate.gpu_layers()]
             what = f"GGUF importance matrix ({rows} x {length} tokens)"
-            child.run_command(cmd, log, emit, what, _imatrix_parser, merge=True)
+            child.run_command(cmd, log, emit, what, _imatrix_parser(rows), merge=True)
             try:
                 gguf_file.metadata(made)
             except (OSError, ValueError):
