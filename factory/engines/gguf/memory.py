@@ -22,7 +22,7 @@ from pathlib import Path
 
 from factory.engines.base import Memory, MemoryPlan
 from factory.engines.gguf import gguf_file
-from factory.engines.gguf.spec import LADDER, STANDARD, TYPES
+from factory.engines.gguf.spec import LADDER, STANDARD, TYPES, GgufSpec
 from factory.errors import SpecError
 from factory.vram import HEADROOM, GiB, Params, Shape, human, parse_size, source_shape
 
@@ -123,6 +123,9 @@ class GgufMemory(Memory):
     importance matrix (`imatrix`) and each llama-quantize (SmolLM2-135M on 2 cores: F16 in 3.5 s, Q4_K_M in 1.4 s)."""
 
     sizes_to_budget = True  # `--gguf fit --fit 16GB,8GB`
+    # llama-imatrix on one CPU core: SmolLM2-135M's 128 x 512 tokens (2 x parameters FLOPs each) in 952 s on a busy
+    # core, 2026-12-06 (docs/measured.md)
+    IMATRIX_FLOPS_PER_CORE = 1.9e10
     UNIT_SECONDS = {"convert": (10.0, 30.0), "imatrix": (10.0, 30.0), "quantize": (10.0, 20.0)}
     CPU_CORE_SECONDS_PER_B = 200.0
 
@@ -152,6 +155,14 @@ class GgufMemory(Memory):
             )
             types.append(best["type"])
         return {**written, "types": types}
+
+    def unit_seconds(self, kind: str, parameters: int, device: str, cores: int) -> float:
+        """On the CPU the importance matrix is a forward pass of the 16-bit model over its calibration tokens (the
+        default 128 x 512), far more than a conversion or a llama-quantize."""
+        if kind == "imatrix" and device != "cuda":
+            tokens = GgufSpec.model_fields["imatrix_chunks"].default * GgufSpec.model_fields["imatrix_ctx"].default
+            return 10.0 + 2.0 * parameters * tokens / (self.IMATRIX_FLOPS_PER_CORE * max(cores, 1))
+        return super().unit_seconds(kind, parameters, device, cores)
 
     def fits(self, folder: Path) -> list[dict] | None:
         return fits_table(folder) if gguf_file.model_files(folder) else None
