@@ -131,8 +131,14 @@ def files_sha(table: dict[str, dict]) -> str:
     return digest(table)
 
 
-def measurement_key(source_identity: str, calibration_sha: str, rows: int, length: int, tool_version: str) -> str:
-    return digest([source_identity, calibration_sha, rows, length, tool_version])
+def measurement_key(
+    source_identity: str, calibration_sha: str, rows: int, length: int, tool_version: str, stage: str = "measure"
+) -> str:
+    """An engine's shared unit (engines.Shared). EXL2's `measure` keys predate stages and are kept as they were, so
+    its measurements stay reusable; every other stage is hashed in."""
+    return digest(
+        [source_identity, calibration_sha, rows, length, tool_version, *([stage] if stage != "measure" else [])]
+    )
 
 
 def reference_key(

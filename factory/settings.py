@@ -36,6 +36,9 @@ FACTORY_SERVE_PUBLIC  1: the service's dashboard and its read-only pages need no
 OMP_NUM_THREADS   the threads torch's CPU kernels take in each process (the factory's and its engines' children):
                   what a unit on the CPU keeps busy, so that units pack beside each other when it is below the
                   machine's cores (default: all of them)
+FACTORY_GGUF_SPLIT_BYTES  the largest GGUF file the factory publishes: a quant's file over it is cut by llama.cpp's
+                  gguf-split into parts of at most this many bytes of tensors, each with its metadata (default 48e9,
+                  2 GB under the Hub's 50 GB per file)
 FACTORY_PLACE_SECONDS  how long a submission to the service may hold its place in its user's quota before the
                   place is let go (a server killed mid-submission; default 900)
 """
@@ -156,6 +159,24 @@ def cpu_threads() -> int:
     cores = os.cpu_count() or 1
     value = os.environ.get("OMP_NUM_THREADS", "")
     return min(int(value), cores) if value.isdigit() and int(value) > 0 else cores
+
+
+GGUF_SPLIT_BYTES = 48 * 10**9
+
+
+def gguf_split_bytes() -> int:
+    """FACTORY_GGUF_SPLIT_BYTES: bytes, a whole number of megabytes (gguf-split's unit) of at least one. Valid: 48e9,
+    2000000. Not valid: 1.5e6 (not whole megabytes), 0, "48G"."""
+    value = os.environ.get("FACTORY_GGUF_SPLIT_BYTES", "").strip()
+    if not value:
+        return GGUF_SPLIT_BYTES
+    try:
+        size = float(value)
+    except ValueError:
+        size = 0.0
+    if size < 10**6 or size % 10**6:
+        raise SpecError(f"FACTORY_GGUF_SPLIT_BYTES={value!r} is not a whole number of megabytes (bytes, e.g. 48e9)")
+    return int(size)
 
 
 def database_kind(url: str) -> str:

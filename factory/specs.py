@@ -13,6 +13,12 @@ from pydantic import BaseModel, ConfigDict
 from factory.errors import SpecError
 
 BPW_MIN, BPW_MAX = 2.0, 8.0
+FIT = "fit"  # an engine flag's value that asks `--fit` to choose its sizes (`--gguf fit --fit 16GB`)
+
+
+def asks_fit(value: object) -> bool:
+    """Whether an engine flag's value is FIT."""
+    return isinstance(value, str) and value.strip().lower() == FIT
 
 
 class Closed(BaseModel):

@@ -9,11 +9,15 @@ from factory import engines
 from factory.checkpoints.sources import check_base_model
 from factory.errors import SpecError
 from factory.recipes import build_recipe, recipe_from_yaml
+from factory.specs import asks_fit
 
 
-def sizer() -> engines.Engine:
-    """The engine `--fit` sizes: the one that sizes quants to a VRAM budget."""
-    return next(e for e in engines.all_engines() if e.memory.sizes_to_budget)
+def sizers(flags: dict | None = None) -> list[engines.Engine]:
+    """The engines `--fit` sizes: those whose flag is `fit` (`--gguf fit`), else the first that sizes quants to a
+    budget (EXL2)."""
+    able = [e for e in engines.all_engines() if e.memory.sizes_to_budget]
+    asked = [e for e in able if asks_fit((flags or {}).get(e.name))]
+    return asked or able[:1]
 
 
 def request(
@@ -42,11 +46,11 @@ def request(
     flags = dict(flags)
     written_recipe = recipe_from_yaml(recipe_text, "the recipe sent") if recipe_text is not None else None
     if fit:
-        engine = sizer()
-        if flags.get(engine.name):
-            raise SpecError(f"give --{engine.name} sizes or --fit budgets, not both")
-        written = build_recipe(recipe, written=written_recipe).to_dict().get(engine.name, {})
-        flags[engine.name] = engine.memory.fit_budgets(source, fit, ctx, kv_cache, written, say)
+        for engine in sizers(flags):
+            if flags.get(engine.name) and not asks_fit(flags[engine.name]):
+                raise SpecError(f"give --{engine.name} sizes or --fit budgets, not both")
+            written = build_recipe(recipe, written=written_recipe).to_dict().get(engine.name, {})
+            flags[engine.name] = engine.memory.fit_budgets(source, fit, ctx, kv_cache, written, say)
     chosen = build_recipe(
         recipe, flags, written=written_recipe, calibration=calibration, eval=eval_set, eval_windows=eval_windows
     )

@@ -21,7 +21,7 @@ from pydantic import Field
 
 from factory.checkpoints.files import COMPANIONS
 from factory.engines import child
-from factory.engines.base import Card, Engine, QuantizeRequest, QuantSpec, Targets, check_quant_folder
+from factory.engines.base import Card, Engine, QuantizeRequest, QuantSpec, Shared, Targets, check_quant_folder
 from factory.evaluation.evaluate import quiet_transformers, torch_dtype, transformers_logits
 
 
@@ -128,23 +128,25 @@ class MeasuredRoundEngine(RoundEngine):
     tag_pattern = r"mround-m\d+"
     tag_example = "mround-m3"
     Card = MeasuredCard
-    needs_measurement = True
+    shared = (Shared("measure", "measurement", ".json"),)
 
     @property
     def measure_seconds(self) -> float:
         return float(os.environ.get("QF_TEST_MEASURE_SECONDS", "4"))
 
-    def measurement_settings(self, spec) -> tuple[int, int]:
+    def measurement_settings(self, spec, stage: str) -> tuple[int, int]:
         return 2, 16
 
     def measure(
         self,
+        stage,
         source_dir: Path,
         calibration_file: Path,
         rows: int,
         length: int,
         work_dir: Path,
         measurement: Path,
+        earlier,
         emit,
         processes: int = 1,
     ) -> None:
@@ -152,7 +154,8 @@ class MeasuredRoundEngine(RoundEngine):
         child.run(__name__, payload, work_dir, emit, what="measuring")
 
     def quantize(self, request: QuantizeRequest, emit) -> None:
-        if request.measurement is None or "measurement" not in json.loads(request.measurement.read_text()):
+        made = request.measurements.get("measure")
+        if made is None or "measurement" not in json.loads(made.read_text()):
             raise AssertionError(f"no measurement for {request.spec}")
         super().quantize(request, emit)  # its quants are the round engine's
 

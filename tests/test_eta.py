@@ -16,6 +16,7 @@ def test_families_of_step_names():
     assert eta.family("evaluate:exl3-4.0bpw") == "evaluate:exl3"
     assert eta.family("evaluate:fp16") == "evaluate:fp16"
     assert eta.family("measure:1a2b3c4d5e6f") == "measure"
+    assert [eta.family(f"{s}:1a2b3c4d5e6f") for s in ("convert", "imatrix")] == ["convert", "imatrix"]  # GGUF's
     assert eta.family("publish:awq-w4g128") == "publish"
     assert eta.family("gate") == "gate"
 

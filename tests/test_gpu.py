@@ -370,10 +370,10 @@ def test_engine_transcripts(models, tmp_path):
     cal = calibration.write_parquet(calibration.resolve("builtin:mix"), tmp_path / "cal.parquet")
     events: list[dict] = []
     measurement = tmp_path / "measurement.json"
-    engine.measure(source, cal, 16, 2048, tmp_path / "measure", measurement, events.append)
+    engine.measure("measure", source, cal, 16, 2048, tmp_path / "measure", measurement, {}, events.append)
     spec = {"method": "exl2", "bpw": 4.0, "head_bits": 6, "rows": 100, "length": 2048}
     request = engines.QuantizeRequest(
-        source, tmp_path / "out", tmp_path / "quant", spec, calibration_file=cal, measurement=measurement
+        source, tmp_path / "out", tmp_path / "quant", spec, calibration_file=cal, measurements={"measure": measurement}
     )
     engine.quantize(request, events.append)
     assert {e["stage"] for e in events if "stage" in e} >= {"Quantizing", "Compiling"}

@@ -18,6 +18,7 @@ import pytest
 
 from factory.engines.awq.spec import AwqSpec
 from factory.engines.exl2.spec import Exl2Spec
+from factory.engines.gguf.spec import GgufSpec
 from factory.errors import JobFailed
 from factory.jobs import graph, packing
 from factory.jobs.graph import Unit
@@ -30,7 +31,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_the_graph_of_a_job_with_exl2_and_awq_targets():
     specs = [AwqSpec(w_bit=4, group_size=64), Exl2Spec(bpw=4.0), Exl2Spec(bpw=6.0)]
     key = "ab" * 32
-    units = {u.name: u for u in graph.units(specs, {"exl2-4.0bpw": key, "exl2-6.0bpw": key}, True, True)}
+    keys = {"exl2-4.0bpw": {"measure": key}, "exl2-6.0bpw": {"measure": key}}
+    units = {u.name: u for u in graph.units(specs, keys, True, True)}
     awq, e4, e6 = (s.tag for s in specs)
     measure = f"measure:{key[:12]}"
     assert [n for n in units if n.startswith("measure:")] == [measure]  # one measurement serves both sizes
@@ -46,6 +48,19 @@ def test_the_graph_of_a_job_with_exl2_and_awq_targets():
     assert list(units)[:5] == [f"quantize:{awq}", measure, f"quantize:{e4}", f"quantize:{e6}", "evaluate:fp16"]
     names = list(units)
     assert all(names.index(need) < names.index(name) for name, u in units.items() for need in u.needs)
+
+
+def test_gguf_shares_two_units_in_order_the_conversion_and_the_importance_matrix():
+    """Every type waits for both; the importance matrix for the conversion it runs; one of each for the job."""
+    specs = [GgufSpec(type="Q8_0"), GgufSpec(type="Q4_K_M"), GgufSpec(type="IQ4_XS")]
+    convert, imatrix = "cd" * 32, "ef" * 32
+    keys = {s.tag: {"convert": convert, "imatrix": imatrix} for s in specs}
+    units = {u.name: u for u in graph.units(specs, keys, True, False)}
+    shared = [f"convert:{convert[:12]}", f"imatrix:{imatrix[:12]}"]
+    assert [n for n, u in units.items() if u.kind == "measure"] == shared
+    assert units[shared[0]].needs == frozenset() and units[shared[1]].needs == frozenset(shared[:1])
+    assert [units[n].stage for n in shared] == ["convert", "imatrix"]
+    assert all(units[f"quantize:{s.tag}"].needs == frozenset(shared) for s in specs)
 
 
 def test_no_publish_units_for_a_gpu_worker_and_no_push_without_a_hub_owner():

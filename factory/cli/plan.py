@@ -58,9 +58,9 @@ def plan(
     for name, plan_ in sorted(plans.items(), key=lambda item: not item[1].rows):  # tables first
         if plan_.rows:
             out.print(_plan_table(plan_))
+        about = {s.stage: f"the {s.about}" for s in engines.get(name).shared}
         parts = [
-            f"{'the measurement' if kind == 'measure' else 'each size'} about "
-            f"{tables.duration(t['seconds'])} ({t['basis']})"
+            f"{about.get(kind, 'each size')} about {tables.duration(t['seconds'])} ({t['basis']})"
             for kind, t in times[name].items()
         ]
         for line in [*plan_.lines, f"converting with {engines.get(name).label} on a GPU: {', then '.join(parts)}"]:

@@ -23,7 +23,6 @@ from factory import engines, settings, submission
 from factory.catalog import status
 from factory.catalog.status import latest_steps
 from factory.errors import FactoryError, NotFound
-from factory.submission import sizer
 
 app = typer.Typer(
     add_completion=False,
@@ -123,8 +122,9 @@ FitOpt = Annotated[
     str | None,
     typer.Option(
         "--fit",
-        help=f"VRAM budgets, e.g. 24GB,16GB: {sizer().label} at the "
-        "highest bpw that fits each with --ctx and --kv-cache (see qf plan).",
+        help=f"Memory budgets, e.g. 24GB,16GB: for each, the largest size that fits with --ctx and --kv-cache (see "
+        f"qf plan), {submission.sizers()[0].label}'s, or with "
+        f"{' or '.join(f'--{e.name} fit' for e in engines.all_engines() if e.memory.sizes_to_budget)} those engines'.",
     ),
 ]
 CtxOpt = Annotated[int | None, typer.Option("--ctx", min=1, help="Context in tokens (default: the model's max).")]

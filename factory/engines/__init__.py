@@ -16,7 +16,17 @@ import os
 from factory.checkpoints.inspect import ModelInfo
 from factory.engines.awq.engine import ENGINE as AWQ
 from factory.engines.awq_ct.engine import ENGINE as AWQCT
-from factory.engines.base import Emit, Engine, Evaluation, Flag, Logits, QuantizeRequest, QuantSpec, check_quant_folder
+from factory.engines.base import (
+    Emit,
+    Engine,
+    Evaluation,
+    Flag,
+    Logits,
+    QuantizeRequest,
+    QuantSpec,
+    Shared,
+    check_quant_folder,
+)
 from factory.engines.exl2.engine import ENGINE as EXL2
 from factory.engines.exl3.engine import ENGINE as EXL3
 from factory.engines.gguf.engine import ENGINE as GGUF
@@ -121,6 +131,7 @@ __all__ = [
     "Logits",
     "QuantSpec",
     "QuantizeRequest",
+    "Shared",
     "all_engines",
     "available",
     "check_plugins",

@@ -106,8 +106,19 @@ class QuantizeRequest:
     spec: dict
     calibration: list[list[int]] = field(default_factory=list)  # token windows, for engines that take tokens
     calibration_file: Path | None = None  # the calibration text as parquet ("text"), for engines that tokenize
-    measurement: Path | None = None  # for engines with needs_measurement
+    measurements: dict[str, Path] = field(default_factory=dict)  # stage -> file of each of the engine's Shared units
     model: str = "model"  # the source's name as its owner wrote it (`SmolLM2-135M-Instruct`), for file names
+
+
+@dataclass(frozen=True)
+class Shared:
+    """A unit every target of a model shares, made once per key and reused by later jobs (`<stage>:<key>`): EXL2's
+    measurement; GGUF's 16-bit conversion and its importance matrix. An engine's are made in the order it lists
+    them, each after the one before, and every quantize unit of the engine waits for all of them."""
+
+    stage: str  # the unit's name before its key, and its family in the ETA's history: `measure`, `convert`
+    about: str  # as people read it: "measurement", "importance matrix"
+    suffix: str  # its file under FACTORY_HOME/measurements is `<key><suffix>`
 
 
 @dataclass(frozen=True)
@@ -288,9 +299,10 @@ class Engine:
     tag_example: ClassVar[str]
     architectures: ClassVar[frozenset[str]]  # config.json `architectures[0]` it converts
     requires_cuda: ClassVar[bool] = False
-    # then it has measurement_settings(spec) and measure(source_dir, calibration_file, rows, length, work_dir,
-    # measurement, emit, processes=1): `processes`, how many processes it may run at once (EXL2's layer ranges)
-    needs_measurement: ClassVar[bool] = False
+    # then it has measure(stage, source_dir, calibration_file, rows, length, work_dir, out, earlier, emit,
+    # processes=1) and measurement_settings(spec, stage); `processes`: how many processes it may run at once (EXL2's
+    # layer ranges)
+    shared: ClassVar[tuple[Shared, ...]] = ()
     default_calibration: ClassVar[str] = "builtin:c4"
     outputs: ClassVar[tuple[str, ...]]  # globs of what it writes beyond files.COMPANIONS; nothing else is published
     evaluator: ClassVar[str]  # the runtime its perplexity is measured with
@@ -346,6 +358,26 @@ class Engine:
     def describe_calibration(self, spec: dict, text: str) -> str:
         """The card's calibration column: the text set and how much of it was used."""
         return text
+
+    def measurement_settings(self, spec: QuantSpec, stage: str) -> tuple[int, int]:
+        """(rows, length) of the calibration text its shared unit `stage` reads; (0, 0): it reads none, and its key
+        leaves the calibration out (GGUF's 16-bit conversion serves every calibration)."""
+        return 0, 0
+
+    def measure(
+        self,
+        stage: str,
+        source_dir: Path,
+        calibration_file: Path,
+        rows: int,
+        length: int,
+        work_dir: Path,
+        out: Path,
+        earlier: dict[str, Path],
+        emit: Emit,
+    ) -> None:
+        """Make the shared unit `stage` into `out` (`earlier`: the files of the stages listed before it)."""
+        raise NotImplementedError
 
     def quantize(self, request: QuantizeRequest, emit: Emit) -> None:
         raise NotImplementedError

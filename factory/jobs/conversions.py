@@ -1,8 +1,9 @@
-"""A job's measure and quantize units, as factory/jobs/run.py runs them: each made once, under a claim in the
-catalog. A measurement (`measure:<key>`) is shared by every job and worker that needs it: the first to claim it
-makes it, the others wait for it and make it themselves only if its claim runs out. A quant
-(`unit:<job>:quantize:<tag>`) is made by the job's holder or by a GPU worker helping with the job (`help`), whose
-quant becomes the job's only under its claim's lock. Claims are renewed in the background while their unit runs.
+"""A job's shared and quantize units, as factory/jobs/run.py runs them: each made once, under a claim in the catalog. A
+shared unit (`<stage>:<key>`: EXL2's `measure`, GGUF's `convert` and `imatrix`) serves every job and worker that
+needs it: the first to claim it makes it, the others wait for it and make it themselves only if its claim runs out. A
+quant (`unit:<job>:quantize:<tag>`) is made by the job's holder or by a GPU worker helping with the job (`help`),
+whose quant becomes the job's only under its claim's lock. Claims are renewed in the background while their unit
+runs.
 
 A quant whose weights key (identity.weights_key: source, resolved spec, calibration, engine version, device) is
 published already, in a registry folder that verifies, is not made again: the quantize unit uses that folder (read
@@ -67,20 +68,24 @@ def help(run: Run, job_id: str) -> None:
         else None
     )
     prepared = preparing.read(run, job, fetched, _own_work(run, job))
-    keys = {s.tag: measurement_key(job, s) for s in prepared.specs if engines.get(s.method).needs_measurement}
+    keys = {s.tag: measurement_keys(job, s) for s in prepared.specs}
     units = [
         replace(u, needs=frozenset()) for u in graph.units(prepared.specs, keys, False, False) if u.kind == "quantize"
     ]
     packer, needs = run.costs.packer(job), run.costs.needs(job, prepared.model, units)
 
+    def known(unit: Unit) -> dict[str, Path] | None:
+        """Its engine's shared units' files, once every one exists."""
+        made = {stage: _known_measurement(run, key) for stage, key in keys[unit.spec.tag].items()}
+        return None if None in made.values() else made
+
     def work(unit: Unit) -> None:
-        measurement = _known_measurement(run, keys[unit.spec.tag]) if unit.measurement else None
-        quantize(run, job, prepared, unit.spec, measurement, helping=True)
+        quantize(run, job, prepared, unit.spec, known(unit) or {}, helping=True)
 
     try:
         while run.catalog.job(job_id).state == JobState.running:
             left = [u for u in units if quantized(run, job, u.spec) is None and not held_elsewhere(run, job, u)]
-            ready = [u for u in left if u.measurement is None or _known_measurement(run, keys[u.spec.tag])]
+            ready = [u for u in left if known(u) is not None]
             if not left:
                 return
             if ready:
@@ -94,8 +99,9 @@ def help(run: Run, job_id: str) -> None:
                     ledger=run.costs.ledger,
                     waiting=lambda names: run.emit(events.waiting(names, "other jobs' units on this machine")),
                 )
-            else:  # the job's holder is making the measurement; an event: this helper is alive
-                run.emit(events.waiting(sorted({u.measurement for u in left}), run.holder))
+            else:  # the job's holder is making the shared units; an event: this helper is alive
+                waited = {f"{stage}:{key[:12]}" for u in left for stage, key in keys[u.spec.tag].items()}
+                run.emit(events.waiting(sorted(waited), run.holder))
                 time.sleep(WAIT_SECONDS)
     except (Cancelled, LeaseLost) as e:  # the job ended, or a claim went to another holder: nothing more here
         log.warning("job %s: a helper stops: %s", job_id, e.message)
@@ -136,7 +142,7 @@ def _reused(run: Run, job: Job, spec: QuantSpec) -> Path | None:
 
 
 def quantize(
-    run: Run, job: Job, prepared: Prepared, spec: QuantSpec, measurement: Path | None, helping: bool = False
+    run: Run, job: Job, prepared: Prepared, spec: QuantSpec, measurements: dict[str, Path], helping: bool = False
 ) -> Path | None:
     """The quant of `spec`, made here under the claim `unit:<job>:quantize:<tag>` unless it is made already.
     While another process holds the claim (a worker helping with the job), the job waits for its quant and
@@ -156,7 +162,7 @@ def quantize(
                 if token > 1:  # taken over: the step its last holder left running is not running
                     run.catalog.interrupt_steps(job.id, run.token, f"quantize:{spec.tag}")
                 with _renewed(run, claim, token, stop_when_lost=True):
-                    _make_quant(run, job, prepared, spec, measurement, (claim, token), helping)
+                    _make_quant(run, job, prepared, spec, measurements, (claim, token), helping)
         finally:
             run.catalog.release_claim(claim, token)
     return out
@@ -167,7 +173,7 @@ def _make_quant(
     job: Job,
     prepared: Prepared,
     spec: QuantSpec,
-    measurement: Path | None,
+    measurements: dict[str, Path],
     claim: tuple[str, int],
     helping: bool,
 ) -> None:
@@ -200,7 +206,7 @@ def _make_quant(
             spec=spec.model_dump(),
             calibration=prepared.calibration.get(spec.tag, []),
             calibration_file=prepared.calibration_file,
-            measurement=measurement,
+            measurements=measurements,
             model=Path(job.source.split("@")[0].rstrip("/")).name or job.name,
         )
         engine.quantize(request, lambda event: progress(**event))
@@ -226,43 +232,57 @@ def held_elsewhere(run: Run, job: Job, unit: Unit) -> bool:
     return holder is not None and holder != run.claimer(job)
 
 
-def measurement_key(job: Job, spec: QuantSpec) -> str:
+def measurement_keys(job: Job, spec: QuantSpec) -> dict[str, str]:
+    """{stage: key} of the spec's engine's shared units, in its order (none for an engine without them)."""
     engine = engines.get(spec.method)
-    rows, length = engine.measurement_settings(spec)
-    return identity.measurement_key(job.source_identity, job.calibration_sha, rows, length, engine.version())
+    keys = {}
+    for shared in engine.shared:
+        rows, length = engine.measurement_settings(spec, shared.stage)
+        calibration = job.calibration_sha if rows else ""
+        keys[shared.stage] = identity.measurement_key(
+            job.source_identity, calibration, rows, length, engine.version(), shared.stage
+        )
+    return keys
 
 
-def measure(run: Run, job: Job, prepared: Prepared, spec: QuantSpec, key: str) -> Path:
-    """The measurement for this source, calibration and settings: made once across every job and worker, and
-    reused by every later target. The job that makes it holds the claim `measure:<key>` while it does (renewed
-    in the background); another job that needs it meanwhile waits for it (a `wait:measure:...` step), and
-    makes it itself if the claim runs out first (its maker is gone)."""
+def measure(
+    run: Run, job: Job, prepared: Prepared, spec: QuantSpec, stage: str, key: str, earlier: dict[str, Path]
+) -> Path:
+    """An engine's shared unit (`stage`) for this source, calibration and settings: made once across every job and
+    worker, and reused by every later target. The job that makes it holds the claim `<stage>:<key>` while it does
+    (renewed in the background); another job that needs it meanwhile waits for it (a `wait:<stage>:...` step),
+    and makes it itself if the claim runs out first (its maker is gone). `earlier`: the files of the stages before
+    it."""
     engine = engines.get(spec.method)
-    rows, length = engine.measurement_settings(spec)
-    name, claim = f"measure:{key[:12]}", f"measure:{key}"
+    shared = next(s for s in engine.shared if s.stage == stage)
+    rows, length = engine.measurement_settings(spec, stage)
+    name, claim = f"{stage}:{key[:12]}", f"{stage}:{key}"
+    reads = f" ({rows} x {length} tokens)" if rows else ""
     while True:
         if (known := _known_measurement(run, key)) is not None:
-            run.emit(events.note(f"reusing {engine.label} measurement {key[:12]} ({rows} x {length} tokens)"))
+            run.emit(events.note(f"reusing {engine.label} {shared.about} {key[:12]}{reads}"))
             return known
         if (token := run.catalog.claim(claim, run.claimer(job), run.settings.lease_seconds)) is not None:
             if _known_measurement(run, key) is None:  # not finished while we took the claim
                 break
             run.catalog.release_claim(claim, token)
             continue
-        _wait_for_measurement(run, job, claim, name, key)
-    path = run.settings.measurements / f"{key}.json"
+        _wait_for_measurement(run, job, claim, name, key, shared.about)
+    path = run.settings.measurements / f"{key}{shared.suffix}"
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         with _renewed(run, claim, token), run.step(job.id, name) as progress:
             engine.measure(
+                stage,
                 prepared.folder,
                 prepared.calibration_file,
                 rows,
                 length,
-                run.settings.work / job.id / f"measure-{key[:12]}",
+                run.settings.work / job.id / f"{stage}-{key[:12]}",
                 path,
+                earlier,
                 lambda event: progress(**event),
-                run.costs.measure_processes(engine, job),
+                run.costs.measure_processes(engine, job, stage),
             )
             run.catalog.add_measurement(
                 job.id,
@@ -270,7 +290,7 @@ def measure(run: Run, job: Job, prepared: Prepared, spec: QuantSpec, key: str) -
                 key=key,
                 path=str(path),
                 source_identity=job.source_identity,
-                calibration_sha=job.calibration_sha,
+                calibration_sha=job.calibration_sha if rows else "",
                 rows=rows,
                 length=length,
                 tool_version=engine.version(),
@@ -285,10 +305,10 @@ def _known_measurement(run: Run, key: str) -> Path | None:
     return Path(known.path) if known is not None and Path(known.path).is_file() else None
 
 
-def _wait_for_measurement(run: Run, job: Job, claim: str, name: str, key: str) -> None:
-    """Until the measurement exists or nobody holds its claim any more."""
+def _wait_for_measurement(run: Run, job: Job, claim: str, name: str, key: str, about: str) -> None:
+    """Until the shared unit exists or nobody holds its claim any more."""
     maker = run.catalog.claimant(claim)
-    run.emit(events.note(f"{name}: {_claim_holder(maker)} is making this measurement; waiting for it"))
+    run.emit(events.note(f"{name}: {_claim_holder(maker)} is making this {about}; waiting for it"))
     with run.step(job.id, f"wait:{name}") as progress:
         while _known_measurement(run, key) is None and (maker := run.catalog.claimant(claim)) is not None:
             progress(waiting_for=_claim_holder(maker))  # an event: this job is alive while it waits

@@ -56,21 +56,22 @@ class Costs:
         self.ledger = ledger  # the units of other jobs on this machine's GPU and cores (qf worker's slots)
         self._history: dict[tuple[str, str], tuple[float, list]] = {}  # (family, device) -> (read at, rows)
 
-    def measure_processes(self, engine: engines.Engine, job: Job) -> int:
-        """The processes a measure unit may run at once (EXL2's layer ranges): the cores its engine asks for on a
-        GPU (one each), as many as this machine has; one with --max-units 1 (one after another, as before packing)."""
+    def measure_processes(self, engine: engines.Engine, job: Job, stage: str = "measure") -> int:
+        """The processes a shared unit may run at once (EXL2's measurement in layer ranges): the cores its engine
+        asks for on a GPU (one each), as many as this machine has; one with --max-units 1 (one after another, as
+        before packing)."""
         if job.device != "cuda" or self.max_units == 1:
             return 1
-        return min(engine.memory.unit_cores("measure", job.device), self._cores())
+        return min(engine.memory.unit_cores(stage, job.device), self._cores())
 
     def seconds(self, job: Job, model: Sized, unit: Unit) -> float:
         """A unit's expected seconds (jobs/eta.py): history of its family near this size, else an estimate."""
         if unit.kind in ("measure", "quantize"):
-            engine = engines.get(unit.spec.method)
-            cores = engine.memory.unit_cores(unit.kind, job.device)
+            engine, kind = engines.get(unit.spec.method), _engine_kind(unit)
+            cores = engine.memory.unit_cores(kind, job.device)
             if unit.kind == "measure" and job.device == "cuda":
-                cores = self.measure_processes(engine, job)
-            guess = engine.memory.unit_seconds(unit.kind, model.parameters, job.device, cores)
+                cores = self.measure_processes(engine, job, kind)
+            guess = engine.memory.unit_seconds(kind, model.parameters, job.device, cores)
         else:
             guess = eta.other_seconds(
                 unit.kind, model.parameters, job.eval_windows * model.window_length, job.device, cpu_threads()
@@ -104,15 +105,15 @@ class Costs:
         if unit.kind == "evaluate":
             gpu = evaluation_bytes(model, job.eval_windows, walked=unit.spec is None and model.walkable)
             return Need(gpu if cuda else 0, 1 if cuda else min(cpu_threads(), self._cores()), in_process=True)
-        engine = engines.get(unit.spec.method)
-        family = "measure:" if unit.kind == "measure" else f"quantize:{unit.spec.tag.split('-')[0]}-"
+        engine, kind = engines.get(unit.spec.method), _engine_kind(unit)
+        family = f"{unit.stage}:" if unit.kind == "measure" else f"quantize:{unit.spec.tag.split('-')[0]}-"
         seen = peaks.get(unit.name) or max((p for n, p in peaks.items() if n.startswith(family)), default=None)
         peak = (
             int(seen * HISTORY_MARGIN)
             if seen
-            else engine.memory.unit_gpu_bytes(unit.kind, unit.spec, model.shape, model.params)
+            else engine.memory.unit_gpu_bytes(kind, unit.spec, model.shape, model.params)
         )
-        cores = min(engine.memory.unit_cores(unit.kind, job.device), self._cores())
+        cores = min(engine.memory.unit_cores(kind, job.device), self._cores())
         if self.max_units:  # asked for: the job's cores are shared among them
             cores = min(cores, max(1, self._cores() // self.max_units))
         return Need(peak + CONTEXT_BYTES if cuda else 0, cores)
@@ -153,6 +154,11 @@ class Costs:
         return Projection(
             max((s.end for s in slots), default=0.0), sum(seconds.values()), slots, eta.critical_path(units, slots)
         )
+
+
+def _engine_kind(unit: Unit) -> str:
+    """What the engine's Memory calls a unit: `quantize`, or its shared unit's stage (`measure`, `convert`, ...)."""
+    return unit.stage if unit.kind == "measure" else unit.kind
 
 
 @dataclass(frozen=True)

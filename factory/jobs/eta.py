@@ -26,7 +26,8 @@ class Past:
 
 def family(name: str) -> str:
     """A step's family from its name: quantize:<engine>-<size> -> quantize:<engine>, evaluate:<engine>-<size>:kv
-    -> evaluate:<engine>:kv, measure:<key> -> measure, publish:<tag> -> publish (tests/test_eta.py: examples)."""
+    -> evaluate:<engine>:kv, a shared unit <stage>:<key> -> <stage> (measure, convert, imatrix), publish:<tag> ->
+    publish (tests/test_eta.py: examples)."""
     kind, _, rest = name.partition(":")
     if kind in ("quantize", "evaluate") and rest and rest != "fp16":
         tag, _, group = rest.partition(":")
@@ -132,11 +133,12 @@ def other_seconds(kind: str, parameters: int, tokens: int, device: str, cores: i
 def conversion(
     engine, parameters: int, history: Callable[[str], list[Past]], device: str = "cuda", cores: int = 16
 ) -> dict:
-    """What `qf plan` says a conversion with `engine` costs: its measurement (if it has one) and each size, in
-    seconds, with the basis of each guess. `history(family)` gives the finished units of a family on `device`."""
+    """What `qf plan` says a conversion with `engine` costs: its shared units (if it has any: `measure`; `convert`,
+    `imatrix`) and each size, in seconds, with the basis of each guess. `history(family)` gives the finished units
+    of a family on `device`."""
     out = {}
-    for kind in ("measure", "quantize") if engine.needs_measurement else ("quantize",):
-        family_name = "measure" if kind == "measure" else f"quantize:{engine.name}"
+    for kind in (*(s.stage for s in engine.shared), "quantize"):
+        family_name = kind if kind != "quantize" else f"quantize:{engine.name}"
         guess = engine.memory.unit_seconds(kind, parameters, device, min(cores, engine.memory.unit_cores(kind, device)))
         seconds, basis = expected(history(family_name), parameters, guess)
         out[kind] = {"seconds": round(seconds), "basis": basis}

@@ -1,7 +1,8 @@
 """The units of a job after its inspect step, and what each needs first. A unit's name is the catalog's step name.
 
-    measure:<key>          once per measurement key (engines with a measurement)
-    quantize:<tag>         after its measurement, if it has one
+    <stage>:<key>          an engine's shared units (engines.Shared: EXL2's `measure`, GGUF's `convert` then
+                           `imatrix`), once per key, each after the stage before it
+    quantize:<tag>         after its engine's shared units, if it has any
     evaluate:fp16          once per job (reused across jobs by the catalog's baseline and its KL reference)
     evaluate:<tag>         after quantize:<tag> and evaluate:fp16 (its KL divergence reads FP16's reference)
     evaluate:<tag>:<group> the engine's other scores (a quantized KV cache's), after quantize:<tag>
@@ -28,23 +29,28 @@ class Unit:
     needs: frozenset[str] = frozenset()
     spec: QuantSpec | None = None
     group: str | None = None  # evaluate:<tag>:<group>: the engine's evaluation group
-    measurement: str | None = None  # measure:<key>: the full key; quantize:<tag>: the unit it needs
+    measurement: str | None = None  # a shared unit (kind `measure`, named <stage>:<key>): its full key
+
+    @property
+    def stage(self) -> str:
+        """A shared unit's stage (`measure`, `convert`, `imatrix`): its name before the key."""
+        return self.name.partition(":")[0]
 
 
-def units(specs: list[QuantSpec], measurement_keys: dict[str, str], publish: bool, push: bool) -> list[Unit]:
-    """`measurement_keys`: tag -> measurement key, for the specs whose engine measures."""
+def units(specs: list[QuantSpec], measurement_keys: dict[str, dict[str, str]], publish: bool, push: bool) -> list[Unit]:
+    """`measurement_keys`: tag -> {stage: key} in the engine's order, for the specs whose engine has shared units."""
     made: dict[str, Unit] = {}
 
     def add(unit: Unit) -> None:
         made.setdefault(unit.name, unit)
 
     for spec in specs:
-        needs = frozenset()
-        if key := measurement_keys.get(spec.tag):
-            measure = f"measure:{key[:12]}"
-            add(Unit(measure, "measure", spec=spec, measurement=key))
-            needs = frozenset({measure})
-        add(Unit(f"quantize:{spec.tag}", "quantize", needs, spec, measurement=next(iter(needs), None)))
+        shared: list[str] = []
+        for stage, key in measurement_keys.get(spec.tag, {}).items():
+            name = f"{stage}:{key[:12]}"
+            add(Unit(name, "measure", frozenset(shared[-1:]), spec, measurement=key))
+            shared.append(name)
+        add(Unit(f"quantize:{spec.tag}", "quantize", frozenset(shared), spec))
     add(Unit("evaluate:fp16", "evaluate"))
     for spec in specs:
         add(Unit(f"evaluate:{spec.tag}", "evaluate", frozenset({f"quantize:{spec.tag}", "evaluate:fp16"}), spec))

@@ -25,7 +25,7 @@ from factory.evaluation import evaluate, layered
 from factory.events import Emit
 from factory.identity import job_key
 from factory.jobs import graph
-from factory.jobs.conversions import measurement_key
+from factory.jobs.conversions import measurement_keys
 from factory.jobs.costs import AUTOMATIC_MAX_UNITS, Costs, Projection, Sized
 from factory.jobs.packing import Packer
 from factory.recipes import Recipe
@@ -152,7 +152,7 @@ def estimate(costs: Costs, settings: Settings, job: Job) -> tuple[float, float] 
         return None
     shape = Shape.of(config)
     model = Sized(shape, Params.of(tensors, shape), min(evaluate.WINDOW, shape.max_positions), layered.walkable(config))
-    keys = {s.tag: measurement_key(job, s) for s in specs if engines.get(s.method).needs_measurement}
+    keys = {s.tag: measurement_keys(job, s) for s in specs}
     return costs.estimate(job, model, graph.units(specs, keys, True, bool(settings.hub_owner)))
 
 
@@ -180,7 +180,7 @@ def projection(costs: Costs, source: str, recipe: Recipe, vram: int, info) -> tu
         eval_windows=recipe.eval_windows or evaluate.default_windows("cuda"),
         device="cuda",
     )
-    keys = {s.tag: measurement_key(job, s) for s in specs if engines.get(s.method).needs_measurement}
+    keys = {s.tag: measurement_keys(job, s) for s in specs}
     units = graph.units(specs, keys, True, False)
     packer = Packer(costs.max_units or AUTOMATIC_MAX_UNITS, max(0, vram - HEADROOM), os.cpu_count() or 1)
     return specs, costs.projection(job, model, units, packer)

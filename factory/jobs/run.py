@@ -39,7 +39,7 @@ INTERRUPTED = "interrupted (Ctrl-C or SIGTERM); run the same command again to co
 class _Made:
     """What the units of this attempt made, for the units after them (units in threads write distinct keys)."""
 
-    measurements: dict[str, Path] = field(default_factory=dict)  # measure unit -> measurement file
+    measurements: dict[str, Path] = field(default_factory=dict)  # shared unit (<stage>:<key>) -> its file
     outputs: dict[str, Path] = field(default_factory=dict)  # tag -> quant folder
     fp16: float = math.nan
     ppls: dict[str, float] = field(default_factory=dict)
@@ -62,11 +62,7 @@ def execute(run: Run, job_id: str, publish: bool) -> Job:
         run.catalog.check_lease(job_id, run.token)
         run.catalog.interrupt_steps(job_id, run.token)  # an earlier attempt that was killed left them running
         prepared = prepare(run, job)
-        keys = {
-            s.tag: conversions.measurement_key(job, s)
-            for s in prepared.specs
-            if engines.get(s.method).needs_measurement
-        }
+        keys = {s.tag: conversions.measurement_keys(job, s) for s in prepared.specs}
         units = graph.units(prepared.specs, keys, publish, bool(run.settings.hub_owner))
         made = _Made()
         packer, needs = run.costs.packer(job), run.costs.needs(job, prepared.model, units)
@@ -161,12 +157,14 @@ def _unit(run: Run, job: Job, prepared: Prepared, unit: Unit, made: _Made) -> No
         if any(
             conversions.quantized(run, job, s) is None
             for s in prepared.specs
-            if engines.get(s.method).needs_measurement and conversions.measurement_key(job, s) == unit.measurement
+            if unit.measurement in conversions.measurement_keys(job, s).values()
         ):
-            made.measurements[unit.name] = conversions.measure(run, job, prepared, spec, unit.measurement)
+            earlier = _shared_files(unit, made)
+            made.measurements[unit.name] = conversions.measure(
+                run, job, prepared, spec, unit.stage, unit.measurement, earlier
+            )
     elif unit.kind == "quantize":
-        measurement = made.measurements.get(unit.measurement) if unit.measurement else None
-        made.outputs[spec.tag] = conversions.quantize(run, job, prepared, spec, measurement)
+        made.outputs[spec.tag] = conversions.quantize(run, job, prepared, spec, _shared_files(unit, made))
     elif unit.kind == "evaluate" and spec is None:
         made.fp16 = evaluations.evaluate_fp16(run, job, prepared.folder, prepared.stream)
     elif unit.kind == "evaluate" and unit.group is None:
@@ -191,6 +189,11 @@ def _unit(run: Run, job: Job, prepared: Prepared, unit: Unit, made: _Made) -> No
         _publish(run, job, prepared, spec, made.outputs[spec.tag], scores)
     elif unit.kind == "push" and spec.tag not in made.refused:
         _push(run, job, prepared, spec)
+
+
+def _shared_files(unit: Unit, made: _Made) -> dict[str, Path]:
+    """{stage: file} of the shared units `unit` needs that this attempt made (a quant made already needs none)."""
+    return {name.partition(":")[0]: made.measurements[name] for name in unit.needs if name in made.measurements}
 
 
 def _expect(

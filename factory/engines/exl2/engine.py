@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 
 from factory.engines import child
-from factory.engines.base import Engine, Evaluation, Flag, QuantizeRequest, check_quant_folder
+from factory.engines.base import Engine, Evaluation, Flag, QuantizeRequest, Shared, check_quant_folder
 from factory.engines.exl2 import evaluate, ranges
 from factory.engines.exl2.card import Exl2Card
 from factory.engines.exl2.memory import Exl2Memory
@@ -92,7 +92,7 @@ class Exl2Engine(Engine):
     tag_example = "exl2-4.0bpw"
     architectures = ARCHITECTURES
     requires_cuda = True
-    needs_measurement = True
+    shared = (Shared("measure", "measurement", ".json"),)  # one per model and calibration, for every size
     default_calibration = "builtin:mix"  # 100 x 2048 rows need ~205k tokens; c4 alone has ~80k
     outputs = ("output*.safetensors", "measurement.json")
     evaluator = "exllamav2"
@@ -106,7 +106,7 @@ class Exl2Engine(Engine):
         # exllamav2 reads the text file itself and takes its first rows x length tokens
         return [(spec.measurement_rows, spec.measurement_length), (spec.rows, spec.length)]
 
-    def measurement_settings(self, spec: Exl2Spec) -> tuple[int, int]:
+    def measurement_settings(self, spec: Exl2Spec, stage: str) -> tuple[int, int]:
         return spec.measurement_rows, spec.measurement_length
 
     def describe_calibration(self, spec: dict, text: str) -> str:
@@ -137,12 +137,14 @@ class Exl2Engine(Engine):
 
     def measure(
         self,
+        stage: str,
         source_dir: Path,
         calibration_file: Path,
         rows: int,
         length: int,
         work_dir: Path,
         measurement: Path,
+        earlier: dict[str, Path],
         emit,
         processes: int = 1,
     ) -> None:
@@ -162,7 +164,7 @@ class Exl2Engine(Engine):
             i=request.source_dir,
             o=work,
             c=request.calibration_file,
-            m=request.measurement,
+            m=request.measurements["measure"],
             b=spec["bpw"],
             hb=spec["head_bits"],
             r=spec["rows"],
@@ -172,7 +174,7 @@ class Exl2Engine(Engine):
         self._run(args, work, log, emit, what=f"EXL2 conversion at {spec['bpw']} bpw")
         check_output(request.out_dir, spec, log)
         (request.out_dir / "model.safetensors.index.json").unlink(missing_ok=True)
-        shutil.copy2(request.measurement, request.out_dir / "measurement.json")
+        shutil.copy2(request.measurements["measure"], request.out_dir / "measurement.json")
         shutil.rmtree(work, ignore_errors=True)
 
 

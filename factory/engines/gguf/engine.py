@@ -1,12 +1,14 @@
 """GGUF through llama.cpp's own converter and tools (pinned and built once per machine: llama.py), in child processes.
 
-    measure (shared by every type of a model and calibration, as EXL2's measurement is):
-      python -m factory.engines.gguf.convert LLAMA SRC --outtype f16|bf16 --outfile KEY.f16.gguf   the 16-bit GGUF
+    convert (a shared unit: one per model, for every type and calibration):
+      python -m factory.engines.gguf.convert LLAMA SRC --outtype f16|bf16 --outfile KEY.gguf    the 16-bit GGUF
         (convert_hf_to_gguf.py; convert.py says what it adds)
-      llama-imatrix -m KEY.f16.gguf -f CAL.txt -c CTX --chunks N -o KEY.imatrix.gguf    the importance matrix
+    imatrix (a shared unit: one per model and calibration, for every type; after convert):
+      llama-imatrix -m KEY.gguf -f CAL.txt -c CTX --chunks N -o KEY.imatrix.gguf    the importance matrix
     quantize (one unit per type):
-      llama-quantize --imatrix KEY.imatrix.gguf KEY.f16.gguf <Model>-<TYPE>.gguf TYPE THREADS
-      llama-gguf-split --split --split-max-size 48G ...   where the file is over the Hub's 50 GB per file
+      llama-quantize --imatrix KEY.imatrix.gguf KEY.gguf <Model>-<TYPE>.gguf TYPE THREADS
+      llama-gguf-split --split --split-max-size NM ...   where the file is over FACTORY_GGUF_SPLIT_BYTES (the Hub's
+        largest file is 50 GB): <Model>-<TYPE>-00001-of-0000K.gguf, ..., which llama.cpp loads from the first
 
 What we add, and why:
 - the 16-bit type is the source's (bf16 for a bfloat16 checkpoint: float16 would clip its range);
@@ -14,13 +16,12 @@ What we add, and why:
   the K-quants are better with one, Q8_0 ignores it); it is published beside each quant, as uploaders do;
 - outputs are checked, not trusted: each file must be GGUF with `general.file_type` the type asked for;
 - the tools print to stderr too: their lines are read for progress (`blk.N` of the converter, `[i/n]` tensors of
-  llama-quantize, `computing over N chunks` of llama-imatrix);
+  llama-quantize, `computing over N chunks` and each chunk's `[i]` of llama-imatrix);
 - quants are scored by llama.cpp's own inference (evaluate.py) on the factory's windows, never llama-perplexity's.
 """
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 import sys
@@ -29,19 +30,18 @@ from pathlib import Path
 import calibration
 from factory.checkpoints.inspect import read_config
 from factory.engines import child
-from factory.engines.base import Engine, Flag, QuantizeRequest
+from factory.engines.base import Engine, Flag, QuantizeRequest, Shared
 from factory.engines.gguf import evaluate, gguf_file, llama
 from factory.engines.gguf.card import GgufCard
 from factory.engines.gguf.memory import GgufMemory
 from factory.engines.gguf.spec import TYPES, GgufSpec, GgufTargets, targets_from_flag
 from factory.errors import JobFailed
-from factory.settings import cpu_threads
+from factory.settings import cpu_threads, gguf_split_bytes
 
 CONVERTED = re.compile(r"\bblk\.(\d+)\.")
 CHUNKS = re.compile(r"computing over (\d+) chunks")
+CHUNK_DONE = re.compile(r"\[(\d+)\]-?[\d.]+(?:e[+-]?\d+)?,")
 TENSOR = re.compile(r"^\[\s*(\d+)/\s*(\d+)\]")
-SPLIT_OVER = 50 * 10**9  # the Hub's largest file
-SPLIT_SIZE = "48G"
 
 # What benchmarks/coverage.py proved llama.cpp's converter, tools and inference take on the CPU
 # (benchmarks/results/coverage-cpu.json; tests/test_coverage.py keeps the two equal), and the claims that run failed
@@ -66,10 +66,20 @@ def _converter_parser(layers: int):
     return parse
 
 
-def _imatrix_parser(line: str) -> dict | None:
-    if match := CHUNKS.search(line):
-        return {"event": "progress", "stage": "imatrix", "done": 0, "total": int(match.group(1)), "unit": "chunk"}
-    return None
+def _imatrix_parser(chunks: int):
+    """llama-imatrix says how many chunks it computes over, then each chunk's running perplexity (`[7]33.29,`),
+    several to a line: the last of a line is how far it got (a model that takes hours must not look stalled)."""
+    total = [chunks]
+
+    def parse(line: str) -> dict | None:
+        if match := CHUNKS.search(line):
+            total[0] = int(match.group(1))
+            return {"event": "progress", "stage": "imatrix", "done": 0, "total": total[0], "unit": "chunk"}
+        if done := CHUNK_DONE.findall(line):
+            return {"event": "progress", "stage": "imatrix", "done": int(done[-1]), "total": total[0], "unit": "chunk"}
+        return None
+
+    return parse
 
 
 def _quantize_parser(line: str) -> dict | None:
@@ -94,11 +104,18 @@ class GgufEngine(Engine):
     label = "GGUF"
     spec = GgufSpec
     targets = GgufTargets
-    flag = Flag("GGUF types in llama-quantize's names, e.g. Q8_0,Q6_K,Q5_K_M,Q4_K_M,IQ4_XS.", takes_value=True)
+    flag = Flag(
+        "GGUF types in llama-quantize's names, e.g. Q8_0,Q6_K,Q5_K_M,Q4_K_M,IQ4_XS; or fit: the best type for each "
+        "--fit budget.",
+        takes_value=True,
+    )
     tag_pattern = r"gguf-[a-z0-9_]+"
     tag_example = "gguf-q4_k_m"
     architectures = ARCHITECTURES
-    needs_measurement = True  # the 16-bit conversion and the importance matrix, shared by every type
+    shared = (  # every type of a model reads both; the conversion serves every calibration too
+        Shared("convert", "16-bit conversion", ".gguf"),
+        Shared("imatrix", "importance matrix", ".imatrix.gguf"),
+    )
     default_calibration = "builtin:c4"
     outputs = ("*.gguf",)
     evaluator = "llama.cpp"
@@ -109,11 +126,15 @@ class GgufEngine(Engine):
         llama.built()  # refused at submit, naming the setup command, where llama.cpp is not built
         return llama.version()
 
+    def resolve(self, spec: GgufSpec, info, device: str) -> GgufSpec:
+        gguf_split_bytes()  # a bad FACTORY_GGUF_SPLIT_BYTES is refused at submit, not after the conversion
+        return spec
+
     def targets_from_flag(self, value: str | dict, written: dict) -> dict:
         return value if isinstance(value, dict) else targets_from_flag(value, written)
 
-    def measurement_settings(self, spec: GgufSpec) -> tuple[int, int]:
-        return spec.imatrix_chunks, spec.imatrix_ctx
+    def measurement_settings(self, spec: GgufSpec, stage: str) -> tuple[int, int]:
+        return (spec.imatrix_chunks, spec.imatrix_ctx) if stage == "imatrix" else (0, 0)
 
     def calibration_lengths(self, spec: GgufSpec) -> list[tuple[int, int]]:
         return [(spec.imatrix_chunks, spec.imatrix_ctx)]
@@ -126,48 +147,45 @@ class GgufEngine(Engine):
 
     def measure(
         self,
+        stage: str,
         source_dir: Path,
         calibration_file: Path,
         rows: int,
         length: int,
         work_dir: Path,
-        measurement: Path,
+        out: Path,
+        earlier: dict[str, Path],
         emit,
         processes: int = 1,
     ) -> None:
         work_dir.mkdir(parents=True, exist_ok=True)
         log = work_dir.parent / f"{work_dir.name}.log"
-        config = read_config(source_dir / "config.json", check_numbers=False)
-        outtype = "bf16" if child.saved_dtype(config.get("text_config", config)) == "bfloat16" else "f16"
-        f16 = measurement.with_name(f"{measurement.stem}.{outtype}.gguf")
-        imatrix = measurement.with_name(f"{measurement.stem}.imatrix.gguf")
-        layers = int(config.get("text_config", config).get("num_hidden_layers") or 1)
-        converted = work_dir / f"model.{outtype}.gguf"
-        cmd = [sys.executable, "-m", "factory.engines.gguf.convert", str(llama.source()), str(source_dir)]
-        cmd += ["--outtype", outtype, "--outfile", str(converted)]
-        child.run_command(cmd, log, emit, f"GGUF conversion to {outtype}", _converter_parser(layers), merge=True)
-        check_gguf(converted, outtype.upper(), log)
-        text = work_dir / "calibration.txt"
-        text.write_text(calibration.read_file(calibration_file, "calibration"))
-        made = work_dir / "imatrix.gguf"
-        cmd = [str(llama.tool("llama-imatrix")), "-m", str(converted), "-f", str(text), "-o", str(made)]
-        cmd += ["-c", str(length), "--chunks", str(rows), "-t", str(cpu_threads()), *evaluate.gpu_layers()]
-        child.run_command(
-            cmd, log, emit, f"GGUF importance matrix ({rows} x {length} tokens)", _imatrix_parser, merge=True
-        )
-        try:
-            gguf_file.metadata(made)
-        except (OSError, ValueError):
-            raise JobFailed(f"llama-imatrix wrote no importance matrix; see {log}") from None
-        converted.replace(f16)
-        made.replace(imatrix)
-        measurement.write_text(json.dumps({"f16": f16.name, "imatrix": imatrix.name, "chunks": rows, "ctx": length}))
+        made = work_dir / out.name
+        if stage == "convert":
+            config = read_config(source_dir / "config.json", check_numbers=False)
+            outtype = "bf16" if child.saved_dtype(config.get("text_config", config)) == "bfloat16" else "f16"
+            layers = int(config.get("text_config", config).get("num_hidden_layers") or 1)
+            cmd = [sys.executable, "-m", "factory.engines.gguf.convert", str(llama.source()), str(source_dir)]
+            cmd += ["--outtype", outtype, "--outfile", str(made)]
+            child.run_command(cmd, log, emit, f"GGUF conversion to {outtype}", _converter_parser(layers), merge=True)
+            check_gguf(made, outtype.upper(), log)
+        else:  # imatrix, on the job's calibration text, with the 16-bit GGUF the stage before made
+            text = work_dir / "calibration.txt"
+            text.write_text(calibration.read_file(calibration_file, "calibration"))
+            cmd = [str(llama.tool("llama-imatrix")), "-m", str(earlier["convert"]), "-f", str(text), "-o", str(made)]
+            cmd += ["-c", str(length), "--chunks", str(rows), "-t", str(cpu_threads()), *evaluate.gpu_layers()]
+            what = f"GGUF importance matrix ({rows} x {length} tokens)"
+            child.run_command(cmd, log, emit, what, _imatrix_parser(rows), merge=True)
+            try:
+                gguf_file.metadata(made)
+            except (OSError, ValueError):
+                raise JobFailed(f"llama-imatrix wrote no importance matrix; see {log}") from None
+        made.replace(out)
         shutil.rmtree(work_dir, ignore_errors=True)
 
     def quantize(self, request: QuantizeRequest, emit) -> None:
         spec, log = request.spec, request.work_dir / child.LOG_NAME
-        made = json.loads(request.measurement.read_text())
-        f16, imatrix = (request.measurement.parent / made[k] for k in ("f16", "imatrix"))
+        f16, imatrix = request.measurements["convert"], request.measurements["imatrix"]
         shutil.rmtree(request.out_dir, ignore_errors=True)
         request.out_dir.mkdir(parents=True)
         quant = request.work_dir / gguf_file.name(request.model, spec["type"])
@@ -175,8 +193,8 @@ class GgufEngine(Engine):
         cmd.append(str(cpu_threads()))
         child.run_command(cmd, log, emit, f"GGUF quantization to {spec['type']}", _quantize_parser, merge=True)
         check_gguf(quant, spec["type"], log)
-        if quant.stat().st_size > SPLIT_OVER:
-            split = [str(llama.tool("llama-gguf-split")), "--split", "--split-max-size", SPLIT_SIZE]
+        if quant.stat().st_size > (largest := gguf_split_bytes()):
+            split = [str(llama.tool("llama-gguf-split")), "--split", "--split-max-size", f"{largest // 10**6}M"]
             child.run_command([*split, str(quant), str(request.out_dir / quant.stem)], log, emit, "gguf-split")
             quant.unlink()
         else:

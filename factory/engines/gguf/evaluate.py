@@ -11,7 +11,7 @@ import subprocess
 from pathlib import Path
 
 from factory.engines import child
-from factory.engines.gguf import llama
+from factory.engines.gguf import gguf_file, llama
 from factory.errors import JobFailed
 from factory.settings import cpu_threads
 
@@ -25,7 +25,7 @@ def gpu_layers() -> list[str]:
 
 def model_file(folder: Path) -> Path:
     """The quant's .gguf in `folder` (its first part where gguf-split cut it), not the importance matrix."""
-    files = sorted(p for p in Path(folder).glob("*.gguf") if not p.name.endswith("-imatrix.gguf"))
+    files = gguf_file.model_files(folder)
     first = [p for p in files if "-00001-of-" in p.name] or files
     if not first:
         raise JobFailed(f"{folder} holds no .gguf model file")

@@ -25,6 +25,12 @@ def name(model: str, type_: str) -> str:
     return f"{stem(model)}-{type_}.gguf"
 
 
+def model_files(folder: Path) -> list[Path]:
+    """The quant's .gguf files in `folder`, not the importance matrix: one, or gguf-split's parts in their order
+    (`-00001-of-0000K.gguf` first, which llama.cpp loads, finding the others beside it)."""
+    return sorted(p for p in Path(folder).glob("*.gguf") if not p.name.endswith("-imatrix.gguf"))
+
+
 def _read(f: BinaryIO, fmt: str):
     size = struct.calcsize(fmt)
     data = f.read(size)

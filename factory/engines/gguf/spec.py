@@ -9,6 +9,7 @@ from pydantic import Field, field_validator
 
 from factory.engines.base import QuantSpec, Targets
 from factory.errors import SpecError
+from factory.specs import asks_fit
 
 # llama-quantize's QUANT_OPTIONS (tools/quantize/quantize.cpp of the pinned llama.cpp; tests/test_engine_gguf.py
 # checks each is in the built tool's list), with the bits per weight of its quantized tensors (the block formats';
@@ -24,6 +25,10 @@ TYPES: dict[str, tuple[float, int]] = {  # type -> (bits per weight, llama_ftype
     "IQ1_S": (1.56, 24), "Q2_0": (2.25, 41), "Q1_0": (1.125, 40),
 }  # fmt: skip
 STANDARD = ("Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "IQ4_XS")  # a recipe's `gguf: {}`: the set uploaders publish most
+# What `--fit` and `qf plan` choose from, best first: the K- and I-quants uploaders recommend at each size (the 16-bit
+# types are not quants; the legacy Q4_0/Q4_1/Q5_0/Q5_1 are bigger than a K-quant of their quality; TQ1_0/TQ2_0 and
+# Q1_0/Q2_0 are for models trained ternary or binary).
+LADDER = ("Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "IQ4_XS", "Q3_K_M", "IQ3_M", "IQ3_XXS", "IQ2_M", "IQ2_XXS", "IQ1_M")
 
 
 def check_type(value: object) -> str:
@@ -73,6 +78,8 @@ class GgufTargets(Targets):
 
 def targets_from_flag(value: str, written: dict) -> dict:
     """`--gguf Q8_0,Q4_K_M` -> the recipe's gguf settings with those types."""
+    if asks_fit(value):
+        raise SpecError("--gguf fit takes its types from --fit's budgets: give them, e.g. --gguf fit --fit 16GB,8GB")
     types = [t for t in (p.strip() for p in value.split(",")) if t]
     if not types:
         raise SpecError("--gguf takes llama-quantize's type names, e.g. --gguf Q8_0,Q4_K_M,IQ4_XS")
