@@ -152,7 +152,7 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    from tests.smollm2 import convert
+    from tests.support.smollm2 import convert
 
     gguf = os.environ.get("QF_SMOLLM2_GGUF")
     source = args.dir / "SmolLM2-135M-Instruct"

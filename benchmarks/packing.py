@@ -131,7 +131,7 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    from tests.tiny_model import LLAMA_1B, make_tiny_llama
+    from tests.support.tiny_model import LLAMA_1B, make_tiny_llama
 
     model = args.dir / "llama-1.1b"
     if not (model / "config.json").is_file():

@@ -9,7 +9,6 @@ raw status output of one conversion goes to $QF_GPU_TRANSCRIPTS (for the CPU par
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import os
 import shutil
@@ -30,47 +29,14 @@ from factory.evaluation import evaluate
 from factory.jobs.planning import Request
 from factory.pipeline import Factory
 from factory.recipes import build_recipe
-from tests.conftest import Qf
-from tests.smollm2 import convert
-from tests.tiny_model import make_tiny_llama
+from tests.support import ROOT
+from tests.support.gpu_results import RESULTS, rows, run_events, save
+from tests.support.qf import Qf
+from tests.support.smollm2 import convert
+from tests.support.tiny_model import make_tiny_llama
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-ROOT = Path(__file__).resolve().parent.parent
 BPWS = os.environ.get("QF_GPU_BPWS", "3.0,4.0,5.0,6.0")  # fewer for a quick rerun of one check
-RESULTS: dict = {"rows": [], "checks": {}}
-
-
-def _version(dist: str) -> str:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
-
-
-def _save() -> None:
-    """Rewrite the results file after every recorded row, so an interrupted suite still leaves what it measured."""
-    out = Path(os.environ.get("QF_GPU_RESULTS", ROOT / "benchmarks" / "results" / "gpu_suite.json"))
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {
-                "commit": os.environ.get("QF_COMMIT") or commit or "unknown",
-                "gpu": torch.cuda.get_device_name(0),
-                "versions": {
-                    "torch": torch.__version__,
-                    "transformers": _version("transformers"),
-                    "exllamav2": _version("exllamav2"),
-                    "exllamav3": _version("exllamav3"),
-                    "autoawq": _version("autoawq"),
-                },
-                "command": "scripts/gpu_suite (pytest -m gpu)",
-                **RESULTS,
-            },
-            indent=2,
-        )
-        + "\n"
-    )
 
 
 class _Made(dict):
@@ -97,61 +63,6 @@ def models(tmp_path_factory) -> dict[str, Path]:
     )
 
 
-def _events(result) -> list[dict]:
-    assert result.exit_code == 0, result.output
-    return [json.loads(line) for line in result.stdout.splitlines()]
-
-
-def _rows(model: str, events: list[dict]) -> None:
-    steps = {e["step"]: e for e in events if e["event"] == "step" and e["state"] == "succeeded"}
-    measure = next((e for name, e in steps.items() if name.startswith("measure:")), None)
-    fp16 = next((e["ppl"] for e in events if e["event"] == "evaluation" and e["subject"] == "fp16"), None)
-    result = events[-1]
-    if fp16 is not None:
-        RESULTS["rows"].append(
-            {
-                "model": model,
-                "method": "fp16",
-                "evaluator": "transformers",
-                "bits": 16,
-                "ppl": fp16,
-                "eval_windows": result["quants"][0]["eval"]["windows"],
-                "seconds": {"evaluate": steps["evaluate:fp16"]["seconds"]},
-                "peak_gpu_bytes": steps["evaluate:fp16"]["peak_gpu_bytes"],
-            }
-        )
-    for q in result["quants"]:
-        tag = q["name"].split(":", 1)[1]
-        quantize = steps[f"quantize:{tag}"]
-        seconds = {"quantize": quantize["seconds"], "evaluate": steps[f"evaluate:{tag}"]["seconds"]}
-        if q["method"] == "exl2" and measure is not None:
-            seconds["measure"] = measure["seconds"]
-        RESULTS["rows"].append(
-            {
-                "model": model,
-                "method": q["method"],
-                "tag": tag,
-                "evaluator": engines.get(q["method"]).evaluator,
-                "bits": q["bits"],
-                "bytes": q["bytes"],
-                "ppl": q["ppl"],
-                "fp16_ppl": q["fp16_ppl"],
-                "change": q["change"],
-                "kld": q["kld"],
-                "kld_p99": q["kld_p99"],
-                "top1": q["top1"],
-                "eval_windows": q["eval"]["windows"],
-                "seconds": seconds,
-                "peak_gpu_bytes": {
-                    "quantize": quantize["peak_gpu_bytes"],
-                    "evaluate": steps[f"evaluate:{tag}"]["peak_gpu_bytes"],
-                    **({"measure": measure["peak_gpu_bytes"]} if q["method"] == "exl2" and measure else {}),
-                },
-            }
-        )
-    _save()
-
-
 @pytest.fixture(scope="session", params=["tiny-llama", "smollm2-135m-instruct"])
 def standard(request, models, tmp_path_factory):
     """EXL2 3.0/4.0/5.0/6.0 + AWQ in one job (48 eval windows on CUDA). The gate is opened to 3 x FP16: SmolLM2
@@ -161,8 +72,8 @@ def standard(request, models, tmp_path_factory):
     recipe = home / "suite.yaml"
     recipe.write_text(f"exl2: {{bpw: [{BPWS}]}}\nawq: {{}}\nmax_ppl_ratio: 3.0\n")
     qf = Qf(home=home / "home")
-    events = _events(qf("run", models[name], "--recipe", recipe, "--json"))
-    _rows(name, events)
+    events = run_events(qf("run", models[name], "--recipe", recipe, "--json"))
+    rows(name, events)
     return name, qf, events
 
 
@@ -196,7 +107,7 @@ def test_quality_falls_with_fewer_bits(standard):
     RESULTS["checks"]["smollm2_exl2_ppl_by_bpw"] = dict(zip(BPWS.split(","), ppls, strict=True))
     RESULTS["checks"]["smollm2_exl2_kld_by_bpw"] = dict(zip(BPWS.split(","), klds, strict=True))
     RESULTS["checks"]["smollm2_exl2_6bpw_change"] = exl2[-1]["change"]
-    _save()
+    save()
     assert ppls == sorted(ppls, reverse=True)
     assert klds == sorted(klds, reverse=True) and klds[-1] > 0  # KL divergence from FP16 falls as bits rise
     assert exl2[-1]["change"] < 0.03
@@ -214,7 +125,7 @@ def test_kv_cache_perplexities(standard):
             if name == "smollm2-135m-instruct":  # through an fp16 cache, in chunks: the same as one full forward
                 assert kv["fp16"] == pytest.approx(q["ppl"], rel=0.005)
     RESULTS["checks"][f"{name}_kv_cache_ppl"] = found
-    _save()
+    save()
 
 
 def test_measurement_is_reused_for_another_size(standard, tmp_path):
@@ -222,11 +133,11 @@ def test_measurement_is_reused_for_another_size(standard, tmp_path):
     name, qf, _ = standard
     recipe = tmp_path / "equal-size.yaml"
     recipe.write_text("exl2: {bpw: [4.31], head_bits: 8}\n")
-    events = _events(qf("run", _source_of(standard), "--recipe", recipe, "--json"))
+    events = run_events(qf("run", _source_of(standard), "--recipe", recipe, "--json"))
     notes = [e["message"] for e in events if e["event"] == "note"]
     assert any(n.startswith("reusing EXL2 measurement") for n in notes)
     assert not [e for e in events if e["event"] == "step" and e["step"].startswith("measure:")]
-    _rows(name, events)
+    rows(name, events)
 
 
 def _source_of(standard) -> str:
@@ -255,7 +166,7 @@ def test_exllamav2_fp16_matches_transformers(standard):
             "peak_gpu_bytes": result.peak_gpu_bytes,
         }
     )
-    _save()
+    save()
     assert result.ppl == pytest.approx(fp16, rel=0.001)
 
 
@@ -269,14 +180,14 @@ def test_exl2_publishes_only_the_allowlist(models, tmp_path):
     (model / "optimizer.pt").write_bytes(b"\x80\x04pickle")
     (model / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
     qf = Qf(home=tmp_path / "home")
-    events = _events(qf("run", model, "--exl2", "4.0", "--eval-windows", 4, "--json"))
+    events = run_events(qf("run", model, "--exl2", "4.0", "--eval-windows", 4, "--json"))
     [quant] = events[-1]["quants"]
     folder = qf.home / "registry" / quant["path"]
     names = sorted(p.name for p in folder.iterdir())
     files.check_publishable(folder, engines.get("exl2").outputs)
     assert "chat_template.jinja" in names and not {".env", "notes.txt", "optimizer.pt"} & set(names), names
     RESULTS["checks"]["exl2_published_files"] = names
-    _save()
+    save()
 
 
 # -- resume ------------------------------------------------------------------------------------------------------
@@ -340,7 +251,7 @@ def test_resume_after_kills(models, tmp_path, monkeypatch):
     stages = _stages(seen)
     assert stages[0] == "Quantizing" and "Tokenizing (2)" not in stages, stages
     RESULTS["checks"]["resume_first_stage_after_kill"] = stages[0]
-    _save()
+    save()
 
 
 def test_corrupt_work_folder_restarts_clean(models, tmp_path, monkeypatch):

@@ -1,6 +1,6 @@
 """EXL3 on the GPU (exllamav3 1.6.5; scripts/gpu_suite installs it from .whl/exl3 and builds its extension).
 
-Gemma-3-270M (tests/gemma.py, from the GGUF parts in $QF_GEMMA_PARTS) at 2.0-6.0 bpw in one job on the same 48
+Gemma-3-270M (tests/support/gemma.py, from the GGUF parts in $QF_GEMMA_PARTS) at 2.0-6.0 bpw in one job on the same 48
 windows as its FP16; FP16 through exllamav3 against transformers; a tiny random Llama end to end (convert, score
 through the quantized cache, publish, pull), a tiny Gemma 3 vision-language checkpoint given an image after, and a
 conversion killed and resumed. Results: $QF_GPU_RESULTS.
@@ -24,19 +24,19 @@ import calibration
 from factory import engines
 from factory.checkpoints.inspect import VISION_PART
 from factory.evaluation import evaluate
-from tests.conftest import Qf
-from tests.exl3_image import first_token
-from tests.gemma import convert
-from tests.test_gpu import RESULTS, _events, _rows, _save
-from tests.tiny_model import LLAMA_1B, make_tiny_llama
-from tests.tiny_vlms import make_tiny_vlm
+from tests.support import ROOT
+from tests.support.exl3_image import first_token
+from tests.support.gemma import convert
+from tests.support.gpu_results import RESULTS, rows, run_events, save
+from tests.support.qf import Qf
+from tests.support.tiny_model import LLAMA_1B, make_tiny_llama
+from tests.support.tiny_vlms import make_tiny_vlm
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
     pytest.mark.skipif(importlib.util.find_spec("exllamav3") is None, reason="needs exllamav3"),
 ]
-ROOT = Path(__file__).resolve().parent.parent
 GEMMA_BPWS = os.environ.get("QF_GEMMA_BPWS", "2.0,3.0,4.0,5.0,6.0")
 
 
@@ -48,7 +48,7 @@ def tiny_llama(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def gemma(tmp_path_factory) -> Path:
     """$QF_GEMMA_DIR (made there once, reused) or a session folder; the tokenizer from $QF_GEMMA_TOKENIZER where
-    the machine's transformers misreads the GGUF's (tests/gemma.py)."""
+    the machine's transformers misreads the GGUF's (tests/support/gemma.py)."""
     parts, made, tokenizer = (os.environ.get(k) for k in ("QF_GEMMA_PARTS", "QF_GEMMA_DIR", "QF_GEMMA_TOKENIZER"))
     out = Path(made) if made else tmp_path_factory.mktemp("gemma") / "gemma-3-270m"
     return convert(out, Path(parts) if parts else None, Path(tokenizer) if tokenizer else None)
@@ -58,8 +58,8 @@ def test_exl3_end_to_end_on_a_tiny_llama(tiny_llama, tmp_path):
     qf = Qf(home=tmp_path / "home")
     recipe = tmp_path / "r.yaml"
     recipe.write_text("exl3: {bpw: [4.0]}\nmax_ppl_ratio: 3.0\n")
-    events = _events(qf("run", tiny_llama, "--recipe", recipe, "--json"))
-    _rows("tiny-llama", events)
+    events = run_events(qf("run", tiny_llama, "--recipe", recipe, "--json"))
+    rows("tiny-llama", events)
     [quant] = events[-1]["quants"]
     assert (quant["name"], quant["method"]) == ("tiny-llama:exl3-4.0bpw", "exl3")
     assert set(quant["eval"]["kv_cache"]) == {"q8", "q4"}
@@ -71,17 +71,17 @@ def test_exl3_end_to_end_on_a_tiny_llama(tiny_llama, tmp_path):
     assert (out / "quantization_config.json").is_file()
     log = next((tmp_path / "home" / "work").rglob("engine.log"), None)  # removed after success: the job is done
     assert log is None
-    _save()
+    save()
 
 
 def test_a_vision_language_exl3_quant_keeps_its_tower_and_takes_an_image(tmp_path):
-    """Issue 33 on exllamav3: a tiny Gemma 3 vision-language checkpoint as released (tests/tiny_vlms.py) through
+    """Issue 33 on exllamav3: a tiny Gemma 3 vision-language checkpoint as released (tests/support/tiny_vlms.py) through
     `qf run --exl3`: its language model quantized, its tower and projector copied at 16 bits, its processor's files
     published; the pulled quant loads with its vision model and generates a token for a prompt with an image."""
     source = make_tiny_vlm("gemma3", tmp_path / "tiny-gemma3-vl", hidden=256)
     qf = Qf(home=tmp_path / "home")
-    events = _events(qf("run", source, "--exl3", "4.0", "--eval-windows", 2, "--json"))
-    _rows("tiny-gemma3-vl", events)
+    events = run_events(qf("run", source, "--exl3", "4.0", "--eval-windows", 2, "--json"))
+    rows("tiny-gemma3-vl", events)
     [quant] = events[-1]["quants"]
     assert quant["name"] == "tiny-gemma3-vl:exl3-4.0bpw"
     out = tmp_path / "pulled"
@@ -99,7 +99,7 @@ def test_a_vision_language_exl3_quant_keeps_its_tower_and_takes_an_image(tmp_pat
     seen = first_token(out)
     RESULTS["checks"]["exl3_vlm_image"] = seen
     assert seen["image_embeddings"] == 4 and seen["prompt_tokens"] > seen["image_embeddings"]
-    _save()
+    save()
 
 
 def _tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -146,15 +146,15 @@ def test_exl3_conversion_killed_and_resumed(tiny_llama, tmp_path):
     events = [json.loads(line) for line in again.stdout.splitlines()]
     assert events[-1]["state"] == "succeeded"
     RESULTS["checks"]["exl3_resumed_after_sigkill"] = True
-    _save()
+    save()
 
 
 def test_gemma_exl3_sizes_one_job(gemma, tmp_path):
     qf = Qf(home=tmp_path / "home")
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"exl3: {{bpw: [{GEMMA_BPWS}]}}\nmax_ppl_ratio: 10.0\n")
-    events = _events(qf("run", gemma, "--recipe", recipe, "--json"))
-    _rows("gemma-3-270m", events)
+    events = run_events(qf("run", gemma, "--recipe", recipe, "--json"))
+    rows("gemma-3-270m", events)
     quants = sorted(events[-1]["quants"], key=lambda q: q["bits"])
     assert [q["bits"] for q in quants] == [float(b) for b in GEMMA_BPWS.split(",")]
     ppls = [q["ppl"] for q in quants]
@@ -182,7 +182,7 @@ def test_gemma_fp16_through_exllamav3_agrees_with_transformers(gemma):
         for r in (theirs, ours)
     ]
     RESULTS["checks"]["gemma_fp16_exllamav3_vs_transformers"] = ours.ppl / theirs.ppl - 1
-    _save()
+    save()
     assert abs(ours.ppl / theirs.ppl - 1) < 0.001, (ours.ppl, theirs.ppl)
 
 
@@ -192,13 +192,13 @@ def test_exl3_against_exl2_at_equal_bits_on_the_random_1b_llama(tmp_path):
     model = make_tiny_llama(tmp_path / "llama-1.1b", device="cuda", **LLAMA_1B)
     qf = Qf(home=tmp_path / "home")
     bpw = os.environ.get("QF_LLAMA_BPWS", "4.0")
-    events = _events(
+    events = run_events(
         qf("run", model, "--exl2", bpw, "--exl3", bpw, "--calibration", "builtin:mix", "--eval-windows", "8", "--json")
     )
-    _rows("llama-1.1b-random", events)
+    rows("llama-1.1b-random", events)
     quants = {(q["method"], q["bits"]): q for q in events[-1]["quants"]}
     for bits in map(float, bpw.split(",")):
         exl2, exl3 = quants[("exl2", bits)], quants[("exl3", bits)]
         RESULTS["checks"][f"llama_1b_exl3_over_exl2_bytes_{bits}"] = exl3["bytes"] / exl2["bytes"]
         assert 0.9 < exl3["bytes"] / exl2["bytes"] < 1.1  # the same bits per weight make the same size
-    _save()
+    save()

@@ -23,10 +23,10 @@ from transformers import AutoModelForCausalLM
 from calibration import builtin_text
 from factory.evaluation import evaluate, kld
 from factory.evaluation.layered import ByLayer
-from tests.tiny_model import LLAMA_1B, make_tiny_llama
+from tests.support import ROOT
+from tests.support.tiny_model import LLAMA_1B, make_tiny_llama
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-ROOT = Path(__file__).resolve().parent.parent
 LLAMA_8B = dict(
     hidden=4096,
     layers=32,
@@ -52,7 +52,7 @@ def _save() -> None:
                 "commit": os.environ.get("QF_COMMIT") or commit or "unknown",
                 "gpu": torch.cuda.get_device_name(0),
                 "versions": {"torch": torch.__version__},
-                "command": "pytest -m gpu tests/test_gpu_kld.py",
+                "command": "pytest -m gpu tests/gpu/test_gpu_kld.py",
                 **RESULTS,
             },
             indent=2,

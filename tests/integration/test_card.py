@@ -15,7 +15,7 @@ from factory.checkpoints import sources
 from factory.cli import app
 from factory.publish import card, upstream
 from factory.registry.published import QuantRow
-from tests.quant_rows import quant_row
+from tests.support.quant_rows import quant_row
 
 GB = 2**30
 TEMPLATE = (

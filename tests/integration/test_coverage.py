@@ -14,14 +14,13 @@ from __future__ import annotations
 import json
 import os
 import re
-from pathlib import Path
 
 import pytest
 
 from benchmarks import coverage
 from factory import engines
+from tests.support import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 RESULTS = coverage.results()
 UNPROVEN = {
     "exl3": {

@@ -25,9 +25,9 @@ from safetensors.torch import load_file, save_file
 from factory.checkpoints import dequantize, sources
 from factory.checkpoints.inspect import inspect
 from factory.errors import ModelRefused
-from tests.tiny_archs import make_tiny
+from tests.support import ROOT
+from tests.support.tiny_archs import make_tiny
 
-ROOT = Path(__file__).resolve().parent.parent
 FP8_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
 MXFP4_CONFIG = {
     "modules_to_not_convert": [
@@ -139,7 +139,7 @@ def fp8(tiny, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def gpt_oss(tmp_path_factory):
-    """A tiny gpt-oss (transformers' own class, tests/tiny_archs.py) and the same model as an MXFP4 release."""
+    """A tiny gpt-oss (transformers' own class, tests/support/tiny_archs.py) and the same model as an MXFP4 release."""
     base = tmp_path_factory.mktemp("gpt-oss")
     plain = make_tiny("gpt_oss", base / "tiny-gpt-oss")
     bf16 = {k: v.to(torch.bfloat16) for k, v in load_file(plain / "model.safetensors").items()}

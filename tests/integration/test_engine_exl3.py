@@ -21,8 +21,7 @@ from factory.pipeline import Factory
 from factory.publish import hub
 from factory.recipes import build_recipe
 from factory.registry import naming
-
-FIXTURES = Path(__file__).parent / "fixtures"
+from tests.support import FIXTURES
 
 
 def test_conversion_transcript_becomes_one_event_per_module():
@@ -202,7 +201,7 @@ def test_text_only_gemma3_sources_are_read_with_exllamav3s_dotted_names(tmp_path
 
 def test_the_card_says_how_exllamav3_names_a_gemma3_quant(tmp_path, tiny):
     from factory.publish import card
-    from tests.quant_rows import quant_row
+    from tests.support.quant_rows import quant_row
 
     gemma3 = tmp_path / "gemma3"
     shutil.copytree(tiny, gemma3)

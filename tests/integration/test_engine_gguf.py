@@ -42,7 +42,7 @@ def rescored(folder, source, windows: int) -> float:
 @pytest.fixture(scope="module")
 def tiny_gguf(tiny, tmp_path_factory):
     """`qf run tiny --gguf Q8_0,Q4_K_M,IQ4_XS` with a small importance matrix, scored on 2 windows."""
-    from tests.conftest import Qf, fresh_database
+    from tests.support.qf import Qf, fresh_database
 
     with fresh_database() as url:
         qf = Qf(home=tmp_path_factory.mktemp("gguf") / "home", db_url=url)

@@ -19,9 +19,10 @@ import httpx
 import pytest
 import yaml
 
-from tests.conftest import PG
-from tests.test_service import Server, factory_env, qf, user_env  # noqa: F401  (factory_env: a fixture)
-from tests.test_workers import ROOT
+from tests.support import ROOT
+from tests.support.processes import qf
+from tests.support.qf import PG
+from tests.support.service import Server, user_env
 
 pytestmark = pytest.mark.skipif(not PG, reason="compose's catalog is PostgreSQL: runs in the PostgreSQL pass")
 COMPOSE = yaml.safe_load((ROOT / "compose.yaml").read_text())["services"]

@@ -13,8 +13,8 @@ import sys
 import time
 
 from factory.publish import folder as registry
-from tests.conftest import Qf
-from tests.test_safety import ROOT
+from tests.support import ROOT
+from tests.support.qf import Qf
 
 
 def last_line(result) -> str:
@@ -156,10 +156,10 @@ def test_a_publish_killed_before_its_row_is_recovered_and_its_folder_collected(q
     runs out, `qf status` shows the job queued again (it stayed `running` for ever: no reconciler runs beside `qf
     run`); `qf gc` leaves the unlisted folder during the grace period (a publish may be recording its row) and
     removes it after; running the job again publishes the quant."""
-    from tests.test_publish_safety import RUN, _stopped_at
+    from tests.support.processes import stopped_at
 
-    model = model_copy("tiny")
-    proc = _stopped_at(qf, "placed", model, *RUN, FACTORY_LEASE_SECONDS="2")
+    model, run = model_copy("tiny"), ("--awq", "--eval-windows", 1)
+    proc = stopped_at(qf, "placed", model, *run, FACTORY_LEASE_SECONDS="2")
     proc.kill()
     proc.wait(30)
     [placed] = (qf.home / "registry" / "tiny").glob("awq-w4g128@*")
@@ -177,7 +177,7 @@ def test_a_publish_killed_before_its_row_is_recovered_and_its_folder_collected(q
     assert (str(placed), why) in {(i["path"], i["why"]) for i in qf.json("gc")["items"]}
     assert not placed.exists() and not list((qf.home / "registry").glob(f"*/{registry.STAGING}*"))
 
-    again = qf("run", model, *RUN)
+    again = qf("run", model, *run)
     assert again.exit_code == 0, again.output
     [quant] = qf.json("ls")
     registry.verify(qf.home / "registry" / quant["path"])

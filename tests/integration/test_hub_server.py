@@ -1,4 +1,4 @@
-"""The local Hub stand-in (tests/hub_server.py) driven by the real huggingface_hub client: what works, and which
+"""The local Hub stand-in (tests/support/hub_server.py) driven by the real huggingface_hub client: what works, and which
 exception the client raises for each failure a publisher has to handle."""
 
 from __future__ import annotations

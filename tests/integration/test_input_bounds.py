@@ -15,10 +15,10 @@ import pytest
 
 from factory.checkpoints.sources import is_hub_name
 from factory.recipes import build_recipe
-from tests.conftest import Qf
-from tests.test_safety import ROOT
+from tests.support import ROOT
+from tests.support.qf import Qf
 
-BROKER = os.environ.get("QF_TEST_BROKER", "redis://127.0.0.1:6379/7")  # as tests/test_workers.py
+BROKER = os.environ.get("QF_TEST_BROKER", "redis://127.0.0.1:6379/7")  # as tests/integration/test_workers.py
 
 
 def last_line(result) -> str:

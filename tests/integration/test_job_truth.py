@@ -2,7 +2,8 @@
 seconds alike, after remakes too; one evaluation is one line; a reused step says so and teaches the ETA nothing;
 the card a user pulls lists every evaluation while the registry's folder never changes; `qf run`'s closing table
 shows that run's scores; a pull says where it wrote and gives files a user can edit; AWQ's card and `qf show` say
-where each quant fits. The fleet's side (the service, a worker, `qf status --follow`) is in tests/test_service.py."""
+where each quant fits. The fleet's side (the service, a worker, `qf status --follow`) is in
+tests/integration/test_service.py."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ import redis
 
 from factory.catalog import Catalog
 from factory.identity import file_sha256
-from tests.conftest import Qf, fresh_database
-from tests.test_workers import BROKER
+from tests.support.fleet import BROKER
+from tests.support.qf import Qf, fresh_database
 
 
 def _catalog(qf: Qf) -> Catalog:

@@ -1,7 +1,7 @@
 """The catalog's state machine and fenced leases, on the real database (SQLite, and PostgreSQL in its pass).
 
-Processes that stall and come back are in tests/test_workers.py (SIGSTOP/SIGCONT of real workers) and
-tests/test_safety.py (two `qf run` of one job)."""
+Processes that stall and come back are in tests/integration/test_workers.py (SIGSTOP/SIGCONT of real workers) and
+tests/integration/test_safety.py (two `qf run` of one job)."""
 
 from __future__ import annotations
 
@@ -230,17 +230,17 @@ def test_a_holder_stopped_past_its_lease_has_its_engine_stopped_and_its_unit_mad
     import psutil
 
     from factory.publish import folder as registry
-    from tests.test_safety import qf_process, wait_until
+    from tests.support.processes import qf_process, wait_until
 
     recipe = tmp_path / "round.yaml"
     recipe.write_text("round: {mantissa: [3]}\n")
     args = ("run", tiny, "--recipe", recipe, "--eval-windows", 1)
-    env = {"FACTORY_ENGINES": "tests.round_engine:ENGINE", "FACTORY_LEASE_SECONDS": "2", "OMP_NUM_THREADS": "1"}
+    env = {"FACTORY_ENGINES": "tests.support.round_engine:ENGINE", "FACTORY_LEASE_SECONDS": "2", "OMP_NUM_THREADS": "1"}
     first = qf_process(qf, *args, env={**env, "QF_TEST_ROUND_SECONDS": "600"}, stderr=subprocess.DEVNULL)
     try:
 
         def converting():
-            kids = [p for p in psutil.Process(first.pid).children() if "tests.round_engine" in p.cmdline()]
+            kids = [p for p in psutil.Process(first.pid).children() if "tests.support.round_engine" in p.cmdline()]
             return kids and kids[0]
 
         engine = wait_until(converting, 120)

@@ -12,7 +12,6 @@ import sys
 import threading
 import time
 from datetime import datetime
-from pathlib import Path
 
 import pytest
 
@@ -22,9 +21,9 @@ from factory.errors import JobFailed
 from factory.jobs import graph, packing
 from factory.jobs.graph import Unit
 from factory.jobs.packing import Need, Packer
+from tests.support import ROOT
 
 GiB = 2**30
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_the_graph_of_a_job_with_exl2_and_awq_targets():
@@ -216,7 +215,7 @@ def _qf_process(qf, tiny, tmp_path, mantissa: int, **env: str):
     cmd = [
         sys.executable,
         "-m",
-        "tests.qf_with_test_engines",
+        "tests.support.qf_with_test_engines",
         "run",
         str(tiny),
         "--recipe",

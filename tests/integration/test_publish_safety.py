@@ -5,21 +5,17 @@ inspected is what it publishes."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 
-import psutil
 import pytest
 
 from factory import identity
 from factory.publish import folder as registry
 from factory.publish import prompt
-from factory.publish.publishing import STOP_AT
-from tests.conftest import Qf
-from tests.test_safety import ROOT, qf_process, wait_until
+from tests.support.processes import events_until, qf_process, stopped_at
+from tests.support.qf import Qf
 
 RUN = ("--awq", "--eval-windows", 1)
 BOMB = "{% for a in range(99999) %}{% for b in range(99999) %}x{% endfor %}{% endfor %}"  # 80 bytes, 10^10 x
@@ -90,14 +86,6 @@ def test_the_prompt_example_is_rendered_with_bounds(template, example, why_not):
 # -- interrupts and kills at any moment of publishing --------------------------------------------------------------
 
 
-def _events_until(proc: subprocess.Popen, step: str) -> None:
-    for line in proc.stdout:
-        event = json.loads(line)
-        if event["event"] == "step" and event["step"] == step and event["state"] == "running":
-            return
-    raise AssertionError(f"{step} never started")
-
-
 def test_sigterm_while_publishing_leaves_a_state_that_says_what_was_published(qf, model_copy):
     """SIGTERM while a publish unit (in its thread) renders a slow template: once the quant is published the job is
     succeeded, and a job that is not succeeded published nothing; running it again ends it succeeded."""
@@ -105,7 +93,7 @@ def test_sigterm_while_publishing_leaves_a_state_that_says_what_was_published(qf
     (model / "chat_template.jinja").write_text(SLOW.replace("99999", "9000"))  # ~3 s in process
     args = ("run", model, *RUN)
     proc = qf_process(qf, *args, "--json", stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    _events_until(proc, "publish:awq-w4g128")
+    events_until(proc, "publish:awq-w4g128")
     proc.send_signal(signal.SIGTERM)
     proc.communicate(timeout=60)
     job, listed = _agree(qf)
@@ -116,25 +104,8 @@ def test_sigterm_while_publishing_leaves_a_state_that_says_what_was_published(qf
     assert job["state"] == "succeeded" and len(listed) == 1
 
 
-def _stopped_at(qf: Qf, moment: str, *args, **env: str) -> subprocess.Popen:
-    """`qf run` stopped at `moment` of publishing (publishing.moment: a SIGSTOP to itself)."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "factory.cli", "run", *map(str, args)],
-        cwd=ROOT,
-        env={**os.environ, **qf.env, STOP_AT: moment, **env},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        wait_until(lambda: psutil.Process(proc.pid).status() == psutil.STATUS_STOPPED, 120)
-    except BaseException:
-        proc.kill()
-        raise
-    return proc
-
-
 def _killed_at(qf: Qf, moment: str, *args) -> None:
-    proc = _stopped_at(qf, moment, *args)
+    proc = stopped_at(qf, moment, *args)
     proc.kill()
     proc.wait(30)
 
@@ -152,7 +123,7 @@ def test_a_kill_at_any_moment_of_publishing_leaves_status_ls_and_registry_agreei
     assert (job["state"], listed, _steps(job)["publish:awq-w4g128"]) == ("running", [], "running")
 
     # SIGTERM inside the row's transaction (units one at a time: in the main thread): the folder goes again
-    proc = _stopped_at(qf, "placed", model, *RUN, FACTORY_MAX_UNITS="1")
+    proc = stopped_at(qf, "placed", model, *RUN, FACTORY_MAX_UNITS="1")
     proc.send_signal(signal.SIGTERM)
     proc.send_signal(signal.SIGCONT)
     assert proc.wait(60) == 130
@@ -192,7 +163,7 @@ def _swapped_after(qf: Qf, model, step: str, name: str, secret, timeout: float =
     """`qf run` of `model`, whose `name` becomes a link to `secret` (outside the folder) once `step` has started."""
     proc = qf_process(qf, "run", model, *RUN, "--json", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        _events_until(proc, step)
+        events_until(proc, step)
         (model / name).unlink()
         (model / name).symlink_to(secret)
         out, err = proc.communicate(timeout=timeout)

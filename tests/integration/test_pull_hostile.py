@@ -24,8 +24,8 @@ from pathlib import Path
 
 from factory.publish import folder
 from factory.service.client import MAX_ANSWER
-from tests import hostile_user
-from tests.test_service import ROOT, user_env
+from tests.support import ROOT, hostile_user
+from tests.support.service import user_env
 
 MODEL, TAG, REV = "tiny", "awq-w4g128", "1234567"
 CONFIG = json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_size": 128}).encode()

@@ -19,8 +19,9 @@ from pathlib import Path
 
 import redis
 
-from tests.test_service import _free_port
-from tests.test_workers import BROKER, ROOT
+from tests.support import ROOT
+from tests.support.fleet import BROKER
+from tests.support.processes import free_port
 
 HEADING = "### A service and a CPU worker on one machine\n"
 
@@ -43,7 +44,7 @@ def test_the_readme_names_every_process_and_variable_the_fleet_needs():
 
 def test_the_readme_recipe_runs_an_awq_job_on_a_cpu_worker_as_written(tiny, tmp_path):
     redis.Redis.from_url(BROKER).flushdb()
-    home, port = tmp_path / "user", _free_port()
+    home, port = tmp_path / "user", free_port()
     shutil.copytree(tiny, home / "models" / "my-model")
     factory_side, user_side = (
         block.replace("redis://127.0.0.1:6379/0", BROKER).replace("8750", str(port)) for block in recipe()

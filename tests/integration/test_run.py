@@ -13,7 +13,7 @@ from factory.publish import card
 from factory.publish.folder import MANIFEST
 from factory.recipes import build_recipe
 from factory.settings import Settings
-from tests.conftest import Qf
+from tests.support.qf import Qf
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
 
@@ -244,7 +244,7 @@ def test_source_not_found(qf, tmp_path):
         f"error: source '{tmp_path / 'nope'}' does not exist; "
         "pass a local folder with config.json and safetensors weights"
     )
-    assert qf.json("jobs") == []  # Hub sources: tests/test_hub.py
+    assert qf.json("jobs") == []  # Hub sources: tests/integration/test_hub.py
 
 
 def _failed_job(qf, code, message):

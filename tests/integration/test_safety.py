@@ -24,33 +24,14 @@ from factory.checkpoints import files
 from factory.engines import child
 from factory.errors import JobFailed, mask_url
 from factory.publish import folder as registry
-from tests.conftest import Qf
+from tests.support.processes import qf_process, wait_until
+from tests.support.qf import Qf
 
-ROOT = Path(__file__).resolve().parent.parent
 PUBLISHABLE = {*files.COMPANIONS, "model.safetensors", "README.md", "manifest.json"}
 
 
 def last_line(result) -> str:
     return result.stderr.splitlines()[-1]
-
-
-def qf_process(qf: Qf, *args, env: dict[str, str] | None = None, **popen) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "factory.cli", *map(str, args)],
-        env={**os.environ, **qf.env, **(env or {})},
-        cwd=ROOT,
-        text=True,
-        **popen,
-    )
-
-
-def wait_until(check, seconds: float = 60.0):
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if found := check():
-            return found
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {check}")
 
 
 # -- a source folder is what it says ------------------------------------------------------------------------------
@@ -519,7 +500,7 @@ def _two_silent_conversions(qf: Qf, tiny: Path, tmp_path: Path, env: dict[str, s
     recipe = tmp_path / "round.yaml"
     recipe.write_text("round: {mantissa: [3, 5]}\n")
     env = {
-        "FACTORY_ENGINES": "tests.round_engine:ENGINE",
+        "FACTORY_ENGINES": "tests.support.round_engine:ENGINE",
         "QF_TEST_ROUND_SECONDS": "3000",
         "OMP_NUM_THREADS": "1",
         **(env or {}),
@@ -536,7 +517,7 @@ def test_sigterm_stops_every_engine_of_units_running_side_by_side_at_once(qf, ti
 
         def both_converting():
             steps = [s for j in qf.json("jobs") for s in j["steps"] if s["name"].startswith("quantize:")]
-            kids = [p for p in psutil.Process(proc.pid).children() if "tests.round_engine" in p.cmdline()]
+            kids = [p for p in psutil.Process(proc.pid).children() if "tests.support.round_engine" in p.cmdline()]
             return len(kids) == 2 and [s["state"] for s in steps] == ["running"] * 2 and kids
 
         engines = wait_until(both_converting)

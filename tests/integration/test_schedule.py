@@ -14,8 +14,8 @@ import redis
 
 from factory import engines, schedule
 from factory.errors import SpecError
+from tests.support import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 BROKER = os.environ.get("QF_TEST_BROKER", "redis://127.0.0.1:6379/7")
 LLAMA = ("LlamaForCausalLM",)
 
@@ -271,7 +271,7 @@ def test_a_skipped_release_is_quantized_once_an_engine_takes_it(env, hub, tiny, 
     )
     qf("watch", "add", "meta/tiny-bert", "--awq")
     assert [p["skipped"] for p in watch_check()["planned"]] == ["architecture BertModel is not supported by awq"]
-    monkeypatch.setenv("FACTORY_ENGINES", "tests.later_awq:ENGINE")
+    monkeypatch.setenv("FACTORY_ENGINES", "tests.support.later_awq:ENGINE")
     [later] = watch_check()["planned"]
     assert later["skipped"] is None and later["job"] and [j["id"] for j in jobs()] == [later["job"]]
     assert watch_check()["planned"] == []  # submitted: done

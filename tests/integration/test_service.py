@@ -8,7 +8,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -21,93 +20,10 @@ import httpx
 import pytest
 import redis
 
-from tests.test_workers import BROKER, ROOT, _start_worker
-
-NOWHERE = {"FACTORY_DB_URL": "postgresql://nobody@127.0.0.1:1/none", "FACTORY_BROKER_URL": "redis://127.0.0.1:1/0"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """`qf serve` in a child process, with the factory's own environment (catalog, broker, registry)."""
-
-    def __init__(self, env: dict, log: Path, *args: str, cwd: Path = ROOT):
-        self.env, self.port = env, _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "factory.cli", "serve", "--port", str(self.port), *args],
-            env=env,
-            cwd=cwd,
-            stdout=open(log, "w"),
-            stderr=subprocess.STDOUT,
-        )
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                httpx.get(self.url + "/openapi.json", timeout=2)
-                break
-            except httpx.TransportError:
-                assert self.proc.poll() is None and time.monotonic() < deadline, log.read_text()
-                time.sleep(0.2)
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGINT)
-        self.proc.wait(timeout=30)
-
-    def token(self, user: str, *args: str) -> str:
-        return qf(self.env, "token", "create", "--user", user, *args, check=True).stdout.strip()
-
-
-def qf(env, *args, check=False) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "factory.cli", *map(str, args)],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=check,
-        timeout=180,
-    )
-
-
-@pytest.fixture
-def factory_env(tmp_path, db_url, tiny):
-    """The factory's side: its home, catalog, broker, and the folder its users may name models in."""
-    redis.Redis.from_url(BROKER).flushdb()
-    models = tmp_path / "models"
-    shutil.copytree(tiny, models / "tiny")
-    return {
-        **os.environ,
-        "FACTORY_HOME": str(tmp_path / "home"),
-        "FACTORY_DB_URL": db_url,
-        "FACTORY_BROKER_URL": BROKER,
-        "FACTORY_WORKER_DEVICE": "cpu",
-        "FACTORY_SERVE_SOURCES": str(models),
-    }
-
-
-@pytest.fixture
-def server(factory_env, tmp_path):
-    server = Server(factory_env, tmp_path / "server.log")
-    yield server
-    server.stop()
-
-
-def user_env(server: Server, token: str | None, home: Path) -> dict:
-    """A user's machine: its own FACTORY_HOME, the server and a token, and no catalog or broker it could reach."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FACTORY_")}
-    return {
-        **env,
-        **NOWHERE,
-        "FACTORY_HOME": str(home),
-        "FACTORY_SERVER": server.url,
-        **({"FACTORY_TOKEN": token} if token else {}),
-    }
+from tests.support import ROOT
+from tests.support.fleet import BROKER, start_worker
+from tests.support.processes import qf
+from tests.support.service import RACER, Server, user_env
 
 
 def test_a_user_submits_follows_and_pulls_from_another_machine(server, factory_env, tmp_path):
@@ -117,7 +33,7 @@ def test_a_user_submits_follows_and_pulls_from_another_machine(server, factory_e
     assert submitted.returncode == 0, submitted.stderr
     job_id = submitted.stdout.strip()
     assert len(job_id) == 12 and qf(alice, "submit", model, "--awq", "--eval-windows", 1).stdout.strip() == job_id
-    worker = _start_worker(factory_env, tmp_path / "worker.log")
+    worker = start_worker(factory_env, tmp_path / "worker.log")
     try:
         followed = qf(alice, "status", job_id, "--follow", "--json")
         assert followed.returncode == 0, followed.stderr
@@ -220,19 +136,6 @@ def test_quotas_refuse_the_next_job_with_when_it_resets(server, factory_env, tmp
     assert bad.returncode == 2, bad.stderr  # refused input takes no place in the quota
     qf(running, "submit", model, "--awq", "--eval-windows", 5, check=True)
     assert len(json.loads(qf(running, "status", "--json", check=True).stdout)) == 2
-
-
-RACER = """
-import sys, time
-import httpx
-url, token, windows, start = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
-body = {"source": sys.argv[5], "flags": {"awq": True}, "eval_windows": windows}
-with httpx.Client(headers={"Authorization": f"Bearer {token}"}, timeout=60) as http:
-    http.get(url + "/api/me").raise_for_status()  # connected and warm before the start
-    time.sleep(max(0.0, start - time.time()))
-    answer = http.post(url + "/api/jobs", json=body)
-print(answer.status_code, answer.json().get("id") or answer.json()["error"])
-"""
 
 
 def test_a_quota_holds_when_submissions_race(server, factory_env, tmp_path):
@@ -655,7 +558,7 @@ def test_a_followers_events_hide_the_servers_paths_as_its_job_rows_do(server, fa
     while broker.pubsub_numsub(channel) != [(channel.encode(), 1)]:  # subscribed before the worker starts
         assert follower.poll() is None and time.monotonic() < deadline, follower.communicate()
         time.sleep(0.1)
-    worker = _start_worker(factory_env, tmp_path / "worker.log")
+    worker = start_worker(factory_env, tmp_path / "worker.log")
     try:
         out, errors = follower.communicate(timeout=240)
     finally:
@@ -693,7 +596,7 @@ def test_every_view_of_a_fleet_job_agrees_and_a_remake_says_so(server, factory_e
         while not redis.Redis.from_url(BROKER).pubsub_numsub(channel)[0][1]:  # the service listens for it
             assert follower.poll() is None and time.monotonic() < deadline
             time.sleep(0.2)
-        worker = _start_worker(factory_env, tmp_path / log)
+        worker = start_worker(factory_env, tmp_path / log)
         try:
             out, _ = follower.communicate(timeout=180)
         finally:

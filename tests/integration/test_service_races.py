@@ -20,7 +20,8 @@ import pytest
 import redis
 from sqlalchemy import create_engine, text
 
-from tests.test_service import RACER, Server, factory_env, qf, server, user_env  # noqa: F401
+from tests.support.processes import qf
+from tests.support.service import RACER, Server, user_env
 
 
 def _race(server: Server, token: str, model: str, n: int) -> list[tuple[int, str]]:
@@ -245,7 +246,7 @@ def test_followers_are_bounded_and_let_their_redis_connection_go(factory_env, tm
 
 
 def _followers_bounded(server: Server, factory_env: dict, tmp_path: Path) -> None:
-    from tests.test_workers import BROKER
+    from tests.support.fleet import BROKER
 
     model = Path(factory_env["FACTORY_SERVE_SOURCES"]) / "tiny"
     tokens = [server.token(f"user{i}") for i in range(9)]

@@ -13,7 +13,7 @@ import pytest
 from factory import engines
 from factory.evaluation import evaluate
 from factory.publish import card
-from tests.smollm2 import BASE, NOTE, PPL_WIKI
+from tests.support.smollm2 import BASE, NOTE, PPL_WIKI
 
 pytestmark = pytest.mark.smollm2
 
@@ -114,11 +114,12 @@ def test_the_compact_reference_gives_the_exact_kl_divergence(smollm2, smollm2_ru
 
 
 def test_the_readmes_demo_table_names_the_checkpoint_the_demo_makes(smollm2, tmp_path):
-    """scripts/demo makes its FP16 checkpoint with tests/smollm2.py, as the `smollm2` fixture does: the table the
+    """scripts/demo makes its FP16 checkpoint with tests/support/smollm2.py, as the `smollm2` fixture does: the table
+    the
     README shows from the demo names that checkpoint (its rev and identity), so a change to how it is made, which
     changes every score, changes the README with it (issue 45: it showed an older checkpoint's table)."""
     from factory.identity import folder_identity
-    from tests.test_docs import ROOT
+    from tests.support import ROOT
 
     made = folder_identity(smollm2, tmp_path)
     line = next(x for x in (ROOT / "README.md").read_text().splitlines() if x.startswith("smollm2-135m-instruct:awq-"))

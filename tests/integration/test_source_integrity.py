@@ -2,7 +2,7 @@
 rewritten in place with the same size and their mtime put back (what a (path, size, mtime) hash cache cannot see)
 are never quantized, evaluated or published under the identity of the bytes they replaced, and a second user's clean
 copy of the model never reuses a quant made from them. Real `qf run` processes with the round engine
-(tests/round_engine.py: deterministic, so the same bytes make the same quant)."""
+(tests/support/round_engine.py: deterministic, so the same bytes make the same quant)."""
 
 from __future__ import annotations
 
@@ -21,11 +21,10 @@ from factory import tables
 from factory.checkpoints import files
 from factory.errors import JobFailed
 from factory.identity import file_sha256
-from tests.conftest import Qf
-from tests.test_publish_safety import _events_until
-from tests.test_safety import qf_process
+from tests.support.processes import events_until, qf_process
+from tests.support.qf import Qf
 
-ROUND = {"FACTORY_ENGINES": "tests.round_engine:ENGINE"}
+ROUND = {"FACTORY_ENGINES": "tests.support.round_engine:ENGINE"}
 SIZES = {"F16": 2, "BF16": 2, "F32": 4}
 
 
@@ -55,7 +54,7 @@ def _run(qf: Qf, model: Path, recipe: Path, *args: object, rewrite_at: str | Non
                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
     try:
         if rewrite_at:
-            _events_until(proc, rewrite_at)
+            events_until(proc, rewrite_at)
             _rewrite_in_place(model / "model.safetensors")
         out, err = proc.communicate(timeout=180)
     finally:

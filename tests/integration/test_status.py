@@ -46,7 +46,7 @@ def test_plain_sql_reads_what_the_catalog_wrote(finished):
         },
         "expected_end": None,
         "eta_seconds": None,  # only while it runs
-        "waiting": None,  # only for a queued job that no worker takes (tests/test_fleet_cpu.py)
+        "waiting": None,  # only for a queued job that no worker takes (tests/integration/test_fleet_cpu.py)
     }
     names = [s["name"] for s in row["steps"]]
     assert names[0] == "inspect" and "quantize:awq-w4g128" in names

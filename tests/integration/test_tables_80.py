@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from tests.tiny_model import make_tiny_llama
+from tests.support import ROOT
+from tests.support.tiny_model import make_tiny_llama
 
-ROOT = Path(__file__).resolve().parent.parent
 BOX = set("│┃━─╭╮╰╯┏┓┗┛┡┩└┘┌┐├┤┼╇")
 LONG = "smollm2-135m-instruct"  # the name the issue saw cut, and long enough to push columns out
 KLD_BELOW_ZERO = -3e-5  # the estimator's dip on a quant that is almost FP16
@@ -260,7 +260,7 @@ def test_divergence_line_never_says_minus_zero(monkeypatch, capsys):
 
 def test_the_cards_table_never_says_minus_zero(tmp_path):
     from factory.publish import card, upstream
-    from tests.quant_rows import quant_row
+    from tests.support.quant_rows import quant_row
 
     row = quant_row(
         "llama:awq-w4g64",

@@ -3,7 +3,7 @@ tower; the engines that do not convert them refuse before any job exists; `qf pl
 Gemma 3 goes through `qf run --awqct` whole: its language model quantized, its vision tower and projector kept
 bit for bit, the processor's files published, and the pulled quant answering a prompt with an image in transformers
 (5.17, AWQ-CT's packages) through AutoProcessor and AutoModelForImageTextToText. Every family with every engine that
-claims it: tests/test_coverage.py and benchmarks/results/coverage-cpu.json."""
+claims it: tests/integration/test_coverage.py and benchmarks/results/coverage-cpu.json."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from factory.checkpoints.inspect import inspect
 from factory.engines.awq_ct import env
 from factory.errors import ModelRefused
 from factory.vram import human
-from tests.tiny_vlms import FAMILIES, make_tiny_vlm
+from tests.support.tiny_vlms import FAMILIES, make_tiny_vlm
 
 ALL = frozenset().union(*(engines.get(n).architectures for n in engines.available()))
 # the vision parts each family's checkpoint holds, named as its releases name them (transformers saves them so)
@@ -37,7 +37,7 @@ PARTS = {
 
 @pytest.fixture(scope="session")
 def vlms(tmp_path_factory):
-    """model type -> its tiny checkpoint (tests/tiny_vlms.py), made once a session."""
+    """model type -> its tiny checkpoint (tests/support/tiny_vlms.py), made once a session."""
     base = tmp_path_factory.mktemp("vlms")
     return {t: make_tiny_vlm(t, base / t) for t in FAMILIES}
 
@@ -242,7 +242,7 @@ def test_a_release_config_that_leaves_numbers_to_its_class_is_read_as_transforme
 
 def test_qwen2_5_vl_as_released_with_the_language_models_numbers_at_the_top(vlms, tmp_path):
     """Qwen2-VL's and Qwen2.5-VL's releases write the language model's numbers at the top level, no text_config (the
-    tiny checkpoint is written so: tests/tiny_vlms.py)."""
+    tiny checkpoint is written so: tests/support/tiny_vlms.py)."""
     source = vlms["qwen2_5_vl"]
     assert "text_config" not in json.loads((source / "config.json").read_text())
     info = inspect(source, ALL)
@@ -261,7 +261,8 @@ def test_llama_4_is_refused_before_any_job(qf, vlms):
 
 def test_the_card_says_under_a_vision_language_quant_how_it_takes_an_image(vlms, tmp_path):
     """EXL3's card: under such a quant, how exllamav3's vision model turns an image into the prompt's embeddings (the
-    way tests/exl3_image.py gives the H200's quants their image); AWQ-CT's: which transformers class loads it whole;
+    way tests/support/exl3_image.py gives the H200's quants their image); AWQ-CT's: which transformers class loads it
+    whole;
     neither for a text model."""
     exl3 = engines.get("exl3")
     assert exl3.card.load_note(vlms["gemma3"]).startswith("Images go through its vision model")

@@ -16,9 +16,9 @@ from factory.engines.exl2 import memory as vram
 from factory.engines.exl2.spec import Fit
 from factory.engines.exl3 import memory as exl3_memory
 from factory.errors import SpecError
-from tests.quant_rows import quant_row
+from tests.support import ROOT
+from tests.support.quant_rows import quant_row
 
-ROOT = Path(__file__).resolve().parent.parent
 MEASURED = ROOT / "benchmarks" / "results" / "h200-2026-11-30" / "vram_smollm2.json"
 MEASURED_1B = ROOT / "benchmarks" / "results" / "h200x2-2026-11-30" / "vram_llama1b.json"
 MEASURED_EXL3 = ROOT / "benchmarks" / "results" / "h200-2026-12-02" / "vram_fit_gemma_exl3.json"

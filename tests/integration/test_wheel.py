@@ -12,7 +12,7 @@ import sysconfig
 import venv
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.support import ROOT
 
 
 def _run(*args, **kwargs) -> subprocess.CompletedProcess:

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import redis
 
-BROKER = os.environ.get("QF_TEST_BROKER", "redis://127.0.0.1:6379/7")
-ROOT = Path(__file__).resolve().parent.parent
+from tests.support import ROOT
+from tests.support.fleet import BROKER, start_worker
+from tests.support.processes import qf, send, tree
 
 
 @pytest.fixture
@@ -30,38 +31,9 @@ def env(tmp_path, db_url):
     }
 
 
-def qf(env, *args, check=False) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "factory.cli", *map(str, args)],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=check,
-        timeout=120,
-    )
-
-
-def _start_worker(env, log_path: Path, queues: str = "gpu,cpu") -> subprocess.Popen:
-    log = open(log_path, "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "factory.cli", "worker", "--queues", queues],
-        env=env,
-        cwd=ROOT,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    deadline = time.monotonic() + 60
-    while "ready." not in log_path.read_text():
-        assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
-        time.sleep(0.3)
-    return proc
-
-
 @pytest.fixture
 def worker(env, tmp_path):
-    proc = _start_worker(env, tmp_path / "worker.log")
+    proc = start_worker(env, tmp_path / "worker.log")
     yield proc
     proc.terminate()
     proc.wait(timeout=30)
@@ -86,7 +58,7 @@ def quantizing(status: dict) -> bool:
 
 def run_worker_until_done(env, job_id: str, log_path: Path, queues: str = "gpu,cpu") -> dict:
     """Start a worker, wait for the job to end, stop the worker; the job's last status."""
-    worker = _start_worker(env, log_path, queues)
+    worker = start_worker(env, log_path, queues)
     try:
         return wait_for(env, job_id)
     finally:
@@ -321,7 +293,7 @@ def test_killed_worker_the_job_finishes_elsewhere_once(env, tiny, tmp_path):
     """SIGKILL of a worker in the middle of a quantize step: its lease expires, the reconciler re-enqueues the job,
     a second worker finishes it; one quant, published once; the history shows the lost attempt."""
     env = {**env, "FACTORY_LEASE_SECONDS": "3"}
-    first = _start_worker(env, tmp_path / "first.log")
+    first = start_worker(env, tmp_path / "first.log")
     job_id = qf(env, "submit", tiny, "--awq", "--eval-windows", 1, check=True).stdout.strip()
     wait_until(env, job_id, quantizing, 120, "quantizing")
     first.kill()
@@ -369,7 +341,7 @@ def test_status_follow_streams_the_workers_events(env, tiny, tmp_path):
         text=True,
     )
     time.sleep(3)  # subscribed before the worker starts
-    worker = _start_worker(env, tmp_path / "worker.log")
+    worker = start_worker(env, tmp_path / "worker.log")
     try:
         out, errors = follower.communicate(timeout=240)
     finally:
@@ -385,9 +357,9 @@ def test_status_follow_streams_the_workers_events(env, tiny, tmp_path):
 def test_a_gpu_worker_leaves_a_cpu_job_to_the_cpu_worker(env, tiny, tmp_path):
     """A job planned for the CPU (FACTORY_WORKER_DEVICE=cpu) goes to the cpu queue: a worker of the gpu queue takes
     none of it, and a cpu worker runs it through publishing. (Quantizing on the gpu queue and publishing on the cpu
-    queue is a CUDA job's way, which needs a GPU: tests/test_fleet_cpu.py checks the routing of one.)"""
+    queue is a CUDA job's way, which needs a GPU: tests/integration/test_fleet_cpu.py checks the routing of one.)"""
     job_id = qf(env, "submit", tiny, "--awq", "--eval-windows", 1, check=True).stdout.strip()
-    gpu = _start_worker(env, tmp_path / "gpu.log", "gpu")
+    gpu = start_worker(env, tmp_path / "gpu.log", "gpu")
     try:
         time.sleep(2)
         status = json.loads(qf(env, "status", job_id, "--json", check=True).stdout)
@@ -436,24 +408,6 @@ def _published(env, job_id: str) -> tuple:
     )
 
 
-def _tree(pid: int) -> list[int]:
-    """The process and all its descendants ([] once it is gone)."""
-    import psutil
-
-    try:
-        return [pid, *(p.pid for p in psutil.Process(pid).children(recursive=True))]
-    except psutil.NoSuchProcess:
-        return []
-
-
-def _signal(pids: list[int], sig: signal.Signals) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
-
-
 def _wait_in_log(path: Path, text: str, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while text not in path.read_text():
@@ -466,19 +420,19 @@ def test_a_stopped_worker_that_comes_back_changes_nothing(env, tiny, tmp_path):
     over and publishes it; SIGCONT: the first finds its lease lost, kills its job process, writes nothing. One
     publish, the job succeeded with attempts 2."""
     env = {**env, "FACTORY_LEASE_SECONDS": "3"}
-    first = _start_worker(env, tmp_path / "first.log")
+    first = start_worker(env, tmp_path / "first.log")
     second = None
     try:
         job_id = qf(env, "submit", tiny, "--awq", "--eval-windows", 1, check=True).stdout.strip()
         wait_until(env, job_id, quantizing, 120, "quantizing")
-        stopped = _tree(first.pid)
-        _signal(stopped, signal.SIGSTOP)
+        stopped = tree(first.pid)
+        send(stopped, signal.SIGSTOP)
         time.sleep(4)  # the lease runs out
         assert qf(env, "reconcile", check=True).stdout.split() == [job_id]
-        second = _start_worker(env, tmp_path / "second.log")
+        second = start_worker(env, tmp_path / "second.log")
         assert wait_for(env, job_id)["state"] == "succeeded"
         before = _published(env, job_id)
-        _signal(stopped, signal.SIGCONT)
+        send(stopped, signal.SIGCONT)
         _wait_in_log(tmp_path / "first.log", f"job {job_id}: lease lost to ")
         time.sleep(3)  # time for the stale job process to try anything it still would
         status = wait_for(env, job_id)
@@ -503,7 +457,7 @@ def test_a_stalled_job_process_is_killed_by_its_worker_and_continues(env, tiny, 
     import psutil
 
     env = {**env, "FACTORY_LEASE_SECONDS": "3", "FACTORY_STALL_SECONDS": "40"}
-    worker = _start_worker(env, tmp_path / "worker.log")
+    worker = start_worker(env, tmp_path / "worker.log")
     try:
         job_id = qf(env, "submit", tiny, "--awq", "--eval-windows", 1, check=True).stdout.strip()
         wait_until(env, job_id, quantizing, 120, "quantizing")
@@ -561,9 +515,9 @@ def test_reconcile_skips_a_malformed_message(env, tiny):
     assert client.llen("cpu") == 3
 
 
-# One job's conversions on two workers (the round engine of tests/round_engine.py, in every process through
+# One job's conversions on two workers (the round engine of tests/support/round_engine.py, in every process through
 # FACTORY_ENGINES; one unit at a time per worker, so that the job's holder leaves sizes for a helper).
-ROUND = {"FACTORY_ENGINES": "tests.round_engine:ENGINE", "FACTORY_MAX_UNITS": "1", "QF_TEST_ROUND_SECONDS": "6"}
+ROUND = {"FACTORY_ENGINES": "tests.support.round_engine:ENGINE", "FACTORY_MAX_UNITS": "1", "QF_TEST_ROUND_SECONDS": "6"}
 
 
 def _round_job(env, tiny, tmp_path) -> str:
@@ -586,7 +540,7 @@ def _holder_of(status: dict) -> str:
 
 
 def _worker_of(workers: list[subprocess.Popen], pid: int) -> subprocess.Popen:
-    return next(w for w in workers if pid in _tree(w.pid))
+    return next(w for w in workers if pid in tree(w.pid))
 
 
 def test_two_workers_share_the_conversions_of_one_job(env, tiny, tmp_path):
@@ -594,7 +548,7 @@ def test_two_workers_share_the_conversions_of_one_job(env, tiny, tmp_path):
     its sizes at the same time (each claimed, made in a folder of its own, handed to the job as its step
     succeeds); the holder evaluates and publishes all three, each once."""
     env = {**env, **ROUND}
-    workers = [_start_worker(env, tmp_path / f"worker{i}.log") for i in (1, 2)]
+    workers = [start_worker(env, tmp_path / f"worker{i}.log") for i in (1, 2)]
     try:
         job_id = _round_job(env, tiny, tmp_path)
         status = wait_for(env, job_id)
@@ -621,16 +575,16 @@ def test_a_killed_helper_leaves_its_conversion_to_the_jobs_holder(env, tiny, tmp
     """SIGKILL of the helping worker in the middle of a conversion: its claim runs out, the job's holder marks
     that step interrupted, makes the size itself; the job succeeds with each quant published once."""
     env = {**env, **ROUND, "FACTORY_LEASE_SECONDS": "3"}
-    first = _start_worker(env, tmp_path / "first.log")
+    first = start_worker(env, tmp_path / "first.log")
     second = None
     try:
         job_id = _round_job(env, tiny, tmp_path)
         holder = _holder_of(wait_until(env, job_id, quantizing, 120, "quantizing"))
-        second = _start_worker(env, tmp_path / "second.log")  # takes a help_job message the holder queued
+        second = start_worker(env, tmp_path / "second.log")  # takes a help_job message the holder queued
         helped = wait_until(env, job_id, lambda st: _helped(st, holder), 120, "helped")
         [step] = _helped(helped, holder)
         assert _worker_of([first, second], int(step["holder"].rpartition(":")[2])) is second
-        _signal(_tree(second.pid), signal.SIGKILL)
+        send(tree(second.pid), signal.SIGKILL)
         second.wait()
         status = wait_for(env, job_id)
     finally:
@@ -650,26 +604,26 @@ def test_a_stopped_helper_that_comes_back_writes_nothing(env, tiny, tmp_path):
     the holder marked it, nothing more is published, nothing is left running)."""
     # units of 10 s: the helper starts while the first one runs and must find one left to claim on a busy machine
     env = {**env, **ROUND, "FACTORY_LEASE_SECONDS": "3", "QF_TEST_ROUND_SECONDS": "10"}
-    first = _start_worker(env, tmp_path / "first.log")
+    first = start_worker(env, tmp_path / "first.log")
     second = stopped = None
     try:
         job_id = _round_job(env, tiny, tmp_path)
         holder = _holder_of(wait_until(env, job_id, quantizing, 120, "quantizing"))
-        second = _start_worker(env, tmp_path / "second.log")
+        second = start_worker(env, tmp_path / "second.log")
         [step] = _helped(wait_until(env, job_id, lambda st: _helped(st, holder), 120, "helped"), holder)
-        stopped = _tree(second.pid)
-        _signal(stopped, signal.SIGSTOP)
+        stopped = tree(second.pid)
+        send(stopped, signal.SIGSTOP)
         status = wait_for(env, job_id)
         assert status["state"] == "succeeded", status
         before = _published(env, job_id)
-        _signal(stopped, signal.SIGCONT)
+        send(stopped, signal.SIGCONT)
         stopped = None
         _wait_in_log(tmp_path / "second.log", f"job {job_id}: a helper stops: ")
         time.sleep(3)  # time for anything it still would do
         after = wait_for(env, job_id)
     finally:
         if stopped:
-            _signal(stopped, signal.SIGCONT)
+            send(stopped, signal.SIGCONT)
         for worker in (first, second):
             if worker is not None:
                 worker.terminate()

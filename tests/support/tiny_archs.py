@@ -1,8 +1,9 @@
 """Tiny seeded checkpoints of many architectures, made with transformers' own classes (`AutoConfig.for_model`,
-the sizes shrunk, `from_config`), each with the tests' tiny BPE tokenizer (tests/tiny_model.py): what the coverage
-test (tests/test_coverage.py) and benchmarks/coverage.py run every engine on.
+the sizes shrunk, `from_config`), each with the tests' tiny BPE tokenizer (tests/support/tiny_model.py): what the
+coverage
+test (tests/integration/test_coverage.py) and benchmarks/coverage.py run every engine on.
 
-    python -m tests.tiny_archs OUT_DIR [MODEL_TYPE ...]
+    python -m tests.support.tiny_archs OUT_DIR [MODEL_TYPE ...]
 
 Same model type and width, same files (seeded). The sizes are the smallest that every engine's rules accept:
 hidden 128 (AWQ's group 128 divides it; EXL3 wants a multiple of 128), 2 layers, 4 heads (2 KV heads), MoE with 4
@@ -16,7 +17,7 @@ import argparse
 import json
 from pathlib import Path
 
-from tests.tiny_model import make_tiny_tokenizer
+from tests.support.tiny_model import make_tiny_tokenizer
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, VOCAB = 128, 2, 4, 2, 1024
 

@@ -1,6 +1,6 @@
 """A tiny seeded random Llama with a real BPE tokenizer, made on the spot (no hub).
 
-    python -m tests.tiny_model OUT_DIR [--hidden 128] [--layers 2]
+    python -m tests.support.tiny_model OUT_DIR [--hidden 128] [--layers 2]
 
 The tokenizer is a byte-level BPE trained on exllamav2's builtin c4 text, so calibration and evaluation
 text tokenize the way they would for a real model. Same arguments, same files (seeded).

@@ -1,4 +1,5 @@
-"""Tiny seeded vision-language checkpoints (issue 33), made with transformers' own classes like tests/tiny_archs.py:
+"""Tiny seeded vision-language checkpoints (issue 33), made with transformers' own classes like
+tests/support/tiny_archs.py:
 the language model shrunk as tiny_archs shrinks a text model (hidden 128, 2 layers), the vision tower to 3 layers 128
 wide (a multiple of 128 as every release's: exllamav3 pads narrower ones and GLM-4V's gated MLP keeps the padding)
 over 28-pixel images in 14-pixel patches, with the tests' tokenizer and each family's image tokens added to it.
@@ -7,7 +8,7 @@ Each is written as its family's release is, where transformers' save_pretrained 
 the release's form, not transformers'): an image processor's preprocessor_config.json of the release's kind, the
 vision config's keys as the release writes them (RELEASE_VISION), Gemma 3's tower under `vision_tower.vision_model.`.
 
-    python -m tests.tiny_vlms OUT_DIR [MODEL_TYPE ...]
+    python -m tests.support.tiny_vlms OUT_DIR [MODEL_TYPE ...]
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ import json
 import re
 from pathlib import Path
 
-from tests.tiny_archs import HIDDEN, VOCAB, config_for
-from tests.tiny_model import make_tiny_tokenizer
+from tests.support.tiny_archs import HIDDEN, VOCAB, config_for
+from tests.support.tiny_model import make_tiny_tokenizer
 
 # model type -> the architecture its checkpoint names (the families of issue 33)
 FAMILIES = {

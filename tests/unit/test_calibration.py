@@ -105,7 +105,8 @@ def test_token_ids_are_kept_once_tokenized(tiny, tmp_path, monkeypatch):
 
 def test_the_first_ids_read_from_a_prefix_are_the_whole_texts(tiny):
     """An eval needs the first windows' ids only (factory/evaluation/evaluate.py tokenize): read from a prefix of the
-    text, they are the whole text's first ids, for every builtin text (SmolLM2's tokenizer: tests/test_smollm2.py)."""
+    text, they are the whole text's first ids, for every builtin text (SmolLM2's tokenizer:
+    tests/integration/test_smollm2.py)."""
     from factory.evaluation import evaluate
 
     for name in calibration.BUILTIN:

@@ -4,14 +4,14 @@ unprivileged user who owns the folders the factory writes."""
 
 import re
 import shlex
-from pathlib import Path, PurePosixPath
+from pathlib import PurePosixPath
 
 import typer
 import yaml
 
 from factory.cli import app
+from tests.support import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = yaml.safe_load((ROOT / "compose.yaml").read_text())
 SERVICES = COMPOSE["services"]
 FACTORY = {name: s for name, s in SERVICES.items() if str(s.get("command", "")).startswith("qf ")}

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from factory import cli
+from tests.support import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 OUTSIDE = re.compile(r"\.\./shared|shared/(GPU|DESIGN|STYLE)\.md|\b(GPU|DESIGN|STYLE)\.md")
@@ -46,7 +46,7 @@ def test_nothing_points_outside_the_repository():
     found = [
         f"{name}:{n}: {line.strip()}"
         for name in files
-        if name != "tests/test_docs.py"
+        if name != "tests/unit/test_docs.py"
         for n, line in enumerate((ROOT / name).read_text(errors="replace").splitlines(), 1)
         if OUTSIDE.search(line)
     ]

@@ -1,5 +1,5 @@
 """The EXL2 engine's CPU-side logic, on status output recorded from real conversions on the H200
-(tests/fixtures/convert_exl2_*.log, written by tests/test_gpu.py::test_engine_transcripts)."""
+(tests/fixtures/convert_exl2_*.log, written by tests/gpu/test_gpu.py::test_engine_transcripts)."""
 
 import json
 from pathlib import Path
@@ -8,8 +8,7 @@ import pytest
 
 from factory.engines.exl2 import engine as exl2
 from factory.errors import JobFailed
-
-FIXTURES = Path(__file__).parent / "fixtures"
+from tests.support import FIXTURES
 
 
 def _events(name: str) -> list[dict]:

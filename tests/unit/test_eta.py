@@ -74,7 +74,7 @@ def test_the_critical_path_is_what_the_jobs_end_waited_on():
 def test_an_evaluation_walked_layer_by_layer_is_predicted_by_its_largest_layer():
     """Llama-3-8B's shape, 48 windows: the whole model is 16 GB; walked a layer at a time, what packing admits the
     FP16 evaluation by is its embedding (1 GB), the windows' states (0.8 GB) and a window's logits as scoring uses
-    them (4 x 1 GB in fp32). tests/test_gpu_kld.py checks the walk's measured peak against it on the GPU."""
+    them (4 x 1 GB in fp32). tests/gpu/test_gpu_kld.py checks the walk's measured peak against it on the GPU."""
     from factory.jobs.costs import Sized, evaluation_bytes
     from factory.vram import Params, Shape
 

@@ -8,7 +8,8 @@ from rich.console import Console
 from factory import tables
 from factory.catalog.status import summary
 from factory.registry.published import QuantRow
-from tests.quant_rows import quant_row
+from tests.support import ROOT
+from tests.support.quant_rows import quant_row
 
 
 def quant(
@@ -152,9 +153,8 @@ def test_piped_progress_prints_a_heartbeat(monkeypatch, capsys):
 
 def test_the_readmes_sample_output_is_what_qf_prints():
     """The demo's table in the README, rendered again from its own numbers the way `qf run` prints it piped."""
-    from pathlib import Path
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    readme = (ROOT / "README.md").read_text()
     block = readme.split("```\njob ", 1)[1].split("```", 1)[0].splitlines()
     title, header, line = block[0], block[1], block[2]
     name, method, bits, size, unit, ppl, change, kld, top1, source = line.split()

@@ -44,7 +44,8 @@ SPLIT_OVER = 50 * 10**9  # the Hub's largest file
 SPLIT_SIZE = "48G"
 
 # What benchmarks/coverage.py proved llama.cpp's converter, tools and inference take on the CPU
-# (benchmarks/results/coverage-cpu.json; tests/test_coverage.py keeps the two equal), and the claims that run failed
+# (benchmarks/results/coverage-cpu.json; tests/integration/test_coverage.py keeps the two equal), and the claims that
+# run failed
 # for a reason of the tiny checkpoints' (UNPROVEN there).
 ARCHITECTURES = frozenset({
     "Gemma3ForCausalLM", "GraniteForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM",

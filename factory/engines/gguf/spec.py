@@ -10,7 +10,8 @@ from pydantic import Field, field_validator
 from factory.engines.base import QuantSpec, Targets
 from factory.errors import SpecError
 
-# llama-quantize's QUANT_OPTIONS (tools/quantize/quantize.cpp of the pinned llama.cpp; tests/test_engine_gguf.py
+# llama-quantize's QUANT_OPTIONS (tools/quantize/quantize.cpp of the pinned llama.cpp;
+# tests/integration/test_engine_gguf.py
 # checks each is in the built tool's list), with the bits per weight of its quantized tensors (the block formats';
 # the K mixes as llama.cpp reports them on Llama-3-8B): what `bits` and the size estimates read. Left out: its
 # aliases (Q3_K, Q4_K, Q5_K), F32, COPY and MXFP4_MOE (MoE experts only).
