@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import pytest
 import yaml
 
 from tests.support import ROOT
+from tests.support.fleet import start_worker
 from tests.support.processes import qf
 from tests.support.qf import PG
 from tests.support.service import Server, user_env
@@ -40,22 +40,6 @@ def _as_compose_runs(service: str, places: dict) -> tuple[dict, list[str]]:
     command = config["command"].split()
     assert command[0] == "qf"
     return env, command[1:]
-
-
-def _start_worker(env: dict, args: list[str], log_path: Path) -> subprocess.Popen:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "factory.cli", *args],
-        env=env,
-        cwd=ROOT,
-        stdout=open(log_path, "w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    deadline = time.monotonic() + 60
-    while "ready." not in log_path.read_text():
-        assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
-        time.sleep(0.3)
-    return proc
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -97,7 +81,7 @@ def test_the_service_and_cpu_worker_of_compose_run_what_they_can(factory_env, tm
         assert cancelled.returncode == 6, cancelled.stdout + cancelled.stderr
 
         worker_env, worker_args = _as_compose_runs("worker-cpu", factory_env)
-        workers.append(_start_worker(worker_env, worker_args, tmp_path / "worker-cpu.log"))
+        workers.append(start_worker(worker_env, tmp_path / "worker-cpu.log", args=worker_args))
         done = _until(api, awq, lambda j: j["state"] in ("succeeded", "failed", "cancelled"))
         assert (done["state"], done["device"], done["error"]) == ("succeeded", "cpu", None)
         names = list(dict.fromkeys(s["name"] for s in done["steps"]))  # the history has every attempt
@@ -115,7 +99,7 @@ def test_the_service_and_cpu_worker_of_compose_run_what_they_can(factory_env, tm
         assert status.returncode == 0 and "queued: no worker on the gpu queue is up\n" in status.stdout, status
 
         gpu_env, gpu_args = _as_compose_runs("worker-gpu0", factory_env)  # here, a machine without CUDA
-        workers.append(_start_worker(gpu_env, gpu_args, tmp_path / "worker-gpu.log"))
+        workers.append(start_worker(gpu_env, tmp_path / "worker-gpu.log", args=gpu_args))
         failed = _until(api, exl2, lambda j: j["state"] != "queued", 60)
         host = failed["error"].split(" on ", 1)[1].split()[0]
         assert failed["error"] == (

@@ -13,11 +13,12 @@ from tests.support import ROOT
 BROKER = os.environ.get("QF_TEST_BROKER", "redis://127.0.0.1:6379/7")
 
 
-def start_worker(env, log_path: Path, queues: str = "gpu,cpu") -> subprocess.Popen:
-    """`qf worker` in a session of its own, once it says it is ready."""
+def start_worker(env, log_path: Path, queues: str = "gpu,cpu", args: list[str] | None = None) -> subprocess.Popen:
+    """`qf worker --queues QUEUES` (or `qf ARGS`: compose.yaml's command) in a session of its own, once it says it is
+    ready."""
     log = open(log_path, "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "factory.cli", "worker", "--queues", queues],
+        [sys.executable, "-m", "factory.cli", *(args or ["worker", "--queues", queues])],
         env=env,
         cwd=ROOT,
         stdout=log,
