@@ -181,8 +181,7 @@ CANDIDATES["awqct"] = [
 
 
 # llama.cpp's converter registers these among the families tests/support/tiny_archs.py builds (conversion/*.py of the
-# pinned
-# llama.cpp: factory/engines/gguf/llama.py)
+# pinned llama.cpp: factory/engines/gguf/llama.py)
 CANDIDATES["gguf"] = [
     "llama",
     "mistral",

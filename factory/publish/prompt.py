@@ -6,8 +6,7 @@ SIGTERM. So the template runs in a child process of its own (`python -I`, an emp
 SECONDS of wall time, may use at most MEMORY bytes of address space and CPU time for SECONDS, and whose output stops
 at MAX_BYTES. Whatever goes wrong, the card goes without the example and says why in one line; the publish goes on
 (tests/integration/test_publish_safety.py). A template the sandbox cannot render (it needs variables beyond
-transformers' usual
-ones, or raises) gets no example either: the card shows only what the template rendered.
+transformers' usual ones, or raises) gets no example either: the card shows only what the template rendered.
 """
 
 from __future__ import annotations

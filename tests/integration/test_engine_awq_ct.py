@@ -1,12 +1,10 @@
 """The AWQ-CT engine (llm-compressor's AWQ, written as compressed-tensors), for real: `qf run --awqct` end to end on
 the tiny Llama, then what transformers (5.17, from the engine's own packages) makes of the pulled quant; the child's
 packages, made once; the mixtures of experts its mappings name, each a tiny checkpoint of tests/support/tiny_archs.py
-that the
-engine quantizes and scores; SmolLM2-135M on the CPU against the AutoAWQ quant's numbers; a child that fails. And the
-packages' folder as another user of the machine or a package index may try to spoil it (a second uid, stand-in wheels
-and an index that never answers: tests/support/fake_index.py): nothing planted runs, nothing is followed, an install
-stops on
-SIGTERM or after its time, a damaged folder is installed again."""
+that the engine quantizes and scores; SmolLM2-135M on the CPU against the AutoAWQ quant's numbers; a child that fails.
+And the packages' folder as another user of the machine or a package index may try to spoil it (a second uid, stand-in
+wheels and an index that never answers: tests/support/fake_index.py): nothing planted runs, nothing is followed, an
+install stops on SIGTERM or after its time, a damaged folder is installed again."""
 
 from __future__ import annotations
 
@@ -138,8 +136,7 @@ def test_the_child_has_its_own_transformers_and_makes_its_packages_once():
 
 
 # The mixtures of experts: tests/support/tiny_archs.py model type -> the router's name and an expert's linear names in
-# the
-# checkpoint (experts quantized, routers not; Mixtral keeps its own w1/w3/w2).
+# the checkpoint (experts quantized, routers not; Mixtral keeps its own w1/w3/w2).
 MOE = {
     "qwen3_moe": ("mlp.gate", ("gate_proj", "up_proj", "down_proj")),
     "mixtral": ("block_sparse_moe.gate", ("w1", "w3", "w2")),
@@ -191,8 +188,7 @@ def test_a_mixture_of_experts_is_quantized_and_scores_like_its_source(moe_quant,
 
 def test_the_mixtures_of_experts_tested_here_are_claimed():
     """The engine's claims are what benchmarks/coverage.py proved (tests/integration/test_coverage.py); the layouts
-    checked
-    here are among them."""
+    checked here are among them."""
     names = {
         "qwen3_moe": "Qwen3MoeForCausalLM",
         "mixtral": "MixtralForCausalLM",

@@ -1,7 +1,6 @@
 """The Hub as a source, a publish target and a place to pull from, against the local Hub stand-in
-(tests/support/hub_server.py)
-driven through the real huggingface_hub client; tiny model, AWQ on the CPU. A test against the real Hub runs only
-with HF_TOKEN, QF_TEST_REAL_HUB_OWNER and network."""
+(tests/support/hub_server.py) driven through the real huggingface_hub client; tiny model, AWQ on the CPU. A test against
+the real Hub runs only with HF_TOKEN, QF_TEST_REAL_HUB_OWNER and network."""
 
 from __future__ import annotations
 

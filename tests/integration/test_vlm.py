@@ -262,8 +262,7 @@ def test_llama_4_is_refused_before_any_job(qf, vlms):
 def test_the_card_says_under_a_vision_language_quant_how_it_takes_an_image(vlms, tmp_path):
     """EXL3's card: under such a quant, how exllamav3's vision model turns an image into the prompt's embeddings (the
     way tests/support/exl3_image.py gives the H200's quants their image); AWQ-CT's: which transformers class loads it
-    whole;
-    neither for a text model."""
+    whole; neither for a text model."""
     exl3 = engines.get("exl3")
     assert exl3.card.load_note(vlms["gemma3"]).startswith("Images go through its vision model")
     assert 'Model.from_config(config, component="vision")' in exl3.card.load_note(vlms["gemma3"])

@@ -1,7 +1,6 @@
 """Tiny seeded checkpoints of many architectures, made with transformers' own classes (`AutoConfig.for_model`,
 the sizes shrunk, `from_config`), each with the tests' tiny BPE tokenizer (tests/support/tiny_model.py): what the
-coverage
-test (tests/integration/test_coverage.py) and benchmarks/coverage.py run every engine on.
+coverage test (tests/integration/test_coverage.py) and benchmarks/coverage.py run every engine on.
 
     python -m tests.support.tiny_archs OUT_DIR [MODEL_TYPE ...]
 

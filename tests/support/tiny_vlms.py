@@ -1,8 +1,8 @@
 """Tiny seeded vision-language checkpoints (issue 33), made with transformers' own classes like
-tests/support/tiny_archs.py:
-the language model shrunk as tiny_archs shrinks a text model (hidden 128, 2 layers), the vision tower to 3 layers 128
-wide (a multiple of 128 as every release's: exllamav3 pads narrower ones and GLM-4V's gated MLP keeps the padding)
-over 28-pixel images in 14-pixel patches, with the tests' tokenizer and each family's image tokens added to it.
+tests/support/tiny_archs.py: the language model shrunk as tiny_archs shrinks a text model (hidden 128, 2 layers), the
+vision tower to 3 layers 128 wide (a multiple of 128 as every release's: exllamav3 pads narrower ones and GLM-4V's gated
+MLP keeps the padding) over 28-pixel images in 14-pixel patches, with the tests' tokenizer and each family's image
+tokens added to it.
 
 Each is written as its family's release is, where transformers' save_pretrained writes otherwise (exllamav3 reads
 the release's form, not transformers'): an image processor's preprocessor_config.json of the release's kind, the

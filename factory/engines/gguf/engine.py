@@ -45,8 +45,7 @@ SPLIT_SIZE = "48G"
 
 # What benchmarks/coverage.py proved llama.cpp's converter, tools and inference take on the CPU
 # (benchmarks/results/coverage-cpu.json; tests/integration/test_coverage.py keeps the two equal), and the claims that
-# run failed
-# for a reason of the tiny checkpoints' (UNPROVEN there).
+# run failed for a reason of the tiny checkpoints' (UNPROVEN there).
 ARCHITECTURES = frozenset({
     "Gemma3ForCausalLM", "GraniteForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM",
     "Olmo2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "SmolLM3ForCausalLM",
