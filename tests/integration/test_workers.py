@@ -16,7 +16,7 @@ import redis
 from typer.testing import CliRunner
 
 from factory.cli import app
-from tests.support import ROOT
+from tests.support import ROOT, processes
 from tests.support.fleet import BROKER, start_worker
 from tests.support.processes import qf, send, tree
 
@@ -64,6 +64,19 @@ def wait_for(env, job_id: str, timeout: float = 240) -> dict:
 
 def quantizing(status: dict) -> bool:
     return any(s["name"].startswith("quantize:") and s["state"] == "running" for s in status["steps"])
+
+
+def running_job_process(worker: subprocess.Popen):
+    """The process the worker spawned that runs its job: the one with children (its engine; the other spawned one
+    waits for the next job). A step shows `running` a moment before its engine starts: wait for that."""
+    import psutil
+
+    def found():
+        spawned = [p for p in psutil.Process(worker.pid).children() if "spawn_main" in " ".join(p.cmdline())]
+        return [p for p in spawned if p.children()]
+
+    [job_process] = processes.wait_until(found, 60)
+    return job_process
 
 
 def run_worker_until_done(env, job_id: str, log_path: Path, queues: str = "gpu,cpu") -> dict:
@@ -174,8 +187,7 @@ def test_a_dead_job_process_fails_the_job_and_the_worker_goes_on(env, worker, ti
 
     job_id = qf(env, "submit", tiny, "--awq", "--eval-windows", 1, check=True).stdout.strip()
     wait_until(env, job_id, quantizing, 120, "quantizing")
-    spawned = [p for p in psutil.Process(worker.pid).children() if "spawn_main" in " ".join(p.cmdline())]
-    [job_process] = [p for p in spawned if p.children()]  # the other one waits for the next job
+    job_process = running_job_process(worker)
     engines = job_process.children(recursive=True)
     job_process.kill()
     status = wait_for(env, job_id, 60)
@@ -471,8 +483,7 @@ def test_a_stalled_job_process_is_killed_by_its_worker_and_continues(env, tiny, 
     try:
         job_id = qf(env, "submit", tiny, "--awq", "--eval-windows", 1, check=True).stdout.strip()
         wait_until(env, job_id, quantizing, 120, "quantizing")
-        spawned = [p for p in psutil.Process(worker.pid).children() if "spawn_main" in " ".join(p.cmdline())]
-        [job_process] = [p for p in spawned if p.children()]
+        job_process = running_job_process(worker)
         job_process.suspend()
         _wait_in_log(tmp_path / "worker.log", f"job {job_id}: no progress for 40 s (FACTORY_STALL_SECONDS)")
         assert psutil.wait_procs([job_process], timeout=15)[1] == []  # killed
