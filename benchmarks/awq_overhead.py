@@ -74,7 +74,7 @@ def main() -> None:
 
     import calibration
     from factory.evaluation import evaluate
-    from tests.tiny_model import make_tiny_llama
+    from tests.support.tiny_model import make_tiny_llama
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

@@ -1,6 +1,6 @@
 """Exactly once under chaos: rounds of a tiny AWQ job on two CPU workers and a beat, each round killing (SIGKILL)
 or stopping (SIGSTOP, then SIGCONT once another holder has the job) the job's holder at a random moment: while it
-quantizes, evaluates, publishes or pushes to the stand-in Hub (tests/hub_server.py).
+quantizes, evaluates, publishes or pushes to the stand-in Hub (tests/support/hub_server.py).
 
     python benchmarks/chaos.py [ROUNDS] [SEED]      (default 20 rounds, seed 0)
 
@@ -32,13 +32,12 @@ from huggingface_hub import constants  # noqa: E402
 
 from factory.catalog import Catalog  # noqa: E402
 from factory.publish import folder as registry  # noqa: E402
-from tests.conftest import fresh_database  # noqa: E402
-from tests.hub_server import HubServer  # noqa: E402
-from tests.test_workers import _signal as send  # noqa: E402
-from tests.test_workers import _start_worker as start_worker  # noqa: E402
-from tests.test_workers import _tree as descendants  # noqa: E402
-from tests.test_workers import qf  # noqa: E402
-from tests.tiny_model import make_tiny_llama  # noqa: E402
+from tests.support.fleet import start_worker  # noqa: E402
+from tests.support.hub_server import HubServer  # noqa: E402
+from tests.support.processes import qf, send  # noqa: E402
+from tests.support.processes import tree as descendants  # noqa: E402
+from tests.support.qf import fresh_database  # noqa: E402
+from tests.support.tiny_model import make_tiny_llama  # noqa: E402
 
 BROKER = "redis://127.0.0.1:6379/8"
 MOMENTS = ("quantize", "evaluate", "publish", "push")

@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.tiny_model import LLAMA_1B  # noqa: E402
+from tests.support.tiny_model import LLAMA_1B  # noqa: E402
 
 SHAPES = {
     "1.1b": LLAMA_1B,
@@ -84,7 +84,7 @@ def make(directory: Path, shape: str) -> Path:
     if not (model / "config.json").is_file():
         import torch
 
-        from tests.tiny_model import make_tiny_llama
+        from tests.support.tiny_model import make_tiny_llama
 
         started = time.monotonic()
         make_tiny_llama(model, device="cuda", **SHAPES[shape])

@@ -1,9 +1,9 @@
 """Which architectures each engine converts, proven end to end: for every architecture an engine may take, a tiny
-seeded checkpoint made with transformers' own class (tests/tiny_archs.py) goes through `qf run` with that engine
+seeded checkpoint made with transformers' own class (tests/support/tiny_archs.py) goes through `qf run` with that engine
 (inspect, quantize, evaluate: ppl, KLD, top-1; publish), `qf pull`, and the pulled quant is loaded with the
 engine's loader (the consumer's library: AutoAWQ's unpacking, exllamav2, exllamav3, transformers for
 compressed-tensors) and scored again on the same windows, which must give the perplexity the factory published; a
-vision-language quant is also given an image where SEES_IMAGES says how (EXL3: tests/exl3_image.py).
+vision-language quant is also given an image where SEES_IMAGES says how (EXL3: tests/support/exl3_image.py).
 
     python benchmarks/coverage.py DIR [--engine awq] [--arch llama,qwen3] [--jobs N] [--out RESULTS.json]
     python benchmarks/coverage.py DIR --engine exl3 --claimed --jobs 10 --out benchmarks/results/coverage-h200.json
@@ -12,7 +12,7 @@ vision-language quant is also given an image where SEES_IMAGES says how (EXL3: t
 
 `--claimed` tries the candidates whose architecture the engine claims, those the committed results do not prove
 first (benchmarks/exl3_sitting.sh runs EXL3's so on the GPU). An engine's `architectures` must be exactly the set
-that passed (tests/test_coverage.py checks the committed
+that passed (tests/integration/test_coverage.py checks the committed
 results against each engine, and the README's table against the results). To try an architecture the engine does
 not claim yet, the `qf` of each run is this module (`--as-qf`), which adds it to the engine's claims in that
 process only; nothing else changes.
@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 # model types each engine's upstream maps, built into transformers (no auto_map); the vision-language ones are made
-# by tests/tiny_vlms.py
+# by tests/support/tiny_vlms.py
 CANDIDATES = {
     "awq": [
         "llama",
@@ -184,8 +184,8 @@ CANDIDATES["awqct"] = [
 ]
 
 
-# llama.cpp's converter registers these among the families tests/tiny_archs.py builds (conversion/*.py of the pinned
-# llama.cpp: factory/engines/gguf/llama.py)
+# llama.cpp's converter registers these among the families tests/support/tiny_archs.py builds (conversion/*.py of the
+# pinned llama.cpp: factory/engines/gguf/llama.py)
 CANDIDATES["gguf"] = [
     "llama",
     "mistral",
@@ -212,7 +212,7 @@ CANDIDATES["gguf"] = [
 
 # engine -> how its pulled quant of a vision-language model is given an image, as its users load it
 def _exl3_image(folder: Path) -> dict:
-    from tests.exl3_image import first_token
+    from tests.support.exl3_image import first_token
 
     return first_token(folder)
 
@@ -225,7 +225,7 @@ FLAGS = {
     "exl3": ["--exl3", "4.0"],
     "gguf": ["--gguf", "Q4_K_M"],
 }
-WIDTH = {"exl2": 256, "exl3": 256}  # the GPU engines: heads of 64 (tests/tiny_archs.py); the others 128
+WIDTH = {"exl2": 256, "exl3": 256}  # the GPU engines: heads of 64 (tests/support/tiny_archs.py); the others 128
 WINDOWS = 2
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -268,11 +268,11 @@ def _rescore(engine_name: str, folder: Path, source: Path, device: str) -> float
 
 
 def architecture(model_type: str) -> str | None:
-    """The class a tiny checkpoint of `model_type` names (tests/tiny_archs.py, tests/tiny_vlms.py), without building
-    it."""
+    """The class a tiny checkpoint of `model_type` names (tests/support/tiny_archs.py, tests/support/tiny_vlms.py),
+    without building it."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from tests.tiny_vlms import FAMILIES
+    from tests.support.tiny_vlms import FAMILIES
 
     return FAMILIES.get(model_type) or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
 
@@ -308,8 +308,8 @@ def _commit() -> str:
 
 
 def run_one(engine: str, model_type: str, models: Path, work: Path, device: str) -> dict:
-    from tests.tiny_archs import HIDDEN, make_tiny
-    from tests.tiny_vlms import FAMILIES, make_tiny_vlm
+    from tests.support.tiny_archs import HIDDEN, make_tiny
+    from tests.support.tiny_vlms import FAMILIES, make_tiny_vlm
 
     start = time.monotonic()
     hidden = WIDTH.get(engine, HIDDEN)

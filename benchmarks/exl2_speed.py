@@ -86,7 +86,7 @@ def main() -> None:
     model, cal, measurement = folder / "llama-1.1b", folder / "cal.parquet", folder / "measurement.json"
     if part == "model":
         import calibration
-        from tests.tiny_model import LLAMA_1B, make_tiny_llama
+        from tests.support.tiny_model import LLAMA_1B, make_tiny_llama
 
         make_tiny_llama(model, device="cuda", **LLAMA_1B)
         calibration.write_parquet(calibration.resolve("builtin:mix"), cal)

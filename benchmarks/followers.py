@@ -71,7 +71,7 @@ def main() -> None:
     parser.add_argument("--db", default="")
     parser.add_argument("--broker", default="redis://127.0.0.1:6379/11")
     args = parser.parse_args()
-    from tests.tiny_model import make_tiny_llama
+    from tests.support.tiny_model import make_tiny_llama
 
     with tempfile.TemporaryDirectory() as tmp:
         models = Path(tmp) / "models"

@@ -165,7 +165,7 @@ def main() -> None:
     os.environ["CUDA_VISIBLE_DEVICES"] = str(args.gpu)
     import torch
 
-    from tests.smollm2 import convert
+    from tests.support.smollm2 import convert
 
     gguf = os.environ.get("QF_SMOLLM2_GGUF")
     source = args.dir / "SmolLM2-135M-Instruct"

@@ -2,8 +2,8 @@
 
     python benchmarks/kld_estimator.py [WINDOWS]     (CPU, fp32; default 2 windows of 2048 tokens)
 
-SmolLM2-135M-Instruct (tests/smollm2.py; 49152 tokens) against two stand-in quants made here, round-to-nearest of
-every decoder linear at 4 and at 3 bits (group 64), on builtin:wiki. Per position it compares the exact
+SmolLM2-135M-Instruct (tests/support/smollm2.py; 49152 tokens) against two stand-in quants made here, round-to-nearest
+of every decoder linear at 4 and at 3 bits (group 64), on builtin:wiki. Per position it compares the exact
 full-vocabulary KL with two compact FP16 references:
 - "lumped": FP16's top-K log-probabilities plus the remaining mass as one bucket (KL of the coarsened
   distributions, a lower bound);
@@ -71,7 +71,7 @@ def main() -> None:
 
     import calibration
     from factory.evaluation import evaluate
-    from tests.smollm2 import convert
+    from tests.support.smollm2 import convert
 
     count = int(sys.argv[1]) if len(sys.argv) > 1 else 2
     folder = convert(Path("/tmp/quantfactory-bench") / "SmolLM2-135M-Instruct")

@@ -155,7 +155,7 @@ def main() -> None:
     os.environ["CUDA_VISIBLE_DEVICES"] = str(args.gpu)  # the model is made there too
     import torch
 
-    from tests.tiny_model import LLAMA_1B, make_tiny_llama
+    from tests.support.tiny_model import LLAMA_1B, make_tiny_llama
 
     model = args.dir / "llama-1.1b"
     if not (model / "config.json").is_file():

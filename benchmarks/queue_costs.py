@@ -126,7 +126,7 @@ def main() -> None:
     from factory.catalog import Job
     from factory.pipeline import Factory
     from factory.recipes import build_recipe
-    from tests.tiny_model import make_tiny_llama
+    from tests.support.tiny_model import make_tiny_llama
 
     name = f"qf_bench_{uuid.uuid4().hex[:8]}"
     admin = create_engine(args.db.replace("postgresql://", "postgresql+psycopg2://", 1), isolation_level="AUTOCOMMIT")

@@ -10,17 +10,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import uuid
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine, text
-from typer.testing import CliRunner
+import redis
 
-from factory.cli import app
-from tests.tiny_model import make_tiny_llama
+from tests.support.fleet import BROKER
+from tests.support.qf import PG, Qf, fresh_database
+from tests.support.service import Server
+from tests.support.tiny_model import make_tiny_llama
 
 
 @pytest.fixture(scope="session")
@@ -45,27 +43,6 @@ def model_copy(tiny, tmp_path):
         return dest
 
     return copy
-
-
-PG = os.environ.get("QF_TEST_PG")
-
-
-@contextmanager
-def fresh_database():
-    """A new empty catalog database URL on the QF_TEST_PG server, dropped afterwards; "" (SQLite) without it."""
-    if not PG:
-        yield ""
-        return
-    name = f"qf_test_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(PG.replace("postgresql://", "postgresql+psycopg2://", 1), isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    try:
-        yield PG.rsplit("/", 1)[0] + "/" + name
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
 
 
 CATALOG_FIXTURES = {"db_url", "finished"}  # every test that writes or reads a catalog uses one of these
@@ -105,9 +82,9 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def round_engine():
-    """The test-only engine of tests/round_engine.py, registered in this process for the test."""
+    """The test-only engine of tests/support/round_engine.py, registered in this process for the test."""
     from factory import engines
-    from tests.round_engine import ENGINE
+    from tests.support.round_engine import ENGINE
 
     engines.register(ENGINE)
     yield ENGINE
@@ -118,29 +95,6 @@ def round_engine():
 def db_url():
     with fresh_database() as url:
         yield url
-
-
-@dataclass
-class Qf:
-    home: Path
-    db_url: str = ""
-    runner: CliRunner = field(default_factory=CliRunner)
-
-    @property
-    def env(self) -> dict[str, str]:
-        return {"FACTORY_HOME": str(self.home), "FACTORY_DB_URL": self.db_url}
-
-    def __call__(self, *args: object):
-        return self.runner.invoke(app, [str(a) for a in args], env=self.env)
-
-    def json(self, *args: object):
-        result = self(*args, "--json")
-        assert result.exit_code == 0, result.output
-        return json.loads(result.stdout)
-
-    def registry_files(self) -> list[Path]:
-        registry = self.home / "registry"
-        return sorted(p for p in registry.rglob("*") if p.is_file()) if registry.exists() else []
 
 
 @pytest.fixture
@@ -161,8 +115,8 @@ def finished(tiny, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def smollm2(tmp_path_factory) -> Path:
-    """The real SmolLM2-135M-Instruct in FP16 (tests/smollm2.py), made once a session."""
-    from tests.smollm2 import convert
+    """The real SmolLM2-135M-Instruct in FP16 (tests/support/smollm2.py), made once a session."""
+    from tests.support.smollm2 import convert
 
     return convert(tmp_path_factory.mktemp("models") / "SmolLM2-135M-Instruct")
 
@@ -173,7 +127,7 @@ def smollm2_job(smollm2, tmp_path_factory):
     tokens of builtin:c4 (the demo's CPU default is 16: AWQ's grid search is most of the run), and GGUF Q4_K_M and
     IQ4_XS with an importance matrix on 16 x 512 tokens of it, scored on the same 8 windows of builtin:wiki against
     one FP16 evaluation. Yields the runner and the job's quants by method (GGUF's: `gguf-q4_k_m`, `gguf-iq4_xs`)."""
-    from tests.smollm2 import BASE
+    from tests.support.smollm2 import BASE
 
     with fresh_database() as url:
         qf = Qf(home=tmp_path_factory.mktemp("smollm2") / "home", db_url=url)
@@ -191,8 +145,33 @@ def smollm2_job(smollm2, tmp_path_factory):
 
 
 @pytest.fixture
+def factory_env(tmp_path, db_url, tiny):
+    """The service's tests (tests/support/service.py): the factory's side: its home, catalog, broker, and the folder
+    its users may name models in."""
+    redis.Redis.from_url(BROKER).flushdb()
+    models = tmp_path / "models"
+    shutil.copytree(tiny, models / "tiny")
+    return {
+        **os.environ,
+        "FACTORY_HOME": str(tmp_path / "home"),
+        "FACTORY_DB_URL": db_url,
+        "FACTORY_BROKER_URL": BROKER,
+        "FACTORY_WORKER_DEVICE": "cpu",
+        "FACTORY_SERVE_SOURCES": str(models),
+    }
+
+
+@pytest.fixture
+def server(factory_env, tmp_path):
+    server = Server(factory_env, tmp_path / "server.log")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
 def hub(tmp_path, monkeypatch):
-    """A local in-memory Hugging Face Hub (tests/hub_server.py), with HF_ENDPOINT and huggingface_hub pointed at it.
+    """A local in-memory Hugging Face Hub (tests/support/hub_server.py), with HF_ENDPOINT and huggingface_hub pointed
+    at it.
 
     Yields the HubServer: .url, .add_repo(repo_id, files, branch="main") -> sha, .fail(method, path_regex, status,
     times=1, headers=None), .corrupt(repo_id, path, revision="main"), .set_gated(repo_id), .requests, .count(...),
@@ -201,7 +180,7 @@ def hub(tmp_path, monkeypatch):
     and no HF_TOKEN or stored token leaks in."""
     from huggingface_hub import constants
 
-    from tests.hub_server import TOKENS, HubServer
+    from tests.support.hub_server import TOKENS, HubServer
 
     server = HubServer(TOKENS).start()
     home = tmp_path / "hf_home"

@@ -2,7 +2,7 @@
 
 The catalog (the other modules of factory/catalog/) owns the schema and every write. This module only reads,
 through sqlite3 or psycopg2, because importing SQLAlchemy alone takes 0.4 s on a 2-core machine and `qf status` has
-half a second (benchmarks/queue_costs.py). tests/test_status.py checks that both read the same rows.
+half a second (benchmarks/queue_costs.py). tests/integration/test_status.py checks that both read the same rows.
 
 A row's `steps` are every attempt at each step, in order; the tables show each step once, its latest record
 (`latest_steps`): a job taken over, or retried after a step failed, records again the steps it runs again (a later
@@ -10,7 +10,7 @@ pass reads the source again without recording its fetch, inspect or gate: factor
 Every view of a job (`qf jobs`, `qf show`, `qf status`, the dashboard, the API) says how far it is from the same
 `summary`: done and total steps, each counted once, and their seconds. A queued job says why it waits when no
 worker takes its queue (`waiting`): each worker keeps its name in a sorted set per queue in Redis
-(settings.WORKERS_KEY, workers/tasks.py), so the answer is one ZCOUNT per queue (tests/test_fleet_cpu.py).
+(settings.WORKERS_KEY, workers/tasks.py), so the answer is one ZCOUNT per queue (tests/integration/test_fleet_cpu.py).
 """
 
 from __future__ import annotations

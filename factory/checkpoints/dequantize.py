@@ -23,7 +23,7 @@ header is known beforehand, so memory is one piece, never a tensor or a shard; t
 bounded (MAX_MATRICES, MAX_EXPERT) before any loop over them starts, and a NaN or infinite FP8 scale is refused.
 Written into `.tmp-<key>` under a lock (`.<key>.lock`: a second job of the same source waits for the first, then
 reuses its copy) and renamed into place when whole: a kill leaves no entry, and the next writer of that source (or
-`qf gc`) removes what it left. Tests: tests/test_dequantize.py.
+`qf gc`) removes what it left. Tests: tests/integration/test_dequantize.py.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ KL(FP16 || quant) at a position is then
 
 The first term is exact; the second is an unbiased estimate of the tail's share (the samples follow p restricted to
 the tail). With K = S = 32, SmolLM2-135M's mean KLD and 99th percentile stay within 0.3% of the exact
-full-vocabulary figures (benchmarks/kld_estimator.py; tests/test_smollm2.py checks it on every run) at 516 bytes a
-position (50 MB for 48 windows). Top-1 agreement is exact: FP16's most likely token is the first of its top K.
+full-vocabulary figures (benchmarks/kld_estimator.py; tests/integration/test_smollm2.py checks it on every run) at 516
+bytes a position (50 MB for 48 windows). Top-1 agreement is exact: FP16's most likely token is the first of its top K.
 Samples are drawn with a generator seeded per window, so the same stream gives the same reference.
 """
 

@@ -27,7 +27,7 @@ class Past:
 def family(name: str) -> str:
     """A step's family from its name: quantize:<engine>-<size> -> quantize:<engine>, evaluate:<engine>-<size>:kv
     -> evaluate:<engine>:kv, a shared unit <stage>:<key> -> <stage> (measure, convert, imatrix), publish:<tag> ->
-    publish (tests/test_eta.py: examples)."""
+    publish (tests/unit/test_eta.py: examples)."""
     kind, _, rest = name.partition(":")
     if kind in ("quantize", "evaluate") and rest and rest != "fp16":
         tag, _, group = rest.partition(":")

@@ -5,8 +5,8 @@ bound its loops: 80 bytes of two nested `range(99999)` loops ran for 272 s insid
 SIGTERM. So the template runs in a child process of its own (`python -I`, an empty environment) that is killed after
 SECONDS of wall time, may use at most MEMORY bytes of address space and CPU time for SECONDS, and whose output stops
 at MAX_BYTES. Whatever goes wrong, the card goes without the example and says why in one line; the publish goes on
-(tests/test_publish_safety.py). A template the sandbox cannot render (it needs variables beyond transformers' usual
-ones, or raises) gets no example either: the card shows only what the template rendered.
+(tests/integration/test_publish_safety.py). A template the sandbox cannot render (it needs variables beyond
+transformers' usual ones, or raises) gets no example either: the card shows only what the template rendered.
 """
 
 from __future__ import annotations

@@ -247,7 +247,7 @@ def moment(name: str) -> None:
     """A named moment of publishing: `card` (before the card is rendered), `placed` (the registry folder is in place,
     its row not recorded), `recorded` (the row is committed), `ended` (the publish step ended, the job not). With
     FACTORY_TEST_STOP_AT=<name> the process stops itself there (SIGSTOP), so that a test can kill it at that very
-    point (tests/test_publish_safety.py)."""
+    point (tests/integration/test_publish_safety.py)."""
     if os.environ.get(STOP_AT) == name:
         os.kill(os.getpid(), signal.SIGSTOP)
 

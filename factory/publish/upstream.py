@@ -5,7 +5,7 @@ Read from the source folder: its README.md's YAML front matter (the upstream mod
 beside the weights, and it is never part of the source's identity nor published) and the chat template the quant
 carries (`chat_template.jinja`, or `chat_template` in tokenizer_config.json), which the card renders with bounds
 (factory/publish/prompt.py). A front matter key `quantfactory_note` describes a checkpoint that is not the original
-release (tests/smollm2.py writes one: its FP16 weights are dequantized from a GGUF).
+release (tests/support/smollm2.py writes one: its FP16 weights are dequantized from a GGUF).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ Rules:
           `tag_example`), matched case-insensitively; the engines' grammars are listed in factory/engines/.
     rev   the first 7 (or more) hex digits of the source commit or content hash; without it, the newest.
 Not valid whatever the tag: `../etc:<tag>` (`..`), `-x:<tag>` (leading -), `\u212aiwi:<tag>` (not ASCII).
-Examples of valid and refused names, engine by engine: tests/test_naming.py.
+Examples of valid and refused names, engine by engine: tests/unit/test_naming.py.
 A valid name never reaches outside the registry folder: it has no `/` and no `..`.
 """
 

@@ -12,8 +12,8 @@ A token is `qf_` and 43 URL-safe characters (32 random bytes). Scopes:
 Quotas are per user, over all of the user's tokens, and counted strictly: a submission first reserves its place
 (a row in `submissions`) while holding the user's token rows (UPDATE ... last_used_at: a row lock on PostgreSQL,
 the write lock on SQLite), so concurrent submissions cannot both take the last place
-(tests/test_service_races.py: 16 processes at one instant). A place whose submission never ended (its server was
-killed) is let go after FACTORY_PLACE_SECONDS; a submission that outlived its place takes it again at `record` only
+(tests/integration/test_service_races.py: 16 processes at one instant). A place whose submission never ended (its server
+was killed) is let go after FACTORY_PLACE_SECONDS; a submission that outlived its place takes it again at `record` only
 if the quotas still allow it (else OverQuota, and its job is cancelled unless another owner wants it).
 
 A job is owned by every user who submitted it (the same submission again is the same job: the quant's work is

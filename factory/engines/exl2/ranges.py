@@ -15,8 +15,8 @@ its input, never another module's scores, so the modules split into ranges:
              it (`measurement`, `last_module_idx`)
 
 A range's input states come from the same forward calls on the same inputs as in one serial measurement, so its
-scores are the serial ones (tests/test_gpu.py compares them). A range killed midway starts over when the job runs
-again (convert_exl2's own checkpoints resumed a serial measurement; a range is a fraction of it).
+scores are the serial ones (tests/gpu/test_gpu_ranges.py compares them). A range killed midway starts over when the
+job runs again (convert_exl2's own checkpoints resumed a serial measurement; a range is a fraction of it).
 
     python -m factory.engines.exl2.ranges REQUEST.json   (the child: {"stage": "prepare" | "range", ...})
 """

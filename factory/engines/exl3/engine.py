@@ -51,7 +51,8 @@ CAL_TENSOR = "input_ids"
 VISION_BITS = 16  # a vision-language model's tower and projector stay as they are (exllamav3 quantizes some at 6)
 
 # What benchmarks/coverage.py proved exllamav3 1.6.5 converts on the H200 (benchmarks/results/coverage-h200.json),
-# and the claims that run did not reach or failed for a reason outside exllamav3 (tests/test_coverage.py, UNPROVEN).
+# and the claims that run did not reach or failed for a reason outside exllamav3 (tests/integration/test_coverage.py,
+# UNPROVEN).
 ARCHITECTURES = frozenset({
     "AfmoeForCausalLM", "ApertusForCausalLM", "ArceeForCausalLM", "Cohere2ForCausalLM", "CohereForCausalLM",
     "DeepseekV3ForCausalLM", "Dots1ForCausalLM", "Ernie4_5_MoeForCausalLM", "Exaone4ForCausalLM",

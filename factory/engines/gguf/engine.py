@@ -44,8 +44,8 @@ CHUNK_DONE = re.compile(r"\[(\d+)\]-?[\d.]+(?:e[+-]?\d+)?,")
 TENSOR = re.compile(r"^\[\s*(\d+)/\s*(\d+)\]")
 
 # What benchmarks/coverage.py proved llama.cpp's converter, tools and inference take on the CPU
-# (benchmarks/results/coverage-cpu.json; tests/test_coverage.py keeps the two equal), and the claims that run failed
-# for a reason of the tiny checkpoints' (UNPROVEN there).
+# (benchmarks/results/coverage-cpu.json; tests/integration/test_coverage.py keeps the two equal), and the claims that
+# run failed for a reason of the tiny checkpoints' (UNPROVEN there).
 ARCHITECTURES = frozenset({
     "Gemma3ForCausalLM", "GraniteForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM",
     "Olmo2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "SmolLM3ForCausalLM",

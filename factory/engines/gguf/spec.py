@@ -11,10 +11,10 @@ from factory.engines.base import QuantSpec, Targets
 from factory.errors import SpecError
 from factory.specs import asks_fit
 
-# llama-quantize's QUANT_OPTIONS (tools/quantize/quantize.cpp of the pinned llama.cpp; tests/test_engine_gguf.py
-# checks each is in the built tool's list), with the bits per weight of its quantized tensors (the block formats';
-# the K mixes as llama.cpp reports them on Llama-3-8B): what `bits` and the size estimates read. Left out: its
-# aliases (Q3_K, Q4_K, Q5_K), F32, COPY and MXFP4_MOE (MoE experts only).
+# llama-quantize's QUANT_OPTIONS (tools/quantize/quantize.cpp of the pinned llama.cpp;
+# tests/integration/test_engine_gguf.py checks each is in the built tool's list), with the bits per weight of its
+# quantized tensors (the block formats'; the K mixes as llama.cpp reports them on Llama-3-8B): what `bits` and the size
+# estimates read. Left out: its aliases (Q3_K, Q4_K, Q5_K), F32, COPY and MXFP4_MOE (MoE experts only).
 TYPES: dict[str, tuple[float, int]] = {  # type -> (bits per weight, llama_ftype in the file's general.file_type)
     "F16": (16.0, 1), "BF16": (16.0, 32), "Q8_0": (8.5, 7), "Q6_K": (6.5625, 18), "Q5_K_M": (5.69, 17),
     "Q5_K_S": (5.54, 16), "Q5_1": (6.0, 9), "Q5_0": (5.5, 8), "Q4_K_M": (4.89, 15), "Q4_K_S": (4.58, 14),

@@ -1,0 +1,68 @@
+"""factory/catalog/status.py reads jobs with plain SQL; it must read what the catalog (SQLAlchemy) wrote, on SQLite and
+on PostgreSQL (the second pass of scripts/test)."""
+
+from __future__ import annotations
+
+from factory.catalog import Catalog, status
+
+
+def test_plain_sql_reads_what_the_catalog_wrote(finished):
+    qf, events = finished
+    url = qf.db_url or f"sqlite:///{qf.home / 'catalog.db'}"
+    job = Catalog(url).job(events[-1]["job"])
+    (row,) = status.job_rows(url, job_id=job.id)
+    assert row == {
+        "id": job.id,
+        "name": job.name,
+        "state": "succeeded",
+        "error": None,
+        "exit_code": job.exit_code,
+        "source": job.source,
+        "source_identity": job.source_identity,
+        "specs": job.specs,
+        "device": job.device,
+        "created_at": job.created_at.isoformat(timespec="seconds"),
+        "steps": [
+            {
+                "name": s.name,
+                "state": s.state,
+                "started_at": s.started_at.isoformat(),
+                "seconds": s.seconds,
+                "expected_seconds": s.expected_seconds,
+                "error": s.error,
+                "peak_gpu_bytes": s.peak_gpu_bytes,
+                "holder": s.holder,
+                "note": s.note,
+            }
+            for s in job.steps
+        ],
+        "holder": None,
+        "attempts": 1,  # `qf run` held it once and released it
+        "summary": {  # what every view of the job says: each step once, all of them done here
+            "done": len({s.name for s in job.steps}),
+            "total": len({s.name for s in job.steps}),
+            "running": [],
+            "seconds": round(sum(s.seconds for s in job.steps), 1),
+        },
+        "expected_end": None,
+        "eta_seconds": None,  # only while it runs
+        "waiting": None,  # only for a queued job that no worker takes (tests/integration/test_fleet_cpu.py)
+    }
+    names = [s["name"] for s in row["steps"]]
+    assert names[0] == "inspect" and "quantize:awq-w4g128" in names
+    assert status.job_rows(url, name=job.name) == [row] == status.job_rows(url)
+    assert status.job_rows(url, name="other") == [] == status.job_rows(url, job_id="nope")
+
+
+def test_no_catalog_yet_is_no_jobs(qf):
+    result = qf("status", "--json")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip() == "[]"
+    assert qf("status", "nope").exit_code == 4
+
+
+def test_unsupported_database_url(qf):
+    qf.db_url = "mysql://u:secret@db/x"
+    result = qf("status")
+    assert result.exit_code == 2
+    assert "mysql://u:***@db/x is neither sqlite:///PATH nor postgresql://" in result.stderr

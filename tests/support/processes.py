@@ -1,0 +1,99 @@
+"""`qf` as a child process, as its users run it, and waiting on one."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import psutil
+
+from factory.publish.publishing import STOP_AT
+from tests.support import ROOT
+from tests.support.qf import Qf
+
+
+def qf(env, *args, check=False) -> subprocess.CompletedProcess:
+    """`qf ARGS` to its end with the environment `env` (a whole one: os.environ and the factory's variables)."""
+    return subprocess.run(
+        [sys.executable, "-m", "factory.cli", *map(str, args)],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=check,
+        timeout=180,
+    )
+
+
+def qf_process(qf: Qf, *args, env: dict[str, str] | None = None, **popen) -> subprocess.Popen:
+    """`qf ARGS` started with the home and catalog of `qf` (and `env` over them)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "factory.cli", *map(str, args)],
+        env={**os.environ, **qf.env, **(env or {})},
+        cwd=ROOT,
+        text=True,
+        **popen,
+    )
+
+
+def wait_until(check, seconds: float = 60.0):
+    """What `check()` returns once it is true; an AssertionError after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if found := check():
+            return found
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {check}")
+
+
+def events_until(proc: subprocess.Popen, step: str) -> None:
+    """Read a `qf run --json` child's events until `step` is running."""
+    for line in proc.stdout:
+        event = json.loads(line)
+        if event["event"] == "step" and event["step"] == step and event["state"] == "running":
+            return
+    raise AssertionError(f"{step} never started")
+
+
+def stopped_at(qf: Qf, moment: str, *args, **env: str) -> subprocess.Popen:
+    """`qf run` stopped at `moment` of publishing (publishing.moment: a SIGSTOP to itself)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "factory.cli", "run", *map(str, args)],
+        cwd=ROOT,
+        env={**os.environ, **qf.env, STOP_AT: moment, **env},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_until(lambda: psutil.Process(proc.pid).status() == psutil.STATUS_STOPPED, 120)
+    except BaseException:
+        proc.kill()
+        raise
+    return proc
+
+
+def tree(pid: int) -> list[int]:
+    """The process and all its descendants ([] once it is gone)."""
+    try:
+        return [pid, *(p.pid for p in psutil.Process(pid).children(recursive=True))]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def send(pids: list[int], sig: int) -> None:
+    """`sig` to each of `pids` that still exists."""
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

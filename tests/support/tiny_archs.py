@@ -1,0 +1,188 @@
+"""Tiny seeded checkpoints of many architectures, made with transformers' own classes (`AutoConfig.for_model`,
+the sizes shrunk, `from_config`), each with the tests' tiny BPE tokenizer (tests/support/tiny_model.py): what the
+coverage test (tests/integration/test_coverage.py) and benchmarks/coverage.py run every engine on.
+
+    python -m tests.support.tiny_archs OUT_DIR [MODEL_TYPE ...]
+
+Same model type and width, same files (seeded). The sizes are the smallest that every engine's rules accept:
+hidden 128 (AWQ's group 128 divides it; EXL3 wants a multiple of 128), 2 layers, 4 heads (2 KV heads), MoE with 4
+experts of which 2 are routed to; the GPU engines take hidden 256 (heads of 64, what exllamav2's kernels are
+built for).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from tests.support.tiny_model import make_tiny_tokenizer
+
+HIDDEN, LAYERS, HEADS, KV_HEADS, VOCAB = 128, 2, 4, 2, 1024
+
+
+def sizes(model_type: str, hidden: int = HIDDEN) -> dict:
+    """What a `model_type` config `hidden` wide is set to, under the names its config may have (config_for skips
+    those it has not): the sizes every family shares, the mixture-of-experts ones (their names differ by family),
+    then what one family names otherwise or needs besides."""
+    shared = {
+        "hidden_size": hidden,
+        "num_hidden_layers": LAYERS,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "intermediate_size": 2 * hidden,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": 4096,
+        "head_dim": hidden // HEADS,
+        "tie_word_embeddings": False,
+        "num_local_experts": 4,
+        "num_experts": 4,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": hidden,
+        "shared_expert_intermediate_size": hidden,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "norm_topk_prob": True,
+        "moe_shared_expert_intermediate_size": hidden,
+    }
+    # multi-head latent attention: the low ranks as wide as the model, so group 128 divides every input, and a key
+    # and a value for every head, as DeepSeek's releases have (eager attention refuses fewer)
+    latent = {
+        "kv_lora_rank": hidden,
+        "qk_rope_head_dim": 16,
+        "qk_nope_head_dim": 16,
+        "v_head_dim": 32,
+        "head_dim": 16,
+        "num_key_value_heads": HEADS,
+    }
+    family = {
+        "opt": {"ffn_dim": 2 * hidden, "word_embed_proj_dim": hidden},
+        "gptj": {"n_inner": 2 * hidden, "rotary_dim": 16},
+        "gpt_bigcode": {"n_inner": 2 * hidden, "multi_query": True},
+        "mpt": {"expansion_ratio": 2},
+        "falcon": {
+            "new_decoder_architecture": True,
+            "num_kv_heads": KV_HEADS,
+            "parallel_attn": True,
+            "ffn_hidden_size": 2 * hidden,
+        },
+        "deepseek_v2": {**latent, "q_lora_rank": None, "topk_method": "greedy"},
+        "deepseek_v3": {**latent, "q_lora_rank": hidden},
+        "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
+        "llama4_text": {"intermediate_size_mlp": 2 * hidden},
+        # every kind of layer a release has (Mamba-2, experts, attention: NVIDIA-Nemotron-3-Nano's "MEMEM*E..."),
+        # which two layers cannot hold
+        "nemotron_h": {"layers_block_type": ["linear_attention", "moe", "full_attention", "moe"]},
+    }
+    return {**shared, **family.get(model_type, {})}
+
+
+def config_for(model_type: str, bos: int, eos: int, hidden: int = HIDDEN):
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type)
+    mapped = getattr(config, "attribute_map", {})
+    _per_layer(config, getattr(config, "num_hidden_layers", None))
+    for key, value in sizes(model_type, hidden).items():
+        if key in mapped or hasattr(config, key):
+            try:
+                setattr(config, key, value)
+            except AttributeError:  # a property computed from the others (Falcon's head_dim)
+                pass
+    config.bos_token_id, config.eos_token_id = bos, eos
+    if getattr(config, "pad_token_id", None) is not None and config.pad_token_id >= VOCAB:
+        config.pad_token_id = None
+    return config
+
+
+def _per_layer(config, layers: int | None) -> None:
+    """Cut what a config says once per layer (layer_types, mlp_layer_types, a hybrid pattern, heads per layer) to
+    LAYERS entries, repeating the kinds it had in their order so both kinds of a hybrid stay."""
+    if not layers:
+        return
+    for key, value in list(vars(config).items()):
+        per_layer = isinstance(value, list) or (isinstance(value, str) and "pattern" in key)
+        if per_layer and len(value) == layers and not key.startswith("_"):
+            kinds = list(dict.fromkeys(value))
+            cut = [kinds[i % len(kinds)] for i in range(LAYERS)]
+            try:
+                setattr(config, key, "".join(cut) if isinstance(value, str) else cut)
+            except (AttributeError, TypeError, ValueError):
+                pass
+
+
+# Nemotron-H's layer kinds as its releases spell them (hybrid_override_pattern, one letter a layer)
+NEMOTRON_LETTERS = {"linear_attention": "M", "full_attention": "*", "mlp": "-", "moe": "E"}
+
+
+def _qwen3_moe(cfg: dict) -> dict:
+    """Qwen/Qwen3-30B-A3B's config.json says num_experts (transformers 5.24 saves num_local_experts)."""
+    return {"num_experts": cfg.pop("num_local_experts")}
+
+
+def _exaone4(cfg: dict) -> dict:
+    """LGAI-EXAONE/EXAONE-4.0-32B's says sliding_window_pattern as letters ("LLLG": L a sliding layer, G a global
+    one); transformers 5.24 saves a number."""
+    return {"sliding_window_pattern": "".join("L" if t == "sliding_attention" else "G" for t in cfg["layer_types"])}
+
+
+def _nemotron_h(cfg: dict) -> dict:
+    """nvidia's Nemotron-H releases say hybrid_override_pattern ("M-M*-E...") and num_hidden_layers; transformers
+    5.24 saves layers_block_type in its own words (and an MTP pattern a release without MTP layers lacks)."""
+    mtp = cfg.pop("mtp_layers_block_type", None)
+    pattern = "".join(NEMOTRON_LETTERS[t] for t in cfg.pop("layers_block_type"))
+    written = {"hybrid_override_pattern": pattern, "num_hidden_layers": len(pattern)}
+    if cfg.get("num_nextn_predict_layers") and mtp:
+        written["mtp_hybrid_override_pattern"] = "".join(NEMOTRON_LETTERS[t] for t in mtp)
+    return written
+
+
+# model type -> what its release's config.json says where transformers' save_pretrained writes otherwise: exllamav3
+# reads the releases' form (tests/integration/test_exl3_checkpoints.py reads each checkpoint with exllamav3's own
+# classes)
+RELEASE = {"qwen3_moe": _qwen3_moe, "exaone4": _exaone4, "nemotron_h": _nemotron_h}
+
+
+def as_released(model_type: str, config_path: Path) -> None:
+    """Rewrite a saved config.json as the family's release writes it: rope_theta beside rope_parameters
+    (transformers 5 writes only the latter; exllamav2 reads the former) and the family's RELEASE keys."""
+    cfg = json.loads(config_path.read_text())
+    theta = (cfg.get("rope_parameters") or {}).get("rope_theta")
+    if theta is not None:
+        cfg.setdefault("rope_theta", theta)
+    if model_type in RELEASE:
+        cfg.update(RELEASE[model_type](cfg))
+    config_path.write_text(json.dumps(cfg, indent=2))
+
+
+def make_tiny(model_type: str, out: Path, seed: int = 0, hidden: int = HIDDEN) -> Path:
+    """A tiny random checkpoint of `model_type` (FP16 weights, the tests' tokenizer), `hidden` wide, in `out`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = make_tiny_tokenizer(out, VOCAB)
+    config = config_for(model_type, tokenizer.bos_token_id, tokenizer.eos_token_id, hidden)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).to(torch.float16)
+    model.save_pretrained(out)
+    as_released(model_type, out / "config.json")
+    return out
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("model_types", nargs="+")
+    args = parser.parse_args()
+    for mt in args.model_types:
+        try:
+            print(make_tiny(mt, args.out / mt))
+        except Exception as e:  # noqa: BLE001  (a survey: say which and go on)
+            print(f"{mt}: {type(e).__name__}: {e}")

@@ -1,0 +1,100 @@
+"""A tiny seeded random Llama with a real BPE tokenizer, made on the spot (no hub).
+
+    python -m tests.support.tiny_model OUT_DIR [--hidden 128] [--layers 2]
+
+The tokenizer is a byte-level BPE trained on exllamav2's builtin c4 text, so calibration and evaluation
+text tokenize the way they would for a real model. Same arguments, same files (seeded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from calibration import builtin_text
+
+# The random 1.1B Llama of docs/measured.md (make_tiny_llama(out, device="cuda", **LLAMA_1B): seconds on a GPU).
+LLAMA_1B = dict(
+    hidden=2048,
+    layers=16,
+    heads=32,
+    kv_heads=8,
+    intermediate=8192,
+    vocab=32000,
+    max_positions=32768,
+    rope_theta=500000.0,
+)
+
+
+def make_tiny_tokenizer(out: Path, vocab: int = 1024):
+    """A byte-level BPE of `vocab` tokens (<s>, </s>) trained on the builtin c4 text, saved in `out`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE(unk_token=None))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    bpe.train_from_iterator(builtin_text("c4").splitlines(), trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>")
+    tokenizer.save_pretrained(out)
+    return tokenizer
+
+
+def make_tiny_llama(
+    out: Path,
+    *,
+    hidden: int = 128,
+    layers: int = 2,
+    seed: int = 0,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int | None = None,
+    vocab: int = 1024,
+    max_positions: int = 4096,
+    rope_theta: float = 10000.0,
+    device: str = "cpu",
+) -> Path:
+    """Defaults: the tests' tiny model; LLAMA_1B the 1.1B one."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = make_tiny_tokenizer(out, vocab)
+
+    config = LlamaConfig(
+        vocab_size=vocab,  # the trained tokenizer may have fewer tokens; the model keeps the shape asked for
+        hidden_size=hidden,
+        intermediate_size=intermediate or hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+        rope_theta=rope_theta,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(torch.float16)
+    model.save_pretrained(out)
+    # transformers 5 writes rope_parameters; exllamav2 reads rope_theta.
+    cfg_path = out / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.setdefault("rope_theta", rope_theta)
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    return out
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=2)
+    args = parser.parse_args()
+    print(make_tiny_llama(args.out, hidden=args.hidden, layers=args.layers))
