@@ -1,8 +1,8 @@
 """The tiny checkpoints the EXL3 coverage runs (benchmarks/coverage.py) are read by exllamav3 as its users' releases
 are (issue 48), on the CPU: exllamav3's own Config, Model and Tokenizer classes read each one
-(tests/support/exl3_reads.py, in a child process), and the calibration ids the factory makes from the checkpoint's own tokenizer are ids exllamav3's
-conversion takes (below its tokenizer's vocabulary and the model's). A tokenizer whose ids pass the model's
-vocabulary is refused before any engine runs.
+(tests/support/exl3_reads.py, in a child process), and the calibration ids the factory makes from the checkpoint's
+own tokenizer are ids exllamav3's conversion takes (below its tokenizer's vocabulary and the model's). A tokenizer
+whose ids pass the model's vocabulary is refused before any engine runs.
 
 CHECKED are the families whose checkpoints or tokens were once written otherwise; QF_COVERAGE=all checks every
 family EXL3 claims (34: 8 minutes on 2 shared cores)."""

@@ -10,9 +10,10 @@ from either; with every layer offloaded, all of it is on the GPU).
 
 Checked against what llama.cpp allocates (its load log: the model, KV and compute buffers;
 tests/support/llama_buffers.py, run by tests/integration/test_engine_gguf.py and tests/integration/test_smollm2.py):
-the KV cache to the byte; the compute buffer of SmolLM2-135M 98.25, 102.51 and 98.25 MiB at 512, 2048 and 8192 tokens against 99.5, 101.0 and 107.0 estimated (its
-allocator reuses memory between the graph's phases, which a sum over-counts), the tiny test model's 1.25 and 4.25
-MiB at 256 and 2048 tokens against 1.38 and 4.5; the weights within 10% of the file.
+the KV cache to the byte; the compute buffer of SmolLM2-135M 98.25, 102.51 and 98.25 MiB at 512, 2048 and 8192
+tokens against 99.5, 101.0 and 107.0 estimated (its allocator reuses memory between the graph's phases, which a sum
+over-counts), the tiny test model's 1.25 and 4.25 MiB at 256 and 2048 tokens against 1.38 and 4.5; the weights
+within 10% of the file.
 """
 
 from __future__ import annotations
