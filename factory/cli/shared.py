@@ -129,6 +129,10 @@ FitOpt = Annotated[
 ]
 CtxOpt = Annotated[int | None, typer.Option("--ctx", min=1, help="Context in tokens (default: the model's max).")]
 KvOpt = Annotated[str, typer.Option("--kv-cache", help="fp16, q8, q6 or q4.")]
+RuntimeOpt = Annotated[
+    str | None,
+    typer.Option("--runtime", metavar="NAME", help="Only quants this runtime loads: tabbyapi, vllm, llama.cpp, ..."),
+]
 UnitsOpt = Annotated[
     int | None,
     typer.Option(
