@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from factory.checkpoints.inspect import ModelInfo
     from factory.registry.published import QuantRow
 
+NO_CURVE = "no measured curve on this model"  # a format's curve: two of its sizes scored on the same windows
 BUDGETS = (8, 12, 16, 24, 48, 80)  # GiB: the card's picks
 CONTEXTS = (8192, 32768)
 
@@ -61,6 +62,7 @@ class Ranked:
     top1: float | None = None
     ppl: float | None = None
     rev: str | None = None  # a published quant's
+    spec: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -173,6 +175,7 @@ def rank(
         scores.setdefault("bytes", weights)
         first = engine.memory.runtimes[0] if engine.memory.runtimes else engine.evaluator
         return Ranked(
+            spec=spec.model_dump(),
             tag=spec.tag,
             method=engine.name,
             bits=spec.bits,
@@ -231,7 +234,7 @@ def _not_made(engine, model: Model, scored: list, sized) -> list[Ranked]:
             why = (
                 f"outside {engine.label}'s measured range on this model ({curve[0][0]:g}-{curve[-1][0]:g} bits)"
                 if len(curve) >= 2
-                else f"no measured curve: {engine.label} needs two sizes of this model scored on these windows"
+                else NO_CURVE
             )
             row = sized(engine, spec, kind="unscored", basis=why)
         rows += [row] if row else []
@@ -302,3 +305,46 @@ def picks(
             ranking = rank(name, model, quants, gib * vram.GiB, ctx, expected=False)
             out[gib, ctx] = ranking.published[0] if ranking.published else "none fits"
     return out
+
+
+def choose(
+    name: str,
+    model: Model,
+    quants: list[QuantRow],
+    budgets: str,
+    ctx: int | None,
+    cache: str,
+    formats: list[str],
+    say,
+) -> dict[str, list[dict]]:
+    """`--fit 24GB,16GB` across `formats`: for each budget, what the ranking says to make, as specs by engine. The
+    best scored row that fits: nothing to make when it is published (said), else that size (expected from its
+    format's curve). Where no row that fits is scored yet (no curve of any format), the largest size of each format
+    that fits, so that the job measures them. Each choice is told to `say`."""
+    chosen: dict[str, list[dict]] = {}
+    for text in (t.strip() for t in budgets.split(",")):
+        ranking = rank(name, model, quants, vram.parse_size(text), ctx, cache, formats=formats)
+        where = f"--fit {text}: {ranking.ctx} tokens ({cache} cache)"
+        if ranking.ranked:
+            best = ranking.ranked[0]
+            if best.kind == "measured":
+                say(f"{where}: {best.tag}@{best.rev} is published and has the lowest KLD that fits ({best.kld:.4f})")
+                continue
+            say(f"{where}: {best.tag}, KLD about {best.kld:.4f}, the lowest that fits ({best.basis})")
+            picks = [best]
+        else:
+            largest: dict[str, Ranked] = {}
+            for r in ranking.rows:
+                if r.fits and r.kind == "unscored" and r.bits > getattr(largest.get(r.method), "bits", 0):
+                    largest[r.method] = r
+            if not largest:
+                raise SpecError(f"nothing of {name} fits {vram.human(ranking.budget)} at {ranking.ctx} tokens")
+            picks = sorted(largest.values(), key=lambda r: r.method)
+            say(
+                f"{where}: no format has a measured curve on {name} yet, so the largest size of each that fits: "
+                + ", ".join(r.tag for r in picks)
+            )
+        for r in picks:
+            if r.spec not in chosen.setdefault(r.method, []):
+                chosen[r.method].append(r.spec)
+    return chosen

@@ -34,6 +34,7 @@ class Settings(Closed):
     eval_windows: int | None = None
     max_ppl_ratio: float = Field(1.5, gt=0)
     max_kld: float | None = Field(None, gt=0)  # None: no limit on the KL divergence from FP16
+    fit: str | None = None  # VRAM budgets ("24GB,16GB"): what `--fit` makes (factory/submission.py)
 
     @field_validator("eval_windows")
     @classmethod

@@ -110,12 +110,15 @@ def _ranking_lines(ranked: ranking.Ranking) -> list:
     too_big = [r.tag for r in ranked.rows if not r.fits and r.kld is not None]
     if too_big:
         lines.append(f"too big for {memory.human(ranked.budget)}: {', '.join(too_big)}")
-    unscored: dict[str, list] = {}
+    unscored: dict[str, dict[str, int]] = {}  # why -> format -> sizes that fit
     for r in ranked.rows:
         if r.kind == "unscored" and r.fits:
-            unscored.setdefault(r.basis, []).append(r.tag)
-    for why, tags in unscored.items():
-        lines.append(f"not ranked, {why}: {len(tags)} size{'s' if len(tags) != 1 else ''} ({tags[0]} ... {tags[-1]})")
+            counts = unscored.setdefault(r.basis, {})
+            counts[engines.get(r.method).label] = counts.get(engines.get(r.method).label, 0) + 1
+    for why, counts in unscored.items():
+        sizes = ", ".join(f"{label} {n} size{'s' if n != 1 else ''}" for label, n in counts.items())
+        more = " (two sizes of a format scored on these windows make its curve)" if why == ranking.NO_CURVE else ""
+        lines.append(f"not ranked, {why}{more}: {sizes}")
     return lines + ranked.notes
 
 

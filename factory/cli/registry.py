@@ -218,7 +218,7 @@ def _pull_fit(ref: str, fit: str, ctx: int | None, runtime: str | None, output: 
     next_best = f"; next: {others[0].tag}, KLD {tables.kld(others[0].kld)}" if others else ""
     err.print(
         f"{name}:{best.tag}@{best.rev}: the lowest KLD ({tables.kld(best.kld)}, on {ranked.protocol}) of the "
-        f"{len(ranked.published)} published quant{'s' if len(ranked.published) != 1 else ''} that fit "
+        f"{len(ranked.published)} published {'quants that fit' if len(ranked.published) != 1 else 'quant that fits'} "
         f"{ranked.where()}; it needs {tables.size(best.need)} with {best.runtime}{next_best}",
         markup=False,
         highlight=False,

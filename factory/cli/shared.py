@@ -123,8 +123,9 @@ FitOpt = Annotated[
     str | None,
     typer.Option(
         "--fit",
-        help=f"VRAM budgets, e.g. 24GB,16GB: {sizer().label} at the "
-        "highest bpw that fits each with --ctx and --kv-cache (see qf plan).",
+        help="VRAM budgets, e.g. 24GB,16GB: for each, the quant of any format with the lowest KLD that fits with "
+        f"--ctx and --kv-cache, as qf plan ranks the model's scored quants; none scored yet: {sizer().label} at the "
+        "highest bpw that fits.",
     ),
 ]
 CtxOpt = Annotated[int | None, typer.Option("--ctx", min=1, help="Context in tokens (default: the model's max).")]
@@ -206,6 +207,7 @@ def request_from(
         ctx,
         kv_cache,
         say=lambda line: err.print(line, highlight=False),
+        catalog=open_catalog() if fit else None,  # what the ranking knows of the model
     )
 
 

@@ -42,6 +42,11 @@ class QuantSpec(Closed):
     def bits(self) -> float:
         raise NotImplementedError
 
+    @property
+    def flag_value(self) -> str | bool:
+        """What its engine's flag takes to make it (`--exl2 4.0`: "4.0"); True: a switch (`--awq`)."""
+        return True
+
 
 class Targets(Closed):
     """What a recipe's key for this engine holds (`exl2: {bpw: [...], head_bits: 6}`): one or more specs."""
@@ -71,6 +76,10 @@ class BpwSpec(QuantSpec):
     @property
     def tag(self) -> str:
         return bpw_tag(self.method, self.bpw, self.head_bits)
+
+    @property
+    def flag_value(self) -> str:
+        return f"{self.bpw:g}"
 
     @property
     def bits(self) -> float:
