@@ -6,6 +6,7 @@ default is 16 (AutoAWQ's grid search is most of the run, and halving it costs 1.
 """
 
 import difflib
+import json
 import math
 
 import pytest
@@ -164,3 +165,29 @@ def test_the_pulled_gguf_scores_in_llama_cpp_to_the_published_numbers(smollm2, s
     differ = sum(max(i2 - i1, j2 - j1) for op, i1, i2, j1, j2 in ops if op != "equal")
     print(f"llama.cpp's tokenizer: {differ} of {len(source_ids)} ids differ from the source tokenizer's")
     assert differ <= len(source_ids) / 1000
+
+
+def test_the_ranking_across_formats_is_the_catalogs_and_a_pull_by_budget_gets_its_best(smollm2_job, tmp_path):
+    """Issue 49 on the real model: `qf plan` ranks the job's four quants (AutoAWQ, AWQ-CT, two GGUF types) by the KLD
+    the catalog holds, GGUF's Q4_K_S (4.58 bits) expected between its measured IQ4_XS and Q4_K_M; `qf pull --fit` gets
+    the lowest KLD that fits, and with a budget just too small for it, the next that still fits."""
+    qf, rows = smollm2_job
+    name = rows["awq"]["name"].split(":")[0]
+    listed = {r["tag"]: r for r in qf.json("ls") if r["model"] == name}
+    ranked = qf.json("plan", name, "--vram", "24GB", "--ctx", 8192)["ranking"]
+    by_tag = {r["tag"]: r for r in ranked["rows"]}
+    assert {t: r["kld"] for t, r in by_tag.items() if r["kind"] == "measured"} == {
+        t: r["kld"] for t, r in listed.items()
+    }
+    assert by_tag["gguf-q4_k_s"]["kind"] == "expected"
+    assert "between gguf-iq4_xs and gguf-q4_k_m" in by_tag["gguf-q4_k_s"]["basis"]
+    best = min(listed.values(), key=lambda r: r["kld"])
+    pulled = qf("pull", name, "--fit", "24GB", "-o", tmp_path / "best", "--json")
+    assert pulled.exit_code == 0, pulled.output
+    assert json.loads(pulled.stdout)["pulled"]["tag"] == best["tag"]
+    room = by_tag[best["tag"]]["need"] - 1
+    budget = f"{math.floor((room + 512 * 2**20) / 2**20 * 1000) / 1000}MB"
+    fitting = [r for t, r in listed.items() if by_tag[t]["need"] <= room]
+    cut = qf("pull", name, "--fit", budget, "-o", tmp_path / "next", "--json")
+    assert cut.exit_code == 0, cut.output
+    assert json.loads(cut.stdout)["pulled"]["tag"] == min(fitting, key=lambda r: r["kld"])["tag"]

@@ -25,7 +25,7 @@ from factory.cli.shared import (
     service_client,
 )
 from factory.errors import NotFound, ServiceUnavailable, SpecError
-from factory.publish import hub
+from factory.publish import frontier, hub
 from factory.registry import naming
 from factory.registry.published import QuantRow
 
@@ -77,10 +77,16 @@ def show(
     ref: Annotated[str, typer.Argument(metavar="NAME[:TAG]")],
     as_json: JsonOpt = False,
     wide: WideOpt = False,
+    plot: Annotated[
+        Path | None,
+        typer.Option("--frontier", metavar="FILE", help="Also write the card's plot: KLD against size, as SVG."),
+    ] = None,
 ) -> None:
     """One model's quants and job history."""
     parsed = naming.parse(ref)
     width = None if wide else out.width
+    if plot is not None:
+        _frontier(parsed, plot)
     if (remote := service_client()) is not None:
         found = remote.model(parsed)
         return _show(parsed, [QuantRow.from_json(r) for r in found["quants"]], found["jobs"], as_json, width)
@@ -88,6 +94,24 @@ def show(
 
     rows = lookup.with_fits(open_catalog(), settings.load().registry, parsed)
     _show(parsed, rows, job_rows(limit=50, name=parsed.name), as_json, width)
+
+
+def _frontier(parsed: naming.QuantRef, path: Path) -> None:
+    """The model's frontier plot (every published quant with a KLD, every format) written to `path`."""
+    from factory.registry import lookup
+
+    client = service_client()
+    if client is not None:
+        rows = [QuantRow.from_json(r) for r in client.model(naming.QuantRef(parsed.name))["quants"]]
+    else:
+        rows = [q.row() for q in lookup.find(open_catalog(), naming.QuantRef(parsed.name))]
+    try:
+        path.write_text(frontier.svg(parsed.name, rows))
+    except ValueError:
+        raise SpecError(f"no quant of {parsed.name} has a KLD to plot") from None
+    except OSError as e:
+        raise SpecError(f"--frontier {str(path)!r} cannot be written: {e.strerror}") from None
+    err.print(f"{parsed.name}'s frontier: {path}", markup=False, highlight=False)
 
 
 def _show(parsed: naming.QuantRef, rows: list, job_rows: list[dict], as_json: bool, width: int | None) -> None:
