@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from factory import engines, ranking
 from factory.checkpoints.sources import check_base_model
 from factory.errors import SpecError
 from factory.evaluation import evaluate
 from factory.recipes import build_recipe, recipe_from_yaml
+
+if TYPE_CHECKING:
+    from factory.catalog import Catalog
 
 
 def sizer() -> engines.Engine:
@@ -32,11 +36,12 @@ def request(
     kv_cache: str = "fp16",
     say: Callable[[str], None] = lambda line: None,
     recipe_text: str | None = None,
-    catalog=None,
+    catalog: Callable[[], Catalog] | None = None,
 ):
     """The Request for SOURCE: the recipe (a file, or its YAML text from a service's client) with the engine flags
-    (`--<engine> 3.0,4.0`) and options applied; `fit` (VRAM budgets) becomes the sizing engine's sizes, each
-    choice told to `say`."""
+    (`--<engine> 3.0,4.0`) and options applied; `fit` (VRAM budgets; else the recipe's) becomes, for each budget,
+    what the ranking of the model's scored quants in `catalog` (opened only then) puts first, or, where none is
+    scored yet, the sizing engine's largest size that fits; each choice told to `say`."""
     from factory.jobs.planning import Request
 
     if base_model is not None:
@@ -48,7 +53,7 @@ def request(
         flagged = [n for n, value in flags.items() if value]
         if flagged:
             raise SpecError(f"give --{flagged[0]} sizes or --fit budgets, not both")
-        name, fp16, quants = ranking.of_catalog(catalog, source)
+        name, fp16, quants = ranking.of_catalog(catalog() if catalog else None, source)
         if any(q.kld is not None for q in quants):  # the ranking can say: across formats
             flags = _fit_flags(name, ranking.Model.of(fp16), quants, fit, ctx, kv_cache, device, say)
         else:  # nothing of this model is scored yet: the sizing engine's largest size for each budget

@@ -99,9 +99,10 @@ def plan(
 def _ranking_lines(ranked: ranking.Ranking) -> list:
     """The ranking's table (the quants that fit and have a KLD, best first) and what it leaves out, in lines."""
     if not any(r.kind == "measured" for r in ranked.rows):
+        loads = f" that {ranked.runtime} loads" if ranked.runtime else ""
         return [
-            f"no quant of {ranked.name} is scored in the catalog yet, so nothing is ranked by KLD: `qf run` makes and "
-            "scores some, then qf plan ranks them (and the sizes between them) for a budget"
+            f"no quant of {ranked.name}{loads} is scored in the catalog, so nothing is ranked by KLD: `qf run` makes "
+            "and scores some, then qf plan ranks them (and the sizes between them) for a budget"
         ]
     title = f"{ranked.name} ranked by KLD: what fits {ranked.where()}, scored on {ranked.protocol}"
     lines: list = [tables.ranking(ranked.ranked, out.width, title)] if ranked.ranked else []

@@ -187,7 +187,8 @@ def pull(
     ctx: CtxOpt = None,
     runtime: RuntimeOpt = None,
     as_json: Annotated[
-        bool, typer.Option("--json", help="With --fit: the pick, its folder and the whole ranking, as JSON.")
+        bool,
+        typer.Option("--json", metavar="", help="With --fit: the pick, its folder and the whole ranking, as JSON."),
     ] = False,
 ) -> None:
     """Copy a finished quant out of the registry, or download it from the Hub; every file's sha256 verified. With

@@ -207,7 +207,7 @@ def request_from(
         ctx,
         kv_cache,
         say=lambda line: err.print(line, highlight=False),
-        catalog=open_catalog() if fit else None,  # what the ranking knows of the model
+        catalog=open_catalog,  # opened where --fit (or the recipe's fit) asks the ranking about the model
     )
 
 
