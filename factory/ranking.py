@@ -76,7 +76,7 @@ class Ranking:
     cache: str
     runtime: str | None
     protocol: str  # the windows every KLD here was measured on
-    rows: list[Ranked]  # scored rows that fit, lowest KLD first; then those that do not fit; then unscored ones
+    rows: list[Ranked]  # those that fit (scored ones by KLD, then unscored ones), then those that do not, alike
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -169,7 +169,7 @@ def rank(
             return None
         try:
             need = engine.memory.need(model.shape, model.params, spec, ctx, cache)
-        except (SpecError, KeyError, ValueError):  # a cache type this runtime does not have
+        except (SpecError, KeyError, ValueError):  # a KV cache type this runtime does not have (`fp8` for EXL2)
             need = None
         weights, total = need if need is not None else (0, None)
         scores.setdefault("bytes", weights)
@@ -259,7 +259,7 @@ def _on_one_protocol(quants: list[QuantRow]) -> tuple[str, list[tuple], list[str
         return [own, *(q.evaluations or [])]
 
     def key(e: dict) -> tuple:
-        return (e.get("sha256") or e["text"], e["windows"], e["window_length"])
+        return (public_name(e["text"]), e["windows"], e["window_length"])
 
     counts: dict[tuple, int] = {}
     for q in newest.values():

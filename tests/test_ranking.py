@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import xml.etree.ElementTree as ET
+from dataclasses import replace
 
 import pytest
 
@@ -76,6 +77,16 @@ def test_expected_rows_read_their_formats_measured_curve(made, tiny):
     assert "between gguf-q3_k_m and gguf-q5_k_m" in q4["basis"]
     for beyond in ("gguf-iq1_s", "gguf-q8_0"):
         assert by_tag[beyond]["kind"] == "unscored" and by_tag[beyond]["kld"] is None
+
+
+def test_a_quant_scored_on_other_windows_is_named_and_left_out(made, tiny):
+    """KLDs compare only on the same windows: a quant scored on 48 (a GPU job's) beside the others' 2 is not ranked."""
+    _, rows = made
+    quants = [QuantRow.from_json(r) for r in rows.values()]
+    elsewhere = replace(quants[0], eval={**quants[0].eval, "windows": 48})
+    ranked = ranking.rank("tiny", ranking.Model.of(str(tiny)), [elsewhere, *quants[1:]], 24 * vram.GiB, 8192)
+    assert {r.tag for r in ranked.rows if r.kind == "measured"} == {q.tag for q in quants[1:]}
+    assert ranked.notes == [f"not ranked, scored on other windows than builtin:wiki, 2 x 2048 tokens: {elsewhere.tag}"]
 
 
 def test_qf_plan_shows_the_ranking_and_what_it_leaves_out(made, tiny):
