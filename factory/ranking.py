@@ -205,15 +205,14 @@ def rank(
         for engine in allowed:
             if engine.refuse(model.info) is not None:
                 continue
-            rows += _not_made(engine, model, scored, sized)
+            rows += _not_made(engine, model, scored, {q.tag for q in quants}, sized)
     rows.sort(key=lambda r: (not r.fits, r.kld is None, r.kld if r.kld is not None else 0.0, -r.bits))
     return Ranking(name, budget, ctx, cache, runtime, protocol, rows, notes)
 
 
-def _not_made(engine, model: Model, scored: list, sized) -> list[Ranked]:
-    """The sizes `engine` could make of the model that are not published: expected from its measured curve where
-    one covers them, else unscored."""
-    made = {row.tag for row, *_ in scored}
+def _not_made(engine, model: Model, scored: list, made: set[str], sized) -> list[Ranked]:
+    """The sizes `engine` could make of the model that are not published (`made`): expected from its measured curve
+    where one covers them, else unscored."""
     curve = sorted({row.bits: kld for row, kld, *_ in scored if row.method == engine.name and kld and kld > 0}.items())
     rows = []
     for spec in engine.memory.sizes():

@@ -86,6 +86,7 @@ def test_a_quant_scored_on_other_windows_is_named_and_left_out(made, tiny):
     elsewhere = replace(quants[0], eval={**quants[0].eval, "windows": 48})
     ranked = ranking.rank("tiny", ranking.Model.of(str(tiny)), [elsewhere, *quants[1:]], 24 * vram.GiB, 8192)
     assert {r.tag for r in ranked.rows if r.kind == "measured"} == {q.tag for q in quants[1:]}
+    assert elsewhere.tag not in {r.tag for r in ranked.rows}  # published: not a size to make either
     assert ranked.notes == [f"not ranked, scored on other windows than builtin:wiki, 2 x 2048 tokens: {elsewhere.tag}"]
 
 
@@ -162,10 +163,11 @@ def test_a_budget_nothing_fits_is_one_sentence(made):
 
 def test_the_card_draws_the_frontier_and_picks_for_each_budget(made, tiny):
     qf, rows = made
-    newest = max(rows.values(), key=lambda r: r["created_at"])
-    card = (qf.home / "registry" / newest["path"] / "README.md").read_text()
-    assert "## Which quant to pick" in card
+    for row in rows.values():  # each card's picks are of the quants published before it (its units run at once)
+        card = (qf.home / "registry" / row["path"] / "README.md").read_text()
+        assert "## Which quant to pick" in card and "| memory | 8k tokens | 32k tokens |" in card
     quants = [QuantRow.from_json(r) for r in rows.values()]
+    card = frontier.section("tiny", quants, ranking.Model.of(str(tiny)))
     on = ranking.frontier(quants)
     assert on[0].bytes == min(r.bytes for r in quants)
     assert [r.kld for r in on] == sorted((r.kld for r in on), reverse=True)  # larger, and closer to FP16
@@ -174,8 +176,13 @@ def test_the_card_draws_the_frontier_and_picks_for_each_budget(made, tiny):
         cells = [f"`{picks[gib, ctx].tag}` (KLD {picks[gib, ctx].kld:.4f}" for ctx in ranking.CONTEXTS]
         assert f"| {gib} GB | {cells[0]}" in card and cells[1] in card
     svg = ET.fromstring(frontier.svg("tiny", quants))
-    titles = {t.text for t in svg.iter("{http://www.w3.org/2000/svg}title")}
-    assert titles == {r.tag for r in quants if r.kld > 0}
+    points = [c for c in svg.iter("{http://www.w3.org/2000/svg}circle") if c.find("{*}title") is not None]
+    assert {c.find("{*}title").text for c in points} == {r.tag for r in quants if r.kld > 0}
+    box = frontier.LEFT, frontier.TOP, frontier.WIDTH - frontier.RIGHT, frontier.HEIGHT - frontier.BOTTOM
+    for c in points:  # inside the axes, the smallest quant leftmost
+        assert box[0] < float(c.get("cx")) < box[2] and box[1] <= float(c.get("cy")) <= box[3]
+    leftmost = min(points, key=lambda c: float(c.get("cx"))).find("{*}title").text
+    assert leftmost == min(quants, key=lambda r: r.bytes).tag
     assert {t.text for t in svg.iter("{http://www.w3.org/2000/svg}text")} >= {
         engines.get(m).label for m in {r.method for r in quants}
     }
