@@ -62,6 +62,7 @@ def svg(name: str, rows: list[QuantRow]) -> str:
     line = " ".join("{:.1f},{:.1f}".format(*at(r.bytes / 2**20, r.kld)) for r in ranking.frontier(points))
     out.append(f'<polyline points="{line}" fill="none" stroke="#888" stroke-dasharray="5,4"/>')
     methods = sorted({r.method for r in points})
+    labels: list[tuple[float, float]] = []  # where each label starts: one that would run into another goes below
     for i, method in enumerate(methods):
         colour = COLOURS[i % len(COLOURS)]
         for r in (r for r in points if r.method == method):
@@ -69,7 +70,11 @@ def svg(name: str, rows: list[QuantRow]) -> str:
             out.append(
                 f'<circle cx="{x:.1f}" cy="{y:.1f}" r="4" fill="{colour}"><title>{escape(r.tag)}</title></circle>'
             )
-            out.append(f'<text x="{x + 6:.1f}" y="{y - 6:.1f}" fill="{colour}">{escape(r.tag)}</text>')
+            ly = y - 6
+            if any(abs(lx - x - 6) < 6.5 * len(r.tag) and abs(lyy - ly) < 12 for lx, lyy in labels):
+                ly = y + 16
+            labels.append((x + 6, ly))
+            out.append(f'<text x="{x + 6:.1f}" y="{ly:.1f}" fill="{colour}">{escape(r.tag)}</text>')
         ly = TOP + 14 + 16 * i
         out.append(f'<circle cx="{LEFT + w - 110}" cy="{ly - 4}" r="4" fill="{colour}"/>')
         out.append(f'<text x="{LEFT + w - 100}" y="{ly}">{escape(engines.get(method).label)}</text>')
