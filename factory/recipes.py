@@ -1,7 +1,8 @@
 """Recipes: what to make of one model, as YAML (configs/standard.yaml) or command-line flags.
 
 A recipe has a key per engine (its name, e.g. `<engine>: {bpw: [...], head_bits: 6}`; each engine's `targets` class
-validates its key) and the settings every engine shares: calibration, eval, eval_windows, max_ppl_ratio, max_kld.
+validates its key) and the settings every engine shares: calibration, eval, eval_windows, max_ppl_ratio, max_kld,
+fit (VRAM budgets: what `--fit` makes, factory/submission.py).
 Unknown keys are refused with one sentence that lists the known ones (exit 2).
 """
 
