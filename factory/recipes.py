@@ -1,7 +1,8 @@
 """Recipes: what to make of one model, as YAML (configs/standard.yaml) or command-line flags.
 
 A recipe has a key per engine (its name, e.g. `<engine>: {bpw: [...], head_bits: 6}`; each engine's `targets` class
-validates its key) and the settings every engine shares: calibration, eval, eval_windows, max_ppl_ratio, max_kld.
+validates its key) and the settings every engine shares: calibration, eval, eval_windows, max_ppl_ratio, max_kld,
+fit (VRAM budgets: what `--fit` makes, factory/submission.py).
 Unknown keys are refused with one sentence that lists the known ones (exit 2).
 """
 
@@ -34,6 +35,7 @@ class Settings(Closed):
     eval_windows: int | None = None
     max_ppl_ratio: float = Field(1.5, gt=0)
     max_kld: float | None = Field(None, gt=0)  # None: no limit on the KL divergence from FP16
+    fit: str | None = None  # VRAM budgets ("24GB,16GB"): what `--fit` makes (factory/submission.py)
 
     @field_validator("eval_windows")
     @classmethod

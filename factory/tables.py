@@ -143,6 +143,26 @@ def quants(rows: list, width: int | None, title: str | None = None, shows: str =
     )
 
 
+def ranking(rows: list, width: int | None, title: str | None = None) -> Table:
+    """`rows`: factory/ranking.py's Ranked rows, best first. An expected row's KLD is marked `~` (read off its
+    format's measured curve, not measured)."""
+    return layout(
+        [
+            Col("#", [str(i) for i in range(1, len(rows) + 1)], right=True),
+            Col("QUANT", [r.tag + (f"@{r.rev}" if r.rev else "") for r in rows]),
+            Col("BITS", [f"{r.bits:g}" for r in rows], priority=3, right=True),
+            Col("SIZE", [size(r.bytes) for r in rows], right=True),
+            Col("NEEDS", ["-" if r.need is None else size(r.need) for r in rows], priority=2, right=True),
+            Col("KLD", [("~" if r.kind == "expected" else "") + kld(r.kld) for r in rows], right=True),
+            Col("TOP-1", ["-" if r.top1 is None else f"{r.top1 * 100:.1f}%" for r in rows], priority=4, right=True),
+            Col("RUNTIME", [r.runtime for r in rows], priority=1),
+            Col("KLD FROM", [r.kind for r in rows]),
+        ],
+        width,
+        title,
+    )
+
+
 def _steps(row: dict) -> str:
     """A job's steps in a few words, from its `summary` (factory/catalog/status.py, what every view of a job says):
     the running ones, else how many of its steps are done and their seconds (a job that failed or was cancelled

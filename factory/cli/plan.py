@@ -9,9 +9,20 @@ from typing import Annotated
 
 import typer
 
-from factory import engines, recipes, settings, tables
+from factory import engines, ranking, recipes, settings, tables
 from factory import vram as memory
-from factory.cli.shared import CtxOpt, JsonOpt, KvOpt, RecipeOpt, app, handled, open_catalog, out, with_engine_flags
+from factory.cli.shared import (
+    CtxOpt,
+    JsonOpt,
+    KvOpt,
+    RecipeOpt,
+    RuntimeOpt,
+    app,
+    handled,
+    open_catalog,
+    out,
+    with_engine_flags,
+)
 from factory.errors import FactoryError
 from factory.jobs import eta, planning
 from factory.jobs.costs import Costs, Projection
@@ -29,30 +40,44 @@ def plan(
     kv_cache: KvOpt = "fp16",
     gpus: Annotated[int, typer.Option("--gpus", min=1, help="Split the layers over N such GPUs (estimate).")] = 1,
     engine: Annotated[str | None, typer.Option("--engine", metavar="NAME", help="Only this engine's plan.")] = None,
+    runtime: RuntimeOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """What fits a GPU with its context and KV cache, as each engine's memory model says (every size and the
     highest that fits, or an estimate for its server); an engine that cannot convert the model says why instead;
     and how long the whole job (the standard recipe, or --recipe, or the engine flags as `qf run` takes them) takes
     on one such GPU beside this machine's cores, packed as the factory packs. Reads only the config and
-    safetensors headers. --json: the numbers by engine ({"refused": why} for those), the job's under "job"."""
+    safetensors headers. SOURCE may also be a model the catalog knows (its name): then its quants, of every format,
+    are ranked by KLD among those whose runtime fits (--runtime: only those it loads), with the sizes not made yet
+    that its formats' measured curves cover, marked expected. --json: the numbers by engine ({"refused": why} for
+    those), the job's under "job", the ranking under "ranking"."""
     budget = memory.parse_size(vram)
+    runtime = ranking.check_runtime(runtime)
     asked = [engines.get(engine)] if engine else engines.all_engines()
+    asked = [e for e in asked if runtime is None or runtime in e.memory.runtimes]
+    catalog = _catalog()
+    name, source, quants = ranking.of_catalog(catalog, source)
     shape, params, info = memory.source_model(source)
+    ranked = ranking.rank(name, ranking.Model(shape, params, info), quants, budget, ctx, kv_cache, runtime)
     refused = {e.name: why for e in asked if (why := e.refuse(info)) is not None}
     plans = {
         e.name: p
         for e in asked
         if e.name not in refused and (p := e.memory.plan(shape, params, budget, ctx, kv_cache, gpus)) is not None
     }
-    catalog = _catalog()
     times = _conversion_times(list(plans), params.total, catalog)
     specs, job = planning.projection(Costs(catalog, None), source, recipes.build_recipe(recipe, flags), budget, info)
     if as_json:
         answers = {name: {**p.data, "expected_seconds": times[name]} for name, p in plans.items()}
         answers.update({name: {"refused": why} for name, why in refused.items()})
-        print(json.dumps({**dict(sorted(answers.items())), "job": _job_data(specs, job) if job else None}, indent=2))
+        job_data = _job_data(specs, job) if job else None
+        print(json.dumps({**dict(sorted(answers.items())), "job": job_data, "ranking": ranked.to_json()}, indent=2))
         return
+    for line in _ranking_lines(ranked):
+        if isinstance(line, str):
+            out.print(line, markup=False, highlight=False)
+        else:
+            out.print(line)
     if info.vision is not None:  # say which part is which: the plans size the language model's quant and the rest
         out.print(info.parts(), markup=False, highlight=False)
     for name, plan_ in sorted(plans.items(), key=lambda item: not item[1].rows):  # tables first
@@ -69,6 +94,33 @@ def plan(
         out.print(why, markup=False, highlight=False)
     if specs:
         out.print(_job_line(specs, job, vram), markup=False, highlight=False)
+
+
+def _ranking_lines(ranked: ranking.Ranking) -> list:
+    """The ranking's table (the quants that fit and have a KLD, best first) and what it leaves out, in lines."""
+    if not any(r.kind == "measured" for r in ranked.rows):
+        loads = f" that {ranked.runtime} loads" if ranked.runtime else ""
+        return [
+            f"no quant of {ranked.name}{loads} is scored in the catalog, so nothing is ranked by KLD: `qf run` makes "
+            "and scores some, then qf plan ranks them (and the sizes between them) for a budget"
+        ]
+    title = f"{ranked.name} ranked by KLD: what fits {ranked.where()}, scored on {ranked.protocol}"
+    lines: list = [tables.ranking(ranked.ranked, out.width, title)] if ranked.ranked else []
+    if any(r.kind == "expected" for r in ranked.ranked):
+        lines.append("~: expected, read off its format's measured curve on this model (qf plan --json says which)")
+    too_big = [r.tag for r in ranked.rows if not r.fits and r.kld is not None]
+    if too_big:
+        lines.append(f"too big for {memory.human(ranked.budget)}: {', '.join(too_big)}")
+    unscored: dict[str, dict[str, int]] = {}  # why -> format -> sizes that fit
+    for r in ranked.rows:
+        if r.kind == "unscored" and r.fits:
+            counts = unscored.setdefault(r.basis, {})
+            counts[engines.get(r.method).label] = counts.get(engines.get(r.method).label, 0) + 1
+    for why, counts in unscored.items():
+        sizes = ", ".join(f"{label} {n} size{'s' if n != 1 else ''}" for label, n in counts.items())
+        more = " (two sizes of a format scored on these windows make its curve)" if why == ranking.NO_CURVE else ""
+        lines.append(f"not ranked, {why}{more}: {sizes}")
+    return lines + ranked.notes
 
 
 def _job_data(specs: list, job: Projection) -> dict:

@@ -10,9 +10,11 @@ from typing import Annotated
 import typer
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
 
-from factory import engines, settings, tables, vram
+from factory import engines, ranking, settings, tables, vram
 from factory.cli.shared import (
+    CtxOpt,
     JsonOpt,
+    RuntimeOpt,
     WideOpt,
     app,
     err,
@@ -23,7 +25,7 @@ from factory.cli.shared import (
     service_client,
 )
 from factory.errors import NotFound, ServiceUnavailable, SpecError
-from factory.publish import hub
+from factory.publish import frontier, hub
 from factory.registry import naming
 from factory.registry.published import QuantRow
 
@@ -75,10 +77,16 @@ def show(
     ref: Annotated[str, typer.Argument(metavar="NAME[:TAG]")],
     as_json: JsonOpt = False,
     wide: WideOpt = False,
+    plot: Annotated[
+        Path | None,
+        typer.Option("--frontier", metavar="FILE", help="Also write the card's plot: KLD against size, as SVG."),
+    ] = None,
 ) -> None:
     """One model's quants and job history."""
     parsed = naming.parse(ref)
     width = None if wide else out.width
+    if plot is not None:
+        _frontier(parsed, plot)
     if (remote := service_client()) is not None:
         found = remote.model(parsed)
         return _show(parsed, [QuantRow.from_json(r) for r in found["quants"]], found["jobs"], as_json, width)
@@ -86,6 +94,24 @@ def show(
 
     rows = lookup.with_fits(open_catalog(), settings.load().registry, parsed)
     _show(parsed, rows, job_rows(limit=50, name=parsed.name), as_json, width)
+
+
+def _frontier(parsed: naming.QuantRef, path: Path) -> None:
+    """The model's frontier plot (every published quant with a KLD, every format) written to `path`."""
+    from factory.registry import lookup
+
+    client = service_client()
+    if client is not None:
+        rows = [QuantRow.from_json(r) for r in client.model(naming.QuantRef(parsed.name))["quants"]]
+    else:
+        rows = [q.row() for q in lookup.find(open_catalog(), naming.QuantRef(parsed.name))]
+    try:
+        path.write_text(frontier.svg(parsed.name, rows))
+    except ValueError:
+        raise SpecError(f"no quant of {parsed.name} has a KLD to plot") from None
+    except OSError as e:
+        raise SpecError(f"--frontier {str(path)!r} cannot be written: {e.strerror}") from None
+    err.print(f"{parsed.name}'s frontier: {path}", markup=False, highlight=False)
 
 
 def _show(parsed: naming.QuantRef, rows: list, job_rows: list[dict], as_json: bool, width: int | None) -> None:
@@ -142,7 +168,7 @@ def _evaluations(r) -> list[str]:
 @app.command()
 @handled
 def pull(
-    ref: Annotated[str, typer.Argument(metavar="NAME:TAG[@REV]")],
+    ref: Annotated[str, typer.Argument(metavar="NAME:TAG[@REV] | NAME --fit SIZE")],
     output: Annotated[Path | None, typer.Option("-o", "--output", help="Folder to put the files in.")] = None,
     owner: Annotated[
         str | None,
@@ -152,11 +178,29 @@ def pull(
             help="Where to look on the Hub when the catalog does not know NAME:TAG (default FACTORY_HUB_OWNER).",
         ),
     ] = None,
+    fit: Annotated[
+        str | None,
+        typer.Option(
+            "--fit", metavar="SIZE", help="Pull NAME's published quant with the lowest KLD that fits, e.g. 24GB."
+        ),
+    ] = None,
+    ctx: CtxOpt = None,
+    runtime: RuntimeOpt = None,
+    as_json: Annotated[
+        bool,
+        typer.Option("--json", metavar="", help="With --fit: the pick, its folder and the whole ranking, as JSON."),
+    ] = False,
 ) -> None:
-    """Copy a finished quant out of the registry, or download it from the Hub; every file's sha256 verified."""
+    """Copy a finished quant out of the registry, or download it from the Hub; every file's sha256 verified. With
+    --fit SIZE: the published quant of NAME, of any format, with the lowest KLD whose runtime fits SIZE at --ctx
+    tokens (the model's maximum by default), as `qf plan` ranks them; one line says which and why."""
     from factory.publish import folder
     from factory.registry import lookup
 
+    if fit is not None:
+        return _pull_fit(ref, fit, ctx, runtime, output, as_json)
+    if as_json or ctx is not None or runtime is not None:
+        raise SpecError("--ctx, --runtime and --json go with --fit SIZE (qf pull NAME --fit 24GB)")
     parsed = naming.parse(ref, tag_required=True)
     if (remote := service_client()) is not None:
         return _pull_from_service(remote, parsed, output)
@@ -171,6 +215,46 @@ def pull(
     files = folder.pull(settings.load().registry / quant.path, dest)
     _card_as_now(dest, open_catalog().quant_row(quant))
     _pulled(f"{quant.name}:{quant.tag}@{quant.rev}", files, dest, output)
+
+
+def _pull_fit(ref: str, fit: str, ctx: int | None, runtime: str | None, output: Path | None, as_json: bool) -> None:
+    from factory.publish import folder
+    from factory.registry import lookup
+
+    parsed = naming.parse(ref)
+    if parsed.tag is not None:
+        raise SpecError(f"--fit chooses the tag: pass {parsed.name} --fit {fit}, or {ref} without --fit")
+    if service_client() is not None:
+        raise SpecError("qf pull --fit ranks this machine's catalog; unset FACTORY_SERVER, or pull NAME:TAG")
+    budget = vram.parse_size(fit)
+    catalog = open_catalog()
+    quants = lookup.find(catalog, parsed)
+    name, source, rows = ranking.of_catalog(catalog, parsed.name)
+    ranked = ranking.rank(name, ranking.Model.of(source), rows, budget, ctx, runtime=runtime, expected=False)
+    if not ranked.published:
+        smallest = min((r for r in ranked.rows if r.need is not None), key=lambda r: r.need, default=None)
+        least = f": the smallest, {smallest.tag}, needs {tables.size(smallest.need)}" if smallest else ""
+        raise SpecError(f"no published quant of {name} fits {ranked.where()}{least}")
+    best, *others = ranked.published
+    quant = next(q for q in quants if (q.tag, q.rev) == (best.tag, best.rev))
+    dest = _output_folder(output or Path(f"{quant.name}-{quant.tag}"))
+    files = folder.pull(settings.load().registry / quant.path, dest)
+    _card_as_now(dest, catalog.quant_row(quant))
+    next_best = f"; next: {others[0].tag}, KLD {tables.kld(others[0].kld)}" if others else ""
+    err.print(
+        f"{name}:{best.tag}@{best.rev}: the lowest KLD ({tables.kld(best.kld)}, on {ranked.protocol}) of the "
+        f"{len(ranked.published)} published {'quants that fit' if len(ranked.published) != 1 else 'quant that fits'} "
+        f"{ranked.where()}; it needs {tables.size(best.need)} with {best.runtime}{next_best}",
+        markup=False,
+        highlight=False,
+    )
+    if as_json:
+        err.print(f"{len(files)} files verified, in {dest.resolve()}", markup=False, highlight=False)
+        print(
+            json.dumps({"pulled": best.to_json(), "path": str(dest.resolve()), "ranking": ranked.to_json()}, indent=2)
+        )
+    else:
+        _pulled(f"{quant.name}:{quant.tag}@{quant.rev}", files, dest, output)
 
 
 @app.command()

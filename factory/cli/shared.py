@@ -122,13 +122,19 @@ FitOpt = Annotated[
     str | None,
     typer.Option(
         "--fit",
-        help=f"Memory budgets, e.g. 24GB,16GB: for each, the largest size that fits with --ctx and --kv-cache (see "
-        f"qf plan), {submission.sizers()[0].label}'s, or with "
-        f"{' or '.join(f'--{e.name} fit' for e in engines.all_engines() if e.memory.sizes_to_budget)} those engines'.",
+        help="Memory budgets, e.g. 24GB,16GB: for each, the quant of any format with the lowest KLD that fits with "
+        "--ctx and --kv-cache, as qf plan ranks the model's scored quants (none scored yet: "
+        f"{submission.sizers()[0].label} at the largest size that fits); with "
+        f"{' or '.join(f'--{e.name} fit' for e in engines.all_engines() if e.memory.sizes_to_budget)}, those "
+        "engines' largest sizes.",
     ),
 ]
 CtxOpt = Annotated[int | None, typer.Option("--ctx", min=1, help="Context in tokens (default: the model's max).")]
 KvOpt = Annotated[str, typer.Option("--kv-cache", help="fp16, q8, q6 or q4.")]
+RuntimeOpt = Annotated[
+    str | None,
+    typer.Option("--runtime", metavar="NAME", help="Only quants this runtime loads: tabbyapi, vllm, llama.cpp, ..."),
+]
 UnitsOpt = Annotated[
     int | None,
     typer.Option(
@@ -202,6 +208,7 @@ def request_from(
         ctx,
         kv_cache,
         say=lambda line: err.print(line, highlight=False),
+        catalog=open_catalog,  # opened where --fit (or the recipe's fit) asks the ranking about the model
     )
 
 

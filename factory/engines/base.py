@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from pydantic import Field, field_validator
 
-from factory.errors import JobFailed
+from factory.errors import JobFailed, SpecError
 from factory.settings import cpu_threads
 from factory.specs import Closed, bpw_tag, check_bpw, check_head_bits
 from factory.vram import human
@@ -41,6 +41,11 @@ class QuantSpec(Closed):
     @property
     def bits(self) -> float:
         raise NotImplementedError
+
+    @property
+    def flag_value(self) -> str | bool:
+        """What its engine's flag takes to make it (`--exl2 4.0`: "4.0"); True: a switch (`--awq`)."""
+        return True
 
 
 class Targets(Closed):
@@ -71,6 +76,10 @@ class BpwSpec(QuantSpec):
     @property
     def tag(self) -> str:
         return bpw_tag(self.method, self.bpw, self.head_bits)
+
+    @property
+    def flag_value(self) -> str:
+        return f"{self.bpw:g}"
 
     @property
     def bits(self) -> float:
@@ -196,6 +205,22 @@ class Memory(Part):
     # on a CPU, core-seconds per billion parameters
     UNIT_SECONDS: ClassVar[dict[str, tuple[float, float]]] = {"quantize": (60.0, 100.0)}
     CPU_CORE_SECONDS_PER_B: ClassVar[float] = 1600.0  # AutoAWQ on 2 cores: SmolLM2-135M in 118 s (scripts/demo)
+
+    # the runtimes that load its quants, the first the one its memory model is of (`qf plan --runtime`, the ranking)
+    runtimes: ClassVar[tuple[str, ...]] = ()
+
+    def need(self, shape: Shape, params: Params, spec: QuantSpec, ctx: int, cache: str) -> tuple[int, int] | None:
+        """(its weights' bytes, what its runtime takes of a card) for `spec` at `ctx` tokens with a `cache` KV cache,
+        by its memory model (factory/ranking.py compares that with a budget less HEADROOM); None: no memory model."""
+        return None
+
+    def sizes(self) -> list[QuantSpec]:
+        """The sizes it can make, before a model resolves them: the ranking's rows for quants not made yet. The
+        default: what its recipe key makes when the recipe gives it nothing (`awq: {}`), else none."""
+        try:
+            return list(self.engine.targets.model_validate({}).specs())
+        except (ValueError, SpecError):
+            return []
 
     def plan(
         self, shape: Shape, params: Params, budget: int, ctx: int | None, cache: str, gpus: int

@@ -151,9 +151,12 @@ def with_evaluations(text: str, row: QuantRow) -> str:
     return text.split(EVALUATIONS, 1)[0].rstrip("\n") + "\n" + _evaluations([row])
 
 
-def render(name: str, upstream: Upstream, this: QuantRow, rows: list[QuantRow], places: dict | None = None) -> str:
+def render(
+    name: str, upstream: Upstream, this: QuantRow, rows: list[QuantRow], places: dict | None = None, picks: str = ""
+) -> str:
     """`this` is the quant the folder holds; `rows` every quant of the model, `this` included. `places` (tag ->
-    hub.Place) makes the card of a Hub repo: where each variant is, how to download it, and the plot."""
+    hub.Place) makes the card of a Hub repo: where each variant is, how to download it, and the plot. `picks`: the
+    section on which quant to pick, every format's (factory/publish/frontier.py)."""
     places = places or {}
     base_model = upstream.base_model
     meta = {
@@ -204,7 +207,7 @@ model's at every position of those windows (nats per token; lower is closer), to
 most likely next token.
 
 {chr(10).join(table)}
-{picture}
+{picture}{picks}
 {_vision(upstream)}{before}{_prompt(upstream)}
 ## How to load
 

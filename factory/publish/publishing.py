@@ -31,13 +31,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import calibration
-from factory import engines, identity
+from factory import engines, identity, ranking
 from factory.catalog import Catalog, Job, Quant, RevTaken
 from factory.checkpoints import files
 from factory.engines import QuantSpec
-from factory.errors import JobFailed
+from factory.errors import FactoryError, JobFailed
 from factory.evaluation.kld import Divergence
-from factory.publish import card, hub
+from factory.publish import card, frontier, hub
 from factory.publish import folder as registry
 from factory.publish.upstream import Upstream
 from factory.registry.published import QuantRow
@@ -138,7 +138,9 @@ class Publisher:
         this = _with_engine_notes(self.catalog.quant_row(quant), engine, out)  # with its evaluations
         others = [q.row() for q in self.catalog.quants(name=job.name) if (q.tag, q.rev) != (spec.tag, rev)]
         moment("card")
-        (out / card.FILENAME).write_text(card.render(job.name, upstream, this, [this, *others]))
+        everyone = [this, *others]
+        picks = frontier.section(job.name, everyone, self._model(job))
+        (out / card.FILENAME).write_text(card.render(job.name, upstream, this, everyone, picks=picks))
         manifest = {  # identities, never local paths
             "source_identity": job.source_identity,
             "base_model": job.base_model,
@@ -173,6 +175,15 @@ class Publisher:
             self._take_back(placed, quant)
             raise
         moment("recorded")
+
+    def _model(self, job: Job) -> ranking.Model | None:
+        """The FP16 checkpoint's shape for the card's picks: from the job's staged copy, else its source; None where
+        neither can be read any more (the card says so)."""
+        staged = self.settings.work / job.id / "source"
+        try:
+            return ranking.Model.of(str(staged) if staged.is_dir() else job.source)
+        except FactoryError:
+            return None
 
     def _take_back(self, placed: list[Path], quant: Quant) -> None:
         """The row and its folder are one act: a folder whose row was not recorded goes again (unless the row is
@@ -221,10 +232,15 @@ class Publisher:
             shutil.rmtree(main, ignore_errors=True)
             main.mkdir(parents=True)
             places = {r.tag: where(r.tag) for r in rows}
-            (main / card.FILENAME).write_text(card.render(job.name, upstream, newest, rows, places))
+            everyone = [q.row() for q in self.catalog.quants(name=job.name)]  # every format's, for the frontier
+            picks = frontier.section(job.name, everyone, self._model(job), plot=True)
+            (main / card.FILENAME).write_text(card.render(job.name, upstream, newest, rows, places, picks))
             plots = {card.PLOT: card.plot(rows, main / card.PLOT)}
             if card.has_kld(rows):
                 plots[card.KLD_PLOT] = card.plot_kld(rows, main / card.KLD_PLOT)
+            if picks:
+                (main / frontier.FILENAME).write_text(frontier.svg(job.name, everyone))
+                plots[frontier.FILENAME] = main / frontier.FILENAME
             return {**main_quant, card.FILENAME: main / card.FILENAME, **plots}
 
         files.check_publishable(folder, engine.outputs)

@@ -164,6 +164,8 @@ def test_publish_to_the_hub_then_pull_by_name_anywhere(qf, tiny, hub, alice, tmp
     main = hub.files("alice/tiny-AWQ", "main")
     assert main["ppl_vs_size.png"].startswith(b"\x89PNG") and main["kld_vs_size.png"].startswith(b"\x89PNG")
     assert "![KL divergence against size](kld_vs_size.png)" in main["README.md"].decode()
+    assert main["frontier.svg"].startswith(b"<svg") and b"<title>awq-w4g128</title>" in main["frontier.svg"]
+    assert "![KL divergence from FP16 against size, every format](frontier.svg)" in main["README.md"].decode()
     meta = card.metadata(main["README.md"].decode())
     assert meta["base_model_relation"] == "quantized" and "awq" in meta["tags"] and meta["quantized_by"]
     assert "hf download alice/tiny-AWQ --revision w4g128" in main["README.md"].decode()

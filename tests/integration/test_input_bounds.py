@@ -53,7 +53,7 @@ def refused(result, code: int, message: str) -> None:
 WINDOWS_REFUSED = (
     "options: eval_windows: must be between 1 and 100000 (2048-token windows of the eval text), not "
     "3000000000 (recipe keys: awq, awqct, exl2, exl3, gguf, calibration, eval, eval_windows, max_ppl_ratio, "
-    "max_kld)"
+    "max_kld, fit)"
 )
 
 

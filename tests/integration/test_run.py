@@ -233,7 +233,7 @@ def test_recipe_with_unknown_keys(qf, tiny, tmp_path):
     assert result.exit_code == 2
     assert last_line(result) == (
         f"error: recipe '{recipe}': unknown key 'awq.clipping' "
-        "(recipe keys: awq, awqct, exl2, exl3, gguf, calibration, eval, eval_windows, max_ppl_ratio, max_kld)"
+        "(recipe keys: awq, awqct, exl2, exl3, gguf, calibration, eval, eval_windows, max_ppl_ratio, max_kld, fit)"
     )
 
 

@@ -398,7 +398,7 @@ def test_nothing_published_that_was_not_meant_to_be(qf, model_copy, hub, monkeyp
     published = {p.name: p.read_bytes() for p in (qf.home / "registry" / quant["path"]).iterdir()}
     assert set(published) <= PUBLISHABLE and published["chat_template.jinja"] == TEMPLATE.encode()
     on_hub = {**hub.files("alice/tiny-AWQ", "w4g128"), **hub.files("alice/tiny-AWQ", "main")}
-    assert set(on_hub) - {".gitattributes", "ppl_vs_size.png", "kld_vs_size.png"} <= PUBLISHABLE
+    assert set(on_hub) - {".gitattributes", "ppl_vs_size.png", "kld_vs_size.png", "frontier.svg"} <= PUBLISHABLE
     for name, data in [*published.items(), *on_hub.items()]:
         assert str(tmp_path).encode() not in data and b"/private/" not in data, name
     for path in qf.home.rglob("*"):

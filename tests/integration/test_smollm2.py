@@ -6,6 +6,7 @@ default is 16 (AutoAWQ's grid search is most of the run, and halving it costs 1.
 """
 
 import difflib
+import json
 import math
 
 import pytest
@@ -181,3 +182,29 @@ def test_gguf_memory_model_holds_what_llama_cpp_allocates_for_smollm2(smollm2, t
     made = allocated(gguf_path(), ctx, tmp_path)
     assert abs(memory.cache_bytes(shape, ctx) - made["cache"]) <= 0.006 * 2**20
     assert memory.compute_bytes(shape, ctx) == pytest.approx(made["compute"], rel=0.1)
+
+
+def test_the_ranking_across_formats_is_the_catalogs_and_a_pull_by_budget_gets_its_best(smollm2_job, tmp_path):
+    """Issue 49 on the real model: `qf plan` ranks the job's four quants (AutoAWQ, AWQ-CT, two GGUF types) by the KLD
+    the catalog holds, GGUF's Q4_K_S (4.58 bits) expected between its measured IQ4_XS and Q4_K_M; `qf pull --fit` gets
+    the lowest KLD that fits, and with a budget just too small for it, the next that still fits."""
+    qf, rows = smollm2_job
+    name = rows["awq"]["name"].split(":")[0]
+    listed = {r["tag"]: r for r in qf.json("ls") if r["model"] == name}
+    ranked = qf.json("plan", name, "--vram", "24GB", "--ctx", 8192)["ranking"]
+    by_tag = {r["tag"]: r for r in ranked["rows"]}
+    assert {t: r["kld"] for t, r in by_tag.items() if r["kind"] == "measured"} == {
+        t: r["kld"] for t, r in listed.items()
+    }
+    assert by_tag["gguf-q4_k_s"]["kind"] == "expected"
+    assert "between gguf-iq4_xs and gguf-q4_k_m" in by_tag["gguf-q4_k_s"]["basis"]
+    best = min(listed.values(), key=lambda r: r["kld"])
+    pulled = qf("pull", name, "--fit", "24GB", "-o", tmp_path / "best", "--json")
+    assert pulled.exit_code == 0, pulled.output
+    assert json.loads(pulled.stdout)["pulled"]["tag"] == best["tag"]
+    room = by_tag[best["tag"]]["need"] - 1
+    budget = f"{math.floor((room + 512 * 2**20) / 2**20 * 1000) / 1000}MB"
+    fitting = [r for t, r in listed.items() if by_tag[t]["need"] <= room]
+    cut = qf("pull", name, "--fit", budget, "-o", tmp_path / "next", "--json")
+    assert cut.exit_code == 0, cut.output
+    assert json.loads(cut.stdout)["pulled"]["tag"] == min(fitting, key=lambda r: r["kld"])["tag"]

@@ -133,7 +133,9 @@ def test_bad_sizes(text):
 
 def test_plan_on_the_cli(qf, tiny):
     plans = qf.json("plan", tiny, "--vram", "2GB", "--ctx", 2048, "--kv-cache", "q4")
-    assert set(plans) == {"exl2", "exl3", "awq", "awqct", "gguf", "job"}  # the engines with a memory model, the job
+    # the engines with a memory model, the job, the ranking (none of the model's quants scored in a new home)
+    assert set(plans) == {"exl2", "exl3", "awq", "awqct", "gguf", "job", "ranking"}
+    assert {r["kind"] for r in plans["ranking"]["rows"]} == {"unscored"}
     assert plans["awqct"]["fp16"] == plans["awq"]["fp16"]  # both are vLLM serving w4 groups
     assert [r["bpw"] for r in plans["exl3"]["rows"]] == [x / 2 for x in range(2, 17)]
     assert plans["exl3"]["best_bpw"] == 8.0 and set(plans["exl3"]["expected_seconds"]) == {"quantize"}

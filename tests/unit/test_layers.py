@@ -47,6 +47,7 @@ LAYERS = [
     ],
     ["factory.checkpoints.sources", "factory.vram"],
     ["factory.engines"],
+    ["factory.ranking"],
     ["factory.recipes", "factory.schedule", "factory.publish", "factory.jobs"],
     [
         "factory.pipeline",

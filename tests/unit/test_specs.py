@@ -58,7 +58,7 @@ def test_recipe_unknown_keys(tmp_path):
         recipes.load_recipe(path)
     assert "unknown key 'awq.groupsize'" in e.value.message
     assert "unknown key 'max_ratio'" in e.value.message
-    keys = "awq, awqct, exl2, exl3, gguf, calibration, eval, eval_windows, max_ppl_ratio, max_kld"
+    keys = "awq, awqct, exl2, exl3, gguf, calibration, eval, eval_windows, max_ppl_ratio, max_kld, fit"
     assert f"recipe keys: {keys}" in e.value.message
 
 

@@ -72,6 +72,13 @@ class VllmMemory(Memory):
     """The memory part of an engine whose quants vLLM serves as AWQ w4 (AutoAWQ's, AWQ-CT's): `qf plan` as above,
     and the card's "fits on" table of a finished quant (its config and the bytes of its weight files)."""
 
+    runtimes = ("vllm", "transformers")  # the estimate is vLLM's
+
+    def need(self, shape, params, spec, ctx: int, cache: str) -> tuple[int, int]:
+        """vLLM's KV cache is fp16 or fp8: any quantized cache asked for counts as fp8."""
+        e = vllm_awq(shape, params, ctx, "fp16" if cache == "fp16" else "fp8", spec.group_size or 128)
+        return e["weights"] + e["vision"], e["budget_needed"]
+
     def plan(self, shape, params, budget: int, ctx: int | None, cache: str, gpus: int) -> MemoryPlan:
         return plan(self.engine.label, shape, params, budget, ctx, gpus)  # the module's plan, above
 

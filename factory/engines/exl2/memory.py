@@ -204,7 +204,15 @@ class Exl2Memory(Memory):
     SmolLM2-135M."""
 
     sizes_to_budget = True
+    runtimes = ("exllamav2", "tabbyapi")  # TabbyAPI's releases before its main branch dropped EXL2 (2026-07-14)
     UNIT_SECONDS = {"measure": (60.0, 130.0), "quantize": (90.0, 50.0)}
+
+    def need(self, shape, params, spec, ctx: int, cache: str) -> tuple[int, int]:
+        weights = exl2_weights(params, spec.bpw, spec.head_bits)
+        return weights, exllamav2(shape, weights, ctx, cache)["total"]
+
+    def sizes(self) -> list:
+        return [self.engine.spec(bpw=b) for b in BPWS]
 
     def plan(self, shape, params, budget: int, ctx: int | None, cache: str, gpus: int) -> MemoryPlan:
         result, h = plan(shape, params, budget, ctx, cache, gpus), human  # the module's plan, above

@@ -164,6 +164,14 @@ class Exl3Memory(Memory):
     at Gemma-3-270M (its 262k-word head)."""
 
     UNIT_SECONDS = {"quantize": (70.0, 80.0)}
+    runtimes = ("exllamav3", "tabbyapi")
+
+    def need(self, shape, params, spec, ctx: int, cache: str) -> tuple[int, int]:
+        weights = exl3_weights(shape, params, spec.bpw, spec.head_bits)
+        return weights, exllamav3(shape, weights, ctx, cache, params.vision * 2)["total"]
+
+    def sizes(self) -> list:
+        return [self.engine.spec(bpw=b) for b in BPWS]
 
     def plan(self, shape, params, budget: int, ctx: int | None, cache: str, gpus: int) -> MemoryPlan:
         if gpus > 1:

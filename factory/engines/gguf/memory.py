@@ -129,6 +129,15 @@ class GgufMemory(Memory):
     IMATRIX_FLOPS_PER_CORE = 1.9e10
     UNIT_SECONDS = {"convert": (10.0, 30.0), "imatrix": (10.0, 30.0), "quantize": (10.0, 20.0)}
     CPU_CORE_SECONDS_PER_B = 200.0
+    runtimes = ("llama.cpp", "ollama")
+
+    def need(self, shape, params, spec, ctx: int, cache: str) -> tuple[int, int]:
+        w = weights(params, spec.type)
+        return w, w + cache_bytes(shape, ctx, cache) + compute_bytes(shape)
+
+    def sizes(self) -> list:
+        """Every type but the 16-bit ones (the FP16 model itself)."""
+        return [self.engine.spec(type=t) for t in TYPES if TYPES[t][0] < 16]
 
     def plan(self, shape, params, budget: int, ctx: int | None, cache: str, gpus: int) -> MemoryPlan:
         return plan(shape, params, budget, ctx, cache, gpus)

@@ -58,6 +58,10 @@ class GgufSpec(QuantSpec):
     def bits(self) -> float:
         return TYPES[self.type][0]
 
+    @property
+    def flag_value(self) -> str:
+        return self.type
+
 
 class GgufTargets(Targets):
     types: list[str] = Field(default_factory=lambda: list(STANDARD), min_length=1)
