@@ -39,6 +39,7 @@ LAYERS = [
         "factory.identity",
         "factory.checkpoints.inspect",
         "factory.checkpoints.dequantize",
+        "factory.checkpoints.snapshots",
         "factory.hubclient",
         "factory.catalog",
         "factory.catalog.status",

@@ -133,7 +133,7 @@ class GgufMemory(Memory):
 
     def need(self, shape, params, spec, ctx: int, cache: str) -> tuple[int, int]:
         w = weights(params, spec.type)
-        return w, w + cache_bytes(shape, ctx, cache) + compute_bytes(shape)
+        return w, w + cache_bytes(shape, ctx, cache) + compute_bytes(shape, ctx)
 
     def sizes(self) -> list:
         """Every type but the 16-bit ones (the FP16 model itself)."""
