@@ -319,7 +319,7 @@ FUNCTION_IMPORTS = {
             ("factory.cli.registry", "factory.publish.card"),
             ("factory.cli.run", "factory.catalog"),
             ("factory.cli.run", "factory.jobs.heartbeat"),
-            ("factory.cli.services", "factory.service.accounts"),
+            ("factory.cli.services", "factory.catalog.accounts"),
             ("factory.cli.shared", "factory.catalog"),
             ("factory.cli.shared", "factory.pipeline"),
             ("factory.cli.shared", "factory.service.client"),

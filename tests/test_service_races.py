@@ -295,8 +295,8 @@ def test_a_place_recorded_between_the_quota_counts_is_still_counted(db_url):
     from sqlalchemy import event
 
     from factory.catalog import Catalog, Model
+    from factory.catalog.accounts import Accounts
     from factory.errors import OverQuota
-    from factory.service.accounts import Accounts
 
     catalog = Catalog(db_url)
     with catalog.session() as s:
@@ -362,8 +362,8 @@ def test_a_place_let_go_while_its_submission_still_runs_is_not_recorded_past_the
     with OverQuota and A's job, which nobody else wants, is cancelled. A place let go while the quota stays free is
     taken again at record."""
     from factory.catalog import Catalog, JobState, Model
+    from factory.catalog.accounts import Accounts
     from factory.errors import OverQuota
-    from factory.service.accounts import Accounts
 
     catalog = Catalog(db_url or "sqlite:///" + str(Path(tempfile.mkdtemp()) / "catalog.db"))
     with catalog.session() as s:

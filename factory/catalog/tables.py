@@ -262,7 +262,7 @@ class Token(Base):
 
 class Submission(Base):
     """Who asked for a job, and when: a job submitted again by another user is theirs too (the same job id). A row
-    without a job is a place reserved by a submission in progress (service/accounts.py); a withdrawn row is a
+    without a job is a place reserved by a submission in progress (catalog/accounts.py); a withdrawn row is a
     user's cancel of a job that others still want."""
 
     __tablename__ = "submissions"

@@ -1,6 +1,6 @@
 """`qf serve`: the factory's front door, an HTTP API (and the dashboard, service/dashboard.py) in front of the
 catalog, the broker and the registry. It is the only component that needs their credentials; its users hold
-tokens (service/accounts.py).
+tokens (catalog/accounts.py).
 
 Every refusal is a JSON body `{"error": "<the CLI's sentence>", "exit_code": N}` with its HTTP status:
 
@@ -35,6 +35,7 @@ from starlette.exceptions import HTTPException
 
 from factory import queue, schedule, settings, submission
 from factory.catalog import JobState
+from factory.catalog.accounts import PUBLIC, Account, Accounts, Unauthenticated
 from factory.checkpoints import sources
 from factory.errors import (
     AccessDenied,
@@ -51,7 +52,7 @@ from factory.pipeline import Factory
 from factory.publish import folder
 from factory.registry import lookup, naming
 from factory.service import dashboard, redact
-from factory.service.accounts import COOKIE, PUBLIC, Account, Accounts, Unauthenticated
+from factory.service.dashboard import COOKIE
 from factory.service.followers import Followers
 from factory.service.redact import shown, visible_jobs
 

@@ -15,11 +15,13 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import Environment, PackageLoader, select_autoescape
 
 from factory import tables
+from factory.catalog.accounts import Account
 from factory.errors import AccessDenied, NotFound
 from factory.publish import card
 from factory.registry import lookup, naming
-from factory.service.accounts import COOKIE, Account
 from factory.service.redact import visible_jobs
+
+COOKIE = "qf_token"  # the dashboard's sign-in; the API takes the Authorization header only
 
 REFRESH = 10
 _pages = Environment(loader=PackageLoader("factory.service", "templates"), autoescape=select_autoescape())

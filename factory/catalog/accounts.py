@@ -34,13 +34,14 @@ from datetime import timedelta
 
 from sqlalchemy import delete, func, select, update
 
-from factory.catalog import TERMINAL, Catalog, Job, Submission, Token, now
+from factory.catalog.states import TERMINAL, now
+from factory.catalog.store import Store
+from factory.catalog.tables import Job, Submission, Token
 from factory.errors import AccessDenied, NotFound, OverQuota, SpecError
 
 SCOPES = ("read", "submit", "pull", "admin")
 DEFAULT_SCOPES = ("read", "submit", "pull")
 PREFIX = "qf_"
-COOKIE = "qf_token"  # the dashboard's sign-in (service/dashboard.py); the API takes the Authorization header only
 DAY = timedelta(days=1)
 _USER = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
 
@@ -94,7 +95,7 @@ def parse_scopes(text: str) -> tuple[str, ...]:
 
 
 class Accounts:
-    def __init__(self, catalog: Catalog):
+    def __init__(self, catalog: Store):
         self.catalog = catalog
 
     def create(
