@@ -10,7 +10,7 @@ held by a lease whose fencing token grows every time the job changes hands; ever
 job (state, steps, measurements, evaluations, quants) carries the token and is refused (LeaseLost) once another
 holder has taken the job, so a holder that stalled and came back changes nothing.
 
-The parts: states.py (states and transitions), tables.py (tables and schema), store.py (the database, the
+The parts: states.py (states and transitions), tables.py (tables and schema), database.py (the database, the
 compare-and-set and the fences), jobs.py (jobs, steps, the watchlist), leases.py (leases and claims), quants.py
 (quants, measurements, evaluations), status.py (plain-SQL readers for the hot paths of `qf status`).
 """

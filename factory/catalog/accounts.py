@@ -35,7 +35,7 @@ from datetime import timedelta
 from sqlalchemy import delete, func, select, update
 
 from factory.catalog.states import TERMINAL, now
-from factory.catalog.store import Store
+from factory.catalog.database import Database
 from factory.catalog.tables import Job, Submission, Token
 from factory.errors import AccessDenied, NotFound, OverQuota, SpecError
 
@@ -95,7 +95,7 @@ def parse_scopes(text: str) -> tuple[str, ...]:
 
 
 class Accounts:
-    def __init__(self, catalog: Store):
+    def __init__(self, catalog: Database):
         self.catalog = catalog
 
     def create(

@@ -10,12 +10,12 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from factory.catalog.states import DONE_STEPS, JobState, StepState, now
-from factory.catalog.store import Store
+from factory.catalog.database import Database
 from factory.catalog.tables import Job, Model, Step, Upstream, Watch
 from factory.errors import SpecError
 
 
-class Jobs(Store):
+class Jobs(Database):
     """Jobs (created once per key, cancelled, failed), their steps, the names of models, and the watchlist."""
 
     def name_for(self, source: str, wanted: str, fallback: str | None) -> str:

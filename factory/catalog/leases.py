@@ -9,7 +9,7 @@ from sqlalchemy import delete, select, update
 from sqlalchemy.exc import IntegrityError
 
 from factory.catalog.states import JobState, now
-from factory.catalog.store import Store
+from factory.catalog.database import Database
 from factory.catalog.tables import Claim, Job
 from factory.identity import gone
 
@@ -29,7 +29,7 @@ def _holding(held: Claim) -> bool:
     return held.until > now() and not gone(held.holder.rpartition("@")[2])
 
 
-class Leases(Store):
+class Leases(Database):
     """Who holds a job (a lease, its token fencing the holder's writes) and who makes a unit (a claim)."""
 
     def take_lease(self, job_id: str, worker: str, seconds: float, gone: str | None = None) -> Lease | None:

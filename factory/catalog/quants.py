@@ -9,7 +9,7 @@ from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 
 from factory.catalog.states import DONE_STEPS, JobState, StepState, now
-from factory.catalog.store import Store
+from factory.catalog.database import Database
 from factory.catalog.tables import Evaluation, Job, Measurement, Quant, Step
 from factory.registry.published import QuantRow
 
@@ -21,7 +21,7 @@ class RevTaken(Exception):
 SUPERSEDED = "its quant was removed with qf rm; made again"
 
 
-class Quants(Store):
+class Quants(Database):
     """Published quants, measurements and evaluations: each write fenced by the lease of the job that makes it."""
 
     def put_quant(self, quant: Quant, token: int | None = None, publish=None) -> Quant:
@@ -80,7 +80,7 @@ class Quants(Store):
 
     @staticmethod
     def _fence_quiet(s, job_id: str) -> None:
-        """The job's row lock, for the rest of the transaction (a no-op UPDATE, as Store._fence takes it)."""
+        """The job's row lock, for the rest of the transaction (a no-op UPDATE, as Database._fence takes it)."""
         s.execute(update(Job).where(Job.id == job_id).values(lease_token=Job.lease_token, updated_at=Job.updated_at))
 
     def quant_at(self, name: str, tag: str, rev: str) -> Quant | None:

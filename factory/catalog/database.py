@@ -26,7 +26,7 @@ def _normalize_url(url: str) -> str:
     return re.sub(r"^postgres(ql)?://", "postgresql+psycopg2://", url)
 
 
-class Store:
+class Database:
     """The database and its schema, a session, the one compare-and-set of a job's state and the fences: what
     every part of the catalog uses, and the only thing they share."""
 
