@@ -189,7 +189,7 @@ def _release(repo: str):
 def watch_rows(catalog) -> list[dict]:
     """The watchlist as `qf watch ls --json` prints it: each watch with what it saw upstream and did."""
     seen: dict[str, list] = {}
-    for u in catalog.upstream():
+    for u in catalog.watchlist.upstream():
         seen.setdefault(u.watch, []).append(u)
     return [
         {
@@ -200,5 +200,5 @@ def watch_rows(catalog) -> list[dict]:
                 {"repo": u.repo, "sha": u.sha, "job": u.job_id, "skipped": u.skipped} for u in seen.get(w.target, [])
             ],
         }
-        for w in catalog.watches()
+        for w in catalog.watchlist.watches()
     ]

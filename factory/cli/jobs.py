@@ -121,7 +121,7 @@ def cancel(job_id: Annotated[str, typer.Argument(metavar="JOB")]) -> None:
         else:
             err.print(f"job {job['id']}: {job['state']}")
         return
-    job = open_catalog().cancel_job(job_id)
+    job = open_catalog().jobs.cancel(job_id)
     if job is None:
         raise NotFound(f"no job {job_id!r}; `qf status` lists the recent ones")
     err.print(f"job {job.id}: {job.state}")

@@ -130,7 +130,7 @@ def _conversion_times(names: list[str], parameters: int, catalog) -> dict[str, d
             return []
         return [
             eta.Past(seconds, params)
-            for name, seconds, params in catalog.unit_history(family, "cuda")
+            for name, seconds, params in catalog.steps.history(family, "cuda")
             if eta.family(name) == family
         ]
 

@@ -60,7 +60,7 @@ def ls(
     if (client := service_client()) is not None:
         rows = [QuantRow.from_json(r) for r in client.quants()]
     else:
-        rows = [q.row() for q in open_catalog().quants()]
+        rows = [q.row() for q in open_catalog().quants.live()]
     if as_json:
         print(json.dumps([r.to_json() for r in rows], indent=2))
     elif not rows:
@@ -169,7 +169,7 @@ def pull(
         return _pull_from_hub(parsed, owner, output)
     dest = _output_folder(output or Path(f"{quant.name}-{quant.tag}"))
     files = folder.pull(settings.load().registry / quant.path, dest)
-    _card_as_now(dest, open_catalog().quant_row(quant))
+    _card_as_now(dest, open_catalog().quants.row(quant))
     _pulled(f"{quant.name}:{quant.tag}@{quant.rev}", files, dest, output)
 
 

@@ -75,7 +75,9 @@ def run(
         job, created = factory.submit(request)
         job = _run_held(factory, job)
     if not as_json:
-        rows = [factory.catalog.job_row(q, job.id) for q in factory.catalog.quants(job_id=job.id)]  # its scores
+        rows = [
+            factory.catalog.quants.job_row(q, job.id) for q in factory.catalog.quants.live(job_id=job.id)
+        ]  # its scores
         out.print(tables.quants(rows, out.width, title=f"job {job.id} {job.state}", shows="qf ls --wide"))
 
 
@@ -88,12 +90,12 @@ def _run_held(factory, job):
     if job.state in (JobState.succeeded, JobState.cancelled):
         return factory.execute(job.id)  # nothing to run: its result
     config = factory.settings
-    holder = factory.catalog.holder(job.id)
-    lease = factory.catalog.take_lease(
+    holder = factory.catalog.leases.holder(job.id)
+    lease = factory.catalog.leases.take(
         job.id, identity.holder_name(), config.lease_seconds, gone=holder if identity.gone(holder) else None
     )
     if lease is None:
-        who = heartbeat.describe_holder(factory.catalog.holder(job.id))
+        who = heartbeat.describe_holder(factory.catalog.leases.holder(job.id))
         raise JobFailed(f"job {job.id} is running on {who}; `qf status {job.id} --follow` follows it")
     last = [time.monotonic()]
     render = factory.emit
@@ -112,7 +114,7 @@ def _run_held(factory, job):
         with heartbeat.held(factory.catalog, lease, config.lease_seconds, alive):
             return factory.execute(job.id, lease=lease)
     finally:
-        factory.catalog.release_lease(lease)  # fenced: a no-op once another holder has the job
+        factory.catalog.leases.release(lease)  # fenced: a no-op once another holder has the job
 
 
 @app.command()

@@ -68,9 +68,7 @@ def _serve_from_an_empty_folder() -> None:
 
 
 def _accounts():
-    from factory.catalog.accounts import Accounts
-
-    return Accounts(open_catalog())
+    return open_catalog().accounts
 
 
 @token_app.command("create")

@@ -218,7 +218,7 @@ def job_rows(**query) -> list[dict]:
 
     config = settings.load()
     rows = status.job_rows(config.db_url, broker_url=config.broker_url, **query)
-    if any(row["state"] == "running" and row["holder"] is None for row in rows) and open_catalog().expired_leases():
+    if any(row["state"] == "running" and row["holder"] is None for row in rows) and open_catalog().leases.expired():
         # a holder that was killed (a `qf run` has no reconciler): its job goes back to queued, as the fleet's would
         rows = status.job_rows(config.db_url, broker_url=config.broker_url, **query)
     return rows

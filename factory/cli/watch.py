@@ -59,7 +59,7 @@ def watch_add(
     else:
         catalog = open_catalog()
         for e in entries:
-            catalog.put_watch(e.target, e.recipe, e.filter)
+            catalog.watchlist.put(e.target, e.recipe, e.filter)
     for e in entries:
         err.print(f"watching {e.target}")
 
@@ -70,7 +70,7 @@ def watch_rm(target: Annotated[str, typer.Argument(metavar="TARGET")]) -> None:
     """Stop watching TARGET (what it already submitted stays)."""
     if (remote := service_client()) is not None:
         remote.call("DELETE", "/api/watches", params={"target": target})
-    elif not open_catalog().remove_watch(target):
+    elif not open_catalog().watchlist.remove(target):
         raise NotFound(f"{target!r} is not on the watchlist; `qf watch ls` shows it")
     err.print(f"stopped watching {target}; the jobs it submitted stay", markup=False, highlight=False)
 

@@ -77,13 +77,13 @@ class Costs:
     def _unit_history(self, family: str, device: str) -> list:
         cached = self._history.get((family, device))
         if cached is None or time.monotonic() - cached[0] > HISTORY_SECONDS:
-            rows = self.catalog.unit_history(family, device) if self.catalog else []
+            rows = self.catalog.steps.history(family, device) if self.catalog else []
             cached = self._history[(family, device)] = (time.monotonic(), rows)
         return cached[1]
 
     def needs(self, job: Job, model: Sized, units: list[Unit]) -> dict[str, Need]:
         """Each unit's predicted needs, from one read of the catalog's recorded peaks for this source."""
-        peaks = self.catalog.recorded_peaks(job.source_identity) if self.catalog else {}
+        peaks = self.catalog.steps.peaks(job.source_identity) if self.catalog else {}
         return {unit.name: self._need(job, model, unit, peaks) for unit in units}
 
     def _need(self, job: Job, model: Sized, unit: Unit, peaks: dict[str, int]) -> Need:

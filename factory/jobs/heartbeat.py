@@ -48,9 +48,9 @@ def held(
         while not stop.wait(seconds / 3):
             try:
                 stalled = alive()
-                if stalled is None and catalog.renew_lease(lease, seconds):
+                if stalled is None and catalog.leases.renew(lease, seconds):
                     continue
-                job = catalog.job(lease.job_id)
+                job = catalog.jobs.get(lease.job_id)
                 reason = stalled if job.lease_token == lease.token else f"lease lost to {job.worker}; stopping"
             except FactoryError:
                 continue  # the database is away for a moment; the next beat tries again

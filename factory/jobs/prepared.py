@@ -48,7 +48,7 @@ def prepare(run: Run, job: Job) -> Prepared:
     """The job's fetch (a Hub source), dequantize (FP8 or MXFP4) and inspect steps; inspect records the resolved
     specs. A later pass of the job (its publishing step, a retry) reads them again without recording them again."""
     fetched, where = None, run.settings.work / job.id
-    done = run.catalog.done_steps(job.id)  # done: read again quietly (Run.step_once)
+    done = run.catalog.steps.done(job.id)  # done: read again quietly (Run.step_once)
     if identity.is_hub(job.source_identity):  # the Hub commit, downloaded and checked once
         with run.step_once(job.id, "fetch", done) as progress:
             fetched = sources.fetch_hub(job.source_identity, run.settings.cache, progress)
@@ -57,7 +57,7 @@ def prepare(run: Run, job: Job) -> Prepared:
             fetched = _bf16(run, job, fetched or _local(run, job, where, progress), progress)
     with run.step_once(job.id, "inspect", done) as progress:
         prepared = read(run, job, fetched, where, progress)
-        run.catalog.set_job_specs(
+        run.catalog.jobs.set_specs(
             job.id, [s.model_dump() for s in prepared.specs], run.token, parameters=prepared.model.parameters
         )
     for s in prepared.specs:

@@ -75,7 +75,7 @@ class Publisher:
         content = identity.files_sha(registry.file_table(out))
         source_rev = identity.rev(job.source_identity)
         for rev in (source_rev, source_rev + content[:9]):
-            taken = self.catalog.quant_at(job.name, spec.tag, rev)
+            taken = self.catalog.quants.at(job.name, spec.tag, rev)
             if taken is not None and taken.files_sha != content:
                 continue
             try:
@@ -135,8 +135,8 @@ class Publisher:
                 },
             },
         )
-        this = _with_engine_notes(self.catalog.quant_row(quant), engine, out)  # with its evaluations
-        others = [q.row() for q in self.catalog.quants(name=job.name) if (q.tag, q.rev) != (spec.tag, rev)]
+        this = _with_engine_notes(self.catalog.quants.row(quant), engine, out)  # with its evaluations
+        others = [q.row() for q in self.catalog.quants.live(name=job.name) if (q.tag, q.rev) != (spec.tag, rev)]
         moment("card")
         (out / card.FILENAME).write_text(card.render(job.name, upstream, this, [this, *others]))
         manifest = {  # identities, never local paths
@@ -168,7 +168,7 @@ class Publisher:
             moment("placed")
 
         try:
-            self.catalog.put_quant(quant, token, publish=publish)
+            self.catalog.quants.put(quant, token, publish=publish)
         except BaseException:
             self._take_back(placed, quant)
             raise
@@ -179,7 +179,7 @@ class Publisher:
         there after all: a commit whose answer was lost). A catalog that cannot be read leaves it, unlisted; the
         job's next attempt adopts it."""
         try:
-            recorded = any((q.tag, q.rev) == (quant.tag, quant.rev) for q in self.catalog.quants(name=quant.name))
+            recorded = any((q.tag, q.rev) == (quant.tag, quant.rev) for q in self.catalog.quants.live(name=quant.name))
         except Exception:
             return
         if not recorded:
@@ -197,7 +197,7 @@ class Publisher:
         def where(tag: str) -> hub.Place:
             return hub.place(s.hub_owner, job.name, tag, templates)
 
-        here, quant = where(spec.tag), self.catalog.quant_with_weights(weights_key(job, spec))
+        here, quant = where(spec.tag), self.catalog.quants.with_weights(weights_key(job, spec))
         if quant is None:
             raise JobFailed(f"{job.name}:{spec.tag} is not published (removed with qf rm?); nothing to push")
         rev, folder = quant.rev, s.registry / quant.path
@@ -206,10 +206,12 @@ class Publisher:
             on_hub = hub.refs(here.repo)
             latest = {
                 q.tag: q
-                for q in sorted(self.catalog.quants(name=job.name), key=lambda q: q.created_at)
+                for q in sorted(self.catalog.quants.live(name=job.name), key=lambda q: q.created_at)
                 if q.method == spec.method and where(q.tag).branch in on_hub and (s.registry / q.path).is_dir()
             }
-            rows = [_with_engine_notes(self.catalog.quant_row(q), engine, s.registry / q.path) for q in latest.values()]
+            rows = [
+                _with_engine_notes(self.catalog.quants.row(q), engine, s.registry / q.path) for q in latest.values()
+            ]
             newest = max(rows, key=lambda r: r.created_at)
             on_main = [s.registry / r.path for r in rows] if engine.card.every_variant_on_main else []
             on_main.append(s.registry / newest.path)  # the newest last: its files win a name two variants share

@@ -6,7 +6,7 @@ revision, not the Hub's copy, not the measurement other sizes reuse. `qf gc` fin
     its folder: running it again continues from there);
   - staging folders of publishes that were killed (older than an hour and not held, see publish/folder.py);
   - registry folders that no catalog row lists (a publish killed between placing its folder and recording its row),
-    older than an hour, whose job is not running: taken out under the job's row lock (Catalog.remove_unlisted);
+    older than an hour, whose job is not running: taken out under the job's row lock (Quants.remove_unlisted);
   - Hub downloads (FACTORY_HOME/cache/hub/ORG--NAME/SHA) that no queued, running or failed job needs;
   - BF16 copies of FP8/MXFP4 sources (FACTORY_HOME/dequantized/KEY, factory/checkpoints/dequantize.py) that no such job
   needs,
@@ -58,14 +58,14 @@ def remove_quant(settings: Settings, catalog: Catalog, quants: list[Quant]) -> t
     [quant] = quants
     folder = registry.quant_dir(settings.registry, quant.name, quant.tag, quant.rev)
     freed = disk_bytes(folder) if folder.is_dir() else 0
-    catalog.remove_quant(quant.name, quant.tag, quant.rev)
+    catalog.quants.remove(quant.name, quant.tag, quant.rev)
     registry.remove(folder)
     return quant, freed
 
 
 def garbage(settings: Settings, catalog: Catalog) -> list[Garbage]:
-    catalog.expired_leases()
-    states = catalog.job_states()
+    catalog.leases.expired()
+    states = catalog.jobs.states()
     found = []
     if settings.work.is_dir():
         for folder in sorted(settings.work.iterdir()):
@@ -91,7 +91,7 @@ def garbage(settings: Settings, catalog: Catalog) -> list[Garbage]:
 
 def _unlisted(settings: Settings, catalog: Catalog, states: dict) -> list[Garbage]:
     """Registry folders that no live row lists, older than registry.STALE_SECONDS, whose job is not running."""
-    listed = {q.path for q in catalog.quants()}
+    listed = {q.path for q in catalog.quants.live()}
     found = []
     for path in sorted(settings.registry.glob("*/*@*")):
         relative = path.relative_to(settings.registry).as_posix()
@@ -106,7 +106,7 @@ def _unlisted(settings: Settings, catalog: Catalog, states: dict) -> list[Garbag
         tag, _, rev = path.name.partition("@")
 
         def remove(path=path, name=path.parent.name, tag=tag, rev=rev, job_id=job_id) -> bool:
-            return catalog.remove_unlisted(name, tag, rev, job_id, lambda: registry.remove(path))
+            return catalog.quants.remove_unlisted(name, tag, rev, job_id, lambda: registry.remove(path))
 
         why = "registry folder that no catalog row lists (a publish killed before recording it)"
         found.append(Garbage(path, disk_bytes(path), why, remove))

@@ -35,7 +35,7 @@ from starlette.exceptions import HTTPException
 
 from factory import queue, schedule, settings, submission
 from factory.catalog import JobState
-from factory.catalog.accounts import PUBLIC, Account, Accounts, Unauthenticated
+from factory.catalog.accounts import PUBLIC, Account, Unauthenticated
 from factory.checkpoints import sources
 from factory.errors import (
     AccessDenied,
@@ -160,7 +160,7 @@ Who = Annotated[Account, Depends(account)]
 def create_app(config: settings.Settings | None = None) -> FastAPI:
     config = config or settings.load()
     factory = Factory(config)
-    accounts = Accounts(factory.catalog)
+    accounts = factory.catalog.accounts
     followers = Followers()
     # The API's docs (/docs, /redoc) from files in the fastapi-offline wheel: a factory without internet shows them too.
     app = FastAPIOffline(
@@ -300,7 +300,7 @@ def create_app(config: settings.Settings | None = None) -> FastAPI:
     @app.get("/api/quants")
     def quants(who: Who) -> list[dict]:
         who.require("read")
-        return shown([q.row().to_json() for q in factory.catalog.quants()], who, config)
+        return shown([q.row().to_json() for q in factory.catalog.quants.live()], who, config)
 
     @app.get("/api/models/{name}")
     def model(name: str, who: Who, tag: str | None = None, rev: str | None = None) -> dict:
@@ -319,7 +319,7 @@ def create_app(config: settings.Settings | None = None) -> FastAPI:
         """One quant (the newest revision, or `rev`) with its manifest: what `qf pull` downloads and checks."""
         who.require("read")
         found, manifest = _quant(name, tag, rev)
-        row = factory.catalog.quant_row(found)  # with every evaluation: the card a pull writes lists them
+        row = factory.catalog.quants.row(found)  # with every evaluation: the card a pull writes lists them
         return shown({"quant": row.to_json(), "manifest": manifest}, who, config)
 
     @app.get("/api/quants/{name}/{tag}/files/{fname}")
@@ -351,13 +351,13 @@ def create_app(config: settings.Settings | None = None) -> FastAPI:
         who.require("admin")
         checked = [schedule.entry(e.target, e.recipe, e.filter) for e in entries]
         for e in checked:
-            factory.catalog.put_watch(e.target, e.recipe, e.filter)
+            factory.catalog.watchlist.put(e.target, e.recipe, e.filter)
         return {"watching": [e.target for e in checked]}
 
     @app.delete("/api/watches")
     def watch_rm(target: str, who: Who) -> dict:
         who.require("admin")
-        if not factory.catalog.remove_watch(target):
+        if not factory.catalog.watchlist.remove(target):
             raise NotFound(f"{target!r} is not on the watchlist; `qf watch ls` shows it")
         return {"removed": target}
 

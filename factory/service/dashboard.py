@@ -69,7 +69,7 @@ def mount(app: FastAPI, account: Callable[[Request], Account]) -> None:
         recent = visible_jobs(config, who, limit=200)  # the table shows 50; the running units are looked for in all 200
         jobs = recent[:50]
         models = {}
-        for q in catalog.quants():
+        for q in catalog.quants.live():
             models.setdefault(q.name, []).append(q.row())
         return page(
             "index.html",
