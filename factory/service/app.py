@@ -80,21 +80,11 @@ def refusal(status_code: int, message: str, exit_code: int) -> JSONResponse:
     return JSONResponse({"error": message, "exit_code": exit_code}, status_code=status_code)
 
 
-class SubmitBody(BaseModel):
-    """What `qf submit` sends: its arguments, the recipe as YAML text."""
+class SubmitBody(submission.Options):
+    """What `qf submit` sends (submission.Options), within the service's limits on a request's size."""
 
-    model_config = ConfigDict(extra="forbid")
     source: str = Field(max_length=500)
-    flags: dict[str, str | bool | None] = {}
     recipe: str | None = Field(default=None, max_length=MAX_BODY)
-    calibration: str | None = None
-    eval: str | None = None
-    eval_windows: int | None = Field(default=None, ge=1)
-    name: str | None = None
-    base_model: str | None = None
-    fit: str | None = None
-    ctx: int | None = Field(default=None, ge=1)
-    kv_cache: str = "fp16"
 
 
 class WatchBody(BaseModel):
@@ -209,22 +199,7 @@ def create_app(config: settings.Settings | None = None) -> FastAPI:
         _check_source(body.source, config)
         place, notes = accounts.reserve(who, config.place_seconds), []
         try:
-            request = submission.request(
-                body.source,
-                body.flags,
-                None,
-                body.calibration,
-                body.eval,
-                body.eval_windows,
-                body.name,
-                body.base_model,
-                config.worker_device,
-                body.fit,
-                body.ctx,
-                body.kv_cache,
-                say=notes.append,
-                recipe_text=body.recipe,
-            )
+            request = body.request(config.worker_device, say=notes.append)
             for text in (request.recipe.calibration, request.recipe.eval):
                 _check_text(text, config)
 
