@@ -54,7 +54,7 @@ from celery.exceptions import Reject
 from celery.signals import worker_ready, worker_shutdown
 from kombu.exceptions import OperationalError
 
-from factory import engines, identity, schedule, settings
+from factory import engines, schedule, settings
 from factory.catalog import RETRYABLE, TERMINAL, Job, JobState, Lease
 from factory.engines import child
 from factory.errors import Conflict, FactoryError, LeaseLost, NotFound, ServiceUnavailable, SpecError, mask_url
@@ -117,24 +117,24 @@ def _run(job_id: str, publish: bool) -> bool:
     job = factory.catalog.jobs.get(job_id)
     if job is None or job.state in TERMINAL:
         return False
-    lease = factory.catalog.leases.take(job_id, identity.holder_name(), config.lease_seconds)
-    if lease is None:
-        return False  # another worker holds it
-    if lease.attempts > config.max_attempts:
-        message = (
-            f"job lost its worker {lease.attempts - 1} times; giving up (FACTORY_MAX_ATTEMPTS={config.max_attempts})"
-        )
-        factory.catalog.jobs.fail(job_id, message, lease.token)  # and the lost attempt's step that was left running
-        return False
-    if not publish:
-        _call_helpers(job)
-    outcome = _execute(factory, lease, publish, config.lease_seconds, config.stall_seconds)
-    if outcome is LOST:
-        return False  # the job is another holder's now, or will be once the lease runs out
-    state = factory.catalog.jobs.get(job_id).state
-    if state == JobState.running:  # its process ended without recording how (the catalog was away?)
-        factory.catalog.jobs.fail(job_id, "the job's process ended without recording an outcome", lease.token)
-    factory.catalog.leases.release(lease)  # not reached when the catalog is away: the lease runs out
+    with heartbeat.leased(factory.catalog, job_id, config.lease_seconds) as lease:
+        if lease is None:
+            return False  # another worker holds it
+        if lease.attempts > config.max_attempts:
+            message = (
+                f"job lost its worker {lease.attempts - 1} times; giving up "
+                f"(FACTORY_MAX_ATTEMPTS={config.max_attempts})"
+            )
+            factory.catalog.jobs.fail(job_id, message, lease.token)  # and the lost attempt's step left running
+            return False
+        if not publish:
+            _call_helpers(job)
+        outcome = _execute(factory, lease, publish, config.lease_seconds, config.stall_seconds)
+        if outcome is LOST:
+            return False  # the job is another holder's now, or will be once the lease runs out
+        state = factory.catalog.jobs.get(job_id).state
+        if state == JobState.running:  # its process ended without recording how (the catalog was away?)
+            factory.catalog.jobs.fail(job_id, "the job's process ended without recording an outcome", lease.token)
     return outcome == state and state in (JobState.queued, JobState.succeeded)
 
 

@@ -1,4 +1,5 @@
-"""Holding a job while it runs: the heartbeat that renews its lease, for workers (workers/tasks.py) and `qf run`.
+"""Holding a job while it runs, for workers (workers/tasks.py) and `qf run` alike: `leased` takes the job's lease and
+lets go of it after, `held` is the heartbeat that renews it.
 
 The heartbeat means "this job makes progress": it renews only while `alive()` says so (the job's process is alive and
 reported progress within FACTORY_STALL_SECONDS). When the job stalls, or a renewal finds that another holder has
@@ -14,8 +15,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from factory import identity
 from factory.catalog import Catalog, Lease
-from factory.errors import FactoryError
+from factory.errors import FactoryError, ServiceUnavailable
 
 log = logging.getLogger("quantfactory")
 
@@ -24,6 +26,25 @@ def describe_holder(worker: str | None) -> str:
     """`host:pid` as a sentence's words: "HOST pid P"."""
     host, _, pid = (worker or "an unknown holder").rpartition(":")
     return f"{host} pid {pid}" if host and pid.isdigit() else worker or "an unknown holder"
+
+
+@contextmanager
+def leased(catalog: Catalog, job_id: str, seconds: float, gone: str | None = None) -> Iterator[Lease | None]:
+    """The job's lease for this process (None while another holder's is valid, unless that holder is `gone`), let go
+    of when the block ends: fenced, so a no-op once another holder has the job. Not after an exception the job's run
+    did not record (the catalog away, a bug): the job may still be running, so its lease runs out and the reconciler
+    hands it on."""
+    lease = catalog.leases.take(job_id, identity.holder_name(), seconds, gone=gone)
+    if lease is None:
+        yield None
+        return
+    try:
+        yield lease
+    except (KeyboardInterrupt, FactoryError) as e:  # recorded by the job's run (failed, interrupted, cancelled)
+        if not isinstance(e, ServiceUnavailable):
+            catalog.leases.release(lease)
+        raise
+    catalog.leases.release(lease)
 
 
 @dataclass
