@@ -14,8 +14,8 @@ A caller receives the store it works with, each a few methods over one Database 
 session, the fences): `jobs` (jobs.py: jobs, the compare-and-set, model names), `steps` (steps.py), `leases`
 (leases.py: leases and claims), `quants` (quants.py: quants, measurements, evaluations), `accounts` (accounts.py:
 the service's tokens, quotas and submissions) and `watchlist` (watchlist.py: watches and upstream releases).
-states.py holds the states and transitions, tables.py the tables and schema, status.py the plain-SQL readers for
-the hot paths of `qf status`. Every SQL statement of the project is in this package.
+states.py holds the states and transitions, schema.py the tables and the schema version, status.py the plain-SQL
+readers for the hot paths of `qf status`. Every SQL statement of the project is in this package.
 """
 
 from factory.catalog.accounts import Accounts
@@ -23,9 +23,7 @@ from factory.catalog.database import Database
 from factory.catalog.jobs import Jobs
 from factory.catalog.leases import Lease, Leases
 from factory.catalog.quants import Quants, RevTaken
-from factory.catalog.states import RETRYABLE, TERMINAL, TRANSITIONS, JobState, StepState, now
-from factory.catalog.steps import Steps
-from factory.catalog.tables import (
+from factory.catalog.schema import (
     MIGRATIONS,
     SCHEMA_VERSION,
     Base,
@@ -42,6 +40,8 @@ from factory.catalog.tables import (
     Upstream,
     Watch,
 )
+from factory.catalog.states import RETRYABLE, TERMINAL, TRANSITIONS, JobState, StepState, now
+from factory.catalog.steps import Steps
 from factory.catalog.watchlist import Watchlist
 
 

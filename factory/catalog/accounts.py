@@ -36,8 +36,8 @@ from sqlalchemy import delete, func, select, update
 
 from factory.catalog.database import Database
 from factory.catalog.jobs import Jobs
+from factory.catalog.schema import Job, Submission, Token
 from factory.catalog.states import TERMINAL, now
-from factory.catalog.tables import Job, Submission, Token
 from factory.errors import AccessDenied, NotFound, OverQuota, SpecError
 
 SCOPES = ("read", "submit", "pull", "admin")

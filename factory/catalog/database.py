@@ -13,8 +13,8 @@ from sqlalchemy import create_engine, inspect, text, update
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
+from factory.catalog.schema import MIGRATIONS, SCHEMA_VERSION, Base, Claim, Job, Meta
 from factory.catalog.states import JobState
-from factory.catalog.tables import MIGRATIONS, SCHEMA_VERSION, Base, Claim, Job, Meta
 from factory.errors import Cancelled, LeaseLost, ServiceUnavailable, database_error, mask_url
 from factory.settings import database_kind
 

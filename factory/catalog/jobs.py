@@ -9,8 +9,8 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from factory.catalog.database import Database
+from factory.catalog.schema import Job, Model, Step
 from factory.catalog.states import TRANSITIONS, JobState, StepState, now
-from factory.catalog.tables import Job, Model, Step
 from factory.errors import SpecError
 
 

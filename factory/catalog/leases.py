@@ -10,8 +10,8 @@ from sqlalchemy.exc import IntegrityError
 
 from factory.catalog.database import Database
 from factory.catalog.jobs import Jobs
+from factory.catalog.schema import Claim, Job
 from factory.catalog.states import JobState, now
-from factory.catalog.tables import Claim, Job
 from factory.identity import gone
 
 

@@ -10,8 +10,8 @@ from sqlalchemy.exc import IntegrityError
 
 from factory.catalog.database import Database
 from factory.catalog.jobs import Jobs
+from factory.catalog.schema import Evaluation, Job, Measurement, Quant, Step
 from factory.catalog.states import DONE_STEPS, JobState, StepState, now
-from factory.catalog.tables import Evaluation, Job, Measurement, Quant, Step
 from factory.registry.published import QuantRow
 
 

@@ -7,8 +7,8 @@ from collections.abc import Callable
 from sqlalchemy import func, select
 
 from factory.catalog.database import Database
+from factory.catalog.schema import Job, Step
 from factory.catalog.states import DONE_STEPS, StepState, now
-from factory.catalog.tables import Job, Step
 
 
 class Steps:

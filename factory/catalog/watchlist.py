@@ -6,7 +6,7 @@ from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 
 from factory.catalog.database import Database
-from factory.catalog.tables import Upstream, Watch
+from factory.catalog.schema import Upstream, Watch
 
 
 class Watchlist:
