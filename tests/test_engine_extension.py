@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from factory import engines, queue
+from factory import engines, fleet
 from factory.publish import card
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -90,7 +90,7 @@ LAYERS = [
         "factory.jobs.heartbeat",
         "factory.submission",
         "factory.registry.lookup",
-        "factory.queue",
+        "factory.fleet",
     ],
     [
         "factory.cli",
@@ -192,7 +192,7 @@ def test_lower_layers_never_import_higher_ones():
 
 def test_factory_never_imports_workers():
     """workers/ (Celery on Redis) knows factory/, never the reverse: `qf` and the service reach the fleet through
-    factory/queue.py's Queue, which workers/queue.py implements and pyproject.toml plugs in (an entry point)."""
+    factory/fleet.py's Queue, which workers/queue.py implements and pyproject.toml plugs in (an entry point)."""
     problems = [
         f"{name} imports {m}"
         for name, _, tree in _modules()
@@ -201,8 +201,8 @@ def test_factory_never_imports_workers():
         if m == "workers" or m.startswith("workers.")
     ]
     assert problems == [], (
-        "factory/ must not import workers/ (not even inside a function): ask factory.queue.get() for what the fleet "
-        f"does, and add it to factory/queue.py's Queue and workers/queue.py if it is new: {problems}"
+        "factory/ must not import workers/ (not even inside a function): ask factory.fleet.get() for what the fleet "
+        f"does, and add it to factory/fleet.py's Queue and workers/queue.py if it is new: {problems}"
     )
 
 
@@ -211,22 +211,22 @@ def test_the_queue_is_celery_through_the_entry_point():
     installed before it existed, needs `pip install -e .` again)."""
     from workers.queue import QUEUE
 
-    assert queue.get() is QUEUE
-    assert isinstance(QUEUE, queue.Queue)
+    assert fleet.get() is QUEUE
+    assert isinstance(QUEUE, fleet.Queue)
 
 
 def test_without_a_queue_the_fleet_commands_say_so(qf, monkeypatch):
     """An installation without the entry point (its metadata older than it): one sentence, exit 5, as a broker
     that cannot be reached."""
-    monkeypatch.setattr(queue, "entry_points", lambda group: [])
-    queue.get.cache_clear()
+    monkeypatch.setattr(fleet, "entry_points", lambda group: [])
+    fleet.get.cache_clear()
     try:
         for args in (["retry", "0123abcd"], ["reconcile"], ["watch", "check"]):
             result = qf(*args)
             assert result.exit_code == 5, result.output
             assert "this installation has no single job queue for `qf submit` and the fleet" in result.stderr
     finally:
-        queue.get.cache_clear()
+        fleet.get.cache_clear()
 
 
 # Imports inside a function in factory/ and workers/, each with why it is not at the top of its module (issue 34):

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from factory import queue, settings
+from factory import fleet, settings
 from factory.cli.shared import (
     UnitsOpt,
     app,
@@ -22,7 +22,7 @@ from factory.cli.slots import supervise
 @handled
 def reconcile() -> None:
     """One reconciler pass (beat runs it periodically): re-enqueue jobs of lost workers and lost messages."""
-    for job_id in queue.get().reconcile():
+    for job_id in fleet.get().reconcile():
         print(job_id)
 
 
@@ -33,7 +33,7 @@ def beat() -> None:
     a lock, and submissions collapse into existing jobs). Its schedule file lives in FACTORY_HOME."""
     home = settings.load().home
     home.mkdir(parents=True, exist_ok=True)
-    argv = queue.get().beat_command(home / "celerybeat-schedule")
+    argv = fleet.get().beat_command(home / "celerybeat-schedule")
     os.execvp(sys.executable, argv)
 
 
@@ -54,9 +54,9 @@ def worker(
 ) -> None:
     """Start a Celery worker with the factory's settings: one job at a time (per slot), acknowledged when done. A
     catalog or broker that cannot be reached is exit 5 before it takes any message."""
-    fleet = queue.get()
+    queue = fleet.get()
     open_catalog()
-    fleet.check_broker()
+    queue.check_broker()
     env = dict(os.environ)
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(gpu)
@@ -65,6 +65,6 @@ def worker(
     env["FACTORY_GPU_SLOTS"] = str(slots)
     node = f"qf-{'gpu' + str(gpu) if gpu is not None else 'worker'}"
     if slots == 1:
-        os.execvpe(sys.executable, fleet.worker_command(node, queues), env)
-    commands = [fleet.worker_command(f"{node}-{i}", queues) for i in range(1, slots + 1)]
+        os.execvpe(sys.executable, queue.worker_command(node, queues), env)
+    commands = [queue.worker_command(f"{node}-{i}", queues) for i in range(1, slots + 1)]
     sys.exit(supervise(commands, env))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from factory import identity, queue, settings, tables
+from factory import fleet, identity, settings, tables
 from factory.cli.render import Renderer
 from factory.cli.shared import (
     JsonOpt,
@@ -89,7 +89,7 @@ def submit(options: Options) -> None:
         guess = answer["estimate"] and (answer["estimate"]["packed"], answer["estimate"]["alone"])
     else:
         factory = make_factory(_print_note)
-        job = queue.get().submit(factory, options.request(factory.settings.worker_device, say))
+        job = fleet.get().submit(factory, options.request(factory.settings.worker_device, say))
         print(job.id)
         guess = factory.estimate(job)
     if guess:

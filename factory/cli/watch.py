@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from factory import engines, queue, schedule, tables
+from factory import engines, fleet, schedule, tables
 from factory.cli.shared import (
     JsonOpt,
     RecipeOpt,
@@ -140,7 +140,7 @@ def watch_check(
     if (remote := service_client()) is not None:
         result = remote.call("POST", "/api/watches/check", params={"dry_run": dry_run})
     else:
-        result = queue.get().watch_check(dry_run=dry_run)
+        result = fleet.get().watch_check(dry_run=dry_run)
     if as_json:
         print(json.dumps(result, indent=2))
         return

@@ -33,7 +33,7 @@ from fastapi_offline import FastAPIOffline
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
-from factory import queue, schedule, settings, submission
+from factory import fleet, schedule, settings, submission
 from factory.catalog import JobState
 from factory.catalog.accounts import PUBLIC, Account, Unauthenticated
 from factory.checkpoints import sources
@@ -195,7 +195,7 @@ def create_app(config: settings.Settings | None = None) -> FastAPI:
     def submit(body: SubmitBody, who: Who) -> dict:
         """Queue a job (the same job again: the same id)."""
         who.require("submit")
-        fleet = queue.get()
+        queue = fleet.get()
         _check_source(body.source, config)
         place, notes = accounts.reserve(who, config.place_seconds), []
         try:
@@ -207,12 +207,12 @@ def create_app(config: settings.Settings | None = None) -> FastAPI:
                 if event["event"] == "note":
                     notes.append(event["message"])
 
-            job = fleet.submit(factory.emitting(note), request)
+            job = queue.submit(factory.emitting(note), request)
         except BaseException:
             accounts.release(place)
             raise
         if accounts.record(place, who, job.id).state == JobState.cancelled:
-            job = fleet.submit(
+            job = queue.submit(
                 factory, request
             )  # its last other owner cancelled it just before this user's place counted
         guess = factory.estimate(job)
@@ -241,7 +241,7 @@ def create_app(config: settings.Settings | None = None) -> FastAPI:
         """The job's progress events as server-sent events (`data: <json>`), until its result or its end."""
         who.require("read")
         accounts.check_job(who, job_id)
-        events = queue.get().follow(factory.catalog, config.broker_url, job_id)
+        events = fleet.get().follow(factory.catalog, config.broker_url, job_id)
         return followers.response(who.user, redact.shown_events(events, who, config))
 
     @app.post("/api/jobs/{job_id}/cancel")
@@ -259,15 +259,15 @@ def create_app(config: settings.Settings | None = None) -> FastAPI:
         quotas as a submission does, and the caller wants it again."""
         who.require("submit")
         accounts.check_job(who, job_id)
-        fleet, place = queue.get(), accounts.reserve(who, config.place_seconds)
+        queue, place = fleet.get(), accounts.reserve(who, config.place_seconds)
         try:
-            job = fleet.retry(factory, job_id)
+            job = queue.retry(factory, job_id)
         except BaseException:
             accounts.release(place)
             raise
         accounts.rejoin(who, job_id)
         if accounts.record(place, who, job_id).state == JobState.cancelled:
-            job = fleet.retry(
+            job = queue.retry(
                 factory, job_id
             )  # its last other owner cancelled it just before this user's place counted
         return {"id": job.id, "state": str(job.state)}
@@ -340,7 +340,7 @@ def create_app(config: settings.Settings | None = None) -> FastAPI:
     def watch_check(who: Who, dry_run: bool = False) -> dict:
         """`qf watch check`: ask the Hub about every watch now and submit what is new (admin)."""
         who.require("admin")
-        return queue.get().watch_check(dry_run=dry_run)
+        return fleet.get().watch_check(dry_run=dry_run)
 
     dashboard.mount(app, account)
 
