@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from factory.checkpoints.inspect import read_config
+from factory.checkpoints.inspection import read_config
 from factory.errors import JobFailed, NotFound, ServiceUnavailable, mask_url
 from factory.identity import file_sha256
 

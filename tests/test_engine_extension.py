@@ -73,7 +73,7 @@ LAYERS = [
     ],
     [
         "factory.identity",
-        "factory.checkpoints.inspect",
+        "factory.checkpoints.inspection",
         "factory.checkpoints.dequantize",
         "factory.hubclient",
         "factory.catalog",
@@ -267,7 +267,7 @@ FUNCTION_IMPORTS = {
             ("factory.engines.script", "torch"),
             ("factory.evaluation.evaluate", "torch"),
             ("factory.evaluation.evaluate", "transformers"),
-            ("factory.checkpoints.inspect", "transformers"),
+            ("factory.checkpoints.inspection", "transformers"),
             ("factory.jobs.costs", "torch"),
             ("factory.evaluation.kld", "safetensors"),
             ("factory.evaluation.kld", "torch"),
@@ -330,7 +330,7 @@ FUNCTION_IMPORTS = {
     **dict.fromkeys([("factory.catalog.status", "psycopg2"), ("factory.catalog.status", "redis")], _DRIVERS),
     ("factory.cli.services", "uvicorn"): _SERVER,
     **dict.fromkeys([("workers.tasks", "torch"), ("workers.tasks", "transformers")], _PRELOAD),
-    ("factory.checkpoints.inspect", "factory.checkpoints.dequantize"): "a real cycle: " + CYCLES_INSPECT,
+    ("factory.checkpoints.inspection", "factory.checkpoints.dequantize"): "a real cycle: " + CYCLES_INSPECT,
 }
 
 
@@ -391,7 +391,7 @@ def test_no_module_outside_the_engines_names_a_method():
 
 # Import cycles that stay, each with why (issue 34): everything else imports only modules that do not import it back,
 # at any depth and at any level (a function's imports count too).
-CYCLES = {frozenset({"factory.checkpoints.inspect", "factory.checkpoints.dequantize"}): CYCLES_INSPECT}
+CYCLES = {frozenset({"factory.checkpoints.inspection", "factory.checkpoints.dequantize"}): CYCLES_INSPECT}
 
 
 def _depends_on(tree, modules: set[str]) -> set[str]:

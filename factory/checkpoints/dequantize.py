@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from factory.checkpoints.files import COMPANIONS, INDEX, source_files, upstream_card, write_atomic
-from factory.checkpoints.inspect import DTYPE_BYTES, MAX_CONFIG, read_headers
+from factory.checkpoints.inspection import DTYPE_BYTES, MAX_CONFIG, read_headers
 from factory.errors import JobFailed, ModelRefused
 from factory.identity import digest
 
@@ -207,7 +207,7 @@ def _locked(lock: Path, progress: Progress) -> Iterator[None]:
 
 
 def bf16(source: Path, source_identity: str, home: Path, progress: Progress) -> tuple[Path, bool]:
-    """The BF16 copy of an FP8 or MXFP4 source (inspected already: factory/checkpoints/inspect.py), and whether it was
+    """The BF16 copy of an FP8 or MXFP4 source (inspected already: checkpoints/inspection.py), and whether it was
     made now (False: reused). `progress(done=, total=, unit="B")` as it is written; raising from it stops the copy,
     which then leaves nothing. ModelRefused before anything is written when its tensors are not what its config says."""
     dest = folder(home, source_identity)

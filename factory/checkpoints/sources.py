@@ -20,7 +20,7 @@ from pathlib import Path
 from factory import hubclient as hub
 from factory.checkpoints.dequantize import bf16_shapes
 from factory.checkpoints.files import UPSTREAM_CARD, is_source_file, source_files
-from factory.checkpoints.inspect import (
+from factory.checkpoints.inspection import (
     MAX_METADATA,
     check_against_tensors,
     check_config,

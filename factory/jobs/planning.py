@@ -18,7 +18,7 @@ import calibration
 from factory import engines, events
 from factory.catalog import Catalog, Job, JobState
 from factory.checkpoints import sources
-from factory.checkpoints.inspect import inspect
+from factory.checkpoints.inspection import inspect
 from factory.engines import QuantSpec
 from factory.errors import FactoryError, SpecError
 from factory.evaluation import evaluate, layered

@@ -16,7 +16,7 @@ import calibration
 from factory import engines, events, identity
 from factory.catalog import Job
 from factory.checkpoints import dequantize, files, sources
-from factory.checkpoints.inspect import inspect
+from factory.checkpoints.inspection import inspect
 from factory.engines import QuantSpec
 from factory.errors import JobFailed, ModelRefused, SourceChanged, SpecError
 from factory.evaluation import evaluate, layered
