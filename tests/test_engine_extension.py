@@ -86,10 +86,8 @@ LAYERS = [
     ["factory.recipes", "factory.schedule", "factory.publish", "factory.jobs"],
     [
         "factory.pipeline",
-        "factory.registry.housekeeping",
         "factory.jobs.heartbeat",
         "factory.submission",
-        "factory.registry.lookup",
         "factory.fleet",
     ],
     [
@@ -313,8 +311,8 @@ FUNCTION_IMPORTS = {
     **dict.fromkeys(
         [
             ("factory.cli.jobs", "factory.jobs.heartbeat"),
-            ("factory.cli.registry", "factory.registry.housekeeping"),
-            ("factory.cli.registry", "factory.registry.lookup"),
+            ("factory.cli.registry", "factory.publish.housekeeping"),
+            ("factory.cli.registry", "factory.publish.lookup"),
             ("factory.cli.registry", "factory.publish.folder"),
             ("factory.cli.registry", "factory.publish.card"),
             ("factory.cli.run", "factory.catalog"),

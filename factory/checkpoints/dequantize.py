@@ -15,7 +15,7 @@ The copy is what `save_pretrained` of the model class in BF16 writes, name for n
 other tensor keeps its bytes (releases store them in BF16 already). config.json loses its quantization_config and
 says bfloat16; the other files a source contributes (factory/checkpoints/files.py) and its model card come along as they
 are. It lives in FACTORY_HOME/dequantized/<key> (key: the source identity's digest, factory/identity.py) with a marker
-naming the source; `qf gc` removes a copy that no unfinished job needs (factory/registry/housekeeping.py).
+naming the source; `qf gc` removes a copy that no unfinished job needs (factory/publish/housekeeping.py).
 
 Streamed: a tensor is read and written in pieces of at most CHUNK source bytes (rows of an FP8 weight, part of a
 row, or many small matrices; as many whole MXFP4 experts as fit) straight into its place in the output shard, whose

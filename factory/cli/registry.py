@@ -82,7 +82,7 @@ def show(
     if (remote := service_client()) is not None:
         found = remote.model(parsed)
         return _show(parsed, [QuantRow.from_json(r) for r in found["quants"]], found["jobs"], as_json, width)
-    from factory.registry import lookup
+    from factory.publish import lookup
 
     rows = lookup.with_fits(open_catalog(), settings.load().registry, parsed)
     _show(parsed, rows, job_rows(limit=50, name=parsed.name), as_json, width)
@@ -154,8 +154,7 @@ def pull(
     ] = None,
 ) -> None:
     """Copy a finished quant out of the registry, or download it from the Hub; every file's sha256 verified."""
-    from factory.publish import folder
-    from factory.registry import lookup
+    from factory.publish import folder, lookup
 
     parsed = naming.parse(ref, tag_required=True)
     if (remote := service_client()) is not None:
@@ -177,7 +176,7 @@ def pull(
 @handled
 def rm(ref: Annotated[str, typer.Argument(metavar="NAME:TAG[@REV]")]) -> None:
     """Remove a quant from the registry and the catalog (its copy on the Hub stays; `hf repo` manages that)."""
-    from factory.registry import housekeeping, lookup
+    from factory.publish import housekeeping, lookup
 
     parsed = naming.parse(ref, tag_required=True)
     catalog = open_catalog()
@@ -194,7 +193,7 @@ def gc(
     as_json: JsonOpt = False,
 ) -> None:
     """Free disk: work folders of finished jobs, staging of killed publishes, Hub downloads no unfinished job needs."""
-    from factory.registry import housekeeping
+    from factory.publish import housekeeping
 
     items = housekeeping.garbage(settings.load(), open_catalog())
     freed = sum(i.bytes for i in items) if dry_run else housekeeping.collect(items)

@@ -11,7 +11,7 @@ A published quant never changes under its name: `name:tag@rev` names one set of 
 every file but the card and manifest: identity.files_sha) for ever. The rev comes from the content: the source's
 short rev when no row (live or a `qf rm` tombstone) and no folder holds other files under it, else the source's rev
 and the first 9 hex of the files' sha256 (`@<source rev>` still selects the newest quant of that source revision:
-factory/registry/lookup.py). The registry folder's card and manifest record the evaluation the quant was published with;
+factory/publish/lookup.py). The registry folder's card and manifest record the evaluation the quant was published with;
 a later job with the same weights key reuses the quant (factory/jobs/conversions.py) and its evaluation is added to
 the catalog, listed by `qf show` and the Hub repo's main card (made again by that job's push). The card is the one
 file that is not the quant's content: `qf pull` writes its Evaluations section again from the catalog

@@ -49,8 +49,8 @@ from factory.errors import (
     SpecError,
 )
 from factory.pipeline import Factory
-from factory.publish import folder
-from factory.registry import lookup, naming
+from factory.publish import folder, lookup
+from factory.registry import naming
 from factory.service import dashboard, redact
 from factory.service.dashboard import COOKIE
 from factory.service.followers import Followers

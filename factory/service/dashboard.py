@@ -17,8 +17,8 @@ from jinja2 import Environment, PackageLoader, select_autoescape
 from factory import tables
 from factory.catalog.accounts import Account
 from factory.errors import AccessDenied, NotFound
-from factory.publish import card
-from factory.registry import lookup, naming
+from factory.publish import card, lookup
+from factory.registry import naming
 from factory.service.redact import visible_jobs
 
 COOKIE = "qf_token"  # the dashboard's sign-in; the API takes the Authorization header only
