@@ -34,8 +34,7 @@ from factory.jobs import prepared as preparing
 from factory.jobs.context import Run
 from factory.jobs.graph import Unit
 from factory.jobs.prepared import Prepared
-from factory.publish import folder as registry
-from factory.publish import publishing
+from factory.publish import folder, publishing
 
 WAIT_SECONDS = 2.0  # how often a process that waits for another one (its measurement, a unit it claimed) looks again
 log = logging.getLogger("quantfactory")
@@ -113,9 +112,9 @@ def _reused(run: Run, job: Job, spec: QuantSpec) -> Path | None:
     twin = run.catalog.quants.with_weights(publishing.weights_key(job, spec))
     if twin is None or twin.job_id == job.id:
         return None
-    folder = run.settings.registry / twin.path
+    published = run.settings.registry / twin.path
     try:
-        registry.verify(folder)
+        folder.verify(published)
     except JobFailed as e:
         log.warning("job %s: not reusing %s:%s@%s: %s", job.id, twin.name, twin.tag, twin.rev, e.message)
         return None
@@ -123,7 +122,7 @@ def _reused(run: Run, job: Job, spec: QuantSpec) -> Path | None:
     if f"quantize:{spec.tag}" not in run.catalog.steps.done(job.id):
         run.catalog.steps.reuse(job.id, f"quantize:{spec.tag}", note, run.token)
     run.emit(events.note(f"quantize:{spec.tag}: {note}"))
-    return folder
+    return published
 
 
 def quantize(

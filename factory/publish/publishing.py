@@ -37,8 +37,7 @@ from factory.checkpoints import files
 from factory.engines import QuantSpec
 from factory.errors import JobFailed
 from factory.evaluation.kld import Divergence
-from factory.publish import card, hub
-from factory.publish import folder as registry
+from factory.publish import card, folder, hub
 from factory.publish.upstream import Upstream
 from factory.registry.published import QuantRow
 from factory.settings import Settings
@@ -72,7 +71,7 @@ class Publisher:
         engine = engines.get(spec.method)
         (out / card.FILENAME).unlink(missing_ok=True)
         files.check_publishable(out, engine.outputs)
-        content = identity.files_sha(registry.file_table(out))
+        content = identity.files_sha(folder.file_table(out))
         source_rev = identity.rev(job.source_identity)
         for rev in (source_rev, source_rev + content[:9]):
             taken = self.catalog.quants.at(job.name, spec.tag, rev)
@@ -108,7 +107,7 @@ class Publisher:
             spec=spec.model_dump(),
             bytes=sum(p.stat().st_size for p in out.iterdir() if p.is_file()),
             path=str(
-                registry.quant_dir(self.settings.registry, job.name, spec.tag, rev).relative_to(self.settings.registry)
+                folder.quant_dir(self.settings.registry, job.name, spec.tag, rev).relative_to(self.settings.registry)
             ),
             source=job.source,
             source_identity=job.source_identity,
@@ -160,9 +159,9 @@ class Publisher:
         placed: list[Path] = []  # the folder this publish put in place, where there was none
 
         def publish() -> None:  # inside the quant row's transaction, once the fence holds
-            dest = registry.quant_dir(self.settings.registry, job.name, spec.tag, rev)
+            dest = folder.quant_dir(self.settings.registry, job.name, spec.tag, rev)
             new = not dest.is_dir()
-            registry.publish(self.settings.registry, job.name, spec.tag, rev, out, manifest, card.FILENAME)
+            folder.publish(self.settings.registry, job.name, spec.tag, rev, out, manifest, card.FILENAME)
             if new:
                 placed.append(dest)
             moment("placed")
@@ -184,7 +183,7 @@ class Publisher:
             return
         if not recorded:
             for dest in placed:
-                registry.remove(dest)
+                folder.remove(dest)
 
     def to_hub(self, job: Job, spec: QuantSpec, upstream: Upstream, check_ours: Callable[[], None]) -> None:
         """The quant's branch on the Hub, then main of its repo: the card of every variant there with its plot, and
@@ -200,7 +199,7 @@ class Publisher:
         here, quant = where(spec.tag), self.catalog.quants.with_weights(weights_key(job, spec))
         if quant is None:
             raise JobFailed(f"{job.name}:{spec.tag} is not published (removed with qf rm?); nothing to push")
-        rev, folder = quant.rev, s.registry / quant.path
+        rev, published = quant.rev, s.registry / quant.path
 
         def main_files() -> dict[str, Path]:  # made again after a concurrent commit to main
             on_hub = hub.refs(here.repo)
@@ -215,10 +214,10 @@ class Publisher:
             newest = max(rows, key=lambda r: r.created_at)
             on_main = [s.registry / r.path for r in rows] if engine.card.every_variant_on_main else []
             on_main.append(s.registry / newest.path)  # the newest last: its files win a name two variants share
-            main_quant = {name: folder / name for folder in on_main for name in engine.card.main_files(folder)}
+            main_quant = {name: d / name for d in on_main for name in engine.card.main_files(d)}
             if main_quant:
-                for folder in on_main:
-                    files.check_publishable(folder, engine.outputs)
+                for d in on_main:
+                    files.check_publishable(d, engine.outputs)
             main = s.work / job.id / "hub-main" / spec.method
             shutil.rmtree(main, ignore_errors=True)
             main.mkdir(parents=True)
@@ -229,9 +228,9 @@ class Publisher:
                 plots[card.KLD_PLOT] = card.plot_kld(rows, main / card.KLD_PLOT)
             return {**main_quant, card.FILENAME: main / card.FILENAME, **plots}
 
-        files.check_publishable(folder, engine.outputs)
+        files.check_publishable(published, engine.outputs)
         self._hub_writer = self._hub_writer or hub.writer(s.hub_owner)
-        quant_files = {p.name: p for p in folder.iterdir() if p.is_file()}
+        quant_files = {p.name: p for p in published.iterdir() if p.is_file()}
         message = f"{job.name}:{spec.tag}@{rev} from {job.source_identity}"
         check_ours()  # immediately before the irreversible push
         hub.put_branch(self._hub_writer, here.repo, here.branch, quant_files, message)
@@ -254,9 +253,9 @@ def moment(name: str) -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
 
 
-def _with_engine_notes(row: QuantRow, engine, folder: Path) -> QuantRow:
+def _with_engine_notes(row: QuantRow, engine, published: Path) -> QuantRow:
     """A quant's row for its card: with the engine's "fits on" table and what a user must know to load it."""
-    return replace(row, fits=engine.memory.fits(folder), load_note=engine.card.load_note(folder))
+    return replace(row, fits=engine.memory.fits(published), load_note=engine.card.load_note(published))
 
 
 def _finite(value: float) -> float | None:
