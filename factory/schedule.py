@@ -21,6 +21,7 @@ import yaml
 
 from factory import engines
 from factory import hubclient as hub
+from factory.checkpoints.inspection import read_config
 from factory.errors import FactoryError, NotFound, SpecError
 from factory.recipes import recipe_from_dict
 
@@ -172,7 +173,7 @@ def _release(repo: str):
         info = hub.retrying(lambda: api.model_info(repo))
     try:
         with hub.errors(repo):
-            config = hub.config(repo, info.sha)
+            config = read_config(hub.config_file(repo, info.sha), check_numbers=False)
     except NotFound as e:
         return Release(repo, info.sha, problem=e.message)
     params = info.safetensors.total if getattr(info, "safetensors", None) else None

@@ -57,44 +57,23 @@ CYCLES_INSPECT = (
 # Direction of knowledge: a module imports only modules of its own layer or a lower one, at module level
 # or inside a function alike. The leaves import nothing but errors; engines never see the catalog or publishing.
 LAYERS = [
-    # the packages whose __init__.py holds only the docstring that lists their modules
-    ["factory.errors", "factory.checkpoints", "factory.evaluation", "factory.registry"],
+    ["factory.errors"],
     [
         "factory.settings",
         "factory.specs",
-        "factory.registry.naming",
-        "factory.checkpoints.files",
-        "factory.tables",
         "factory.events",
-        "factory.registry.published",
-        "factory.evaluation.kld",
-        "factory.evaluation.layered",
+        "factory.tables",
+        "factory.identity",
+        "factory.hubclient",
+        "factory.registry",
         "calibration",
     ],
-    [
-        "factory.identity",
-        "factory.checkpoints.inspection",
-        "factory.checkpoints.dequantize",
-        "factory.hubclient",
-        "factory.catalog",
-        "factory.catalog.status",
-        "factory.evaluation.evaluate",
-        "factory.publish.upstream",
-    ],
-    ["factory.checkpoints.sources", "factory.vram"],
+    ["factory.checkpoints", "factory.catalog"],
+    ["factory.evaluation", "factory.vram"],
     ["factory.engines"],
     ["factory.recipes", "factory.schedule", "factory.publish", "factory.jobs"],
-    [
-        "factory.pipeline",
-        "factory.jobs.heartbeat",
-        "factory.submission",
-        "factory.fleet",
-    ],
-    [
-        "factory.cli",
-        "factory.service",
-        "workers",
-    ],
+    ["factory.pipeline", "factory.submission", "factory.fleet"],
+    ["factory.cli", "factory.service", "workers"],
 ]
 LEAVES = {
     "factory.errors",
@@ -186,6 +165,28 @@ def test_lower_layers_never_import_higher_ones():
                 if m.split(".")[:2] in (["factory", "catalog"], ["factory", "publish"])
             ]
     assert problems == []
+
+
+def _drawn_layers() -> list[set[str]]:
+    """The README's Layout drawing as LAYERS, lowest first: a line's packages are the words before its description
+    (two spaces apart), and a line that starts with two spaces goes on the one above it."""
+    block = (ROOT / "README.md").read_text().split("## Layout", 1)[1].split("```", 2)[1]
+    floors: list[set[str]] = []
+    for line in block.strip("\n").splitlines():
+        names = line.strip().split("  ")[0] if not line.startswith("   ") else ""
+        words = {w.strip().rstrip("/") for w in names.split(",") if w.strip()}
+        modules = {
+            w.replace("/", ".") if "/" in w or w in ("workers", "calibration") else f"factory.{w}" for w in words
+        }
+        if line.startswith("  ") and floors:
+            floors[-1] |= modules
+        else:
+            floors.append(modules)
+    return floors[::-1]
+
+
+def test_the_readmes_layout_is_the_layers():
+    assert _drawn_layers() == [set(floor) for floor in LAYERS]
 
 
 def test_factory_never_imports_workers():

@@ -139,9 +139,9 @@ def _check_links(run: Run, job: Job, staged: Path, since: str, then: str) -> Non
     ModelRefused says that it changed `since`, and `then` what to do."""
     if (copy := dequantize.made(run.settings.home, job.source_identity)) is None:
         return
-    expected = identity.folder_identity(copy, run.settings.cache)
+    expected = sources.folder_identity(copy, run.settings.cache)
     try:
-        same, why = identity.folder_identity(copy, run.settings.cache, staged) == expected, ""
+        same, why = sources.folder_identity(copy, run.settings.cache, staged) == expected, ""
     except ModelRefused as e:  # a file became a link out of the folder, a FIFO, ...
         same, why = False, f" ({e.message})"
     if not same:
@@ -166,7 +166,7 @@ def _local(run: Run, job: Job, where: Path, progress: Callable[..., None]) -> Pa
         raise ModelRefused(f"source folder {job.source!r} changed since the job was submitted ({e.message})") from None
     if identity.of_files(hashes) != job.source_identity:
         shutil.rmtree(dest, ignore_errors=True)  # bytes no job will read
-        raise SourceChanged(job.source, identity.forget_changed(folder, run.settings.cache, hashes), "submit it again")
+        raise SourceChanged(job.source, sources.forget_changed(folder, run.settings.cache, hashes), "submit it again")
     return dest
 
 
