@@ -335,7 +335,7 @@ FUNCTION_IMPORTS = {
 
 def _function_imports() -> dict[tuple[str, str], list[str]]:
     """(module, what it imports) -> where, for every import inside a function in factory/ and workers/; what it
-    imports is the module of ours it names (`from factory.registry import lookup`: factory.registry.lookup), or else the
+    imports is the module of ours it names (`from factory.publish import lookup`: factory.publish.lookup), or else the
     third-party package (`from transformers.utils import logging`: transformers)."""
     ours = {name for name, _, _ in _modules()}
     found: dict[tuple[str, str], list[str]] = {}
