@@ -30,7 +30,7 @@ class Factory:
         self.catalog = Catalog(settings.db_url)
         self.emit = emit  # read at each call: `qf run` wraps it once the job is created
         self.publisher = publishing.Publisher(settings, self.catalog)
-        self.costs = Costs(self.catalog, settings.max_units, settings.gpu_slots)
+        self.costs = Costs(self.catalog.steps, settings.max_units, settings.gpu_slots)
         self.holder = identity.holder_name()  # this process, in the steps it runs and the claims it holds
 
     def emitting(self, emit: Emit) -> Factory:

@@ -80,7 +80,7 @@ def watch_rm(target: Annotated[str, typer.Argument(metavar="TARGET")]) -> None:
 def watch_ls(as_json: JsonOpt = False, wide: WideOpt = False) -> None:
     """The watchlist, and what each watch last did (the recipe as the tags it makes; --json has all of it)."""
     remote = service_client()
-    rows = remote.call("GET", "/api/watches") if remote else schedule.watch_rows(open_catalog())
+    rows = remote.call("GET", "/api/watches") if remote else schedule.watch_rows(open_catalog().watchlist)
     if as_json:
         print(json.dumps(rows, indent=2))
         return

@@ -318,7 +318,7 @@ def create_app(config: settings.Settings | None = None) -> FastAPI:
     def watches(who: Who) -> list[dict]:
         """`qf watch ls` (admin)."""
         who.require("admin")
-        return schedule.watch_rows(factory.catalog)
+        return schedule.watch_rows(factory.catalog.watchlist)
 
     @app.put("/api/watches")
     def watch_add(entries: list[WatchBody], who: Who) -> dict:
