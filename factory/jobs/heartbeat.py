@@ -16,8 +16,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from factory import identity
-from factory.catalog import Catalog, Lease
-from factory.errors import FactoryError, ServiceUnavailable
+from factory.catalog import Catalog, JobState, Lease
+from factory.errors import FactoryError
 
 log = logging.getLogger("quantfactory")
 
@@ -31,20 +31,22 @@ def describe_holder(worker: str | None) -> str:
 @contextmanager
 def leased(catalog: Catalog, job_id: str, seconds: float, gone: str | None = None) -> Iterator[Lease | None]:
     """The job's lease for this process (None while another holder's is valid, unless that holder is `gone`), let go
-    of when the block ends: fenced, so a no-op once another holder has the job. Not after an exception the job's run
-    did not record (the catalog away, a bug): the job may still be running, so its lease runs out and the reconciler
-    hands it on."""
+    of when the block ends if the job no longer runs (it ended, or went to its publishing step). A job still running
+    (its holder gave up on it, or its process could not record an end) keeps the lease until it runs out, so that
+    the reconciler hands it on."""
     lease = catalog.leases.take(job_id, identity.holder_name(), seconds, gone=gone)
     if lease is None:
         yield None
         return
     try:
         yield lease
-    except (KeyboardInterrupt, FactoryError) as e:  # recorded by the job's run (failed, interrupted, cancelled)
-        if not isinstance(e, ServiceUnavailable):
-            catalog.leases.release(lease)
-        raise
-    catalog.leases.release(lease)
+    finally:
+        try:
+            job = catalog.jobs.get(job_id)
+            if job is not None and job.state != JobState.running:
+                catalog.leases.release(lease)  # fenced: a no-op once another holder has the job
+        except FactoryError:
+            pass  # the catalog is away: the lease runs out
 
 
 @dataclass
