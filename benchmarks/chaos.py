@@ -90,7 +90,7 @@ def one_round(n: int, rng: random.Random, model: Path, base: Path) -> dict:
             catalog = Catalog(url)
             holder, step, name = None, None, None
             while time.monotonic() - started < 240:
-                job = catalog.job(job_id)
+                job = catalog.jobs.get(job_id)
                 running = [s.name for s in job.steps if s.state == "running" and s.name.startswith(moment)]
                 if running and job.worker:
                     holder, step, name = int(job.worker.rsplit(":", 1)[1]), running[0], job.worker
@@ -107,13 +107,13 @@ def one_round(n: int, rng: random.Random, model: Path, base: Path) -> dict:
                 send(stopped, signal.SIGSTOP)
                 deadline = time.monotonic() + 120
                 while time.monotonic() < deadline:  # until another holder has it (or it ended without this one)
-                    job = catalog.job(job_id)
+                    job = catalog.jobs.get(job_id)
                     if job.worker != name or job.state == "succeeded":
                         break
                     time.sleep(0.2)
                 send(stopped, signal.SIGCONT)
             deadline = time.monotonic() + 300
-            while catalog.job(job_id).state not in ("succeeded", "failed", "cancelled"):
+            while catalog.jobs.get(job_id).state not in ("succeeded", "failed", "cancelled"):
                 if time.monotonic() > deadline:
                     break
                 time.sleep(0.5)
@@ -132,16 +132,16 @@ def one_round(n: int, rng: random.Random, model: Path, base: Path) -> dict:
                 send(descendants(proc.pid), signal.SIGKILL)
                 proc.wait()
             if catalog is not None:
-                catalog.engine.dispose()  # before its database is dropped
+                catalog.db.engine.dispose()  # before its database is dropped
             hub.stop()
 
 
 def check(env: dict, catalog: Catalog, job_id: str, hub: HubServer) -> dict:
     problems = []
-    job = catalog.job(job_id)
+    job = catalog.jobs.get(job_id)
     if job.state != "succeeded":
         problems.append(f"job {job.state}: {job.error}")
-    quants = catalog.quants(job_id=job_id)
+    quants = catalog.quants.live(job_id=job_id)
     if len(quants) != 1:
         problems.append(f"{len(quants)} quant rows")
     folders = sorted((Path(env["FACTORY_HOME"]) / "registry" / "tiny").glob("awq-*"))

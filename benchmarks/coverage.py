@@ -258,7 +258,7 @@ def _rescore(engine_name: str, folder: Path, source: Path, device: str) -> float
     """The pulled quant's perplexity through its engine's loader, on the windows `qf run` scored (the source's
     tokens: a GGUF quant carries its vocabulary inside the file, not a tokenizer folder)."""
     from factory import engines
-    from factory.checkpoints.inspect import read_config
+    from factory.checkpoints.inspection import read_config
     from factory.evaluation import evaluate
 
     engine = engines.get(engine_name)

@@ -191,7 +191,7 @@ def main() -> None:
                 }
                 for _ in range(10_000 - 500)
             ]
-            with factory.catalog.engine.begin() as conn:
+            with factory.catalog.db.engine.begin() as conn:
                 conn.execute(insert(Job), rows)
             one = [_qf(env, "status", job.id) for _ in range(5)]
             listing = [_qf(env, "status") for _ in range(5)]
@@ -226,7 +226,7 @@ def main() -> None:
                 check=True,
             ).stdout.strip()
             deadline = time.monotonic() + 300
-            while (state := factory.catalog.job(job_id).state) not in ("succeeded", "failed"):
+            while (state := factory.catalog.jobs.get(job_id).state) not in ("succeeded", "failed"):
                 assert time.monotonic() < deadline, f"job {job_id} still {state}"
                 time.sleep(0.1)
             queued_seconds = time.monotonic() - start

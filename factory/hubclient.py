@@ -15,7 +15,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from factory.checkpoints.inspect import read_config
 from factory.errors import JobFailed, NotFound, ServiceUnavailable, mask_url
 from factory.identity import file_sha256
 
@@ -156,12 +155,13 @@ def download(repo: str, sibling, revision: str, folder: Path) -> Path:
     return path
 
 
-def config(repo: str, revision: str) -> dict:
-    """config.json of `repo` at `revision` (through huggingface_hub's cache), read as inspection reads one."""
+def config_file(repo: str, revision: str) -> Path:
+    """config.json of `repo` at `revision`, through huggingface_hub's cache (read it with inspection.read_config)."""
     from huggingface_hub import hf_hub_download
 
-    path = retrying(lambda: hf_hub_download(repo, "config.json", revision=revision, endpoint=endpoint(), token=token()))
-    return read_config(Path(path), check_numbers=False)
+    return Path(
+        retrying(lambda: hf_hub_download(repo, "config.json", revision=revision, endpoint=endpoint(), token=token()))
+    )
 
 
 def token() -> str | None:

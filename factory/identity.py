@@ -3,7 +3,8 @@ sha256 of a file, and the keys that decide when a job or a measurement is the sa
 
     source identity   `org/name@<commit sha>` for a Hub model; `sha256:<hex>` over a local folder's allowlisted
                       files (factory/checkpoints/files.py). At submit it is computed with each file's sha256 cached
-                      by path, size and mtime: a hint, which the job verifies at inspect by hashing the bytes it
+                      by path, size and mtime (checkpoints/sources.py's folder_identity): a hint, which the job
+                      verifies at inspect by hashing the bytes it
                       copies into its own snapshot of the folder (files.snapshot); every unit reads the snapshot,
                       so what is quantized, evaluated, measured and published under an identity is what was hashed
     job key           hash(source identity, specs as written, calibration and eval sha256, windows, engine
@@ -26,9 +27,6 @@ import os
 import socket
 from pathlib import Path
 
-from factory.checkpoints.files import source_files, staged_files, write_atomic
-from factory.errors import ModelRefused
-
 
 def is_hub(identity: str) -> bool:
     return not identity.startswith("sha256:")
@@ -47,61 +45,9 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def folder_identity(folder: Path, cache_dir: Path, staged: Path | None = None) -> str:
-    """The identity of a local folder, over its source files (each file's sha256 cached by path, size and mtime).
-    With `staged` (the job's staging folder of `folder`, files.stage): the identity of what the job reads, its
-    companion copies hashed there (each time: they are small, and their paths are the job's) and its weights where
-    their links lead."""
-    cache_file, cache = _hash_cache(cache_dir)
-    hashes, hashed = {}, False
-    found = staged_files(staged, folder) if staged else source_files(folder)
-    for name, f in found.items():  # regular files only: a bad link or a FIFO is refused here
-        if staged and f.parent == staged:
-            hashes[name] = file_sha256(f)
-            continue
-        st = f.stat()
-        stamp = f"{st.st_size}:{st.st_mtime_ns}"
-        hit = cache.get(str(f))
-        if not hit or hit[0] != stamp:
-            hit = cache[str(f)] = [stamp, file_sha256(f)]
-            hashed = True
-        hashes[name] = hit[1]
-    if hashed:  # every file a hit: the cache on disk already says all this
-        write_atomic(cache_file, json.dumps(cache).encode())
-    return of_files(hashes)
-
-
-def _hash_cache(cache_dir: Path) -> tuple[Path, dict[str, list[str]]]:
-    """The file of cached sha256s (path -> [size:mtime, sha256]) and what it holds."""
-    cache_file = cache_dir / "file-sha256.json"
-    try:
-        return cache_file, json.loads(cache_file.read_text())
-    except (OSError, ValueError):
-        return cache_file, {}
-
-
 def of_files(hashes: dict[str, str]) -> str:
     """A local source's identity from its files' names and sha256s."""
     return "sha256:" + hashlib.sha256("\n".join(f"{n}:{h}" for n, h in sorted(hashes.items())).encode()).hexdigest()
-
-
-def forget_changed(folder: Path, cache_dir: Path, hashes: dict[str, str]) -> list[str]:
-    """The files of `folder` whose cached sha256 is not the one just read (`hashes`, name -> sha256), and files
-    the cache does not know; their entries leave the cache, so the next submit hashes them again."""
-    cache_file, cache = _hash_cache(cache_dir)
-    try:
-        paths = source_files(folder)
-    except ModelRefused:  # a file became a FIFO, ...: its entry, if any, goes by its name
-        paths = {}
-    changed = []
-    for name, sha in hashes.items():
-        key = str(paths.get(name, folder.resolve() / name))
-        if cache.get(key, [None, None])[1] != sha:
-            changed.append(name)
-            cache.pop(key, None)
-    if changed:
-        write_atomic(cache_file, json.dumps(cache).encode())
-    return changed
 
 
 def digest(obj: object) -> str:

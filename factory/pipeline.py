@@ -32,7 +32,7 @@ class Factory:
         self.emit = emit  # read at each call: `qf run` wraps it once the job is created
         self.publisher = publishing.Publisher(settings, self.catalog)
         self.costs = Costs(
-            self.catalog, settings.max_units, Ledger(settings.gpu_ledger) if settings.gpu_ledger else None
+            self.catalog.steps, settings.max_units, Ledger(settings.gpu_ledger) if settings.gpu_ledger else None
         )
         self.holder = identity.holder_name()  # this process, in the steps it runs and the claims it holds
 

@@ -26,7 +26,7 @@ from factory.errors import SpecError
 
 if TYPE_CHECKING:
     from factory.catalog import Catalog
-    from factory.checkpoints.inspect import ModelInfo
+    from factory.checkpoints.inspection import ModelInfo
     from factory.registry.published import QuantRow
 
 NO_CURVE = "no measured curve on this model"  # a format's curve: two of its sizes scored on the same windows
@@ -116,7 +116,7 @@ def of_catalog(catalog: Catalog | None, arg: str) -> tuple[str, str, list[QuantR
     evaluation of its files. A source the catalog has no quant of: its folder's name, itself, none."""
     path = Path(arg).expanduser()
     sources = {arg, str(path.resolve())} if path.is_dir() else {arg}
-    quants = catalog.quants() if catalog is not None else []
+    quants = catalog.quants.live() if catalog is not None else []
     mine = [q for q in quants if q.name == arg.lower()]
     mine = mine or [q for q in quants if q.source in sources or q.source.split("@")[0] == arg]
     if not mine:
@@ -124,7 +124,7 @@ def of_catalog(catalog: Catalog | None, arg: str) -> tuple[str, str, list[QuantR
     name = mine[0].name
     mine = sorted((q for q in quants if q.name == name), key=lambda q: q.created_at)
     fp16 = arg if path.is_dir() else mine[-1].source
-    return name, fp16, [catalog.quant_row(q) for q in mine]
+    return name, fp16, [catalog.quants.row(q) for q in mine]
 
 
 def runtimes() -> list[str]:

@@ -106,11 +106,16 @@ def recipe_from_dict(data: object, where: str) -> Recipe:
     return Recipe(targets=targets, settings=settings)
 
 
-def load_recipe(path: Path) -> Recipe:
+def recipe_text(path: Path) -> str:
+    """The text of the recipe file `path` (one that is not there: SpecError)."""
     path = Path(path)
     if not path.is_file():
         raise SpecError(f"recipe {str(path)!r} does not exist; pass a YAML file such as configs/standard.yaml")
-    return recipe_from_yaml(path.read_text(encoding="utf-8"), f"recipe {str(path)!r}")
+    return path.read_text(encoding="utf-8")
+
+
+def load_recipe(path: Path) -> Recipe:
+    return recipe_from_yaml(recipe_text(path), f"recipe {str(path)!r}")
 
 
 def recipe_from_yaml(text: str, where: str) -> Recipe:

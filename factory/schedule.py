@@ -21,6 +21,8 @@ import yaml
 
 from factory import engines
 from factory import hubclient as hub
+from factory.catalog import Watchlist
+from factory.checkpoints.inspection import read_config
 from factory.errors import FactoryError, NotFound, SpecError
 from factory.recipes import recipe_from_dict
 
@@ -172,7 +174,7 @@ def _release(repo: str):
         info = hub.retrying(lambda: api.model_info(repo))
     try:
         with hub.errors(repo):
-            config = hub.config(repo, info.sha)
+            config = read_config(hub.config_file(repo, info.sha), check_numbers=False)
     except NotFound as e:
         return Release(repo, info.sha, problem=e.message)
     params = info.safetensors.total if getattr(info, "safetensors", None) else None
@@ -186,10 +188,10 @@ def _release(repo: str):
     return Release(repo, info.sha, tuple(config.get("architectures") or ()), params)
 
 
-def watch_rows(catalog) -> list[dict]:
+def watch_rows(watchlist: Watchlist) -> list[dict]:
     """The watchlist as `qf watch ls --json` prints it: each watch with what it saw upstream and did."""
     seen: dict[str, list] = {}
-    for u in catalog.upstream():
+    for u in watchlist.upstream():
         seen.setdefault(u.watch, []).append(u)
     return [
         {
@@ -200,5 +202,5 @@ def watch_rows(catalog) -> list[dict]:
                 {"repo": u.repo, "sha": u.sha, "job": u.job_id, "skipped": u.skipped} for u in seen.get(w.target, [])
             ],
         }
-        for w in catalog.watches()
+        for w in watchlist.watches()
     ]

@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from factory.checkpoints import sources
-from factory.checkpoints.inspect import VISION_PART, layout_info, read_header
+from factory.checkpoints.inspection import VISION_PART, layout_info, read_header
 from factory.errors import SpecError
 
 if TYPE_CHECKING:
-    from factory.checkpoints.inspect import ModelInfo
+    from factory.checkpoints.inspection import ModelInfo
 
 GiB, MiB = 2**30, 2**20
 # The CUDA context, cuBLAS and the kernels a runtime loads: what a process holds outside PyTorch's allocator,

@@ -1,4 +1,4 @@
-"""The Celery implementation of factory/queue.py's Queue, which `qf` and the service load through the
+"""The Celery implementation of factory/fleet.py's Queue, which `qf` and the service load through the
 `quantfactory.queue` entry point (pyproject.toml): the tasks of workers/tasks.py, and the Celery command lines of
 `qf worker` and `qf beat`."""
 

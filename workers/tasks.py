@@ -54,7 +54,7 @@ from celery.exceptions import Reject
 from celery.signals import worker_ready, worker_shutdown
 from kombu.exceptions import OperationalError
 
-from factory import engines, identity, schedule, settings
+from factory import engines, schedule, settings
 from factory.catalog import RETRYABLE, TERMINAL, Job, JobState, Lease
 from factory.engines import child
 from factory.errors import Conflict, FactoryError, LeaseLost, NotFound, ServiceUnavailable, SpecError, mask_url
@@ -87,7 +87,7 @@ def help_job(job_id: str) -> None:
     process of its own; a job that is not running, or has nothing left to take, is nothing to do."""
     with _not_done_without_catalog(job_id):
         config = settings.load()
-        job = Factory(config).catalog.job(job_id)
+        job = Factory(config).catalog.jobs.get(job_id)
         if job is not None and job.state in (JobState.queued, JobState.running):  # queued: its holder starts it
             _execute_help(job_id, config.stall_seconds)
 
@@ -114,27 +114,27 @@ def _run(job_id: str, publish: bool) -> bool:
     """Execute under a lease; True when the job got through (queued for publishing, or succeeded)."""
     config = settings.load()
     factory = Factory(config, _publisher(config.broker_url, job_id))
-    job = factory.catalog.job(job_id)
+    job = factory.catalog.jobs.get(job_id)
     if job is None or job.state in TERMINAL:
         return False
-    lease = factory.catalog.take_lease(job_id, identity.holder_name(), config.lease_seconds)
-    if lease is None:
-        return False  # another worker holds it
-    if lease.attempts > config.max_attempts:
-        message = (
-            f"job lost its worker {lease.attempts - 1} times; giving up (FACTORY_MAX_ATTEMPTS={config.max_attempts})"
-        )
-        factory.catalog.fail_job(job_id, message, lease.token)  # and the lost attempt's step that was left running
-        return False
-    if not publish:
-        _call_helpers(job)
-    outcome = _execute(factory, lease, publish, config.lease_seconds, config.stall_seconds)
-    if outcome is LOST:
-        return False  # the job is another holder's now, or will be once the lease runs out
-    state = factory.catalog.job(job_id).state
-    if state == JobState.running:  # its process ended without recording how (the catalog was away?)
-        factory.catalog.fail_job(job_id, "the job's process ended without recording an outcome", lease.token)
-    factory.catalog.release_lease(lease)  # not reached when the catalog is away: the lease runs out
+    with heartbeat.leased(factory.catalog, job_id, config.lease_seconds) as lease:
+        if lease is None:
+            return False  # another worker holds it
+        if lease.attempts > config.max_attempts:
+            message = (
+                f"job lost its worker {lease.attempts - 1} times; giving up "
+                f"(FACTORY_MAX_ATTEMPTS={config.max_attempts})"
+            )
+            factory.catalog.jobs.fail(job_id, message, lease.token)  # and the lost attempt's step left running
+            return False
+        if not publish:
+            _call_helpers(job)
+        outcome = _execute(factory, lease, publish, config.lease_seconds, config.stall_seconds)
+        if outcome is LOST:
+            return False  # the job is another holder's now, or will be once the lease runs out
+        state = factory.catalog.jobs.get(job_id).state
+        if state == JobState.running:  # its process ended without recording how (the catalog was away?)
+            factory.catalog.jobs.fail(job_id, "the job's process ended without recording an outcome", lease.token)
     return outcome == state and state in (JobState.queued, JobState.succeeded)
 
 
@@ -190,7 +190,7 @@ def _execute(factory: Factory, lease: Lease, publish: bool, seconds: float, stal
         return LOST
     if proc.exitcode != 0:
         how = f"killed by {signal.Signals(-proc.exitcode).name}" if proc.exitcode < 0 else f"exit {proc.exitcode}"
-        factory.catalog.fail_job(lease.job_id, f"the job's process died ({how})", lease.token)
+        factory.catalog.jobs.fail(lease.job_id, f"the job's process died ({how})", lease.token)
         return None
     return outcome
 
@@ -269,14 +269,14 @@ def _refused_for_its_device(factory: Factory, lease: Lease) -> bool:
     """A job planned for CUDA that reached a worker without it fails with one sentence before any step, rather than
     with torch's "Torch not compiled with CUDA enabled" from its first unit. True when it did (its publishing
     step, which needs no GPU, is never refused)."""
-    job = factory.catalog.job(lease.job_id)
+    job = factory.catalog.jobs.get(lease.job_id)
     if job.device != "cuda" or evaluate.device() == "cuda":
         return False
     message = (
         f"job {job.id} needs a CUDA GPU and the worker on {socket.gethostname()} that took it from the gpu "
         f"queue has none; start workers without one with `qf worker --queues cpu`, then `qf retry {job.id}`"
     )
-    factory.catalog.transition(
+    factory.catalog.jobs.transition(
         job.id,
         JobState.failed,
         lease.token,
@@ -368,7 +368,7 @@ def follow(catalog, broker_url: str, job_id: str, tick: float = 2.0) -> Iterator
         raise _broker_unreachable() from None
     try:
         while True:
-            job = catalog.job(job_id)
+            job = catalog.jobs.get(job_id)
             if job is None:
                 raise NotFound(f"no job {job_id!r}; `qf status` lists the recent ones")
             message = channel.get_message(timeout=tick)
@@ -391,9 +391,9 @@ def reconcile() -> list[str]:
     """One pass: re-enqueue jobs whose lease expired and queued jobs that the broker does not hold."""
     config = settings.load()
     factory = Factory(config)
-    again = factory.catalog.expired_leases()
+    again = factory.catalog.leases.expired()
     held = _jobs_in_broker()
-    again += [j for j in factory.catalog.queued_jobs(older_than=60) if j not in held and j not in again]
+    again += [j for j in factory.catalog.jobs.queued(older_than=60) if j not in held and j not in again]
     for job_id in again:
         enqueue(factory, job_id)
     return again
@@ -459,30 +459,30 @@ def submit(factory: Factory, request: Request) -> Job:
 def retry(factory: Factory, job_id: str) -> Job:
     """Queue a failed or cancelled job again (`qf retry`, the service's retry); its finished steps are kept. The
     job as it is after that (queued, or already taken by a worker)."""
-    job = factory.catalog.job(job_id)
+    job = factory.catalog.jobs.get(job_id)
     if job is None:
         raise NotFound(f"no job {job_id!r}; `qf status` lists the recent ones")
     if factory.remake_removed(job):  # succeeded, but `qf rm` removed a quant of it: made again
         enqueue(factory, job.id)
-        return factory.catalog.job(job_id)
+        return factory.catalog.jobs.get(job_id)
     if job.state not in RETRYABLE:
         raise Conflict(f"job {job_id} is {job.state}; only failed or cancelled jobs can be retried")
     enqueue(factory, job.id)
-    return factory.catalog.job(job_id)
+    return factory.catalog.jobs.get(job_id)
 
 
 def enqueue(factory: Factory, job_id: str) -> None:
     """Queue `job_id` (queued, failed or cancelled) on its device's queue; a broker that cannot be reached fails
     the job and raises (exit 5). A job that moved on meanwhile (a worker started it) is left alone."""
-    if not factory.catalog.transition(job_id, JobState.queued, only_from=frozenset({JobState.queued, *RETRYABLE})):
+    if not factory.catalog.jobs.transition(job_id, JobState.queued, only_from=frozenset({JobState.queued, *RETRYABLE})):
         return
     try:
         run_job.apply_async(
-            args=[job_id], queue=settings.DEVICE_QUEUES[factory.catalog.job(job_id).device], retry=False
+            args=[job_id], queue=settings.DEVICE_QUEUES[factory.catalog.jobs.get(job_id).device], retry=False
         )
     except OperationalError:
         unreachable = _broker_unreachable()
-        factory.catalog.transition(
+        factory.catalog.jobs.transition(
             job_id,
             JobState.failed,
             error=unreachable.message,
@@ -509,12 +509,12 @@ def watch_check(dry_run: bool) -> dict:
     dry_run plans without submitting or recording anything."""
     config = settings.load()
     factory = Factory(config)
-    watches = [schedule.WatchEntry(w.target, w.recipe, w.filter) for w in factory.catalog.watches()]
+    watches = [schedule.WatchEntry(w.target, w.recipe, w.filter) for w in factory.catalog.watchlist.watches()]
     with _lock(config.broker_url, WATCH_LOCK, seconds=3600, skip=dry_run) as held:
         if not held:
             return {"busy": True, "planned": [], "errors": [], "exit_code": 0}
         releases, errors = schedule.hub_releases(watches)
-        seen = {(u.watch, u.repo, u.sha): u for u in factory.catalog.upstream()}
+        seen = {(u.watch, u.repo, u.sha): u for u in factory.catalog.watchlist.upstream()}
         # a skipped release is planned again at every check: an engine that takes it now (a newer one, a wider
         # filter, access to a gated repo) submits it; one still skipped for the same reason is not listed again
         done = {key for key, u in seen.items() if u.job_id}
@@ -549,7 +549,7 @@ def _carry_out(factory: Factory, p: schedule.Planned, errors: list[FactoryError]
             return {"job": None, "error": e.message}
         except FactoryError as e:
             skipped = e.message
-    factory.catalog.record_upstream(p.watch, p.repo, p.sha, job_id, skipped)
+    factory.catalog.watchlist.record_upstream(p.watch, p.repo, p.sha, job_id, skipped)
     return {"job": job_id, "skipped": skipped}
 
 

@@ -5,21 +5,25 @@ A job is one submission: one source, one or more specs. Its idempotency key is a
 result (source identity, resolved specs, calibration and eval text hashes, eval windows, engine versions), so
 the same job submitted twice is the same row.
 
-A job's state changes only through `Catalog.transition`, one compare-and-set along TRANSITIONS. A job being run is
+A job's state changes only through `Jobs.transition`, one compare-and-set along TRANSITIONS. A job being run is
 held by a lease whose fencing token grows every time the job changes hands; every write the holder makes for the
 job (state, steps, measurements, evaluations, quants) carries the token and is refused (LeaseLost) once another
 holder has taken the job, so a holder that stalled and came back changes nothing.
 
-The parts: states.py (states and transitions), tables.py (tables and schema), store.py (the database, the
-compare-and-set and the fences), jobs.py (jobs, steps, the watchlist), leases.py (leases and claims), quants.py
-(quants, measurements, evaluations), status.py (plain-SQL readers for the hot paths of `qf status`).
+A caller receives the store it works with, each a few methods over one Database (database.py: the schema, a
+session, the fences): `jobs` (jobs.py: jobs, the compare-and-set, model names), `steps` (steps.py), `leases`
+(leases.py: leases and claims), `quants` (quants.py: quants, measurements, evaluations), `accounts` (accounts.py:
+the service's tokens, quotas and submissions) and `watchlist` (watchlist.py: watches and upstream releases).
+states.py holds the states and transitions, schema.py the tables and the schema version, status.py the plain-SQL
+readers for the hot paths of `qf status`. Every SQL statement of the project is in this package.
 """
 
+from factory.catalog.accounts import Accounts
+from factory.catalog.database import Database
 from factory.catalog.jobs import Jobs
 from factory.catalog.leases import Lease, Leases
 from factory.catalog.quants import Quants, RevTaken
-from factory.catalog.states import RETRYABLE, TERMINAL, TRANSITIONS, JobState, StepState, now
-from factory.catalog.tables import (
+from factory.catalog.schema import (
     MIGRATIONS,
     SCHEMA_VERSION,
     Base,
@@ -36,14 +40,33 @@ from factory.catalog.tables import (
     Upstream,
     Watch,
 )
+from factory.catalog.states import RETRYABLE, TERMINAL, TRANSITIONS, JobState, StepState, now
+from factory.catalog.steps import Steps
+from factory.catalog.watchlist import Watchlist
 
 
-class Catalog(Jobs, Leases, Quants):
-    """The catalog: one object for every reader and writer, made of its parts."""
+class Catalog:
+    """The catalog's stores over one database; a caller takes the one it needs (`catalog.leases`)."""
+
+    def __init__(self, url: str):
+        self.db = Database(url)
+        self.jobs = Jobs(self.db)
+        self.steps = Steps(self.db)
+        self.leases = Leases(self.db, self.jobs)
+        self.quants = Quants(self.db, self.jobs)
+        self.accounts = Accounts(self.db, self.jobs)
+        self.watchlist = Watchlist(self.db)
 
 
 __all__ = [
     "Catalog",
+    "Database",
+    "Jobs",
+    "Steps",
+    "Leases",
+    "Quants",
+    "Accounts",
+    "Watchlist",
     "Lease",
     "RevTaken",
     "JobState",

@@ -8,9 +8,10 @@ from datetime import timedelta
 from sqlalchemy import delete, select, update
 from sqlalchemy.exc import IntegrityError
 
+from factory.catalog.database import Database
+from factory.catalog.jobs import Jobs
+from factory.catalog.schema import Claim, Job
 from factory.catalog.states import JobState, now
-from factory.catalog.store import Store
-from factory.catalog.tables import Claim, Job
 from factory.identity import gone
 
 
@@ -29,15 +30,18 @@ def _holding(held: Claim) -> bool:
     return held.until > now() and not gone(held.holder.rpartition("@")[2])
 
 
-class Leases(Store):
+class Leases:
     """Who holds a job (a lease, its token fencing the holder's writes) and who makes a unit (a claim)."""
 
-    def take_lease(self, job_id: str, worker: str, seconds: float, gone: str | None = None) -> Lease | None:
+    def __init__(self, db: Database, jobs: Jobs):
+        self.db, self.jobs = db, jobs
+
+    def take(self, job_id: str, worker: str, seconds: float, gone: str | None = None) -> Lease | None:
         """Hold the job for `worker` with a new fencing token, or None while another holder's lease is valid (a
         duplicate message, a second `qf run`) unless that holder is `gone` (known dead: its lease is not waited
         out). Taking a lease that expired counts an attempt; one that was released (the hand-off to the publishing
         step) does not."""
-        with self.session() as s:
+        with self.db.session() as s:
             job = s.get(Job, job_id, with_for_update=True)
             valid = job.lease_until is not None and job.lease_until > now()
             if valid and job.worker not in (worker, gone):
@@ -48,9 +52,9 @@ class Leases(Store):
             job.lease_token += 1
             return Lease(job_id, worker, job.lease_token, job.attempts)
 
-    def renew_lease(self, lease: Lease, seconds: float) -> bool:
+    def renew(self, lease: Lease, seconds: float) -> bool:
         """Extend the lease; False when another holder has taken the job since (the lease is lost)."""
-        with self.session() as s:
+        with self.db.session() as s:
             renewed = s.execute(
                 update(Job)
                 .where(Job.id == lease.job_id, Job.lease_token == lease.token)
@@ -58,37 +62,39 @@ class Leases(Store):
             )
             return renewed.rowcount == 1
 
-    def release_lease(self, lease: Lease) -> None:
-        with self.session() as s:
+    def release(self, lease: Lease) -> None:
+        with self.db.session() as s:
             s.execute(
                 update(Job).where(Job.id == lease.job_id, Job.lease_token == lease.token).values(lease_until=None)
             )
 
     def holder(self, job_id: str) -> str | None:
         """Who holds a valid lease on the job now, if anyone."""
-        job = self.job(job_id)
+        job = self.jobs.get(job_id)
         return job.worker if job and job.lease_until is not None and job.lease_until > now() else None
 
-    def check_lease(self, job_id: str, token: int | None) -> None:
+    def check(self, job_id: str, token: int | None) -> None:
         """Raises LeaseLost when `token` no longer holds the job, Cancelled when it was cancelled."""
-        with self.session() as s:
-            self._fence(s, job_id, token, running=True)
+        with self.db.session() as s:
+            self.db.fence(s, job_id, token, running=True)
 
-    def expired_leases(self) -> list[str]:
+    def expired(self) -> list[str]:
         """Running jobs whose holder stopped renewing: queued again (the next take counts the loss)."""
-        with self.session() as s:
+        with self.db.session() as s:
             candidates = list(s.scalars(select(Job.id).where(Job.state == JobState.running, Job.lease_until < now())))
         return [
             job_id
             for job_id in candidates
-            if self.transition(job_id, JobState.queued, lease_expired=True, only_from=frozenset({JobState.running}))
+            if self.jobs.transition(
+                job_id, JobState.queued, lease_expired=True, only_from=frozenset({JobState.running})
+            )
         ]
 
     def claim(self, key: str, holder: str, seconds: float) -> int | None:
         """Hold `key` for `holder` (its token), or None while another holder's claim is valid."""
         for _ in range(2):  # a concurrent first claim wins the insert; look again once
             try:
-                with self.session() as s:
+                with self.db.session() as s:
                     held = s.get(Claim, key, with_for_update=True)
                     until = now() + timedelta(seconds=seconds)
                     if held is None:
@@ -103,7 +109,7 @@ class Leases(Store):
         return None
 
     def renew_claim(self, key: str, token: int, seconds: float) -> bool:
-        with self.session() as s:
+        with self.db.session() as s:
             renewed = s.execute(
                 update(Claim)
                 .where(Claim.key == key, Claim.token == token)
@@ -112,12 +118,12 @@ class Leases(Store):
             return renewed.rowcount == 1
 
     def release_claim(self, key: str, token: int) -> None:
-        with self.session() as s:
+        with self.db.session() as s:
             s.execute(delete(Claim).where(Claim.key == key, Claim.token == token))
 
     def claimant(self, key: str) -> str | None:
         """The holder whose valid claim holds `key`, if any (one on this machine whose process is gone holds
         nothing: `claim` takes it over at once)."""
-        with self.session() as s:
+        with self.db.session() as s:
             held = s.get(Claim, key)
             return held.holder if held is not None and _holding(held) else None

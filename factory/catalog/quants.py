@@ -8,9 +8,10 @@ from dataclasses import replace
 from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 
+from factory.catalog.database import Database
+from factory.catalog.jobs import Jobs
+from factory.catalog.schema import Evaluation, Job, Measurement, Quant, Step
 from factory.catalog.states import DONE_STEPS, JobState, StepState, now
-from factory.catalog.store import Store
-from factory.catalog.tables import Evaluation, Job, Measurement, Quant, Step
 from factory.registry.published import QuantRow
 
 
@@ -21,10 +22,13 @@ class RevTaken(Exception):
 SUPERSEDED = "its quant was removed with qf rm; made again"
 
 
-class Quants(Store):
+class Quants:
     """Published quants, measurements and evaluations: each write fenced by the lease of the job that makes it."""
 
-    def put_quant(self, quant: Quant, token: int | None = None, publish=None) -> Quant:
+    def __init__(self, db: Database, jobs: Jobs):
+        self.db, self.jobs = db, jobs
+
+    def put(self, quant: Quant, token: int | None = None, publish=None) -> Quant:
         """Record a published quant; `publish()`, the registry's act, runs inside the same transaction, after the
         fence: while the job is running and `token` holds it, so a cancel or a new holder either comes first
         (nothing is published) or waits for it. A row of name:tag@rev is never replaced: one with the same files
@@ -32,16 +36,16 @@ class Quants(Store):
         made it again); one with other files raises RevTaken (the publisher takes another rev). A concurrent insert
         of the same name:tag@rev (a publisher that raced this one) is looked at again as it commits."""
         try:
-            return self._put_quant(quant, token, publish)
+            return self._put(quant, token, publish)
         except IntegrityError:
-            won = self.quant_at(quant.name, quant.tag, quant.rev)
+            won = self.at(quant.name, quant.tag, quant.rev)
             if won is None or won.files_sha != quant.files_sha:
                 raise RevTaken(f"{quant.name}:{quant.tag}@{quant.rev} holds other files") from None
             return won
 
-    def _put_quant(self, quant: Quant, token: int | None, publish) -> Quant:
-        with self.session() as s:
-            self._fence(s, quant.job_id, token, running=publish is not None)
+    def _put(self, quant: Quant, token: int | None, publish) -> Quant:
+        with self.db.session() as s:
+            self.db.fence(s, quant.job_id, token, running=publish is not None)
             old = s.scalars(
                 select(Quant).where(Quant.name == quant.name, Quant.tag == quant.tag, Quant.rev == quant.rev)
             ).one_or_none()
@@ -64,7 +68,7 @@ class Quants(Store):
         that placed it (`job_id`, from its manifest) is not running, under the job's row lock: no publisher of it is
         then between placing its folder and recording its row (put_quant fences on a running job, and waits for this
         lock), and no later attempt adopts the folder while it goes. False when it was left."""
-        with self.session() as s:
+        with self.db.session() as s:
             if job_id is not None:
                 self._fence_quiet(s, job_id)
                 job = s.get(Job, job_id)
@@ -80,17 +84,17 @@ class Quants(Store):
 
     @staticmethod
     def _fence_quiet(s, job_id: str) -> None:
-        """The job's row lock, for the rest of the transaction (a no-op UPDATE, as Store._fence takes it)."""
+        """The job's row lock, for the rest of the transaction (a no-op UPDATE, as Database.fence takes it)."""
         s.execute(update(Job).where(Job.id == job_id).values(lease_token=Job.lease_token, updated_at=Job.updated_at))
 
-    def quant_at(self, name: str, tag: str, rev: str) -> Quant | None:
+    def at(self, name: str, tag: str, rev: str) -> Quant | None:
         """The row of name:tag@rev, a tombstone too (what decides whether that rev is free for some files)."""
-        with self.session() as s:
+        with self.db.session() as s:
             return s.scalars(select(Quant).where(Quant.name == name, Quant.tag == tag, Quant.rev == rev)).one_or_none()
 
-    def quants(self, name: str | None = None, job_id: str | None = None) -> list[Quant]:
+    def live(self, name: str | None = None, job_id: str | None = None) -> list[Quant]:
         """The live quants (never tombstones); `job_id`: those the job published or evaluated (a quant it reused)."""
-        with self.session() as s:
+        with self.db.session() as s:
             query = select(Quant).where(Quant.removed_at.is_(None))
             query = query.order_by(Quant.name, Quant.method, Quant.bits, Quant.created_at.desc())
             if name is not None:
@@ -102,9 +106,9 @@ class Quants(Store):
                 query = query.where((Quant.job_id == job_id) | Quant.weights_key.in_(evaluated))
             return list(s.scalars(query))
 
-    def quant_with_weights(self, weights_key: str) -> Quant | None:
+    def with_weights(self, weights_key: str) -> Quant | None:
         """The live quant whose weights this key makes (the oldest, should there be two: they race to publish)."""
-        with self.session() as s:
+        with self.db.session() as s:
             return s.scalars(
                 select(Quant)
                 .where(Quant.weights_key == weights_key, Quant.removed_at.is_(None))
@@ -112,9 +116,9 @@ class Quants(Store):
                 .limit(1)
             ).one_or_none()
 
-    def removed_quants(self, job_id: str) -> list[Quant]:
+    def removed(self, job_id: str) -> list[Quant]:
         """The tombstones of quants the job published or evaluated whose weights are not published any more."""
-        with self.session() as s:
+        with self.db.session() as s:
             evaluated = select(Evaluation.weights_key).where(
                 Evaluation.job_id == job_id, Evaluation.weights_key.is_not(None)
             )
@@ -126,10 +130,10 @@ class Quants(Store):
             )
             return list(s.scalars(query.order_by(Quant.id)))
 
-    def remove_quant(self, name: str, tag: str, rev: str) -> bool:
+    def remove(self, name: str, tag: str, rev: str) -> bool:
         """Take the published quant name:tag@rev out of every listing (`qf rm`), leaving its row as a tombstone so
         that the name never names other files; False when there was none."""
-        with self.session() as s:
+        with self.db.session() as s:
             return (
                 s.execute(
                     update(Quant)
@@ -142,8 +146,8 @@ class Quants(Store):
     def reopen(self, job_id: str, tags: list[str]) -> bool:
         """A succeeded job queued again to make the quants of `tags` again (they were removed): their quantize,
         evaluate, gate, publish and push steps are superseded. False when the job is not succeeded (any more)."""
-        with self.session() as s:
-            if not self.transition(job_id, JobState.queued, only_from=frozenset({JobState.succeeded}), session=s):
+        with self.db.session() as s:
+            if not self.jobs.transition(job_id, JobState.queued, only_from=frozenset({JobState.succeeded}), session=s):
                 return False
             names = {"gate"} | {f"{kind}:{tag}" for tag in tags for kind in ("quantize", "evaluate", "publish", "push")}
             for step in s.scalars(select(Step).where(Step.job_id == job_id, Step.state.in_(DONE_STEPS))):
@@ -152,28 +156,28 @@ class Quants(Store):
             return True
 
     def measurement(self, key: str) -> Measurement | None:
-        with self.session() as s:
+        with self.db.session() as s:
             return s.scalars(select(Measurement).where(Measurement.key == key)).one_or_none()
 
     def add_measurement(self, job_id: str, token: int | None = None, **fields: object) -> None:
         """Record a measurement made for `job_id`; a concurrent twin with the same key is kept as it is."""
         try:
-            with self.session() as s:
-                self._fence(s, job_id, token)
+            with self.db.session() as s:
+                self.db.fence(s, job_id, token)
                 s.add(Measurement(**fields))
         except IntegrityError:
             pass
 
     def add_evaluation(self, token: int | None = None, **fields: object) -> None:
-        with self.session() as s:
-            self._fence(s, str(fields["job_id"]), token)
+        with self.db.session() as s:
+            self.db.fence(s, str(fields["job_id"]), token)
             s.add(Evaluation(**fields))
 
     def baseline(
         self, source_identity: str, eval_sha: str, windows: int, window_length: int, device: str
     ) -> float | None:
         """A stored FP16 perplexity for exactly this token stream, if one was measured before."""
-        with self.session() as s:
+        with self.db.session() as s:
             return s.scalar(
                 select(Evaluation.ppl)
                 .where(
@@ -187,11 +191,11 @@ class Quants(Store):
                 .limit(1)
             )
 
-    def quant_evaluations(self, quant: Quant) -> list[dict]:
+    def evaluations_of(self, quant: Quant) -> list[dict]:
         """Every evaluation of the quant's weights (the one it was published with and those of later jobs that reused
         it), oldest first: job, text, windows, window_length, device, ppl, kld, kld_p99, top1, created_at. A quant
         published before weights keys has only its own."""
-        with self.session() as s:
+        with self.db.session() as s:
             rows = (
                 s.execute(
                     select(Evaluation, Job.eval)
@@ -235,9 +239,9 @@ class Quants(Store):
             }
         ]
 
-    def quant_row(self, quant: Quant) -> QuantRow:
+    def row(self, quant: Quant) -> QuantRow:
         """A quant's row with every evaluation of its weights (`qf show`, the Hub repo's main card)."""
-        return replace(quant.row(), evaluations=self.quant_evaluations(quant))
+        return replace(quant.row(), evaluations=self.evaluations_of(quant))
 
     def job_row(self, quant: Quant, job_id: str) -> QuantRow:
         """A quant's row as job `job_id` scored it: its own scores for a quant the job published, the job's evaluation
@@ -245,7 +249,7 @@ class Quants(Store):
         row = quant.row()
         if quant.job_id == job_id:
             return row
-        with self.session() as s:
+        with self.db.session() as s:
             e = s.scalars(
                 select(Evaluation)
                 .where(
@@ -272,7 +276,7 @@ class Quants(Store):
         )
 
     def evaluations(self, job_id: str) -> list[Evaluation]:
-        with self.session() as s:
+        with self.db.session() as s:
             return list(s.scalars(select(Evaluation).where(Evaluation.job_id == job_id).order_by(Evaluation.id)))
 
 

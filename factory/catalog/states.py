@@ -27,7 +27,7 @@ TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     JobState.failed: frozenset({JobState.queued, JobState.running}),  # retried; `qf run` continues it
     JobState.cancelled: frozenset({JobState.queued}),  # retried
     # queued again only when a quant it published was removed (`qf rm`) and the same job is asked for again
-    # (Catalog.reopen, with only_from={succeeded}): it makes that quant again
+    # (Quants.reopen, with only_from={succeeded}): it makes that quant again
     JobState.succeeded: frozenset({JobState.queued}),
 }
 

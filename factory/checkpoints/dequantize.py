@@ -15,7 +15,7 @@ The copy is what `save_pretrained` of the model class in BF16 writes, name for n
 other tensor keeps its bytes (releases store them in BF16 already). config.json loses its quantization_config and
 says bfloat16; the other files a source contributes (factory/checkpoints/files.py) and its model card come along as they
 are. It lives in FACTORY_HOME/dequantized/<key> (key: the source identity's digest, factory/identity.py) with a marker
-naming the source; `qf gc` removes a copy that no unfinished job needs (factory/registry/housekeeping.py).
+naming the source; `qf gc` removes a copy that no unfinished job needs (factory/publish/housekeeping.py).
 
 Streamed: a tensor is read and written in pieces of at most CHUNK source bytes (rows of an FP8 weight, part of a
 row, or many small matrices; as many whole MXFP4 experts as fit) straight into its place in the output shard, whose
@@ -40,7 +40,7 @@ from pathlib import Path
 
 from factory.checkpoints import files
 from factory.checkpoints.files import COMPANIONS, INDEX, source_files, upstream_card, write_atomic
-from factory.checkpoints.inspect import DTYPE_BYTES, MAX_CONFIG, read_headers
+from factory.checkpoints.inspection import DTYPE_BYTES, MAX_CONFIG, read_headers
 from factory.errors import JobFailed, ModelRefused
 from factory.identity import digest
 
@@ -174,7 +174,7 @@ def leftovers(home: Path, keep: set[Path]) -> list[tuple[Path, str]]:
 
 
 def bf16(source: Path, source_identity: str, home: Path, progress: Progress) -> tuple[Path, bool]:
-    """The BF16 copy of an FP8 or MXFP4 source (inspected already: factory/checkpoints/inspect.py), and whether it was
+    """The BF16 copy of an FP8 or MXFP4 source (inspected already: checkpoints/inspection.py), and whether it was
     made now (False: reused). `progress(done=, total=, unit="B")` as it is written; raising from it stops the copy,
     which then leaves nothing. ModelRefused before anything is written when its tensors are not what its config says."""
     dest = folder(home, source_identity)

@@ -18,9 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from factory import hubclient as hub
+from factory import identity
 from factory.checkpoints.dequantize import bf16_shapes
-from factory.checkpoints.files import UPSTREAM_CARD, is_source_file, source_files
-from factory.checkpoints.inspect import (
+from factory.checkpoints.files import UPSTREAM_CARD, is_source_file, source_files, staged_files, write_atomic
+from factory.checkpoints.inspection import (
     MAX_METADATA,
     check_against_tensors,
     check_config,
@@ -29,7 +30,7 @@ from factory.checkpoints.inspect import (
     read_json,
 )
 from factory.errors import ModelRefused, NotFound, SpecError
-from factory.identity import folder_identity, rev
+from factory.identity import rev
 
 VERIFIED = ".quantfactory-verified"  # written into a fetched Hub folder once every file matched the Hub
 _HUB_PART = r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?"  # the Hub's own grammar (huggingface_hub)
@@ -206,8 +207,60 @@ def layout(arg: str) -> tuple[dict, dict[str, list[int]]]:
 
     sha = resolve_hub(repo, revision)
     with hub.errors(arg):
-        config = check_config(hub.config(repo, sha))
+        config = check_config(read_config(hub.config_file(repo, sha), check_numbers=False))
         meta = hub.retrying(lambda: hub.client(hub.token()).get_safetensors_metadata(repo, revision=sha))
     tensors = {n: t.shape for f in meta.files_metadata.values() for n, t in f.tensors.items()}
     check_against_tensors(config, tensors)
     return config, bf16_shapes(config, tensors)
+
+
+def folder_identity(folder: Path, cache_dir: Path, staged: Path | None = None) -> str:
+    """The identity of a local folder, over its source files (each file's sha256 cached by path, size and mtime).
+    With `staged` (the job's staging folder of `folder`, files.stage): the identity of what the job reads, its
+    companion copies hashed there (each time: they are small, and their paths are the job's) and its weights where
+    their links lead."""
+    cache_file, cache = _hash_cache(cache_dir)
+    hashes, hashed = {}, False
+    found = staged_files(staged, folder) if staged else source_files(folder)
+    for name, f in found.items():  # regular files only: a bad link or a FIFO is refused here
+        if staged and f.parent == staged:
+            hashes[name] = identity.file_sha256(f)
+            continue
+        st = f.stat()
+        stamp = f"{st.st_size}:{st.st_mtime_ns}"
+        hit = cache.get(str(f))
+        if not hit or hit[0] != stamp:
+            hit = cache[str(f)] = [stamp, identity.file_sha256(f)]
+            hashed = True
+        hashes[name] = hit[1]
+    if hashed:  # every file a hit: the cache on disk already says all this
+        write_atomic(cache_file, json.dumps(cache).encode())
+    return identity.of_files(hashes)
+
+
+def _hash_cache(cache_dir: Path) -> tuple[Path, dict[str, list[str]]]:
+    """The file of cached sha256s (path -> [size:mtime, sha256]) and what it holds."""
+    cache_file = cache_dir / "file-sha256.json"
+    try:
+        return cache_file, json.loads(cache_file.read_text())
+    except (OSError, ValueError):
+        return cache_file, {}
+
+
+def forget_changed(folder: Path, cache_dir: Path, hashes: dict[str, str]) -> list[str]:
+    """The files of `folder` whose cached sha256 is not the one just read (`hashes`, name -> sha256), and files
+    the cache does not know; their entries leave the cache, so the next submit hashes them again."""
+    cache_file, cache = _hash_cache(cache_dir)
+    try:
+        paths = source_files(folder)
+    except ModelRefused:  # a file became a FIFO, ...: its entry, if any, goes by its name
+        paths = {}
+    changed = []
+    for name, sha in hashes.items():
+        key = str(paths.get(name, folder.resolve() / name))
+        if cache.get(key, [None, None])[1] != sha:
+            changed.append(name)
+            cache.pop(key, None)
+    if changed:
+        write_atomic(cache_file, json.dumps(cache).encode())
+    return changed

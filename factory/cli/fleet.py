@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from factory import queue, settings
+from factory import fleet, settings
 from factory.cli import slots as sharing
 from factory.cli.shared import (
     UnitsOpt,
@@ -22,7 +22,7 @@ from factory.cli.shared import (
 @handled
 def reconcile() -> None:
     """One reconciler pass (beat runs it periodically): re-enqueue jobs of lost workers and lost messages."""
-    for job_id in queue.get().reconcile():
+    for job_id in fleet.get().reconcile():
         print(job_id)
 
 
@@ -33,7 +33,7 @@ def beat() -> None:
     a lock, and submissions collapse into existing jobs). Its schedule file lives in FACTORY_HOME."""
     home = settings.load().home
     home.mkdir(parents=True, exist_ok=True)
-    argv = queue.get().beat_command(home / "celerybeat-schedule")
+    argv = fleet.get().beat_command(home / "celerybeat-schedule")
     os.execvp(sys.executable, argv)
 
 
@@ -56,9 +56,9 @@ def worker(
     catalog or broker that cannot be reached is exit 5 before it takes any message; --slots that is neither a
     positive number nor auto is exit 2."""
     count = sharing.count(slots, os.cpu_count() or 1)
-    fleet = queue.get()
+    queue = fleet.get()
     open_catalog()
-    fleet.check_broker()
+    queue.check_broker()
     env = dict(os.environ)
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(gpu)
@@ -66,7 +66,7 @@ def worker(
         env["FACTORY_MAX_UNITS"] = str(max_units)  # read by the job processes it spawns (factory/settings.py)
     node = f"qf-{'gpu' + str(gpu) if gpu is not None else 'worker'}"
     if count == 1:
-        os.execvpe(sys.executable, fleet.worker_command(node, queues), env)
+        os.execvpe(sys.executable, queue.worker_command(node, queues), env)
     env["FACTORY_GPU_LEDGER"] = str(sharing.ledger_path(env.get("CUDA_VISIBLE_DEVICES")))  # the slots share it
-    commands = [fleet.worker_command(f"{node}-{i}", queues) for i in range(1, count + 1)]
+    commands = [queue.worker_command(f"{node}-{i}", queues) for i in range(1, count + 1)]
     sys.exit(sharing.supervise(commands, env))

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from factory import queue, settings, tables
+from factory import fleet, settings, tables
 from factory.cli.render import Renderer
 from factory.cli.shared import (
     JsonOpt,
@@ -99,7 +99,7 @@ def _follow(job_id: str, as_json: bool) -> None:
     if (remote := service_client()) is not None:
         events = remote.events(job_id)
     else:
-        events = queue.get().follow(open_catalog(), settings.load().broker_url, job_id)
+        events = fleet.get().follow(open_catalog(), settings.load().broker_url, job_id)
     with Renderer(as_json) as render:
         for event in events:
             if event is not None:
@@ -121,7 +121,7 @@ def cancel(job_id: Annotated[str, typer.Argument(metavar="JOB")]) -> None:
         else:
             err.print(f"job {job['id']}: {job['state']}")
         return
-    job = open_catalog().cancel_job(job_id)
+    job = open_catalog().jobs.cancel(job_id)
     if job is None:
         raise NotFound(f"no job {job_id!r}; `qf status` lists the recent ones")
     err.print(f"job {job.id}: {job.state}")
@@ -134,4 +134,4 @@ def retry(job_id: Annotated[str, typer.Argument(metavar="JOB")]) -> None:
     if (remote := service_client()) is not None:
         print(remote.retry(job_id)["id"])
         return
-    print(queue.get().retry(make_factory(), job_id).id)
+    print(fleet.get().retry(make_factory(), job_id).id)

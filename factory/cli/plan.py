@@ -65,8 +65,9 @@ def plan(
         for e in asked
         if e.name not in refused and (p := e.memory.plan(shape, params, budget, ctx, kv_cache, gpus)) is not None
     }
-    times = _conversion_times(list(plans), params.total, catalog)
-    specs, job = planning.projection(Costs(catalog, None), source, recipes.build_recipe(recipe, flags), budget, info)
+    steps = catalog.steps if catalog else None
+    times = _conversion_times(list(plans), params.total, steps)
+    specs, job = planning.projection(Costs(steps, None), source, recipes.build_recipe(recipe, flags), budget, info)
     if as_json:
         answers = {name: {**p.data, "expected_seconds": times[name]} for name, p in plans.items()}
         answers.update({name: {"refused": why} for name, why in refused.items()})
@@ -162,8 +163,8 @@ def _plan_table(plan_) -> tables.Table:
 
 
 def _catalog():
-    """The catalog, for its history of units, where one exists and can be read; else None (the engines'
-    estimates)."""
+    """The catalog, for its units' history and the model's quants, where one exists and can be read; else None
+    (the engines' estimates; nothing to rank)."""
     url = settings.load().db_url
     if settings.database_kind(url) != "sqlite" or Path(url.removeprefix("sqlite:///")).is_file():  # none: none made
         try:
@@ -173,16 +174,16 @@ def _catalog():
     return None
 
 
-def _conversion_times(names: list[str], parameters: int, catalog) -> dict[str, dict]:
+def _conversion_times(names: list[str], parameters: int, steps) -> dict[str, dict]:
     """Expected seconds of each engine's conversion units for `qf plan`: the catalog's history where it can be
     read, else the engines' estimates."""
 
     def history(family: str) -> list:
-        if catalog is None:
+        if steps is None:
             return []
         return [
             eta.Past(seconds, params)
-            for name, seconds, params in catalog.unit_history(family, "cuda")
+            for name, seconds, params in steps.history(family, "cuda")
             if eta.family(name) == family
         ]
 

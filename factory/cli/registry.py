@@ -62,7 +62,7 @@ def ls(
     if (client := service_client()) is not None:
         rows = [QuantRow.from_json(r) for r in client.quants()]
     else:
-        rows = [q.row() for q in open_catalog().quants()]
+        rows = [q.row() for q in open_catalog().quants.live()]
     if as_json:
         print(json.dumps([r.to_json() for r in rows], indent=2))
     elif not rows:
@@ -90,7 +90,7 @@ def show(
     if (remote := service_client()) is not None:
         found = remote.model(parsed)
         return _show(parsed, [QuantRow.from_json(r) for r in found["quants"]], found["jobs"], as_json, width)
-    from factory.registry import lookup
+    from factory.publish import lookup
 
     rows = lookup.with_fits(open_catalog(), settings.load().registry, parsed)
     _show(parsed, rows, job_rows(limit=50, name=parsed.name), as_json, width)
@@ -98,7 +98,7 @@ def show(
 
 def _frontier(parsed: naming.QuantRef, path: Path) -> None:
     """The model's frontier plot (every published quant with a KLD, every format) written to `path`."""
-    from factory.registry import lookup
+    from factory.publish import lookup
 
     client = service_client()
     if client is not None:
@@ -194,8 +194,7 @@ def pull(
     """Copy a finished quant out of the registry, or download it from the Hub; every file's sha256 verified. With
     --fit SIZE: the published quant of NAME, of any format, with the lowest KLD whose runtime fits SIZE at --ctx
     tokens (the model's maximum by default), as `qf plan` ranks them; one line says which and why."""
-    from factory.publish import folder
-    from factory.registry import lookup
+    from factory.publish import folder, lookup
 
     if fit is not None:
         return _pull_fit(ref, fit, ctx, runtime, output, as_json)
@@ -213,13 +212,12 @@ def pull(
         return _pull_from_hub(parsed, owner, output)
     dest = _output_folder(output or Path(f"{quant.name}-{quant.tag}"))
     files = folder.pull(settings.load().registry / quant.path, dest)
-    _card_as_now(dest, open_catalog().quant_row(quant))
+    _card_as_now(dest, open_catalog().quants.row(quant))
     _pulled(f"{quant.name}:{quant.tag}@{quant.rev}", files, dest, output)
 
 
 def _pull_fit(ref: str, fit: str, ctx: int | None, runtime: str | None, output: Path | None, as_json: bool) -> None:
-    from factory.publish import folder
-    from factory.registry import lookup
+    from factory.publish import folder, lookup
 
     parsed = naming.parse(ref)
     if parsed.tag is not None:
@@ -239,7 +237,7 @@ def _pull_fit(ref: str, fit: str, ctx: int | None, runtime: str | None, output: 
     quant = next(q for q in quants if (q.tag, q.rev) == (best.tag, best.rev))
     dest = _output_folder(output or Path(f"{quant.name}-{quant.tag}"))
     files = folder.pull(settings.load().registry / quant.path, dest)
-    _card_as_now(dest, catalog.quant_row(quant))
+    _card_as_now(dest, catalog.quants.row(quant))
     next_best = f"; next: {others[0].tag}, KLD {tables.kld(others[0].kld)}" if others else ""
     err.print(
         f"{name}:{best.tag}@{best.rev}: the lowest KLD ({tables.kld(best.kld)}, on {ranked.protocol}) of the "
@@ -261,7 +259,7 @@ def _pull_fit(ref: str, fit: str, ctx: int | None, runtime: str | None, output: 
 @handled
 def rm(ref: Annotated[str, typer.Argument(metavar="NAME:TAG[@REV]")]) -> None:
     """Remove a quant from the registry and the catalog (its copy on the Hub stays; `hf repo` manages that)."""
-    from factory.registry import housekeeping, lookup
+    from factory.publish import housekeeping, lookup
 
     parsed = naming.parse(ref, tag_required=True)
     catalog = open_catalog()
@@ -279,7 +277,7 @@ def gc(
 ) -> None:
     """Free disk: work folders of finished jobs, staging of killed publishes, Hub downloads, snapshots of local
     sources and BF16 copies that no unfinished job needs."""
-    from factory.registry import housekeeping
+    from factory.publish import housekeeping
 
     items = housekeeping.garbage(settings.load(), open_catalog())
     freed = sum(i.bytes for i in items) if dry_run else housekeeping.collect(items)

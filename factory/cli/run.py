@@ -4,69 +4,34 @@ from __future__ import annotations
 
 import time
 
-from factory import identity, queue, settings, tables
-from factory.checkpoints.sources import check_base_model
+from factory import fleet, identity, settings, tables
 from factory.cli.render import Renderer
 from factory.cli.shared import (
-    BaseOpt,
-    CalibrationOpt,
-    CtxOpt,
-    EvalOpt,
-    FitOpt,
     JsonOpt,
-    KvOpt,
-    NameOpt,
-    RecipeOpt,
-    SourceArg,
     UnitsOpt,
-    WindowsOpt,
     app,
     err,
     handled,
     make_factory,
+    open_catalog,
     out,
     quiet_libraries,
-    request_from,
+    say,
     service_client,
-    with_engine_flags,
+    with_submission_options,
 )
-from factory.errors import JobFailed, SpecError
+from factory.errors import JobFailed
 from factory.publish import hub
+from factory.submission import Options
 
 
 @app.command()
 @handled
-@with_engine_flags
-def run(
-    source: SourceArg,
-    flags: dict,
-    recipe: RecipeOpt = None,
-    calibration: CalibrationOpt = None,
-    eval_set: EvalOpt = None,
-    eval_windows: WindowsOpt = None,
-    name: NameOpt = None,
-    base_model: BaseOpt = None,
-    fit: FitOpt = None,
-    ctx: CtxOpt = None,
-    kv_cache: KvOpt = "fp16",
-    max_units: UnitsOpt = None,
-    as_json: JsonOpt = False,
-) -> None:
+@with_submission_options
+def run(options: Options, max_units: UnitsOpt = None, as_json: JsonOpt = False) -> None:
     """Quantize, evaluate and publish SOURCE in this process: inspect, quantize, evaluate, gate, publish (units
     that do not wait for each other at once, where they fit)."""
-    request = request_from(
-        source,
-        flags,
-        recipe,
-        calibration,
-        eval_set,
-        eval_windows,
-        name,
-        base_model,
-        fit=fit,
-        ctx=ctx,
-        kv_cache=kv_cache,
-    )
+    request = options.request(say=say, catalog=open_catalog)  # the catalog: where --fit asks the ranking
     if owner := settings.load().hub_owner:
         hub.writer(owner)  # a missing or read-only token fails now, not after hours of quantizing
     quiet_libraries()
@@ -75,7 +40,8 @@ def run(
         job, created = factory.submit(request)
         job = _run_held(factory, job)
     if not as_json:
-        rows = [factory.catalog.job_row(q, job.id) for q in factory.catalog.quants(job_id=job.id)]  # its scores
+        quants = factory.catalog.quants
+        rows = [quants.job_row(q, job.id) for q in quants.live(job_id=job.id)]  # its scores, as the job measured
         out.print(tables.quants(rows, out.width, title=f"job {job.id} {job.state}", shows="qf ls --wide"))
 
 
@@ -88,13 +54,8 @@ def _run_held(factory, job):
     if job.state in (JobState.succeeded, JobState.cancelled):
         return factory.execute(job.id)  # nothing to run: its result
     config = factory.settings
-    holder = factory.catalog.holder(job.id)
-    lease = factory.catalog.take_lease(
-        job.id, identity.holder_name(), config.lease_seconds, gone=holder if identity.gone(holder) else None
-    )
-    if lease is None:
-        who = heartbeat.describe_holder(factory.catalog.holder(job.id))
-        raise JobFailed(f"job {job.id} is running on {who}; `qf status {job.id} --follow` follows it")
+    holder = factory.catalog.leases.holder(job.id)
+    gone = holder if identity.gone(holder) else None
     last = [time.monotonic()]
     render = factory.emit
 
@@ -107,74 +68,29 @@ def _run_held(factory, job):
             return f"no progress for {config.stall_seconds:g} s (FACTORY_STALL_SECONDS); giving up its lease"
         return None
 
-    factory.emit = emit
-    try:
+    with heartbeat.leased(factory.catalog, job.id, config.lease_seconds, gone) as lease:
+        if lease is None:
+            who = heartbeat.describe_holder(factory.catalog.leases.holder(job.id))
+            raise JobFailed(f"job {job.id} is running on {who}; `qf status {job.id} --follow` follows it")
+        factory.emit = emit
         with heartbeat.held(factory.catalog, lease, config.lease_seconds, alive):
             return factory.execute(job.id, lease=lease)
-    finally:
-        factory.catalog.release_lease(lease)  # fenced: a no-op once another holder has the job
 
 
 @app.command()
 @handled
-@with_engine_flags
-def submit(
-    source: SourceArg,
-    flags: dict,
-    recipe: RecipeOpt = None,
-    calibration: CalibrationOpt = None,
-    eval_set: EvalOpt = None,
-    eval_windows: WindowsOpt = None,
-    name: NameOpt = None,
-    base_model: BaseOpt = None,
-    fit: FitOpt = None,
-    ctx: CtxOpt = None,
-    kv_cache: KvOpt = "fp16",
-) -> None:
+@with_submission_options
+def submit(options: Options) -> None:
     """Queue a job for the workers; prints only its id (the same job twice: the same id)."""
     if (remote := service_client()) is not None:
-        if base_model is not None:
-            check_base_model(base_model)  # as submission.request does here, and the service there
-        if recipe is not None and not recipe.is_file():
-            raise SpecError(f"recipe {str(recipe)!r} does not exist; pass a YAML file such as configs/standard.yaml")
-        answer = remote.submit(
-            {
-                "source": source,
-                "flags": flags,
-                "recipe": recipe.read_text(encoding="utf-8") if recipe else None,
-                "calibration": calibration,
-                "eval": eval_set,
-                "eval_windows": eval_windows,
-                "name": name,
-                "base_model": base_model,
-                "fit": fit,
-                "ctx": ctx,
-                "kv_cache": kv_cache,
-            }
-        )
+        answer = remote.submit(options.model_dump(mode="json"))
         for line in answer["notes"]:
             err.print(line, markup=False, highlight=False)
         print(answer["id"])
         guess = answer["estimate"] and (answer["estimate"]["packed"], answer["estimate"]["alone"])
     else:
         factory = make_factory(_print_note)
-        job = queue.get().submit(
-            factory,
-            request_from(
-                source,
-                flags,
-                recipe,
-                calibration,
-                eval_set,
-                eval_windows,
-                name,
-                base_model,
-                device=factory.settings.worker_device,
-                fit=fit,
-                ctx=ctx,
-                kv_cache=kv_cache,
-            ),
-        )
+        job = fleet.get().submit(factory, options.request(factory.settings.worker_device, say, lambda: factory.catalog))
         print(job.id)
         guess = factory.estimate(job)
     if guess:

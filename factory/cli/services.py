@@ -68,9 +68,7 @@ def _serve_from_an_empty_folder() -> None:
 
 
 def _accounts():
-    from factory.service.accounts import Accounts
-
-    return Accounts(open_catalog())
+    return open_catalog().accounts
 
 
 @token_app.command("create")
@@ -92,7 +90,7 @@ def token_create(
     as_json: Annotated[bool, typer.Option("--json", metavar="")] = False,
 ) -> None:
     """Make a token and print it, this once (only its sha256 is kept)."""
-    from factory.service.accounts import parse_scopes
+    from factory.catalog.accounts import parse_scopes
 
     secret, row = _accounts().create(user, parse_scopes(scope), quota, max_running)
     if as_json:

@@ -179,37 +179,42 @@ def with_engine_flags(fn):
     return wrapper
 
 
-def request_from(
-    source,
-    flags,
-    recipe,
-    calibration,
-    eval_set,
-    eval_windows,
-    name,
-    base_model,
-    device=None,
-    fit=None,
-    ctx=None,
-    kv_cache="fp16",
-):
+def with_submission_options(fn):
+    """Adds the submission's options (submission.Options: SOURCE, the engine flags, --recipe ... --kv-cache) before
+    the command's own; the command gets them as one value, `options`."""
+    params = [p for name, p in inspect.signature(fn, eval_str=True).parameters.items() if name != "options"]
+    added = [
+        inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default, annotation=annotation)
+        for name, annotation, default in _SUBMISSION_OPTIONS
+    ]
 
-    return submission.request(
-        source,
-        flags,
-        recipe,
-        calibration,
-        eval_set,
-        eval_windows,
-        name,
-        base_model,
-        device,
-        fit,
-        ctx,
-        kv_cache,
-        say=lambda line: err.print(line, highlight=False),
-        catalog=open_catalog,  # opened where --fit (or the recipe's fit) asks the ranking about the model
-    )
+    @functools.wraps(fn)
+    def wrapper(*args, flags: dict, **kwargs):
+        values = {name: kwargs.pop(name) for name, _, _ in _SUBMISSION_OPTIONS}
+        values["eval"] = values.pop("eval_set")
+        return fn(*args, options=submission.Options.from_command_line(flags=flags, **values), **kwargs)
+
+    wrapper.__signature__ = inspect.Signature([*added, *params])
+    return with_engine_flags(wrapper)
+
+
+_SUBMISSION_OPTIONS = [  # (parameter, its typer option, default), in the order `qf run --help` lists them
+    ("source", SourceArg, inspect.Parameter.empty),
+    ("recipe", RecipeOpt, None),
+    ("calibration", CalibrationOpt, None),
+    ("eval_set", EvalOpt, None),
+    ("eval_windows", WindowsOpt, None),
+    ("name", NameOpt, None),
+    ("base_model", BaseOpt, None),
+    ("fit", FitOpt, None),
+    ("ctx", CtxOpt, None),
+    ("kv_cache", KvOpt, "fp16"),
+]
+
+
+def say(line: str) -> None:
+    """What planning a submission tells the user on the way (the sizes --fit chose)."""
+    err.print(line, highlight=False)
 
 
 def job_rows(**query) -> list[dict]:
@@ -225,7 +230,7 @@ def job_rows(**query) -> list[dict]:
 
     config = settings.load()
     rows = status.job_rows(config.db_url, broker_url=config.broker_url, **query)
-    if any(row["state"] == "running" and row["holder"] is None for row in rows) and open_catalog().expired_leases():
+    if any(row["state"] == "running" and row["holder"] is None for row in rows) and open_catalog().leases.expired():
         # a holder that was killed (a `qf run` has no reconciler): its job goes back to queued, as the fleet's would
         rows = status.job_rows(config.db_url, broker_url=config.broker_url, **query)
     return rows

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from factory import engines, queue, schedule, tables
+from factory import engines, fleet, schedule, tables
 from factory.cli.shared import (
     JsonOpt,
     RecipeOpt,
@@ -59,7 +59,7 @@ def watch_add(
     else:
         catalog = open_catalog()
         for e in entries:
-            catalog.put_watch(e.target, e.recipe, e.filter)
+            catalog.watchlist.put(e.target, e.recipe, e.filter)
     for e in entries:
         err.print(f"watching {e.target}")
 
@@ -70,7 +70,7 @@ def watch_rm(target: Annotated[str, typer.Argument(metavar="TARGET")]) -> None:
     """Stop watching TARGET (what it already submitted stays)."""
     if (remote := service_client()) is not None:
         remote.call("DELETE", "/api/watches", params={"target": target})
-    elif not open_catalog().remove_watch(target):
+    elif not open_catalog().watchlist.remove(target):
         raise NotFound(f"{target!r} is not on the watchlist; `qf watch ls` shows it")
     err.print(f"stopped watching {target}; the jobs it submitted stay", markup=False, highlight=False)
 
@@ -80,7 +80,7 @@ def watch_rm(target: Annotated[str, typer.Argument(metavar="TARGET")]) -> None:
 def watch_ls(as_json: JsonOpt = False, wide: WideOpt = False) -> None:
     """The watchlist, and what each watch last did (the recipe as the tags it makes; --json has all of it)."""
     remote = service_client()
-    rows = remote.call("GET", "/api/watches") if remote else schedule.watch_rows(open_catalog())
+    rows = remote.call("GET", "/api/watches") if remote else schedule.watch_rows(open_catalog().watchlist)
     if as_json:
         print(json.dumps(rows, indent=2))
         return
@@ -140,7 +140,7 @@ def watch_check(
     if (remote := service_client()) is not None:
         result = remote.call("POST", "/api/watches/check", params={"dry_run": dry_run})
     else:
-        result = queue.get().watch_check(dry_run=dry_run)
+        result = fleet.get().watch_check(dry_run=dry_run)
     if as_json:
         print(json.dumps(result, indent=2))
         return

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 import os
 
-from factory.checkpoints.inspect import ModelInfo
+from factory.checkpoints.inspection import ModelInfo
 from factory.engines.awq.engine import ENGINE as AWQ
 from factory.engines.awq_ct.engine import ENGINE as AWQCT
 from factory.engines.base import (

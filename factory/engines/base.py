@@ -21,7 +21,7 @@ from factory.vram import human
 if TYPE_CHECKING:
     import torch
 
-    from factory.checkpoints.inspect import ModelInfo
+    from factory.checkpoints.inspection import ModelInfo
     from factory.registry.published import QuantRow
     from factory.vram import Params, Shape
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from tokenizers import Tokenizer
 
 from factory.checkpoints.files import write_atomic
-from factory.checkpoints.inspect import multimodal, read_config
+from factory.checkpoints.inspection import multimodal, read_config
 from factory.errors import SpecError
 from factory.evaluation import kld, layered
 from factory.evaluation.layered import ByLayer, Progress  # done, total, unit (a window, or a layer)

@@ -42,7 +42,7 @@ class Run:
 
     def check_ours(self, job_id: str) -> None:
         """Raises Cancelled when the job was cancelled, LeaseLost when another holder has it."""
-        self.catalog.check_lease(job_id, self.token)
+        self.catalog.leases.check(job_id, self.token)
 
     def _stopped(self, job_id: str) -> tuple[StepState, str]:
         """How a step that was stopped ends: Ctrl-C or SIGTERM (qf run turns it into a KeyboardInterrupt), or the
@@ -87,7 +87,7 @@ class Run:
             raise stopped_here
         expected = self.expected.get(name)
         self.emit(events.step_started(name, expected))
-        step_id = self.catalog.start_step(job_id, name, self.token, expected, self.holder, claim)
+        step_id = self.catalog.steps.start(job_id, name, self.token, expected, self.holder, claim)
         start = time.monotonic()
         peak: list[int] = []
         checked = [start]
@@ -113,13 +113,13 @@ class Run:
             else:
                 state = StepState.failed
                 error = mask_url(e.message if isinstance(e, FactoryError) else f"{type(e).__name__}: {e}")
-            self.catalog.end_step(step_id, state, error, max(peak, default=None), self.token, claim)
+            self.catalog.steps.end(step_id, state, error, max(peak, default=None), self.token, claim)
             if state == StepState.failed:
                 self.emit(events.step_failed(name, error))
             if stopped and not isinstance(e, KeyboardInterrupt):  # its engine died of the stop's SIGTERM
                 raise stopped_here from e
             raise
-        self.catalog.end_step(
+        self.catalog.steps.end(
             step_id, StepState.succeeded, None, max(peak, default=None), self.token, claim, on_success
         )
         seconds = round(time.monotonic() - start, 3)

@@ -35,8 +35,7 @@ from factory.jobs import prepared as preparing
 from factory.jobs.context import Run
 from factory.jobs.graph import Unit
 from factory.jobs.prepared import Prepared
-from factory.publish import folder as registry
-from factory.publish import publishing
+from factory.publish import folder, publishing
 
 WAIT_SECONDS = 2.0  # how often a process that waits for another one (its measurement, a unit it claimed) looks again
 log = logging.getLogger("quantfactory")
@@ -49,17 +48,17 @@ def help(run: Run, job_id: str) -> None:
     measurement exists, packed as `execute` packs them. What it makes is the job's (its steps, its work
     folder); the evaluations, the gate and publishing stay with the job's holder, which waits for the units
     held here and makes any whose claim runs out itself. Ends when nothing is left to take or the job stops."""
-    job = run.catalog.job(job_id)
+    job = run.catalog.jobs.get(job_id)
     if job is None or job.device != run.settings.worker_device:
         return
     start = time.monotonic()
-    while "inspect" not in run.catalog.done_steps(job_id):  # the job's holder resolves the specs first
-        state = run.catalog.job(job_id).state
+    while "inspect" not in run.catalog.steps.done(job_id):  # the job's holder resolves the specs first
+        state = run.catalog.jobs.get(job_id).state
         if state != JobState.running and not (state == JobState.queued and time.monotonic() - start < 60):
             return  # over, or not started by its holder within a minute
         run.emit(events.waiting(["inspect"], run.holder))
         time.sleep(WAIT_SECONDS)
-    job = run.catalog.job(job_id)
+    job = run.catalog.jobs.get(job_id)
     if job.state != JobState.running:
         return
     fetched = (
@@ -83,7 +82,7 @@ def help(run: Run, job_id: str) -> None:
         quantize(run, job, prepared, unit.spec, known(unit) or {}, helping=True)
 
     try:
-        while run.catalog.job(job_id).state == JobState.running:
+        while run.catalog.jobs.get(job_id).state == JobState.running:
             left = [u for u in units if quantized(run, job, u.spec) is None and not held_elsewhere(run, job, u)]
             ready = [u for u in left if known(u) is not None]
             if not left:
@@ -113,9 +112,9 @@ def quantized(run: Run, job: Job, spec: QuantSpec) -> Path | None:
     """The quant an earlier attempt of this job made, if its step finished and its folder is there; else the
     registry folder of a published quant with the same weights (`_reused` checks its files)."""
     out = run.settings.work / job.id / spec.tag / "out"
-    if f"quantize:{spec.tag}" in run.catalog.done_steps(job.id) and out.is_dir() and any(out.iterdir()):
+    if f"quantize:{spec.tag}" in run.catalog.steps.done(job.id) and out.is_dir() and any(out.iterdir()):
         return out
-    twin = run.catalog.quant_with_weights(publishing.weights_key(job, spec))
+    twin = run.catalog.quants.with_weights(publishing.weights_key(job, spec))
     if twin is not None and (run.settings.registry / twin.path).is_dir():
         return run.settings.registry / twin.path
     return None
@@ -125,20 +124,20 @@ def _reused(run: Run, job: Job, spec: QuantSpec) -> Path | None:
     """The registry folder of a published quant with this job's weights key whose files verify, its quantize
     step recorded as succeeded with a note; None when there is none (this job makes its quant), or when it is
     this job's own (an attempt killed after its publish: it goes on from its own work, as any attempt does)."""
-    twin = run.catalog.quant_with_weights(publishing.weights_key(job, spec))
+    twin = run.catalog.quants.with_weights(publishing.weights_key(job, spec))
     if twin is None or twin.job_id == job.id:
         return None
-    folder = run.settings.registry / twin.path
+    published = run.settings.registry / twin.path
     try:
-        registry.verify(folder)
+        folder.verify(published)
     except JobFailed as e:
         log.warning("job %s: not reusing %s:%s@%s: %s", job.id, twin.name, twin.tag, twin.rev, e.message)
         return None
     note = f"reused {twin.name}:{twin.tag}@{twin.rev}, published by job {twin.job_id}"
-    if f"quantize:{spec.tag}" not in run.catalog.done_steps(job.id):
-        run.catalog.reuse_step(job.id, f"quantize:{spec.tag}", note, run.token)
+    if f"quantize:{spec.tag}" not in run.catalog.steps.done(job.id):
+        run.catalog.steps.reuse(job.id, f"quantize:{spec.tag}", note, run.token)
     run.emit(events.note(f"quantize:{spec.tag}: {note}"))
-    return folder
+    return published
 
 
 def quantize(
@@ -151,7 +150,7 @@ def quantize(
         return reused
     claim = unit_claim(job.id, f"quantize:{spec.tag}")
     while (out := quantized(run, job, spec)) is None:
-        if (token := run.catalog.claim(claim, run.claimer(job), run.settings.lease_seconds)) is None:
+        if (token := run.catalog.leases.claim(claim, run.claimer(job), run.settings.lease_seconds)) is None:
             if helping:
                 return None
             run.check_ours(job.id)
@@ -160,11 +159,11 @@ def quantize(
         try:
             if quantized(run, job, spec) is None:  # not finished while we took the claim
                 if token > 1:  # taken over: the step its last holder left running is not running
-                    run.catalog.interrupt_steps(job.id, run.token, f"quantize:{spec.tag}")
+                    run.catalog.steps.interrupt(job.id, run.token, f"quantize:{spec.tag}")
                 with _renewed(run, claim, token, stop_when_lost=True):
                     _make_quant(run, job, prepared, spec, measurements, (claim, token), helping)
         finally:
-            run.catalog.release_claim(claim, token)
+            run.catalog.leases.release_claim(claim, token)
     return out
 
 
@@ -228,7 +227,7 @@ def held_elsewhere(run: Run, job: Job, unit: Unit) -> bool:
     """A quantize unit another process holds the claim of (a helping worker makes it)."""
     if unit.kind != "quantize":
         return False
-    holder = run.catalog.claimant(unit_claim(job.id, unit.name))
+    holder = run.catalog.leases.claimant(unit_claim(job.id, unit.name))
     return holder is not None and holder != run.claimer(job)
 
 
@@ -262,10 +261,10 @@ def measure(
         if (known := _known_measurement(run, key)) is not None:
             run.emit(events.note(f"reusing {engine.label} {shared.about} {key[:12]}{reads}"))
             return known
-        if (token := run.catalog.claim(claim, run.claimer(job), run.settings.lease_seconds)) is not None:
+        if (token := run.catalog.leases.claim(claim, run.claimer(job), run.settings.lease_seconds)) is not None:
             if _known_measurement(run, key) is None:  # not finished while we took the claim
                 break
-            run.catalog.release_claim(claim, token)
+            run.catalog.leases.release_claim(claim, token)
             continue
         _wait_for_measurement(run, job, claim, name, key, shared.about)
     path = run.settings.measurements / f"{key}{shared.suffix}"
@@ -284,7 +283,7 @@ def measure(
                 lambda event: progress(**event),
                 run.costs.measure_processes(engine, job, stage),
             )
-            run.catalog.add_measurement(
+            run.catalog.quants.add_measurement(
                 job.id,
                 run.token,
                 key=key,
@@ -296,21 +295,21 @@ def measure(
                 tool_version=engine.version(),
             )
     finally:
-        run.catalog.release_claim(claim, token)
+        run.catalog.leases.release_claim(claim, token)
     return path
 
 
 def _known_measurement(run: Run, key: str) -> Path | None:
-    known = run.catalog.measurement(key)
+    known = run.catalog.quants.measurement(key)
     return Path(known.path) if known is not None and Path(known.path).is_file() else None
 
 
 def _wait_for_measurement(run: Run, job: Job, claim: str, name: str, key: str, about: str) -> None:
     """Until the shared unit exists or nobody holds its claim any more."""
-    maker = run.catalog.claimant(claim)
+    maker = run.catalog.leases.claimant(claim)
     run.emit(events.note(f"{name}: {_claim_holder(maker)} is making this {about}; waiting for it"))
     with run.step(job.id, f"wait:{name}") as progress:
-        while _known_measurement(run, key) is None and (maker := run.catalog.claimant(claim)) is not None:
+        while _known_measurement(run, key) is None and (maker := run.catalog.leases.claimant(claim)) is not None:
             progress(waiting_for=_claim_holder(maker))  # an event: this job is alive while it waits
             time.sleep(WAIT_SECONDS)
 
@@ -324,7 +323,7 @@ def _renewed(run: Run, claim: str, token: int, stop_when_lost: bool = False):
 
     def renew() -> None:
         while not done.wait(run.settings.lease_seconds / 3):
-            if not run.catalog.renew_claim(claim, token, run.settings.lease_seconds):
+            if not run.catalog.leases.renew_claim(claim, token, run.settings.lease_seconds):
                 if stop_when_lost:
                     packing.stop_units(run.stop)
                 return

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 
 from factory import engines
-from factory.catalog import Catalog, Job
+from factory.catalog import Job, Steps
 from factory.jobs import eta
 from factory.jobs.graph import Unit
 from factory.jobs.ledger import Ledger
@@ -50,8 +50,8 @@ def evaluation_bytes(model: Sized, windows: int, walked: bool) -> int:
 
 
 class Costs:
-    def __init__(self, catalog: Catalog | None, max_units: int | None, ledger: Ledger | None = None):
-        self.catalog = catalog  # None: no history here (`qf plan` where no catalog exists): the engines' estimates
+    def __init__(self, steps: Steps | None, max_units: int | None, ledger: Ledger | None = None):
+        self.steps = steps  # None: no history here (`qf plan` where no catalog exists): the engines' estimates
         self.max_units = max_units  # None: as many units at once as fit
         self.ledger = ledger  # the units of other jobs on this machine's GPU and cores (qf worker's slots)
         self._history: dict[tuple[str, str], tuple[float, list]] = {}  # (family, device) -> (read at, rows)
@@ -87,13 +87,13 @@ class Costs:
     def _unit_history(self, family: str, device: str) -> list:
         cached = self._history.get((family, device))
         if cached is None or time.monotonic() - cached[0] > HISTORY_SECONDS:
-            rows = self.catalog.unit_history(family, device) if self.catalog else []
+            rows = self.steps.history(family, device) if self.steps else []
             cached = self._history[(family, device)] = (time.monotonic(), rows)
         return cached[1]
 
     def needs(self, job: Job, model: Sized, units: list[Unit]) -> dict[str, Need]:
         """Each unit's predicted needs, from one read of the catalog's recorded peaks for this source."""
-        peaks = self.catalog.recorded_peaks(job.source_identity) if self.catalog else {}
+        peaks = self.steps.peaks(job.source_identity) if self.steps else {}
         return {unit.name: self._need(job, model, unit, peaks) for unit in units}
 
     def _need(self, job: Job, model: Sized, unit: Unit, peaks: dict[str, int]) -> Need:

@@ -29,7 +29,7 @@ def evaluate_fp16(run: Run, job: Job, folder: Path, stream: evaluate.Stream) -> 
     reused from any earlier job on the same token stream."""
     key = (job.source_identity, job.eval_sha, job.eval_windows, stream.window_length, job.device)
     path = _reference_path(run, job, stream)
-    if (ppl := run.catalog.baseline(*key)) is not None and path.is_file():
+    if (ppl := run.catalog.quants.baseline(*key)) is not None and path.is_file():
         run.emit(events.note(f"FP16 perplexity {ppl:.4f} and its KL reference reused from an earlier evaluation"))
         return ppl
     reference = kld.Reference()
@@ -57,8 +57,8 @@ def evaluate_quant(
     run: Run, job: Job, spec: QuantSpec, out: Path, stream: evaluate.Stream
 ) -> tuple[float, kld.Divergence | None]:
     """The quant's perplexity and its divergence from FP16 (whose reference evaluate:fp16 made or found)."""
-    done = {e.subject: e for e in run.catalog.evaluations(job.id)}
-    if spec.tag in done and f"evaluate:{spec.tag}" in run.catalog.done_steps(job.id):
+    done = {e.subject: e for e in run.catalog.quants.evaluations(job.id)}
+    if spec.tag in done and f"evaluate:{spec.tag}" in run.catalog.steps.done(job.id):
         found = done[spec.tag]
         return found.ppl, kld.Divergence(found.kld, found.kld_p99, found.top1) if found.kld is not None else None
     engine = engines.get(spec.method)
@@ -81,7 +81,7 @@ def evaluate_group(run: Run, job: Job, spec: QuantSpec, group: str, out: Path, s
     """One group of the engine's scores beyond perplexity (e.g. through its runtime's quantized KV caches), as
     {key: ppl}, in one step."""
     engine = engines.get(spec.method)
-    done = {e.subject: e.ppl for e in run.catalog.evaluations(job.id)}
+    done = {e.subject: e.ppl for e in run.catalog.quants.evaluations(job.id)}
     mine = [e for e in engine.evaluations(spec) if e.group == group]
     subjects = {e.key: f"{spec.tag}:{e.suffix}" for e in mine}
     if all(s in done for s in subjects.values()):
@@ -158,7 +158,7 @@ def _record(
 ) -> float:
     progress(peak_gpu_bytes=result.peak_gpu_bytes)
     divergence = result.divergence
-    run.catalog.add_evaluation(
+    run.catalog.quants.add_evaluation(
         run.token,
         job_id=job.id,
         subject=subject,

@@ -18,7 +18,7 @@ import calibration
 from factory import engines, events
 from factory.catalog import Catalog, Job, JobState
 from factory.checkpoints import sources
-from factory.checkpoints.inspect import inspect
+from factory.checkpoints.inspection import inspect
 from factory.engines import QuantSpec
 from factory.errors import FactoryError, SpecError
 from factory.evaluation import evaluate, layered
@@ -70,13 +70,13 @@ def submit(catalog: Catalog, settings: Settings, emit: Emit, request: Request) -
                 f"--name {request.name!r} holds a tag or revision; use --name NAME; tags come from "
                 "the spec and revisions from the source"
             )
-        name = catalog.name_for(source.source, ref.name, None)
+        name = catalog.jobs.name_for(source.source, ref.name, None)
     else:
-        name = catalog.name_for(
+        name = catalog.jobs.name_for(
             source.source, naming.model_name(source.label), naming.model_name(f"{source.owner}-{source.label}")
         )
     spec_dicts = [s.model_dump() for s in specs]
-    job, created = catalog.create_job(
+    job, created = catalog.jobs.create(
         key=job_key(source.identity, spec_dicts, cal.sha256, ev.sha256, windows, versions, device),
         name=name,
         source=source.source,
@@ -95,7 +95,7 @@ def submit(catalog: Catalog, settings: Settings, emit: Emit, request: Request) -
     )
     emit(events.job(job.id, created, job.state, name, source.source, source.identity))
     if not created and remake_removed(catalog, emit, job):
-        return catalog.job(job.id), True
+        return catalog.jobs.get(job.id), True
     return job, created
 
 
@@ -104,8 +104,8 @@ def remake_removed(catalog: Catalog, emit: Emit, job: Job) -> bool:
     back to queued to make them again, their steps superseded; True when it did (and said so)."""
     if job.state != JobState.succeeded:
         return False
-    removed = catalog.removed_quants(job.id)
-    if not removed or not catalog.reopen(job.id, sorted({q.tag for q in removed})):
+    removed = catalog.quants.removed(job.id)
+    if not removed or not catalog.quants.reopen(job.id, sorted({q.tag for q in removed})):
         return False
     for q in removed:
         emit(events.note(f"job {job.id}: its quant {q.name}:{q.tag}@{q.rev} was removed with qf rm; making it again"))

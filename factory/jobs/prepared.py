@@ -15,7 +15,7 @@ import calibration
 from factory import engines, events, identity
 from factory.catalog import Job
 from factory.checkpoints import dequantize, files, snapshots, sources
-from factory.checkpoints.inspect import inspect
+from factory.checkpoints.inspection import inspect
 from factory.engines import QuantSpec
 from factory.errors import JobFailed, ModelRefused, SourceChanged, SpecError
 from factory.evaluation import evaluate, layered
@@ -47,7 +47,7 @@ def prepare(run: Run, job: Job) -> Prepared:
     """The job's fetch (a Hub source), dequantize (FP8 or MXFP4) and inspect steps; inspect records the resolved
     specs. A later pass of the job (its publishing step, a retry) reads them again without recording them again."""
     fetched, where = None, run.settings.work / job.id
-    done = run.catalog.done_steps(job.id)  # done: read again quietly (Run.step_once)
+    done = run.catalog.steps.done(job.id)  # done: read again quietly (Run.step_once)
     if identity.is_hub(job.source_identity):  # the Hub commit, downloaded and checked once
         with run.step_once(job.id, "fetch", done) as progress:
             fetched = sources.fetch_hub(job.source_identity, run.settings.cache, progress)
@@ -56,7 +56,7 @@ def prepare(run: Run, job: Job) -> Prepared:
             fetched = _bf16(run, job, fetched or _local(run, job, where, progress), progress)
     with run.step_once(job.id, "inspect", done) as progress:
         prepared = read(run, job, fetched, where, progress)
-        run.catalog.set_job_specs(
+        run.catalog.jobs.set_specs(
             job.id, [s.model_dump() for s in prepared.specs], run.token, parameters=prepared.model.parameters
         )
     for s in prepared.specs:
@@ -140,9 +140,9 @@ def _check_links(run: Run, job: Job, staged: Path, since: str, then: str) -> Non
     ModelRefused says that it changed `since`, and `then` what to do."""
     if (copy := dequantize.made(run.settings.home, job.source_identity)) is None:
         return
-    expected = identity.folder_identity(copy, run.settings.cache)
+    expected = sources.folder_identity(copy, run.settings.cache)
     try:
-        same, why = identity.folder_identity(copy, run.settings.cache, staged) == expected, ""
+        same, why = sources.folder_identity(copy, run.settings.cache, staged) == expected, ""
     except ModelRefused as e:  # a file became a link out of the folder, a FIFO, ...
         same, why = False, f" ({e.message})"
     if not same:
@@ -164,7 +164,7 @@ def _local(run: Run, job: Job, where: Path, progress: Callable[..., None]) -> Pa
     def verify(hashes: dict[str, str]) -> None:
         if identity.of_files(hashes) != job.source_identity:
             raise SourceChanged(
-                job.source, identity.forget_changed(folder, run.settings.cache, hashes), "submit it again"
+                job.source, sources.forget_changed(folder, run.settings.cache, hashes), "submit it again"
             )
 
     dest = where / "source"

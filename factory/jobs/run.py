@@ -50,17 +50,17 @@ class _Made:
 
 def execute(run: Run, job_id: str, publish: bool) -> Job:
     """Run the steps not done yet (Factory.execute says what `publish` and a lease do)."""
-    job = run.catalog.job(job_id)
+    job = run.catalog.jobs.get(job_id)
     if job.state in (JobState.succeeded, JobState.cancelled):
         result(run, job)
         return job
     try:
         if job.state != JobState.running:  # running: taken over from a holder whose lease expired
-            run.catalog.transition(
+            run.catalog.jobs.transition(
                 job_id, JobState.running, run.token, only_from=frozenset({JobState.queued, JobState.failed})
             )
-        run.catalog.check_lease(job_id, run.token)
-        run.catalog.interrupt_steps(job_id, run.token)  # an earlier attempt that was killed left them running
+        run.catalog.leases.check(job_id, run.token)
+        run.catalog.steps.interrupt(job_id, run.token)  # an earlier attempt that was killed left them running
         prepared = prepare(run, job)
         keys = {s.tag: conversions.measurement_keys(job, s) for s in prepared.specs}
         units = graph.units(prepared.specs, keys, publish, bool(run.settings.hub_owner))
@@ -79,20 +79,22 @@ def execute(run: Run, job_id: str, publish: bool) -> Job:
             lambda names: run.emit(events.waiting(names, "other jobs' units on this machine")),
         )
         if not publish:
-            handed = run.catalog.transition(job_id, JobState.queued, run.token, only_from=frozenset({JobState.running}))
+            handed = run.catalog.jobs.transition(
+                job_id, JobState.queued, run.token, only_from=frozenset({JobState.running})
+            )
             if not handed:
-                run.catalog.check_lease(job_id, run.token)  # says why: cancelled, or taken over
-            return run.catalog.job(job_id)
+                run.catalog.leases.check(job_id, run.token)  # says why: cancelled, or taken over
+            return run.catalog.jobs.get(job_id)
         if made.refused:
             raise made.refused[next(iter(made.refused))]
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: failed, so that running it again continues where it stopped
         if _published_all(run, job_id):
             return _succeed(run, job_id)
-        run.catalog.transition(job_id, JobState.failed, run.token, INTERRUPTED, 130)
+        run.catalog.jobs.transition(job_id, JobState.failed, run.token, INTERRUPTED, 130)
         raise
     except Cancelled:
         shutil.rmtree(run.settings.work / job_id, ignore_errors=True)
-        job = run.catalog.job(job_id)
+        job = run.catalog.jobs.get(job_id)
         result(run, job)
         return job
     except LeaseLost as e:  # another holder runs the job now: not one more write for it
@@ -101,15 +103,15 @@ def execute(run: Run, job_id: str, publish: bool) -> Job:
     except FactoryError as e:
         if _published_all(run, job_id):
             return _succeed(run, job_id)
-        run.catalog.transition(job_id, JobState.failed, run.token, e.message, e.exit_code)
-        result(run, run.catalog.job(job_id))
+        run.catalog.jobs.transition(job_id, JobState.failed, run.token, e.message, e.exit_code)
+        result(run, run.catalog.jobs.get(job_id))
         raise
     except Exception as e:
         if _published_all(run, job_id):
             return _succeed(run, job_id)
         message = mask_url(f"internal error: {type(e).__name__}: {e}")
-        run.catalog.transition(job_id, JobState.failed, run.token, message, 1)
-        result(run, run.catalog.job(job_id))
+        run.catalog.jobs.transition(job_id, JobState.failed, run.token, message, 1)
+        result(run, run.catalog.jobs.get(job_id))
         raise JobFailed(message) from e
     return _succeed(run, job_id)
 
@@ -121,15 +123,15 @@ def result(run: Run, job: Job) -> None:
             job.state,
             job.error,
             job.exit_code or 0,
-            [q.row().to_json() for q in run.catalog.quants(job_id=job.id)],
+            [q.row().to_json() for q in run.catalog.quants.live(job_id=job.id)],
         )
     )
 
 
 def _succeed(run: Run, job_id: str) -> Job:
-    run.catalog.transition(job_id, JobState.succeeded, run.token, only_from=frozenset({JobState.running}))
+    run.catalog.jobs.transition(job_id, JobState.succeeded, run.token, only_from=frozenset({JobState.running}))
     shutil.rmtree(run.settings.work / job_id, ignore_errors=True)
-    job = run.catalog.job(job_id)
+    job = run.catalog.jobs.get(job_id)
     result(run, job)
     return job
 
@@ -138,13 +140,13 @@ def _published_all(run: Run, job_id: str) -> bool:
     """Whether the job has nothing left to do: every quant of it published (and pushed, with FACTORY_HUB_OWNER).
     Such a job succeeded, whatever stopped this attempt after its last publish (an interrupt that came while a
     unit in a thread was publishing, an error of a later attempt): published means succeeded."""
-    job = run.catalog.job(job_id)
+    job = run.catalog.jobs.get(job_id)
     try:
         tags = {s.tag for s in engines.specs_from_dicts(job.specs)}
     except ValueError:  # specs not resolved yet: nothing was published
         return False
-    done = run.catalog.done_steps(job_id)
-    published = {q.tag for q in run.catalog.quants(job_id=job_id)}
+    done = run.catalog.steps.done(job_id)
+    published = {q.tag for q in run.catalog.quants.live(job_id=job_id)}
     return (
         bool(tags) and tags <= published and (not run.settings.hub_owner or all(f"push:{tag}" in done for tag in tags))
     )
@@ -202,11 +204,11 @@ def _expect(
     """Each unit's expected seconds (returned: its step records them) and when the job should end (the catalog
     keeps it for `qf status`); a note of what is left to run, and how many units of it run at once here (none when
     nothing is: a publishing pass after the worker's)."""
-    done = run.catalog.done_steps(job.id)
+    done = run.catalog.steps.done(job.id)
     expected = {u.name: run.costs.seconds(job, model, u) for u in units}
     left = {name: 0.0 if name in done else s for name, s in expected.items()}
     wall, most = eta.packed(units, left, lambda unit: needs[unit.name], packer)
-    run.catalog.set_expected_end(job.id, wall, run.token)
+    run.catalog.jobs.set_expected_end(job.id, wall, run.token)
     to_run = [u for u in units if u.name not in done]
     if not to_run or wall <= 0:
         return expected
@@ -222,7 +224,7 @@ def _gate(
     """The quants the recipe's gate refuses: perplexity not finite or above max_ppl_ratio x FP16, or (with
     max_kld) a mean KL divergence from FP16 above it."""
     refused = {}
-    with run.step_once(job.id, "gate", run.catalog.done_steps(job.id)):  # decided again quietly in a later pass
+    with run.step_once(job.id, "gate", run.catalog.steps.done(job.id)):  # decided again quietly in a later pass
         for tag, ppl in ppls.items():
             divergence = divergences.get(tag)
             if not (math.isfinite(ppl) and ppl <= job.max_ppl_ratio * fp16):
@@ -234,11 +236,11 @@ def _gate(
 
 def _publish(run: Run, job: Job, prepared: Prepared, spec: QuantSpec, out: Path, scores: publishing.Scores) -> None:
     if out.is_relative_to(run.settings.registry):  # a published quant reused: its evaluation is added to it
-        twin = run.catalog.quant_with_weights(publishing.weights_key(job, spec))
+        twin = run.catalog.quants.with_weights(publishing.weights_key(job, spec))
         if twin is None:
             raise QuantRemoved(job.name, spec.tag)
         note = f"{twin.name}:{twin.tag}@{twin.rev} is published (job {twin.job_id}); this evaluation is added to it"
-        run.catalog.reuse_step(job.id, f"publish:{spec.tag}", note, run.token)
+        run.catalog.steps.reuse(job.id, f"publish:{spec.tag}", note, run.token)
         run.note(f"publish:{spec.tag}: {note}")
         return
     with run.step(job.id, f"publish:{spec.tag}"):

@@ -11,7 +11,7 @@ A published quant never changes under its name: `name:tag@rev` names one set of 
 every file but the card and manifest: identity.files_sha) for ever. The rev comes from the content: the source's
 short rev when no row (live or a `qf rm` tombstone) and no folder holds other files under it, else the source's rev
 and the first 9 hex of the files' sha256 (`@<source rev>` still selects the newest quant of that source revision:
-factory/registry/lookup.py). The registry folder's card and manifest record the evaluation the quant was published with;
+factory/publish/lookup.py). The registry folder's card and manifest record the evaluation the quant was published with;
 a later job with the same weights key reuses the quant (factory/jobs/conversions.py) and its evaluation is added to
 the catalog, listed by `qf show` and the Hub repo's main card (made again by that job's push). The card is the one
 file that is not the quant's content: `qf pull` writes its Evaluations section again from the catalog
@@ -37,8 +37,7 @@ from factory.checkpoints import files
 from factory.engines import QuantSpec
 from factory.errors import FactoryError, JobFailed
 from factory.evaluation.kld import Divergence
-from factory.publish import card, frontier, hub
-from factory.publish import folder as registry
+from factory.publish import card, folder, frontier, hub
 from factory.publish.upstream import Upstream
 from factory.registry.published import QuantRow
 from factory.settings import Settings
@@ -72,10 +71,10 @@ class Publisher:
         engine = engines.get(spec.method)
         (out / card.FILENAME).unlink(missing_ok=True)
         files.check_publishable(out, engine.outputs)
-        content = identity.files_sha(registry.file_table(out))
+        content = identity.files_sha(folder.file_table(out))
         source_rev = identity.rev(job.source_identity)
         for rev in (source_rev, source_rev + content[:9]):
-            taken = self.catalog.quant_at(job.name, spec.tag, rev)
+            taken = self.catalog.quants.at(job.name, spec.tag, rev)
             if taken is not None and taken.files_sha != content:
                 continue
             try:
@@ -108,7 +107,7 @@ class Publisher:
             spec=spec.model_dump(),
             bytes=sum(p.stat().st_size for p in out.iterdir() if p.is_file()),
             path=str(
-                registry.quant_dir(self.settings.registry, job.name, spec.tag, rev).relative_to(self.settings.registry)
+                folder.quant_dir(self.settings.registry, job.name, spec.tag, rev).relative_to(self.settings.registry)
             ),
             source=job.source,
             source_identity=job.source_identity,
@@ -135,8 +134,8 @@ class Publisher:
                 },
             },
         )
-        this = _with_engine_notes(self.catalog.quant_row(quant), engine, out)  # with its evaluations
-        others = [q.row() for q in self.catalog.quants(name=job.name) if (q.tag, q.rev) != (spec.tag, rev)]
+        this = _with_engine_notes(self.catalog.quants.row(quant), engine, out)  # with its evaluations
+        others = [q.row() for q in self.catalog.quants.live(name=job.name) if (q.tag, q.rev) != (spec.tag, rev)]
         moment("card")
         everyone = [this, *others]
         picks = frontier.section(job.name, everyone, self._model(job))
@@ -162,15 +161,15 @@ class Publisher:
         placed: list[Path] = []  # the folder this publish put in place, where there was none
 
         def publish() -> None:  # inside the quant row's transaction, once the fence holds
-            dest = registry.quant_dir(self.settings.registry, job.name, spec.tag, rev)
+            dest = folder.quant_dir(self.settings.registry, job.name, spec.tag, rev)
             new = not dest.is_dir()
-            registry.publish(self.settings.registry, job.name, spec.tag, rev, out, manifest, card.FILENAME)
+            folder.publish(self.settings.registry, job.name, spec.tag, rev, out, manifest, card.FILENAME)
             if new:
                 placed.append(dest)
             moment("placed")
 
         try:
-            self.catalog.put_quant(quant, token, publish=publish)
+            self.catalog.quants.put(quant, token, publish=publish)
         except BaseException:
             self._take_back(placed, quant)
             raise
@@ -190,12 +189,12 @@ class Publisher:
         there after all: a commit whose answer was lost). A catalog that cannot be read leaves it, unlisted; the
         job's next attempt adopts it."""
         try:
-            recorded = any((q.tag, q.rev) == (quant.tag, quant.rev) for q in self.catalog.quants(name=quant.name))
+            recorded = any((q.tag, q.rev) == (quant.tag, quant.rev) for q in self.catalog.quants.live(name=quant.name))
         except Exception:
             return
         if not recorded:
             for dest in placed:
-                registry.remove(dest)
+                folder.remove(dest)
 
     def to_hub(self, job: Job, spec: QuantSpec, upstream: Upstream, check_ours: Callable[[], None]) -> None:
         """The quant's branch on the Hub, then main of its repo: the card of every variant there with its plot, and
@@ -208,31 +207,33 @@ class Publisher:
         def where(tag: str) -> hub.Place:
             return hub.place(s.hub_owner, job.name, tag, templates)
 
-        here, quant = where(spec.tag), self.catalog.quant_with_weights(weights_key(job, spec))
+        here, quant = where(spec.tag), self.catalog.quants.with_weights(weights_key(job, spec))
         if quant is None:
             raise JobFailed(f"{job.name}:{spec.tag} is not published (removed with qf rm?); nothing to push")
-        rev, folder = quant.rev, s.registry / quant.path
+        rev, published = quant.rev, s.registry / quant.path
 
         def main_files() -> dict[str, Path]:  # made again after a concurrent commit to main
             on_hub = hub.refs(here.repo)
             latest = {
                 q.tag: q
-                for q in sorted(self.catalog.quants(name=job.name), key=lambda q: q.created_at)
+                for q in sorted(self.catalog.quants.live(name=job.name), key=lambda q: q.created_at)
                 if q.method == spec.method and where(q.tag).branch in on_hub and (s.registry / q.path).is_dir()
             }
-            rows = [_with_engine_notes(self.catalog.quant_row(q), engine, s.registry / q.path) for q in latest.values()]
+            rows = [
+                _with_engine_notes(self.catalog.quants.row(q), engine, s.registry / q.path) for q in latest.values()
+            ]
             newest = max(rows, key=lambda r: r.created_at)
             on_main = [s.registry / r.path for r in rows] if engine.card.every_variant_on_main else []
             on_main.append(s.registry / newest.path)  # the newest last: its files win a name two variants share
-            main_quant = {name: folder / name for folder in on_main for name in engine.card.main_files(folder)}
+            main_quant = {name: d / name for d in on_main for name in engine.card.main_files(d)}
             if main_quant:
-                for folder in on_main:
-                    files.check_publishable(folder, engine.outputs)
+                for d in on_main:
+                    files.check_publishable(d, engine.outputs)
             main = s.work / job.id / "hub-main" / spec.method
             shutil.rmtree(main, ignore_errors=True)
             main.mkdir(parents=True)
             places = {r.tag: where(r.tag) for r in rows}
-            everyone = [q.row() for q in self.catalog.quants(name=job.name)]  # every format's, for the frontier
+            everyone = [q.row() for q in self.catalog.quants.live(name=job.name)]  # every format's, for the frontier
             picks = frontier.section(job.name, everyone, self._model(job), plot=True)
             (main / card.FILENAME).write_text(card.render(job.name, upstream, newest, rows, places, picks))
             plots = {card.PLOT: card.plot(rows, main / card.PLOT)}
@@ -243,9 +244,9 @@ class Publisher:
                 plots[frontier.FILENAME] = main / frontier.FILENAME
             return {**main_quant, card.FILENAME: main / card.FILENAME, **plots}
 
-        files.check_publishable(folder, engine.outputs)
+        files.check_publishable(published, engine.outputs)
         self._hub_writer = self._hub_writer or hub.writer(s.hub_owner)
-        quant_files = {p.name: p for p in folder.iterdir() if p.is_file()}
+        quant_files = {p.name: p for p in published.iterdir() if p.is_file()}
         message = f"{job.name}:{spec.tag}@{rev} from {job.source_identity}"
         check_ours()  # immediately before the irreversible push
         hub.put_branch(self._hub_writer, here.repo, here.branch, quant_files, message)
@@ -268,9 +269,9 @@ def moment(name: str) -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
 
 
-def _with_engine_notes(row: QuantRow, engine, folder: Path) -> QuantRow:
+def _with_engine_notes(row: QuantRow, engine, published: Path) -> QuantRow:
     """A quant's row for its card: with the engine's "fits on" table and what a user must know to load it."""
-    return replace(row, fits=engine.memory.fits(folder), load_note=engine.card.load_note(folder))
+    return replace(row, fits=engine.memory.fits(published), load_note=engine.card.load_note(published))
 
 
 def _finite(value: float) -> float | None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from factory.checkpoints.inspect import COMPANION_BOUNDS, MAX_CONFIG, multimodal, read_config, read_json, tower_kind
+from factory.checkpoints.inspection import COMPANION_BOUNDS, MAX_CONFIG, multimodal, read_config, read_json, tower_kind
 from factory.errors import ModelRefused
 
 

@@ -1,2 +1,2 @@
-"""The published quants and their names: quant names (naming.py), a published quant as readers see it
-(published.py), finding one by name (lookup.py), and removing quants and what finished work leaves (housekeeping.py)."""
+"""The published quants' names and rows, what every floor may read: quant names (naming.py) and a published quant as
+readers see it (published.py). Finding quants by name and removing them are publishing's (factory/publish/)."""

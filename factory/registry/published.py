@@ -34,7 +34,7 @@ class QuantRow:
     created_at: str
     fits: list[dict] | None = None  # the longest context that fits each budget (engines with a memory model)
     load_note: str | None = None
-    # every evaluation of its weights (Catalog.quant_evaluations), where `qf show` or the Hub's main card wants them
+    # every evaluation of its weights (Quants.evaluations_of), where `qf show` or the Hub's main card wants them
     evaluations: list[dict] | None = None
 
     @property

@@ -1,6 +1,6 @@
 """`qf serve`: the factory's front door, an HTTP API (and the dashboard, service/dashboard.py) in front of the
 catalog, the broker and the registry. It is the only component that needs their credentials; its users hold
-tokens (service/accounts.py).
+tokens (catalog/accounts.py).
 
 Every refusal is a JSON body `{"error": "<the CLI's sentence>", "exit_code": N}` with its HTTP status:
 
@@ -33,8 +33,9 @@ from fastapi_offline import FastAPIOffline
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
-from factory import queue, schedule, settings, submission
+from factory import fleet, schedule, settings, submission
 from factory.catalog import JobState
+from factory.catalog.accounts import PUBLIC, Account, Unauthenticated
 from factory.checkpoints import sources
 from factory.errors import (
     AccessDenied,
@@ -48,10 +49,10 @@ from factory.errors import (
     SpecError,
 )
 from factory.pipeline import Factory
-from factory.publish import folder
-from factory.registry import lookup, naming
+from factory.publish import folder, lookup
+from factory.registry import naming
 from factory.service import dashboard, redact
-from factory.service.accounts import COOKIE, PUBLIC, Account, Accounts, Unauthenticated
+from factory.service.dashboard import COOKIE
 from factory.service.followers import Followers
 from factory.service.redact import shown, visible_jobs
 
@@ -79,21 +80,11 @@ def refusal(status_code: int, message: str, exit_code: int) -> JSONResponse:
     return JSONResponse({"error": message, "exit_code": exit_code}, status_code=status_code)
 
 
-class SubmitBody(BaseModel):
-    """What `qf submit` sends: its arguments, the recipe as YAML text."""
+class SubmitBody(submission.Options):
+    """What `qf submit` sends (submission.Options), within the service's limits on a request's size."""
 
-    model_config = ConfigDict(extra="forbid")
     source: str = Field(max_length=500)
-    flags: dict[str, str | bool | None] = {}
     recipe: str | None = Field(default=None, max_length=MAX_BODY)
-    calibration: str | None = None
-    eval: str | None = None
-    eval_windows: int | None = Field(default=None, ge=1)
-    name: str | None = None
-    base_model: str | None = None
-    fit: str | None = None
-    ctx: int | None = Field(default=None, ge=1)
-    kv_cache: str = "fp16"
 
 
 class WatchBody(BaseModel):
@@ -159,7 +150,7 @@ Who = Annotated[Account, Depends(account)]
 def create_app(config: settings.Settings | None = None) -> FastAPI:
     config = config or settings.load()
     factory = Factory(config)
-    accounts = Accounts(factory.catalog)
+    accounts = factory.catalog.accounts
     followers = Followers()
     # The API's docs (/docs, /redoc) from files in the fastapi-offline wheel: a factory without internet shows them too.
     app = FastAPIOffline(
@@ -204,26 +195,11 @@ def create_app(config: settings.Settings | None = None) -> FastAPI:
     def submit(body: SubmitBody, who: Who) -> dict:
         """Queue a job (the same job again: the same id)."""
         who.require("submit")
-        fleet = queue.get()
+        queue = fleet.get()
         _check_source(body.source, config)
         place, notes = accounts.reserve(who, config.place_seconds), []
         try:
-            request = submission.request(
-                body.source,
-                body.flags,
-                None,
-                body.calibration,
-                body.eval,
-                body.eval_windows,
-                body.name,
-                body.base_model,
-                config.worker_device,
-                body.fit,
-                body.ctx,
-                body.kv_cache,
-                say=notes.append,
-                recipe_text=body.recipe,
-            )
+            request = body.request(config.worker_device, say=notes.append)
             for text in (request.recipe.calibration, request.recipe.eval):
                 _check_text(text, config)
 
@@ -231,12 +207,12 @@ def create_app(config: settings.Settings | None = None) -> FastAPI:
                 if event["event"] == "note":
                     notes.append(event["message"])
 
-            job = fleet.submit(factory.emitting(note), request)
+            job = queue.submit(factory.emitting(note), request)
         except BaseException:
             accounts.release(place)
             raise
         if accounts.record(place, who, job.id).state == JobState.cancelled:
-            job = fleet.submit(
+            job = queue.submit(
                 factory, request
             )  # its last other owner cancelled it just before this user's place counted
         guess = factory.estimate(job)
@@ -265,7 +241,7 @@ def create_app(config: settings.Settings | None = None) -> FastAPI:
         """The job's progress events as server-sent events (`data: <json>`), until its result or its end."""
         who.require("read")
         accounts.check_job(who, job_id)
-        events = queue.get().follow(factory.catalog, config.broker_url, job_id)
+        events = fleet.get().follow(factory.catalog, config.broker_url, job_id)
         return followers.response(who.user, redact.shown_events(events, who, config))
 
     @app.post("/api/jobs/{job_id}/cancel")
@@ -283,15 +259,15 @@ def create_app(config: settings.Settings | None = None) -> FastAPI:
         quotas as a submission does, and the caller wants it again."""
         who.require("submit")
         accounts.check_job(who, job_id)
-        fleet, place = queue.get(), accounts.reserve(who, config.place_seconds)
+        queue, place = fleet.get(), accounts.reserve(who, config.place_seconds)
         try:
-            job = fleet.retry(factory, job_id)
+            job = queue.retry(factory, job_id)
         except BaseException:
             accounts.release(place)
             raise
         accounts.rejoin(who, job_id)
         if accounts.record(place, who, job_id).state == JobState.cancelled:
-            job = fleet.retry(
+            job = queue.retry(
                 factory, job_id
             )  # its last other owner cancelled it just before this user's place counted
         return {"id": job.id, "state": str(job.state)}
@@ -299,7 +275,7 @@ def create_app(config: settings.Settings | None = None) -> FastAPI:
     @app.get("/api/quants")
     def quants(who: Who) -> list[dict]:
         who.require("read")
-        return shown([q.row().to_json() for q in factory.catalog.quants()], who, config)
+        return shown([q.row().to_json() for q in factory.catalog.quants.live()], who, config)
 
     @app.get("/api/models/{name}")
     def model(name: str, who: Who, tag: str | None = None, rev: str | None = None) -> dict:
@@ -318,7 +294,7 @@ def create_app(config: settings.Settings | None = None) -> FastAPI:
         """One quant (the newest revision, or `rev`) with its manifest: what `qf pull` downloads and checks."""
         who.require("read")
         found, manifest = _quant(name, tag, rev)
-        row = factory.catalog.quant_row(found)  # with every evaluation: the card a pull writes lists them
+        row = factory.catalog.quants.row(found)  # with every evaluation: the card a pull writes lists them
         return shown({"quant": row.to_json(), "manifest": manifest}, who, config)
 
     @app.get("/api/quants/{name}/{tag}/files/{fname}")
@@ -342,7 +318,7 @@ def create_app(config: settings.Settings | None = None) -> FastAPI:
     def watches(who: Who) -> list[dict]:
         """`qf watch ls` (admin)."""
         who.require("admin")
-        return schedule.watch_rows(factory.catalog)
+        return schedule.watch_rows(factory.catalog.watchlist)
 
     @app.put("/api/watches")
     def watch_add(entries: list[WatchBody], who: Who) -> dict:
@@ -350,13 +326,13 @@ def create_app(config: settings.Settings | None = None) -> FastAPI:
         who.require("admin")
         checked = [schedule.entry(e.target, e.recipe, e.filter) for e in entries]
         for e in checked:
-            factory.catalog.put_watch(e.target, e.recipe, e.filter)
+            factory.catalog.watchlist.put(e.target, e.recipe, e.filter)
         return {"watching": [e.target for e in checked]}
 
     @app.delete("/api/watches")
     def watch_rm(target: str, who: Who) -> dict:
         who.require("admin")
-        if not factory.catalog.remove_watch(target):
+        if not factory.catalog.watchlist.remove(target):
             raise NotFound(f"{target!r} is not on the watchlist; `qf watch ls` shows it")
         return {"removed": target}
 
@@ -364,7 +340,7 @@ def create_app(config: settings.Settings | None = None) -> FastAPI:
     def watch_check(who: Who, dry_run: bool = False) -> dict:
         """`qf watch check`: ask the Hub about every watch now and submit what is new (admin)."""
         who.require("admin")
-        return queue.get().watch_check(dry_run=dry_run)
+        return fleet.get().watch_check(dry_run=dry_run)
 
     dashboard.mount(app, account)
 

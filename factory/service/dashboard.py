@@ -15,11 +15,13 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import Environment, PackageLoader, select_autoescape
 
 from factory import tables
+from factory.catalog.accounts import Account
 from factory.errors import AccessDenied, NotFound
-from factory.publish import card
-from factory.registry import lookup, naming
-from factory.service.accounts import COOKIE, Account
+from factory.publish import card, lookup
+from factory.registry import naming
 from factory.service.redact import visible_jobs
+
+COOKIE = "qf_token"  # the dashboard's sign-in; the API takes the Authorization header only
 
 REFRESH = 10
 _pages = Environment(loader=PackageLoader("factory.service", "templates"), autoescape=select_autoescape())
@@ -67,7 +69,7 @@ def mount(app: FastAPI, account: Callable[[Request], Account]) -> None:
         recent = visible_jobs(config, who, limit=200)  # the table shows 50; the running units are looked for in all 200
         jobs = recent[:50]
         models = {}
-        for q in catalog.quants():
+        for q in catalog.quants.live():
             models.setdefault(q.name, []).append(q.row())
         return page(
             "index.html",

@@ -12,7 +12,7 @@ from pathlib import PurePosixPath
 
 from factory import settings
 from factory.catalog import status
-from factory.service.accounts import Account
+from factory.catalog.accounts import Account
 
 # An absolute path (also as a `file:` text): a "/" that does not continue a word, a URL or a relative path, up to a
 # space, a quote or a bracket.

@@ -22,7 +22,7 @@ import torch
 
 import calibration
 from factory import engines
-from factory.checkpoints.inspect import VISION_PART
+from factory.checkpoints.inspection import VISION_PART
 from factory.evaluation import evaluate
 from tests.support import ROOT
 from tests.support.exl3_image import first_token

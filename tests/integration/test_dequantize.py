@@ -23,7 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from factory.checkpoints import dequantize, sources
-from factory.checkpoints.inspect import inspect
+from factory.checkpoints.inspection import inspect
 from factory.errors import ModelRefused
 from tests.support import ROOT
 from tests.support.tiny_archs import make_tiny

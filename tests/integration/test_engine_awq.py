@@ -67,15 +67,15 @@ def test_killed_engine_fails_the_job_and_the_job_runs_again(tiny, tmp_path, db_u
     with pytest.raises(JobFailed, match=r"AWQ quantization .* failed: the engine process was killed by SIGKILL"):
         factory.execute(job.id)
     assert killed
-    failed = factory.catalog.job(job.id)
+    failed = factory.catalog.jobs.get(job.id)
     assert (failed.state, failed.exit_code) == ("failed", 1)
     assert [(s.name, s.state) for s in failed.steps] == [("inspect", "succeeded"), ("quantize:awq-w4g128", "failed")]
-    assert factory.catalog.quants() == []
+    assert factory.catalog.quants.live() == []
 
     again, created = factory.submit(Request(source=str(tiny), recipe=build_recipe(awq=True, eval_windows=1)))
     assert (again.id, created) == (job.id, False)
     done = factory.execute(job.id)
     assert done.state == "succeeded"
     assert [s.name for s in done.steps if s.state == "failed"] == ["quantize:awq-w4g128"]
-    assert [q.tag for q in factory.catalog.quants()] == ["awq-w4g128"]
+    assert [q.tag for q in factory.catalog.quants.live()] == ["awq-w4g128"]
     assert not (tmp_path / "home" / "work" / job.id).exists()

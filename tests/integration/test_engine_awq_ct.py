@@ -25,7 +25,7 @@ from safetensors import safe_open
 
 from calibration import builtin_text
 from factory import engines
-from factory.checkpoints.inspect import inspect
+from factory.checkpoints.inspection import inspect
 from factory.engines.awq_ct import env
 from factory.engines.awq_ct.engine import ARCHITECTURES
 from factory.errors import JobFailed

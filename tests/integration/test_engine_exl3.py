@@ -147,7 +147,7 @@ def test_a_hidden_size_exllamav3_cannot_pad_is_refused_at_submit(factory, tiny19
         "EXL3 cannot convert a model whose hidden size (192) is not a multiple of 128: "
         "exllamav3 pads it and its MLP does not crop the padding back"
     )
-    assert e.value.exit_code == 3 and factory.catalog.job_states() == {}
+    assert e.value.exit_code == 3 and factory.catalog.jobs.states() == {}
 
 
 def test_each_engine_says_which_architectures_it_takes(factory, tiny, tmp_path):

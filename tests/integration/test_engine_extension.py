@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from factory import queue
+from factory import fleet
 from factory.publish import card
 from tests.support import ROOT
 
@@ -82,12 +82,12 @@ def test_engines_named_in_the_environment(tmp_path, entry, sentence):
 def test_without_a_queue_the_fleet_commands_say_so(qf, monkeypatch):
     """An installation without the entry point (its metadata older than it): one sentence, exit 5, as a broker
     that cannot be reached."""
-    monkeypatch.setattr(queue, "entry_points", lambda group: [])
-    queue.get.cache_clear()
+    monkeypatch.setattr(fleet, "entry_points", lambda group: [])
+    fleet.get.cache_clear()
     try:
         for args in (["retry", "0123abcd"], ["reconcile"], ["watch", "check"]):
             result = qf(*args)
             assert result.exit_code == 5, result.output
             assert "this installation has no single job queue for `qf submit` and the fleet" in result.stderr
     finally:
-        queue.get.cache_clear()
+        fleet.get.cache_clear()

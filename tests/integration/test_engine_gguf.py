@@ -271,11 +271,11 @@ def test_a_killed_converter_fails_the_shared_unit_and_the_job_runs_again(tiny, t
     job, _ = factory.submit(Request(source=str(tiny), recipe=recipe))
     with pytest.raises(JobFailed, match=r"GGUF conversion to f16 failed: the engine process was killed by SIGKILL"):
         factory.execute(job.id)
-    assert killed and factory.catalog.quants() == []
-    failed = factory.catalog.job(job.id)
+    assert killed and factory.catalog.quants.live() == []
+    failed = factory.catalog.jobs.get(job.id)
     assert [s.state for s in failed.steps if s.name.startswith("convert:")] == ["failed"]
     done = factory.execute(job.id)
-    assert done.state == "succeeded" and [q.tag for q in factory.catalog.quants()] == ["gguf-q8_0"]
+    assert done.state == "succeeded" and [q.tag for q in factory.catalog.quants.live()] == ["gguf-q8_0"]
 
 
 # Lines the pinned tools print (recorded from the tiny model's run), and the events they become.

@@ -30,7 +30,7 @@ def test_a_second_job_with_other_windows_reuses_the_quant(qf, tiny):
     jobs = qf.json("jobs")
     second_job = next(j for j in jobs if j["id"] != quant["job"])
     catalog = Catalog(qf.db_url or f"sqlite:///{qf.home / 'catalog.db'}")
-    steps = {s.name: s for s in catalog.job(second_job["id"]).steps}
+    steps = {s.name: s for s in catalog.jobs.get(second_job["id"]).steps}
     quantize = next(s for name, s in steps.items() if name.startswith("quantize:"))
     assert quantize.note.startswith(f"reused {quant['name']}@{quant['rev']}, published by job {quant['job']}")
     shown = qf("status", second_job["id"])  # the table says it too, and --json keeps the note

@@ -86,7 +86,7 @@ def test_a_reused_step_says_reused_and_teaches_the_eta_nothing(two_jobs):
     table = qf("status", job["id"]).stdout
     line = next(line for line in table.splitlines() if line.startswith("quantize:"))
     assert line.split()[1] == "reused" and "-0.0" not in table and " 0.0 " not in line, table
-    history = _catalog(qf).unit_history("quantize:awq", "cpu")
+    history = _catalog(qf).steps.history("quantize:awq", "cpu")
     assert len(history) == 1 and history[0][1] > 0  # the first job's quantize, which ran; not the reused one
 
 

@@ -26,8 +26,8 @@ _made = itertools.count()
 
 def _job(catalog: Catalog, state: JobState = JobState.queued) -> str:
     n = next(_made)
-    catalog.name_for(f"/models/m{n}", f"m{n}", None)
-    job, _ = catalog.create_job(
+    catalog.jobs.name_for(f"/models/m{n}", f"m{n}", None)
+    job, _ = catalog.jobs.create(
         key=f"key-{n}",
         name=f"m{n}",
         source=f"/models/m{n}",
@@ -49,7 +49,7 @@ def _job(catalog: Catalog, state: JobState = JobState.queued) -> str:
 
 def _force(catalog: Catalog, job_id: str, state: JobState) -> None:
     """Put the job in `state` behind the state machine's back (only tests do this)."""
-    with catalog.session() as s:
+    with catalog.db.session() as s:
         s.execute(update(Job).where(Job.id == job_id).values(state=state))
 
 
@@ -57,37 +57,37 @@ def test_every_transition_of_the_table_and_no_other(catalog):
     job_id = _job(catalog)
     for frm, to in itertools.product(JobState, JobState):
         _force(catalog, job_id, frm)
-        happened = catalog.transition(job_id, to, error="why" if to == JobState.failed else None)
+        happened = catalog.jobs.transition(job_id, to, error="why" if to == JobState.failed else None)
         assert happened == (to in TRANSITIONS[frm]), (frm, to)
-        assert catalog.job(job_id).state == (to if happened else frm)
+        assert catalog.jobs.get(job_id).state == (to if happened else frm)
     assert set(TRANSITIONS) == set(JobState) and RETRYABLE <= TERMINAL
-    # a succeeded job leaves only for the queue (Catalog.reopen, after `qf rm` of its quant), never to run or fail
+    # a succeeded job leaves only for the queue (Quants.reopen, after `qf rm` of its quant), never to run or fail
     assert TRANSITIONS[JobState.succeeded] == {JobState.queued}
     assert JobState.running not in TRANSITIONS[JobState.cancelled]
 
 
 def test_a_transition_can_be_narrowed_and_fenced(catalog):
     job_id = _job(catalog, JobState.running)
-    assert not catalog.transition(job_id, JobState.queued, only_from=frozenset({JobState.failed}))
-    lease = catalog.take_lease(job_id, "a:1", 60)
-    assert not catalog.transition(job_id, JobState.succeeded, lease.token + 1)
-    assert not catalog.transition(job_id, JobState.queued, lease_expired=True)  # its lease is valid
-    assert catalog.transition(job_id, JobState.succeeded, lease.token)
+    assert not catalog.jobs.transition(job_id, JobState.queued, only_from=frozenset({JobState.failed}))
+    lease = catalog.leases.take(job_id, "a:1", 60)
+    assert not catalog.jobs.transition(job_id, JobState.succeeded, lease.token + 1)
+    assert not catalog.jobs.transition(job_id, JobState.queued, lease_expired=True)  # its lease is valid
+    assert catalog.jobs.transition(job_id, JobState.succeeded, lease.token)
 
 
 def test_a_stale_holder_writes_nothing(catalog):
     """A takes the job, stalls past its lease; B takes it. Every write A makes with its token is refused and
     names B; B's go through."""
     job_id = _job(catalog, JobState.running)
-    a = catalog.take_lease(job_id, "host-a:1", 0.01)
+    a = catalog.leases.take(job_id, "host-a:1", 0.01)
     time.sleep(0.05)
-    b = catalog.take_lease(job_id, "host-b:2", 60)
+    b = catalog.leases.take(job_id, "host-b:2", 60)
     assert b.token == a.token + 1
     lost = "^lease lost to host-b:2; stopping$"
     with pytest.raises(LeaseLost, match=lost):
-        catalog.start_step(job_id, "quantize:awq-w4g128", a.token)
+        catalog.steps.start(job_id, "quantize:awq-w4g128", a.token)
     with pytest.raises(LeaseLost, match=lost):
-        catalog.add_evaluation(
+        catalog.quants.add_evaluation(
             a.token,
             job_id=job_id,
             subject="fp16",
@@ -101,7 +101,7 @@ def test_a_stale_holder_writes_nothing(catalog):
             seconds=1.0,
         )
     with pytest.raises(LeaseLost, match=lost):
-        catalog.add_measurement(
+        catalog.quants.add_measurement(
             job_id,
             a.token,
             key="k",
@@ -114,14 +114,14 @@ def test_a_stale_holder_writes_nothing(catalog):
         )
     published = []
     with pytest.raises(LeaseLost, match=lost):
-        catalog.put_quant(_quant(catalog, job_id), a.token, publish=lambda: published.append("A"))
+        catalog.quants.put(_quant(catalog, job_id), a.token, publish=lambda: published.append("A"))
     with pytest.raises(LeaseLost, match=lost):
-        catalog.check_lease(job_id, a.token)
-    assert not catalog.renew_lease(a, 60)
-    assert not catalog.transition(job_id, JobState.succeeded, a.token)
-    assert not catalog.fail_job(job_id, "A thinks its process died", a.token)
-    catalog.release_lease(a)  # a no-op for A now
-    job = catalog.job(job_id)
+        catalog.leases.check(job_id, a.token)
+    assert not catalog.leases.renew(a, 60)
+    assert not catalog.jobs.transition(job_id, JobState.succeeded, a.token)
+    assert not catalog.jobs.fail(job_id, "A thinks its process died", a.token)
+    catalog.leases.release(a)  # a no-op for A now
+    job = catalog.jobs.get(job_id)
     assert (job.state, job.worker, job.lease_until is not None, job.steps, published) == (
         JobState.running,
         "host-b:2",
@@ -129,51 +129,51 @@ def test_a_stale_holder_writes_nothing(catalog):
         [],
         [],
     )
-    assert catalog.quants(job_id=job_id) == [] and catalog.evaluations(job_id) == []
+    assert catalog.quants.live(job_id=job_id) == [] and catalog.quants.evaluations(job_id) == []
 
-    step = catalog.start_step(job_id, "quantize:awq-w4g128", b.token)
-    catalog.end_step(step, StepState.succeeded, token=b.token)
-    catalog.put_quant(_quant(catalog, job_id), b.token, publish=lambda: published.append("B"))
-    assert catalog.transition(job_id, JobState.succeeded, b.token)
-    assert published == ["B"] and len(catalog.quants(job_id=job_id)) == 1
+    step = catalog.steps.start(job_id, "quantize:awq-w4g128", b.token)
+    catalog.steps.end(step, StepState.succeeded, token=b.token)
+    catalog.quants.put(_quant(catalog, job_id), b.token, publish=lambda: published.append("B"))
+    assert catalog.jobs.transition(job_id, JobState.succeeded, b.token)
+    assert published == ["B"] and len(catalog.quants.live(job_id=job_id)) == 1
 
 
 def test_attempts_count_lost_leases_not_hand_offs(catalog):
     job_id = _job(catalog, JobState.running)
-    first = catalog.take_lease(job_id, "gpu:1", 60)
+    first = catalog.leases.take(job_id, "gpu:1", 60)
     assert first.attempts == 1
-    assert catalog.take_lease(job_id, "cpu:2", 60) is None  # A holds it
-    catalog.release_lease(first)  # the gpu worker hands the job to the publishing step
-    handed = catalog.take_lease(job_id, "cpu:2", 0.01)
+    assert catalog.leases.take(job_id, "cpu:2", 60) is None  # A holds it
+    catalog.leases.release(first)  # the gpu worker hands the job to the publishing step
+    handed = catalog.leases.take(job_id, "cpu:2", 0.01)
     assert (handed.attempts, handed.token) == (1, first.token + 1)
     time.sleep(0.05)  # ... whose worker is lost
-    assert catalog.expired_leases() == [job_id] and catalog.job(job_id).state == JobState.queued
-    again = catalog.take_lease(job_id, "cpu:3", 60)
+    assert catalog.leases.expired() == [job_id] and catalog.jobs.get(job_id).state == JobState.queued
+    again = catalog.leases.take(job_id, "cpu:3", 60)
     assert again.attempts == 2
 
 
 def test_a_holder_known_dead_is_not_waited_out(catalog):
     job_id = _job(catalog, JobState.running)
-    catalog.take_lease(job_id, "here:1", 60)
-    assert catalog.take_lease(job_id, "here:2", 60) is None
-    assert catalog.take_lease(job_id, "here:2", 60, gone="here:1").worker == "here:2"
+    catalog.leases.take(job_id, "here:1", 60)
+    assert catalog.leases.take(job_id, "here:2", 60) is None
+    assert catalog.leases.take(job_id, "here:2", 60, gone="here:1").worker == "here:2"
 
 
 def test_a_cancel_before_the_publish_means_no_publish(catalog):
     job_id = _job(catalog, JobState.running)
-    lease = catalog.take_lease(job_id, "a:1", 60)
-    assert catalog.cancel_job(job_id).state == JobState.cancelled
+    lease = catalog.leases.take(job_id, "a:1", 60)
+    assert catalog.jobs.cancel(job_id).state == JobState.cancelled
     published = []
     with pytest.raises(Cancelled):
-        catalog.put_quant(_quant(catalog, job_id), lease.token, publish=lambda: published.append(True))
-    assert published == [] and catalog.quants(job_id=job_id) == []
-    assert not catalog.transition(job_id, JobState.succeeded, lease.token)  # a cancel is never overwritten
-    assert not catalog.transition(job_id, JobState.running, lease.token)
-    assert catalog.job(job_id).state == JobState.cancelled
+        catalog.quants.put(_quant(catalog, job_id), lease.token, publish=lambda: published.append(True))
+    assert published == [] and catalog.quants.live(job_id=job_id) == []
+    assert not catalog.jobs.transition(job_id, JobState.succeeded, lease.token)  # a cancel is never overwritten
+    assert not catalog.jobs.transition(job_id, JobState.running, lease.token)
+    assert catalog.jobs.get(job_id).state == JobState.cancelled
 
 
 def _quant(catalog: Catalog, job_id: str) -> Quant:
-    name = catalog.job(job_id).name
+    name = catalog.jobs.get(job_id).name
     return Quant(
         job_id=job_id,
         name=name,
@@ -201,9 +201,9 @@ def test_a_cancel_during_the_publish_waits_for_it(catalog):
     import threading
 
     job_id = _job(catalog, JobState.running)
-    lease = catalog.take_lease(job_id, "a:1", 60)
-    other = Catalog(catalog.url)
-    cancel = threading.Thread(target=other.cancel_job, args=(job_id,))
+    lease = catalog.leases.take(job_id, "a:1", 60)
+    other = Catalog(catalog.db.url)
+    cancel = threading.Thread(target=other.jobs.cancel, args=(job_id,))
     seen = []
 
     def publish() -> None:
@@ -211,11 +211,11 @@ def test_a_cancel_during_the_publish_waits_for_it(catalog):
         time.sleep(0.5)
         seen.append(cancel.is_alive())  # blocked on the job's row
 
-    catalog.put_quant(_quant(catalog, job_id), lease.token, publish=publish)
+    catalog.quants.put(_quant(catalog, job_id), lease.token, publish=publish)
     cancel.join(30)
-    other.engine.dispose()
+    other.db.engine.dispose()
     assert seen == [True] and not cancel.is_alive()
-    assert catalog.job(job_id).state == JobState.cancelled and len(catalog.quants(job_id=job_id)) == 1
+    assert catalog.jobs.get(job_id).state == JobState.cancelled and len(catalog.quants.live(job_id=job_id)) == 1
 
 
 def test_a_holder_stopped_past_its_lease_has_its_engine_stopped_and_its_unit_made_elsewhere(qf, tiny, tmp_path):

@@ -219,7 +219,7 @@ def test_units_record_what_was_expected_and_a_later_job_learns_from_an_earlier_o
     monkeypatch.setenv("FACTORY_HOME", str(qf.home))
     monkeypatch.setenv("FACTORY_DB_URL", qf.db_url)
     factory = Factory(settings.load())
-    packed, alone = factory.estimate(factory.catalog.job(second["job"]))  # what `qf submit` prints
+    packed, alone = factory.estimate(factory.catalog.jobs.get(second["job"]))  # what `qf submit` prints
     assert 0 < packed <= alone
 
 

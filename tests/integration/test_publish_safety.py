@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from factory import identity
+from factory.checkpoints import sources
 from factory.publish import folder as registry
 from factory.publish import prompt
 from tests.support.processes import events_until, qf_process, stopped_at
@@ -205,7 +205,7 @@ def test_weights_swapped_for_a_link_after_inspect_do_not_reach_the_job(qf, model
     engines read the job's own snapshot, made and hashed at inspect, so the job publishes the quant of the weights it
     inspected, under their identity, and the private file reaches nothing under FACTORY_HOME."""
     model = model_copy("tiny")
-    submitted = identity.folder_identity(model, tmp_path / "cache")
+    submitted = sources.folder_identity(model, tmp_path / "cache")
     other = tmp_path / "private.safetensors"
     other.write_bytes(b"s3cret" * 1000)
     done = _swapped_after(qf, model, "quantize:awq-w4g128", "model.safetensors", other)

@@ -644,13 +644,13 @@ def test_a_name_that_differs_from_the_catalogs_is_an_error(finished, tiny):
 def test_a_source_identity_follows_its_files_and_rewrites_its_cache_only_when_it_hashed(model_copy, tmp_path):
     """The identity names every file's content: a file changed in place is hashed again (size and mtime moved) and
     changes the identity; a call that finds every file in the hash cache leaves the cache file as it was."""
-    from factory import identity
+    from factory.checkpoints import sources
 
     model, cache = model_copy(), tmp_path / "cache"
-    first = identity.folder_identity(model, cache)
+    first = sources.folder_identity(model, cache)
     written = (cache / "file-sha256.json").stat().st_mtime_ns
-    assert identity.folder_identity(model, cache) == first
+    assert sources.folder_identity(model, cache) == first
     assert (cache / "file-sha256.json").stat().st_mtime_ns == written
     (model / "config.json").write_text((model / "config.json").read_text() + "\n")
-    assert identity.folder_identity(model, cache) != first
+    assert sources.folder_identity(model, cache) != first
     assert (cache / "file-sha256.json").stat().st_mtime_ns != written

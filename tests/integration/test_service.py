@@ -486,12 +486,12 @@ FEW, NAMES = Few(), Names()
     ("target", "why"),
     [
         ("wrongqueue:MISSING", "cannot be loaded: AttributeError: module 'wrongqueue' has no attribute 'MISSING'"),
-        ("wrongqueue:Klass", "is not a Queue (factory/queue.py): it is the class Klass, not a Queue object"),
+        ("wrongqueue:Klass", "is not a Queue (factory/fleet.py): it is the class Klass, not a Queue object"),
         (
             "wrongqueue:FEW",
-            "is not a Queue (factory/queue.py): its submit does not take the 2 arguments of Queue.submit",
+            "is not a Queue (factory/fleet.py): its submit does not take the 2 arguments of Queue.submit",
         ),
-        ("wrongqueue:NAMES", "is not a Queue (factory/queue.py): it has no method check_broker"),
+        ("wrongqueue:NAMES", "is not a Queue (factory/fleet.py): it has no method check_broker"),
     ],
     ids=["missing-name", "a-class", "other-arguments", "no-methods"],
 )

@@ -297,12 +297,11 @@ def test_a_place_recorded_between_the_quota_counts_is_still_counted(db_url):
 
     from factory.catalog import Catalog, Model
     from factory.errors import OverQuota
-    from factory.service.accounts import Accounts
 
     catalog = Catalog(db_url)
-    with catalog.session() as s:
+    with catalog.db.session() as s:
         s.add(Model(name="tiny", source="/m/tiny"))
-    accounts = Accounts(catalog)
+    accounts = catalog.accounts
     secret, _ = accounts.create("frank", max_running=2)
     frank = accounts.authenticate(secret)
 
@@ -310,13 +309,13 @@ def test_a_place_recorded_between_the_quota_counts_is_still_counted(db_url):
         fields = {"key": f"k{windows}", "name": "tiny", "source": "/m/tiny", "source_identity": "x"}
         fields |= {"base_model": "b", "specs": [], "calibration": "c", "calibration_sha": "c", "eval": "e"}
         fields |= {"eval_sha": "e", "eval_windows": windows, "max_ppl_ratio": 1.1, "max_kld": None, "versions": {}}
-        return catalog.create_job(**fields, device="cpu")[0]
+        return catalog.jobs.create(**fields, device="cpu")[0]
 
     place_a, job_a = accounts.reserve(frank, 900), job(1)  # A: its place, its job, not recorded yet
     accounts.reserve(frank, 900)  # B
     recorded = []
 
-    @event.listens_for(catalog.engine, "after_cursor_execute")
+    @event.listens_for(catalog.db.engine, "after_cursor_execute")
     def record_a_now(conn, cursor, statement, *args):
         if not recorded and "count(" in statement:  # C has read its count: A's record commits now
             recorded.append(accounts.record(place_a, frank, job_a.id))
@@ -324,7 +323,7 @@ def test_a_place_recorded_between_the_quota_counts_is_still_counted(db_url):
     with pytest.raises(OverQuota, match="frank has 2 jobs queued or running"):
         accounts.reserve(frank, 900)
     assert recorded
-    catalog.engine.dispose()
+    catalog.db.engine.dispose()
 
 
 def test_a_retry_counts_against_the_quotas_as_a_submission_does(server, factory_env, tmp_path):
@@ -364,12 +363,11 @@ def test_a_place_let_go_while_its_submission_still_runs_is_not_recorded_past_the
     taken again at record."""
     from factory.catalog import Catalog, JobState, Model
     from factory.errors import OverQuota
-    from factory.service.accounts import Accounts
 
     catalog = Catalog(db_url or "sqlite:///" + str(Path(tempfile.mkdtemp()) / "catalog.db"))
-    with catalog.session() as s:
+    with catalog.db.session() as s:
         s.add(Model(name="tiny", source="/m/tiny"))
-    accounts = Accounts(catalog)
+    accounts = catalog.accounts
     secret, _ = accounts.create("hal", max_running=1)
     hal = accounts.authenticate(secret)
 
@@ -377,7 +375,7 @@ def test_a_place_let_go_while_its_submission_still_runs_is_not_recorded_past_the
         fields = {"key": f"k{windows}", "name": "tiny", "source": "/m/tiny", "source_identity": "x"}
         fields |= {"base_model": "b", "specs": [], "calibration": "c", "calibration_sha": "c", "eval": "e"}
         fields |= {"eval_sha": "e", "eval_windows": windows, "max_ppl_ratio": 1.1, "max_kld": None, "versions": {}}
-        return catalog.create_job(**fields, device="cpu")[0]
+        return catalog.jobs.create(**fields, device="cpu")[0]
 
     place_a, job_a = accounts.reserve(hal, 900), job(1)
     place_b = accounts.reserve(hal, 0)  # B finds A's place expired (a place of 0 seconds) and lets it go
@@ -386,12 +384,14 @@ def test_a_place_let_go_while_its_submission_still_runs_is_not_recorded_past_the
     with pytest.raises(OverQuota, match="hal has 1 jobs queued or running, at most 1") as refused:
         accounts.record(place_a, hal, job_a.id)
     assert refused.value.message.startswith("this submission took longer than its place in hal's quota is held")
-    assert catalog.job(job_a.id).state == JobState.cancelled and catalog.job(job_b.id).state == JobState.queued
+    assert (
+        catalog.jobs.get(job_a.id).state == JobState.cancelled and catalog.jobs.get(job_b.id).state == JobState.queued
+    )
     assert accounts.job_ids(hal) == {job_b.id}
 
-    catalog.cancel_job(job_b.id)  # the quota is free again: a place let go meanwhile is taken again at record
+    catalog.jobs.cancel(job_b.id)  # the quota is free again: a place let go meanwhile is taken again at record
     place_c, job_c = accounts.reserve(hal, 900), job(3)
     accounts.release(accounts.reserve(hal, 0))  # lets C's place go; its own submission is refused (bad input)
     assert accounts.record(place_c, hal, job_c.id).state == JobState.queued
     assert accounts.job_ids(hal) == {job_b.id, job_c.id}
-    catalog.engine.dispose()
+    catalog.db.engine.dispose()

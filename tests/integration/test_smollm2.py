@@ -118,7 +118,7 @@ def test_the_readmes_demo_table_names_the_checkpoint_the_demo_makes(smollm2, tmp
     """scripts/demo makes its FP16 checkpoint with tests/support/smollm2.py, as the `smollm2` fixture does: the table
     the README shows from the demo names that checkpoint (its rev and identity), so a change to how it is made, which
     changes every score, changes the README with it (issue 45: it showed an older checkpoint's table)."""
-    from factory.identity import folder_identity
+    from factory.checkpoints.sources import folder_identity
     from tests.support import ROOT
 
     made = folder_identity(smollm2, tmp_path)

@@ -9,7 +9,7 @@ from factory.catalog import Catalog, status
 def test_plain_sql_reads_what_the_catalog_wrote(finished):
     qf, events = finished
     url = qf.db_url or f"sqlite:///{qf.home / 'catalog.db'}"
-    job = Catalog(url).job(events[-1]["job"])
+    job = Catalog(url).jobs.get(events[-1]["job"])
     (row,) = status.job_rows(url, job_id=job.id)
     assert row == {
         "id": job.id,

@@ -64,11 +64,11 @@ def home(finished, tmp_path_factory) -> Path:
     copy = tmp_path_factory.mktemp("tables80") / "home"
     shutil.copytree(source.home, copy)
     catalog = Catalog(f"sqlite:///{copy / 'catalog.db'}")
-    [quant] = catalog.quants()
-    with catalog.session() as s:
+    [quant] = catalog.quants.live()
+    with catalog.db.session() as s:
         s.add(Model(name=LONG, source=str(copy / LONG)))
     fields = {c.name: getattr(quant, c.name) for c in Quant.__table__.columns if c.name not in ("id", "created_at")}
-    catalog.put_quant(Quant(**{**fields, "name": LONG, "kld": KLD_BELOW_ZERO}))
+    catalog.quants.put(Quant(**{**fields, "name": LONG, "kld": KLD_BELOW_ZERO}))
     return copy
 
 

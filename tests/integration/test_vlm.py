@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 
 from factory import engines
-from factory.checkpoints.inspect import inspect
+from factory.checkpoints.inspection import inspect
 from factory.engines.awq_ct import env
 from factory.errors import ModelRefused
 from factory.vram import human
@@ -231,7 +231,7 @@ GEMMA3_4B = {
 
 
 def test_a_release_config_that_leaves_numbers_to_its_class_is_read_as_transformers_reads_it():
-    from factory.checkpoints.inspect import check_config, with_standard_names
+    from factory.checkpoints.inspection import check_config, with_standard_names
 
     config = check_config(with_standard_names(GEMMA3_4B))
     assert {k: config[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",

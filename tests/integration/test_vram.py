@@ -261,7 +261,7 @@ def test_qf_show_lists_where_an_exl2_quant_fits_and_its_kv_cache_perplexities(qf
     for var, value in qf.env.items():
         monkeypatch.setenv(var, value)
     catalog = Catalog(settings.load().db_url)
-    awq = catalog.quants(name="tiny")[0]
+    awq = catalog.quants.live(name="tiny")[0]
     _exl2_shaped(qf.home / "registry" / "tiny" / "exl2-4.0bpw" / awq.rev)
     fields = {c.name: getattr(awq, c.name) for c in Quant.__table__.columns if c.name not in ("id", "created_at")}
     fields.update(
@@ -270,7 +270,7 @@ def test_qf_show_lists_where_an_exl2_quant_fits_and_its_kv_cache_perplexities(qf
         path=f"tiny/exl2-4.0bpw/{awq.rev}",
         eval={**awq.eval, "kv_cache": {"fp16": 16.635, "q8": 16.627, "q4": None}},
     )
-    catalog.put_quant(Quant(**fields))
+    catalog.quants.put(Quant(**fields))
     shown = qf("show", "tiny")
     assert shown.exit_code == 0, shown.output
     assert f"tiny:exl2-4.0bpw@{awq.rev}: the longest context that fits each GPU" in shown.stdout

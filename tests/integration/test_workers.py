@@ -415,10 +415,10 @@ def test_a_job_that_keeps_losing_workers_fails_instead_of_looping(env, tiny, mon
     job_id = qf(env, "submit", tiny, "--awq", "--eval-windows", 1, check=True).stdout.strip()
     catalog = Factory(settings.load()).catalog
     for lost in ("host:1", "host:2"):  # two workers took it and died
-        assert catalog.take_lease(job_id, lost, 0.01) is not None
+        assert catalog.leases.take(job_id, lost, 0.01) is not None
         time.sleep(0.05)
     tasks.run_job(job_id)  # the third delivery
-    job = catalog.job(job_id)
+    job = catalog.jobs.get(job_id)
     assert (job.state, job.error) == ("failed", "job lost its worker 2 times; giving up (FACTORY_MAX_ATTEMPTS=2)")
     assert job.steps == []
 
@@ -433,7 +433,7 @@ def _published(env, job_id: str) -> tuple:
     """What the job published: its quant rows' ids and the registry folders with their manifests."""
     folders = sorted((Path(env["FACTORY_HOME"]) / "registry" / "tiny").iterdir())
     return (
-        [q.id for q in _catalog(env).quants(job_id=job_id)],
+        [q.id for q in _catalog(env).quants.live(job_id=job_id)],
         [(f.name, (f / "manifest.json").read_text()) for f in folders],
     )
 
@@ -470,7 +470,7 @@ def test_a_stopped_worker_that_comes_back_changes_nothing(env, tiny, tmp_path):
         assert len(before[0]) == 1 and len(before[1]) == 1
         assert [s["name"] for s in status["steps"]].count("publish:awq-w4g128") == 1
         assert not any(s["state"] == "running" for s in status["steps"])
-        assert _catalog(env).job(job_id).attempts == 2
+        assert _catalog(env).jobs.get(job_id).attempts == 2
         assert first.poll() is None  # the worker goes on; only its job process was killed
     finally:
         for worker in (first, second):
@@ -498,7 +498,7 @@ def test_a_stalled_job_process_is_killed_by_its_worker_and_continues(env, tiny, 
         time.sleep(4)  # the lease runs out
         assert qf(env, "reconcile", check=True).stdout.split() == [job_id]
         status = wait_for(env, job_id)
-        assert status["state"] == "succeeded" and _catalog(env).job(job_id).attempts == 2
+        assert status["state"] == "succeeded" and _catalog(env).jobs.get(job_id).attempts == 2
         assert len(_published(env, job_id)[0]) == 1
     finally:
         worker.terminate()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import ast
 
-from factory import engines, queue
+from factory import engines, fleet
 from tests.support import ROOT
 
 CYCLES_INSPECT = (
@@ -21,48 +21,24 @@ CYCLES_INSPECT = (
 # Direction of knowledge: a module imports only modules of its own layer or a lower one, at module level
 # or inside a function alike. The leaves import nothing but errors; engines never see the catalog or publishing.
 LAYERS = [
-    # the packages whose __init__.py holds only the docstring that lists their modules
-    ["factory.errors", "factory.checkpoints", "factory.evaluation", "factory.registry"],
+    ["factory.errors"],
     [
         "factory.settings",
         "factory.specs",
-        "factory.registry.naming",
-        "factory.checkpoints.files",
-        "factory.tables",
         "factory.events",
-        "factory.registry.published",
-        "factory.evaluation.kld",
-        "factory.evaluation.layered",
+        "factory.tables",
+        "factory.identity",
+        "factory.hubclient",
+        "factory.registry",
         "calibration",
     ],
-    [
-        "factory.identity",
-        "factory.checkpoints.inspect",
-        "factory.checkpoints.dequantize",
-        "factory.checkpoints.snapshots",
-        "factory.hubclient",
-        "factory.catalog",
-        "factory.catalog.status",
-        "factory.evaluation.evaluate",
-        "factory.publish.upstream",
-    ],
-    ["factory.checkpoints.sources", "factory.vram"],
+    ["factory.checkpoints", "factory.catalog"],
+    ["factory.evaluation", "factory.vram"],
     ["factory.engines"],
     ["factory.ranking"],
     ["factory.recipes", "factory.schedule", "factory.publish", "factory.jobs"],
-    [
-        "factory.pipeline",
-        "factory.registry.housekeeping",
-        "factory.jobs.heartbeat",
-        "factory.submission",
-        "factory.registry.lookup",
-        "factory.queue",
-    ],
-    [
-        "factory.cli",
-        "factory.service",
-        "workers",
-    ],
+    ["factory.pipeline", "factory.submission", "factory.fleet"],
+    ["factory.cli", "factory.service", "workers"],
 ]
 LEAVES = {
     "factory.errors",
@@ -122,9 +98,31 @@ def test_lower_layers_never_import_higher_ones():
     assert problems == []
 
 
+def _drawn_layers() -> list[set[str]]:
+    """The README's Layout drawing as LAYERS, lowest first: a line's packages are the words before its description
+    (two spaces apart), and a line that starts with two spaces goes on the one above it."""
+    block = (ROOT / "README.md").read_text().split("## Layout", 1)[1].split("```", 2)[1]
+    floors: list[set[str]] = []
+    for line in block.strip("\n").splitlines():
+        names = line.strip().split("  ")[0] if not line.startswith("   ") else ""
+        words = {w.strip().rstrip("/") for w in names.split(",") if w.strip()}
+        modules = {
+            w.replace("/", ".") if "/" in w or w in ("workers", "calibration") else f"factory.{w}" for w in words
+        }
+        if line.startswith("  ") and floors:
+            floors[-1] |= modules
+        else:
+            floors.append(modules)
+    return floors[::-1]
+
+
+def test_the_readmes_layout_is_the_layers():
+    assert _drawn_layers() == [set(floor) for floor in LAYERS]
+
+
 def test_factory_never_imports_workers():
     """workers/ (Celery on Redis) knows factory/, never the reverse: `qf` and the service reach the fleet through
-    factory/queue.py's Queue, which workers/queue.py implements and pyproject.toml plugs in (an entry point)."""
+    factory/fleet.py's Queue, which workers/queue.py implements and pyproject.toml plugs in (an entry point)."""
     problems = [
         f"{name} imports {m}"
         for name, _, tree in _modules()
@@ -133,8 +131,8 @@ def test_factory_never_imports_workers():
         if m == "workers" or m.startswith("workers.")
     ]
     assert problems == [], (
-        "factory/ must not import workers/ (not even inside a function): ask factory.queue.get() for what the fleet "
-        f"does, and add it to factory/queue.py's Queue and workers/queue.py if it is new: {problems}"
+        "factory/ must not import workers/ (not even inside a function): ask factory.fleet.get() for what the fleet "
+        f"does, and add it to factory/fleet.py's Queue and workers/queue.py if it is new: {problems}"
     )
 
 
@@ -143,8 +141,8 @@ def test_the_queue_is_celery_through_the_entry_point():
     installed before it existed, needs `pip install -e .` again)."""
     from workers.queue import QUEUE
 
-    assert queue.get() is QUEUE
-    assert isinstance(QUEUE, queue.Queue)
+    assert fleet.get() is QUEUE
+    assert isinstance(QUEUE, fleet.Queue)
 
 
 # Imports inside a function in factory/ and workers/, each with why it is not at the top of its module (issue 34):
@@ -187,7 +185,7 @@ FUNCTION_IMPORTS = {
             ("factory.engines.script", "torch"),
             ("factory.evaluation.evaluate", "torch"),
             ("factory.evaluation.evaluate", "transformers"),
-            ("factory.checkpoints.inspect", "transformers"),
+            ("factory.checkpoints.inspection", "transformers"),
             ("factory.jobs.costs", "torch"),
             ("factory.evaluation.kld", "safetensors"),
             ("factory.evaluation.kld", "torch"),
@@ -234,13 +232,13 @@ FUNCTION_IMPORTS = {
     **dict.fromkeys(
         [
             ("factory.cli.jobs", "factory.jobs.heartbeat"),
-            ("factory.cli.registry", "factory.registry.housekeeping"),
-            ("factory.cli.registry", "factory.registry.lookup"),
+            ("factory.cli.registry", "factory.publish.housekeeping"),
+            ("factory.cli.registry", "factory.publish.lookup"),
             ("factory.cli.registry", "factory.publish.folder"),
             ("factory.cli.registry", "factory.publish.card"),
             ("factory.cli.run", "factory.catalog"),
             ("factory.cli.run", "factory.jobs.heartbeat"),
-            ("factory.cli.services", "factory.service.accounts"),
+            ("factory.cli.services", "factory.catalog.accounts"),
             ("factory.cli.shared", "factory.catalog"),
             ("factory.cli.shared", "factory.pipeline"),
             ("factory.cli.shared", "factory.service.client"),
@@ -251,13 +249,13 @@ FUNCTION_IMPORTS = {
     **dict.fromkeys([("factory.catalog.status", "psycopg2"), ("factory.catalog.status", "redis")], _DRIVERS),
     ("factory.cli.services", "uvicorn"): _SERVER,
     **dict.fromkeys([("workers.tasks", "torch"), ("workers.tasks", "transformers")], _PRELOAD),
-    ("factory.checkpoints.inspect", "factory.checkpoints.dequantize"): "a real cycle: " + CYCLES_INSPECT,
+    ("factory.checkpoints.inspection", "factory.checkpoints.dequantize"): "a real cycle: " + CYCLES_INSPECT,
 }
 
 
 def _function_imports() -> dict[tuple[str, str], list[str]]:
     """(module, what it imports) -> where, for every import inside a function in factory/ and workers/; what it
-    imports is the module of ours it names (`from factory.registry import lookup`: factory.registry.lookup), or else the
+    imports is the module of ours it names (`from factory.publish import lookup`: factory.publish.lookup), or else the
     third-party package (`from transformers.utils import logging`: transformers)."""
     ours = {name for name, _, _ in _modules()}
     found: dict[tuple[str, str], list[str]] = {}
@@ -312,7 +310,7 @@ def test_no_module_outside_the_engines_names_a_method():
 
 # Import cycles that stay, each with why (issue 34): everything else imports only modules that do not import it back,
 # at any depth and at any level (a function's imports count too).
-CYCLES = {frozenset({"factory.checkpoints.inspect", "factory.checkpoints.dequantize"}): CYCLES_INSPECT}
+CYCLES = {frozenset({"factory.checkpoints.inspection", "factory.checkpoints.dequantize"}): CYCLES_INSPECT}
 
 
 def _depends_on(tree, modules: set[str]) -> set[str]:

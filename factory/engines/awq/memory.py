@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from factory.checkpoints.inspect import read_config
+from factory.checkpoints.inspection import read_config
 from factory.engines.base import Memory, MemoryPlan
 from factory.vram import CONTEXT_BYTES, HEADROOM, GiB, MiB, Params, Shape, human
 

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from factory.checkpoints.files import COMPANIONS
-from factory.checkpoints.inspect import multimodal
+from factory.checkpoints.inspection import multimodal
 from factory.engines import child
 from factory.engines.awq.card import VllmCard
 from factory.engines.awq.memory import VllmMemory

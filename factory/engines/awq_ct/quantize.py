@@ -41,7 +41,7 @@ import os
 import re
 from pathlib import Path
 
-from factory.checkpoints.inspect import VISION_PARTS, multimodal, with_standard_names
+from factory.checkpoints.inspection import VISION_PARTS, multimodal, with_standard_names
 from factory.engines import child
 from factory.evaluation.evaluate import auto_model
 

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Literal, get_args
 
-from factory.checkpoints.inspect import read_config
+from factory.checkpoints.inspection import read_config
 from factory.engines.base import Memory, MemoryPlan
 from factory.engines.exl2 import ranges
 from factory.vram import (  # noqa: F401  (the shared pieces, here too for the arithmetic's tests and benchmark)

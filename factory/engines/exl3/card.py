@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from factory.checkpoints.inspect import multimodal, read_config
+from factory.checkpoints.inspection import multimodal, read_config
 from factory.engines.base import Card, format_scores
 from factory.engines.exl3 import compat
 from factory.engines.exl3.evaluate import KV_CHUNK, KV_CHUNK_NOTE

@@ -22,7 +22,7 @@ import sys
 import types
 from pathlib import Path
 
-from factory.checkpoints.inspect import read_config
+from factory.checkpoints.inspection import read_config
 from factory.engines import script
 
 DOTTED = frozenset({"Gemma3ForCausalLM"})  # exllamav3 1.6.5's architectures whose model class asks for ".model.…"

@@ -32,7 +32,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from factory.checkpoints.inspect import read_config, read_header
+from factory.checkpoints.inspection import read_config, read_header
 from factory.engines import child
 from factory.engines.base import Engine, Evaluation, Flag, QuantizeRequest, check_quant_folder
 from factory.engines.exl3 import evaluate

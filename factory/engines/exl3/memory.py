@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from factory.checkpoints.inspect import read_header
+from factory.checkpoints.inspection import read_header
 from factory.engines.base import Memory, MemoryPlan
 from factory.vram import HEADROOM, MiB, Params, Shape, best_bpw, human, plan_room, too_small
 

@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 
 import calibration
-from factory.checkpoints.inspect import read_config
+from factory.checkpoints.inspection import read_config
 from factory.engines import child
 from factory.engines.base import Engine, Flag, QuantizeRequest, Shared
 from factory.engines.gguf import evaluate, gguf_file, llama

@@ -71,7 +71,7 @@ def get() -> Queue:
             f"the job queue {found[0].value!r} cannot be loaded: {type(e).__name__}{': ' if reason else ''}{reason}"
         ) from None
     if (problem := _mismatch(queue)) is not None:
-        raise ServiceUnavailable(f"the job queue {found[0].value!r} is not a Queue (factory/queue.py): {problem}")
+        raise ServiceUnavailable(f"the job queue {found[0].value!r} is not a Queue (factory/fleet.py): {problem}")
     return queue
 
 

@@ -1,5 +1,5 @@
-"""What every part of the catalog stands on: the database and its schema, a session, and the one compare-and-set of a
-job's state with the fences every write of a holder goes through."""
+"""What every store of the catalog stands on: the database and its schema, a session, and the fences every write of a
+holder goes through."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from sqlalchemy import create_engine, inspect, text, update
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-from factory.catalog.states import TRANSITIONS, JobState, now
-from factory.catalog.tables import MIGRATIONS, SCHEMA_VERSION, Base, Claim, Job, Meta
+from factory.catalog.schema import MIGRATIONS, SCHEMA_VERSION, Base, Claim, Job, Meta
+from factory.catalog.states import JobState
 from factory.errors import Cancelled, LeaseLost, ServiceUnavailable, database_error, mask_url
 from factory.settings import database_kind
 
@@ -26,9 +26,9 @@ def _normalize_url(url: str) -> str:
     return re.sub(r"^postgres(ql)?://", "postgresql+psycopg2://", url)
 
 
-class Store:
-    """The database and its schema, a session, the one compare-and-set of a job's state and the fences: what
-    every part of the catalog uses, and the only thing they share."""
+class Database:
+    """The database and its schema, a session and the fences: what every store of the catalog is given, and the only
+    thing they share."""
 
     def __init__(self, url: str):
         self.url = url
@@ -91,40 +91,7 @@ class Store:
         except OperationalError as e:
             raise database_error(self.url, e) from None
 
-    def job(self, job_id: str) -> Job | None:
-        with self.session() as s:
-            job = s.get(Job, job_id)
-            if job is not None:
-                _ = job.steps
-            return job
-
-    def transition(
-        self,
-        job_id: str,
-        to: JobState,
-        token: int | None = None,
-        error: str | None = None,
-        exit_code: int | None = None,
-        only_from: frozenset[JobState] | None = None,
-        lease_expired: bool = False,
-        session: Session | None = None,
-    ) -> bool:
-        """Move the job to `to` if its state allows it (TRANSITIONS, narrowed by `only_from`) and, with `token`, if
-        that lease still holds it (`lease_expired`: only if its lease ran out). True when it happened. With
-        `session`, inside that transaction (a caller that decides under the job's row lock)."""
-        froms = [state for state, tos in TRANSITIONS.items() if to in tos and (only_from is None or state in only_from)]
-        query = update(Job).where(Job.id == job_id, Job.state.in_(froms))
-        if token is not None:
-            query = query.where(Job.lease_token == token)
-        if lease_expired:
-            query = query.where(Job.lease_until < now())
-        query = query.values(state=to, error=error, exit_code=exit_code, updated_at=now())
-        if session is not None:
-            return session.execute(query).rowcount == 1
-        with self.session() as s:
-            return s.execute(query).rowcount == 1
-
-    def _fence(self, s: Session, job_id: str, token: int | None, running: bool = False) -> None:
+    def fence(self, s: Session, job_id: str, token: int | None, running: bool = False) -> None:
         """Inside a write's own transaction: take the job's row lock, and go on only while `token` holds the job
         (and, with `running`, while it is running). The no-op UPDATE takes the lock on PostgreSQL and SQLite alike."""
         query = update(Job).where(Job.id == job_id)
@@ -143,7 +110,7 @@ class Store:
             else LeaseLost(f"job {job_id} is {job.state}, not running; stopping")
         )
 
-    def _fence_claim(self, s: Session, claim: tuple[str, int] | None) -> None:
+    def fence_claim(self, s: Session, claim: tuple[str, int] | None) -> None:
         """Inside a write's own transaction: go on only while `claim` (key, token) is still held."""
         if claim is None:
             return

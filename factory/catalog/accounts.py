@@ -34,13 +34,15 @@ from datetime import timedelta
 
 from sqlalchemy import delete, func, select, update
 
-from factory.catalog import TERMINAL, Catalog, Job, Submission, Token, now
+from factory.catalog.database import Database
+from factory.catalog.jobs import Jobs
+from factory.catalog.schema import Job, Submission, Token
+from factory.catalog.states import TERMINAL, now
 from factory.errors import AccessDenied, NotFound, OverQuota, SpecError
 
 SCOPES = ("read", "submit", "pull", "admin")
 DEFAULT_SCOPES = ("read", "submit", "pull")
 PREFIX = "qf_"
-COOKIE = "qf_token"  # the dashboard's sign-in (service/dashboard.py); the API takes the Authorization header only
 DAY = timedelta(days=1)
 _USER = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
 
@@ -94,8 +96,10 @@ def parse_scopes(text: str) -> tuple[str, ...]:
 
 
 class Accounts:
-    def __init__(self, catalog: Catalog):
-        self.catalog = catalog
+    """Tokens, quotas and who submitted which job."""
+
+    def __init__(self, db: Database, jobs: Jobs):
+        self.db, self.jobs = db, jobs
 
     def create(
         self,
@@ -119,16 +123,16 @@ class Accounts:
             quota_jobs_per_day=quota_jobs_per_day,
             max_running=max_running,
         )
-        with self.catalog.session() as s:
+        with self.db.session() as s:
             s.add(row)
         return secret, row
 
     def tokens(self) -> list[Token]:
-        with self.catalog.session() as s:
+        with self.db.session() as s:
             return list(s.scalars(select(Token).order_by(Token.created_at)))
 
     def revoke(self, token_id: str) -> Token:
-        with self.catalog.session() as s:
+        with self.db.session() as s:
             row = s.get(Token, token_id)
             if row is None:
                 raise NotFound(f"no token {token_id!r}; `qf token ls` lists them")
@@ -141,7 +145,7 @@ class Accounts:
                 "this request has no token; set FACTORY_TOKEN (or send Authorization: Bearer "
                 "<token>); `qf token create` on the factory makes one"
             )
-        with self.catalog.session() as s:
+        with self.db.session() as s:
             row = s.scalar(select(Token).where(Token.sha256 == _digest(secret)))
         if row is None or row.revoked_at is not None:
             raise Unauthenticated(
@@ -159,7 +163,7 @@ class Accounts:
         """A place for one more submission by `account`'s user (its id, for `record` or `release`), or OverQuota
         naming the quota and when a place frees up. Places older than `place_seconds` that have no job yet were
         left by a submission that never ended (a killed server): they are let go here."""
-        with self.catalog.session() as s:
+        with self.db.session() as s:
             s.execute(update(Token).where(Token.username == account.user).values(last_used_at=now()))
             s.execute(
                 delete(Submission).where(
@@ -230,7 +234,7 @@ class Accounts:
         without it) is taken again only if the quotas still allow it; else the job is cancelled unless another
         owner wants it, and OverQuota says why. Returns the job as it is now (a job its last other owner cancelled
         just before: the caller queues it again)."""
-        with self.catalog.session() as s:
+        with self.db.session() as s:
             job = s.get(Job, job_id, with_for_update=True)
             taken = update(Submission).where(
                 Submission.id == place, Submission.username == account.user, Submission.job_id.is_(None)
@@ -242,7 +246,7 @@ class Accounts:
                 self._check_quotas(s, account)
             except OverQuota as e:
                 if not self._owners(s, job_id):
-                    self.catalog.cancel_job(job_id, session=s)
+                    self.jobs.cancel(job_id, session=s)
                 lost = OverQuota(
                     f"this submission took longer than its place in {account.user}'s quota is held "
                     f"(FACTORY_PLACE_SECONDS), and the quota was taken meanwhile: {e.message}"
@@ -264,7 +268,7 @@ class Accounts:
         """`account`'s cancel of a job: its interest withdrawn and, when no other owner is left (or it is an
         admin's), the job cancelled, in one transaction under the job's row lock. Returns (the job, how many other
         users still want it)."""
-        with self.catalog.session() as s:
+        with self.db.session() as s:
             s.get(Job, job_id, with_for_update=True)
             s.execute(
                 update(Submission)
@@ -280,11 +284,11 @@ class Accounts:
             )
             if others and not account.admin:
                 return s.get(Job, job_id), others
-            return self.catalog.cancel_job(job_id, session=s), others
+            return self.jobs.cancel(job_id, session=s), others
 
     def rejoin(self, account: Account, job_id: str) -> None:
         """`account` wants the job again (a retry): its withdrawn submissions of it count again."""
-        with self.catalog.session() as s:
+        with self.db.session() as s:
             s.execute(
                 update(Submission)
                 .where(Submission.job_id == job_id, Submission.username == account.user)
@@ -293,14 +297,14 @@ class Accounts:
 
     def release(self, place: int) -> None:
         """A reserved place whose submission was refused (bad input): it does not count."""
-        with self.catalog.session() as s:
+        with self.db.session() as s:
             s.execute(delete(Submission).where(Submission.id == place))
 
     def job_ids(self, account: Account) -> set[str] | None:
         """The jobs `account` may see; None: every job."""
         if account.sees_every_job:
             return None
-        with self.catalog.session() as s:
+        with self.db.session() as s:
             return set(
                 s.scalars(
                     select(Submission.job_id).where(Submission.username == account.user, Submission.job_id.is_not(None))
@@ -311,5 +315,5 @@ class Accounts:
         """NotFound unless the job exists and `account` submitted it (or is an admin): another user's job is
         answered exactly like one that does not exist."""
         visible = self.job_ids(account)
-        if (visible is not None and job_id not in visible) or self.catalog.job(job_id) is None:
+        if (visible is not None and job_id not in visible) or self.jobs.get(job_id) is None:
             raise NotFound(f"no job {job_id!r}; `qf status` lists the recent ones")

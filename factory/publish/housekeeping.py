@@ -6,7 +6,7 @@ revision, not the Hub's copy, not the measurement other sizes reuse. `qf gc` fin
     its folder: running it again continues from there);
   - staging folders of publishes that were killed (older than an hour and not held, see publish/folder.py);
   - registry folders that no catalog row lists (a publish killed between placing its folder and recording its row),
-    older than an hour, whose job is not running: taken out under the job's row lock (Catalog.remove_unlisted);
+    older than an hour, whose job is not running: taken out under the job's row lock (Quants.remove_unlisted);
   - Hub downloads (FACTORY_HOME/cache/hub/ORG--NAME/SHA) that no queued, running or failed job needs;
   - BF16 copies of FP8/MXFP4 sources (FACTORY_HOME/dequantized/KEY, factory/checkpoints/dequantize.py) that no such job
   needs,
@@ -28,7 +28,7 @@ from pathlib import Path
 from factory.catalog import Catalog, JobState, Quant
 from factory.checkpoints import dequantize, snapshots
 from factory.errors import SpecError
-from factory.publish import folder as registry
+from factory.publish import folder
 from factory.settings import Settings
 
 DONE = (JobState.succeeded, JobState.cancelled)
@@ -63,28 +63,28 @@ def remove_quant(settings: Settings, catalog: Catalog, quants: list[Quant]) -> t
             f"qf rm {quants[0].name}:{quants[0].tag}@REV"
         )
     [quant] = quants
-    folder = registry.quant_dir(settings.registry, quant.name, quant.tag, quant.rev)
-    freed = disk_bytes(folder) if folder.is_dir() else 0
-    catalog.remove_quant(quant.name, quant.tag, quant.rev)
-    registry.remove(folder)
+    published = folder.quant_dir(settings.registry, quant.name, quant.tag, quant.rev)
+    freed = disk_bytes(published) if published.is_dir() else 0
+    catalog.quants.remove(quant.name, quant.tag, quant.rev)
+    folder.remove(published)
     return quant, freed
 
 
 def garbage(settings: Settings, catalog: Catalog) -> list[Garbage]:
-    catalog.expired_leases()
-    states = catalog.job_states()
+    catalog.leases.expired()
+    states = catalog.jobs.states()
     found = []
     if settings.work.is_dir():
-        for folder in sorted(settings.work.iterdir()):
-            state = states.get(folder.name, (None, None))[0]
+        for work in sorted(settings.work.iterdir()):
+            state = states.get(work.name, (None, None))[0]
             if state is None:
-                found.append(Garbage(folder, disk_bytes(folder), "work folder of a job the catalog does not know"))
+                found.append(Garbage(work, disk_bytes(work), "work folder of a job the catalog does not know"))
             elif state in DONE:
-                found.append(Garbage(folder, disk_bytes(folder), f"work folder of a {state} job"))
+                found.append(Garbage(work, disk_bytes(work), f"work folder of a {state} job"))
     if settings.registry.is_dir():
         found += [
             Garbage(p, disk_bytes(p), "staging of a publish that was killed")
-            for p in registry.sweep(settings.registry, remove=False)
+            for p in folder.sweep(settings.registry, remove=False)
         ]
         found += _unlisted(settings, catalog, states)
     needed = {_hub_folder(ident) for state, ident in states.values() if state not in DONE}
@@ -99,23 +99,23 @@ def garbage(settings: Settings, catalog: Catalog) -> list[Garbage]:
 
 
 def _unlisted(settings: Settings, catalog: Catalog, states: dict) -> list[Garbage]:
-    """Registry folders that no live row lists, older than registry.STALE_SECONDS, whose job is not running."""
-    listed = {q.path for q in catalog.quants()}
+    """Registry folders that no live row lists, older than folder.STALE_SECONDS, whose job is not running."""
+    listed = {q.path for q in catalog.quants.live()}
     found = []
     for path in sorted(settings.registry.glob("*/*@*")):
         relative = path.relative_to(settings.registry).as_posix()
-        if relative in listed or path.name.startswith(registry.STAGING) or path.is_symlink() or not path.is_dir():
+        if relative in listed or path.name.startswith(folder.STAGING) or path.is_symlink() or not path.is_dir():
             continue
-        if time.time() - path.lstat().st_mtime < registry.STALE_SECONDS:
+        if time.time() - path.lstat().st_mtime < folder.STALE_SECONDS:
             continue  # a publish may be recording its row now
-        job_id = (registry.read_manifest(path) or {}).get("job")
+        job_id = (folder.read_manifest(path) or {}).get("job")
         job_id = job_id if isinstance(job_id, str) else None
         if states.get(job_id, (None, None))[0] == JobState.running:
             continue
         tag, _, rev = path.name.partition("@")
 
         def remove(path=path, name=path.parent.name, tag=tag, rev=rev, job_id=job_id) -> bool:
-            return catalog.remove_unlisted(name, tag, rev, job_id, lambda: registry.remove(path))
+            return catalog.quants.remove_unlisted(name, tag, rev, job_id, lambda: folder.remove(path))
 
         why = "registry folder that no catalog row lists (a publish killed before recording it)"
         found.append(Garbage(path, disk_bytes(path), why, remove))

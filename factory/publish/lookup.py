@@ -17,8 +17,8 @@ from factory.registry.published import QuantRow
 
 def find(catalog: Catalog, ref: naming.QuantRef) -> list[Quant]:
     """The quants of ref.name (matching ref.tag/ref.rev if given), newest first; NotFound listing what exists."""
-    names = catalog.model_names()
-    quants = catalog.quants(name=ref.name)
+    names = catalog.jobs.model_names()
+    quants = catalog.quants.live(name=ref.name)
     if ref.name not in names:
         known = ", ".join(names) or "none yet"
         raise NotFound(f"no model named {ref.name!r}; known names: {known}")
@@ -37,6 +37,6 @@ def with_fits(catalog: Catalog, registry: Path, ref: naming.QuantRef) -> list[Qu
     for q in find(catalog, ref):
         folder = registry / q.path
         rows.append(
-            replace(catalog.quant_row(q), fits=engines.get(q.method).memory.fits(folder) if folder.is_dir() else None)
+            replace(catalog.quants.row(q), fits=engines.get(q.method).memory.fits(folder) if folder.is_dir() else None)
         )
     return rows

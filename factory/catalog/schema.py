@@ -127,7 +127,7 @@ class Quant(Base):
     (`files_sha`): a row is never deleted nor given other files; `qf rm` leaves it as a tombstone (`removed_at`),
     which no listing or lookup shows and whose name only the same files can take again. Its scores are those of
     the evaluation it was published with; later evaluations of the same weights are rows of `evaluations` with its
-    `weights_key` (Catalog.quant_evaluations)."""
+    `weights_key` (Quants.evaluations_of)."""
 
     __tablename__ = "quants"
     __table_args__ = (UniqueConstraint("name", "tag", "rev"),)
@@ -262,7 +262,7 @@ class Token(Base):
 
 class Submission(Base):
     """Who asked for a job, and when: a job submitted again by another user is theirs too (the same job id). A row
-    without a job is a place reserved by a submission in progress (service/accounts.py); a withdrawn row is a
+    without a job is a place reserved by a submission in progress (catalog/accounts.py); a withdrawn row is a
     user's cancel of a job that others still want."""
 
     __tablename__ = "submissions"
