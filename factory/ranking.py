@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from calibration import public_name
 from factory import engines, vram
+from factory.checkpoints import sources
 from factory.errors import SpecError
 
 if TYPE_CHECKING:
@@ -114,11 +114,11 @@ def of_catalog(catalog: Catalog | None, arg: str) -> tuple[str, str, list[QuantR
     """The model `arg` names, a name in the catalog or the folder or Hub repo its quants were made from: its name, the
     FP16 source to size it from (the newest quant's, for a name) and its published quants, each with every
     evaluation of its files. A source the catalog has no quant of: its folder's name, itself, none."""
-    path = Path(arg).expanduser()
-    sources = {arg, str(path.resolve())} if path.is_dir() else {arg}
+    path = sources.local(arg)  # `~user` of nobody: NotFound, exit 4
+    origins = {arg, str(path.resolve())} if path.is_dir() else {arg}
     quants = catalog.quants.live() if catalog is not None else []
     mine = [q for q in quants if q.name == arg.lower()]
-    mine = mine or [q for q in quants if q.source in sources or q.source.split("@")[0] == arg]
+    mine = mine or [q for q in quants if q.source in origins or q.source.split("@")[0] == arg]
     if not mine:
         return (path.name if path.is_dir() else arg).lower(), arg, []
     name = mine[0].name

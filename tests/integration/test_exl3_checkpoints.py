@@ -21,12 +21,12 @@ import calibration
 from benchmarks import coverage
 from factory import engines
 from factory.evaluation import evaluate
+from tests.support import ROOT
 from tests.support.qf import Qf
 from tests.support.tiny_archs import make_tiny
 from tests.support.tiny_model import make_tiny_llama, make_tiny_tokenizer
 from tests.support.tiny_vlms import FAMILIES, make_tiny_vlm
 
-ROOT = Path(__file__).resolve().parent.parent
 WIDTH = coverage.WIDTH["exl3"]
 # Qwen2: transformers' AutoTokenizer gave ids past the vocabulary; the others' configs said other keys than releases
 CHECKED = {"qwen2", "qwen3_moe", "exaone4", "nemotron_h"}

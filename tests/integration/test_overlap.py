@@ -12,7 +12,6 @@ import sys
 import textwrap
 import threading
 from datetime import datetime
-from pathlib import Path
 
 import pytest
 
@@ -22,9 +21,9 @@ from factory.jobs import packing
 from factory.jobs.graph import Unit
 from factory.jobs.ledger import Ledger
 from factory.jobs.packing import Need, Packer
+from tests.support import ROOT
 
 GiB = 2**30
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
