@@ -74,13 +74,13 @@ def plan(
         job_data = _job_data(specs, job) if job else None
         print(json.dumps({**dict(sorted(answers.items())), "job": job_data, "ranking": ranked.to_json()}, indent=2))
         return
+    if info.vision is not None:  # say which part is which: the plans size the language model's quant and the rest
+        out.print(info.parts(), markup=False, highlight=False)
     for line in _ranking_lines(ranked):
         if isinstance(line, str):
             out.print(line, markup=False, highlight=False)
         else:
             out.print(line)
-    if info.vision is not None:  # say which part is which: the plans size the language model's quant and the rest
-        out.print(info.parts(), markup=False, highlight=False)
     for name, plan_ in sorted(plans.items(), key=lambda item: not item[1].rows):  # tables first
         if plan_.rows:
             out.print(_plan_table(plan_))
@@ -102,8 +102,7 @@ def _ranking_lines(ranked: ranking.Ranking) -> list:
     if not any(r.kind == "measured" for r in ranked.rows):
         loads = f" that {ranked.runtime} loads" if ranked.runtime else ""
         return [
-            f"no quant of {ranked.name}{loads} is scored in the catalog, so nothing is ranked by KLD: `qf run` makes "
-            "and scores some, then qf plan ranks them (and the sizes between them) for a budget"
+            f"nothing of {ranked.name}{loads} to rank by KLD: no quant of it is scored yet (qf run scores them)"
         ]
     title = f"{ranked.name} ranked by KLD: what fits {ranked.where()}, scored on {ranked.protocol}"
     lines: list = [tables.ranking(ranked.ranked, out.width, title)] if ranked.ranked else []
