@@ -101,9 +101,7 @@ def _ranking_lines(ranked: ranking.Ranking) -> list:
     """The ranking's table (the quants that fit and have a KLD, best first) and what it leaves out, in lines."""
     if not any(r.kind == "measured" for r in ranked.rows):
         loads = f" that {ranked.runtime} loads" if ranked.runtime else ""
-        return [
-            f"nothing of {ranked.name}{loads} to rank by KLD: no quant of it is scored yet (qf run scores them)"
-        ]
+        return [f"nothing of {ranked.name}{loads} to rank by KLD: no quant of it is scored yet (qf run scores them)"]
     title = f"{ranked.name} ranked by KLD: what fits {ranked.where()}, scored on {ranked.protocol}"
     lines: list = [tables.ranking(ranked.ranked, out.width, title)] if ranked.ranked else []
     if any(r.kind == "expected" for r in ranked.ranked):
