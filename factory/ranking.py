@@ -132,7 +132,7 @@ def runtimes() -> list[str]:
 
 
 def check_runtime(runtime: str | None) -> str | None:
-    """Rules: one of the engines' runtimes, any case. Valid: "llama.cpp", "vLLM". Not valid: "exl2" (a format)."""
+    """Rules: one of the engines' runtimes, any case. Valid: "llama.cpp", "vLLM". Not valid: "safetensors" (a file format, not a runtime)."""
     if runtime is None:
         return None
     known = runtimes()
