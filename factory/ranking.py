@@ -132,7 +132,8 @@ def runtimes() -> list[str]:
 
 
 def check_runtime(runtime: str | None) -> str | None:
-    """Rules: one of the engines' runtimes, any case. Valid: "llama.cpp", "vLLM". Not valid: "safetensors" (a file format, not a runtime)."""
+    """Rules: one of the engines' runtimes, any case. Valid: "llama.cpp", "vLLM". Not valid: "safetensors" (a file
+    format)."""
     if runtime is None:
         return None
     known = runtimes()
