@@ -52,7 +52,6 @@ FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
 SCALE_DTYPES = ("F32", "BF16", "F16")
 FORMAT = 1  # what a copy is: a change to the output that older copies lack changes the key
 MARKER = ".quantfactory-dequantized"  # written last into a copy: its source and method (never a source file)
-TMP = ".tmp-"
 CHUNK = 16 << 20  # source bytes read at once (an FP8 piece takes about 14 times that while it is dequantized)
 # A tensor stacks at most MAX_MATRICES matrices (experts; real MoE releases stack a few hundred: gpt-oss 128, or a
 # layer's experts times the layers), and an MXFP4 expert, dequantized whole, holds at most MAX_EXPERT source bytes
@@ -162,15 +161,13 @@ def made(home: Path, source_identity: str) -> Path | None:
 
 def leftovers(home: Path, keep: set[Path]) -> list[tuple[Path, str]]:
     """What `qf gc` may remove here: copies not in `keep` (those unfinished jobs read), and what writers that were
-    killed left (not held by a writer now)."""
-    found = []
-    base = root(home)
-    for path in sorted(base.iterdir()) if base.is_dir() else []:
-        if path.name.startswith(TMP) and not files.held(base / f".{path.name.removeprefix(TMP)}.lock"):
-            found.append((path, "BF16 copy of a source whose dequantization was killed"))
-        elif not path.name.startswith(".") and path not in keep:
-            found.append((path, "BF16 copy of an FP8/MXFP4 source that no unfinished job needs"))
-    return found
+    killed left."""
+    return files.leftovers(
+        root(home),
+        keep,
+        "BF16 copy of a source whose dequantization was killed",
+        "BF16 copy of an FP8/MXFP4 source that no unfinished job needs",
+    )
 
 
 def bf16(source: Path, source_identity: str, home: Path, progress: Progress) -> tuple[Path, bool]:
@@ -186,7 +183,7 @@ def bf16(source: Path, source_identity: str, home: Path, progress: Progress) -> 
     ):
         if made(home, source_identity):  # the job that held the lock made it
             return dest, False
-        tmp = dest.parent / f"{TMP}{dest.name}"
+        tmp = dest.parent / f"{files.MAKING}{dest.name}"
         shutil.rmtree(tmp, ignore_errors=True)  # a writer that was killed: the lock is ours, so it is gone
         shutil.rmtree(dest, ignore_errors=True)  # a copy without its marker (removed by hand half-way)
         try:

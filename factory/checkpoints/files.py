@@ -54,6 +54,7 @@ UPSTREAM_CARD = "README.md"  # the source's own model card: read for its license
 MAX_CARD = 1 << 20
 CHUNK = 1 << 20  # a snapshot's reads (16 MiB made the one-pass copy 3x as slow: out of the CPU's cache)
 KERNEL_CHUNK = 1 << 26  # a snapshot's in-kernel copies, between progress events
+MAKING = ".tmp-"  # a copy made once (`locked`) is written as MAKING + its name, then renamed
 WAIT_SECONDS = 2.0  # how often a job that waits for another's copy of the same source says so
 PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+-]{0,254}")  # a file name a quant's file may have
 
@@ -195,7 +196,8 @@ def stamps(dest: Path) -> dict[str, tuple[int, int, int]]:
 
 
 def held(lock: Path) -> bool:
-    """Whether a process holds `lock` (`locked`): a copy it is writing is not a leftover."""
+    """Whether a process holds `lock` (`locked`, a publisher's staging lock): what it is writing is not a leftover.
+    Never creates the lock."""
     try:
         fd = os.open(lock, os.O_RDONLY)
     except FileNotFoundError:
@@ -207,6 +209,19 @@ def held(lock: Path) -> bool:
         return True
     finally:
         os.close(fd)
+
+
+def leftovers(base: Path, keep: set[Path], killed: str, unneeded: str) -> list[tuple[Path, str]]:
+    """What `qf gc` may remove of the copies made once in `base` (`locked`, then renamed from `.tmp-<name>`): those
+    not in `keep` (the ones unfinished jobs read), and what writers that were killed left (not held by a writer
+    now); each with why (`killed`, `unneeded`)."""
+    found = []
+    for path in sorted(base.iterdir()) if base.is_dir() else []:
+        if path.name.startswith(MAKING) and not held(base / f".{path.name.removeprefix(MAKING)}.lock"):
+            found.append((path, killed))
+        elif not path.name.startswith(".") and path not in keep:
+            found.append((path, unneeded))
+    return found
 
 
 @contextmanager

@@ -25,7 +25,6 @@ from factory.errors import JobFailed
 from factory.identity import digest
 
 MARKER = ".quantfactory-snapshot"  # written last into a snapshot: its identity and its files' stamps
-TMP = ".tmp-"
 
 
 def root(home: Path) -> Path:
@@ -57,7 +56,7 @@ def staged(
     with files.locked(lock, progress, waiting):
         if _reused(shared, source, dest, verify, progress):  # the job that held the lock made it
             return False
-        tmp = shared.parent / f"{TMP}{shared.name}"
+        tmp = shared.parent / f"{files.MAKING}{shared.name}"
         shutil.rmtree(tmp, ignore_errors=True)  # a writer that was killed: the lock is ours, so it is gone
         shutil.rmtree(shared, ignore_errors=True)  # a snapshot without its marker, or one that changed
         try:
@@ -99,13 +98,11 @@ def _linked(shared: Path, dest: Path) -> bool:
 
 
 def leftovers(home: Path, keep: set[Path]) -> list[tuple[Path, str]]:
-    """What `qf gc` may remove here: snapshots not in `keep` (those unfinished jobs read), and what writers that were
-    killed left (not held by a writer now)."""
-    found = []
-    base = root(home)
-    for path in sorted(base.iterdir()) if base.is_dir() else []:
-        if path.name.startswith(TMP) and not files.held(base / f".{path.name.removeprefix(TMP)}.lock"):
-            found.append((path, "snapshot of a source whose copy was killed"))
-        elif not path.name.startswith(".") and path not in keep:
-            found.append((path, "snapshot of a local source that no unfinished job needs"))
-    return found
+    """What `qf gc` may remove here: copies not in `keep` (those unfinished jobs read), and what writers that were
+    killed left."""
+    return files.leftovers(
+        root(home),
+        keep,
+        "snapshot of a source whose copy was killed",
+        "snapshot of a local source that no unfinished job needs",
+    )

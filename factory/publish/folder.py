@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from factory.catalog import RevTaken
+from factory.checkpoints import files
 from factory.errors import JobFailed, SpecError
 from factory.identity import file_sha256
 
@@ -111,21 +112,6 @@ def _staging(tmp: Path) -> Iterator[Path]:
             lock.unlink(missing_ok=True)
 
 
-def _held(lock: Path) -> bool:
-    """Whether a live publisher holds `lock` (never creates it)."""
-    try:
-        fd = os.open(lock, os.O_WRONLY)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-
-
 def sweep(registry: Path, older_than: float = STALE_SECONDS, remove: bool = True) -> list[Path]:
     """Remove the staging left by publishes that were killed: older than `older_than` seconds and not held (with
     remove=False, only list it)."""
@@ -136,7 +122,7 @@ def sweep(registry: Path, older_than: float = STALE_SECONDS, remove: bool = True
             age = time.time() - os.lstat(path).st_mtime
         except FileNotFoundError:
             continue
-        if age < older_than or _held(lock):
+        if age < older_than or files.held(lock):
             continue
         removed.append(path)
         if not remove:

@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from factory.checkpoints import dequantize, sources
+from factory.checkpoints import dequantize, files, sources
 from factory.checkpoints.inspection import inspect
 from factory.errors import ModelRefused
 from tests.support import ROOT
@@ -274,7 +274,7 @@ def test_a_kill_leaves_no_copy(qf, fp8):
         os.kill(child.pid, signal.SIGKILL)
         child.wait()
     root = dequantize.root(qf.home)
-    [tmp] = [p for p in root.iterdir() if p.name.startswith(dequantize.TMP)]
+    [tmp] = [p for p in root.iterdir() if p.name.startswith(files.MAKING)]
     assert dequantize.made(qf.home, "sha256:killed") is None
     assert not dequantize.folder(qf.home, "sha256:killed").exists()
     planned = qf.json("gc", "--dry-run")
