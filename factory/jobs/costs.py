@@ -76,6 +76,9 @@ class Costs:
             guess = eta.other_seconds(
                 unit.kind, model.parameters, job.eval_windows * model.window_length, job.device, cpu_threads()
             )
+            if unit.group:  # one evaluation per score of the group (EXL2's KV caches: fp16, q8, q4)
+                loads = sum(e.group == unit.group for e in engines.get(unit.spec.method).evaluations(unit.spec))
+                guess *= max(1, loads)
         family = eta.family(unit.name)
         past = [
             eta.Past(seconds, parameters)

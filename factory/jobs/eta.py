@@ -117,6 +117,7 @@ def critical_path(units: list[Unit], slots: list[Slot]) -> list[Slot]:
 
 # the units no engine runs: gate, publish and push are quick; an evaluation is a forward pass over the windows
 OTHER_SECONDS = {"gate": 1.0, "publish": 2.0, "push": 30.0}
+PUBLISH_SECONDS_PER_B = 1.3  # a publish copies and hashes the quant: 11-12 s for a 4-bit 8B (4 GB, 2026-12-06)
 # what a forward pass reaches, fp16 on an H200 / fp32 on a CPU core: the random 8B's FP16 evaluation (48 x 2048
 # tokens, walked a layer at a time) took 10.5 s and its AutoAWQ quant's 33 s (2026-12-06; 81 s expected at 2e13)
 GPU_FLOPS, CPU_FLOPS_PER_CORE = 1e14, 2.5e10
@@ -124,6 +125,8 @@ GPU_FLOPS, CPU_FLOPS_PER_CORE = 1e14, 2.5e10
 
 def other_seconds(kind: str, parameters: int, tokens: int, device: str, cores: int) -> float:
     """First-principles seconds of a unit no engine runs (an evaluation: 2 x parameters FLOPs a token, a load)."""
+    if kind == "publish":
+        return OTHER_SECONDS[kind] + PUBLISH_SECONDS_PER_B * parameters / 1e9
     if kind != "evaluate":
         return OTHER_SECONDS.get(kind, 5.0)
     flops = 2.0 * parameters * tokens

@@ -46,6 +46,7 @@ TOOLS = ("llmcompressor", "compressed-tensors", "transformers")  # what makes it
 
 class AwqCtMemory(VllmMemory):  # vLLM's, as AutoAWQ's
     CPU_CORE_SECONDS_PER_B = 3300.0  # SmolLM2-135M, 16 x 128 calibration, 2 cores: 224 s (docs/measured.md)
+    UNIT_SECONDS = {"quantize": (20.0, 49.0)}  # the random 8B on an H100: 374 s (AutoAWQ's 105 s a billion: 784)
 
 
 class AwqCtCard(VllmCard):

@@ -198,6 +198,9 @@ def quant_fits(folder: Path) -> list[dict]:
     return fits_table(shape, quant_weights(folder))
 
 
+RANGES_SLOWER = 1.6  # a range's seconds per billion over a serial measurement's (unit_seconds)
+
+
 class Exl2Memory(Memory):
     """EXL2's part of an engine: the memory model above (`qf plan`, `--fit`, the card's "fits on" tables), and its
     units on an H200 (docs/measured.md): measurement 184-222 s and a pass 129-149 s at 1.1B; 84 s and 105 s at
@@ -205,7 +208,7 @@ class Exl2Memory(Memory):
 
     sizes_to_budget = True
     runtimes = ("exllamav2", "tabbyapi")  # TabbyAPI's releases before its main branch dropped EXL2 (2026-07-14)
-    UNIT_SECONDS = {"measure": (60.0, 130.0), "quantize": (90.0, 50.0)}
+    UNIT_SECONDS = {"measure": (60.0, 130.0), "quantize": (90.0, 50.0)}  # the 8B: 963 s (serial), 460 s (4.0 bpw)
 
     def need(self, shape, params, spec, ctx: int, cache: str) -> tuple[int, int]:
         weights = exl2_weights(params, spec.bpw, spec.head_bits)
@@ -254,13 +257,14 @@ class Exl2Memory(Memory):
         return int(one_pass * 1.2) * processes + (processes - 1) * CONTEXT_BYTES
 
     def unit_seconds(self, kind: str, parameters: int, device: str, cores: int) -> float:
-        """The measurement's ranges (one a core) run at once: its per-billion seconds shared among them, at a
-        quarter more each (they share the card's SMs; a prediction until the catalog has one measured)."""
+        """The measurement's ranges (one a core) run at once: its per-billion seconds shared among them, at 1.6
+        times each (they share the card's SMs, and each range first runs the layers before it): the random 8B's four
+        ranges took 440 s on an H100 beside an EXL3 conversion, against about 963 s for one serial measurement."""
         processes = min(cores, ranges.RANGES)
         if kind != "measure" or device != "cuda" or processes <= 1:
             return super().unit_seconds(kind, parameters, device, cores)
         fixed, per_b = self.UNIT_SECONDS["measure"]
-        return fixed + 1.25 * per_b * parameters / 1e9 / processes
+        return fixed + RANGES_SLOWER * per_b * parameters / 1e9 / processes
 
     def unit_cores(self, kind: str, device: str) -> int:
         """A process feeds the card from about one core: the measurement's ranges one each."""

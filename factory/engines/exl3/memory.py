@@ -161,9 +161,10 @@ def plan(
 
 class Exl3Memory(Memory):
     """EXL3's part of an engine: the memory model above (`qf plan`), and its units: 156 s at 1.1B on an H200, 90-93 s
-    at Gemma-3-270M (its 262k-word head)."""
+    at Gemma-3-270M (its 262k-word head), 30-33 s a layer at the random 8B on an H100 (about 1090 s; 649 s expected
+    at 70 + 80 s a billion)."""
 
-    UNIT_SECONDS = {"quantize": (70.0, 80.0)}
+    UNIT_SECONDS = {"quantize": (10.0, 148.0)}
     runtimes = ("exllamav3", "tabbyapi")
 
     def need(self, shape, params, spec, ctx: int, cache: str) -> tuple[int, int]:
