@@ -4,6 +4,7 @@ its peak GPU memory (the factory's own reading), the peak host memory of the job
 disk the job's home takes (work folders, the published quants, the FP16 reference).
 
     python benchmarks/cost_growth.py DIR --shape 8b --make            # the model only (GPU, seconds)
+    python benchmarks/cost_growth.py DIR --shape 8b --headers         # its headers over a hole (`qf plan`, any machine)
     python benchmarks/cost_growth.py DIR --shape 8b --label awq -- --awq --awqct
     python benchmarks/cost_growth.py DIR --shape 8b --label exl3 -- --exl3 4.0
     python benchmarks/cost_growth.py - --shape 8b --label awq --events LOG --gpu "NVIDIA H200" -- --awq
@@ -79,7 +80,7 @@ class Sampler(threading.Thread):
         return max(inside, default=None)
 
 
-def make(directory: Path, shape: str) -> Path:
+def make(directory: Path, shape: str, device: str = "cuda") -> Path:
     model = directory / f"llama-{shape}"
     if not (model / "config.json").is_file():
         import torch
@@ -87,7 +88,7 @@ def make(directory: Path, shape: str) -> Path:
         from tests.support.tiny_model import make_tiny_llama
 
         started = time.monotonic()
-        make_tiny_llama(model, device="cuda", **SHAPES[shape])
+        make_tiny_llama(model, device=device, **SHAPES[shape])
         torch.cuda.empty_cache()
         print(f"made {model} in {time.monotonic() - started:.0f} s", flush=True)
     return model
@@ -174,6 +175,7 @@ def main() -> None:
     parser.add_argument("dir", type=Path)
     parser.add_argument("--shape", choices=sorted(SHAPES), required=True)
     parser.add_argument("--make", action="store_true", help="make the model and stop")
+    parser.add_argument("--headers", action="store_true", help="make its config, tokenizer and headers and stop")
     parser.add_argument("--label", default="job")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "cost_growth.json")
     parser.add_argument("--events", type=Path, help="record a sitting's events log (DIR is then not read)")
@@ -184,8 +186,8 @@ def main() -> None:
         entry = {**summary(events), "command": "qf run " + " ".join(qf_args), "events": str(args.events.name)}
         record(args.out, args.shape, args.label, {**entry, "gpu": args.gpu, "commit": os.environ.get("QF_COMMIT")})
         return
-    model = make(args.dir, args.shape)
-    if args.make:
+    model = make(args.dir, args.shape, "meta" if args.headers else "cuda")
+    if args.make or args.headers:
         return
     import torch
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Annotated
 
@@ -41,16 +40,20 @@ def plan(
     gpus: Annotated[int, typer.Option("--gpus", min=1, help="Split the layers over N such GPUs (estimate).")] = 1,
     engine: Annotated[str | None, typer.Option("--engine", metavar="NAME", help="Only this engine's plan.")] = None,
     runtime: RuntimeOpt = None,
+    cores: Annotated[
+        int | None,
+        typer.Option("--cores", min=1, help="CPU cores of the machine that runs the job (default: this one's)."),
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """What fits a GPU with its context and KV cache, as each engine's memory model says (every size and the
     highest that fits, or an estimate for its server); an engine that cannot convert the model says why instead;
-    and how long the whole job (the standard recipe, or --recipe, or the engine flags as `qf run` takes them) takes
-    on one such GPU beside this machine's cores, packed as the factory packs. Reads only the config and
-    safetensors headers. SOURCE may also be a model the catalog knows (its name): then its quants, of every format,
-    are ranked by KLD among those whose runtime fits (--runtime: only those it loads), with the sizes not made yet
-    that its formats' measured curves cover, marked expected. --json: the numbers by engine ({"refused": why} for
-    those), the job's under "job", the ranking under "ranking"."""
+    and how long the whole job (the standard recipe, or --recipe, or the engine flags as `qf run` takes them)
+    takes on one such GPU beside this machine's cores (--cores: another machine's), packed as the factory packs.
+    Reads only the config and safetensors headers. SOURCE may also be a model the catalog knows (its name): then
+    its quants, of every format, are ranked by KLD among those whose runtime fits (--runtime: only those it
+    loads), with the sizes not made yet that its formats' measured curves cover, marked expected. --json: the
+    numbers by engine ({"refused": why} for those), the job's under "job", the ranking under "ranking"."""
     budget = memory.parse_size(vram)
     runtime = ranking.check_runtime(runtime)
     asked = [engines.get(engine)] if engine else engines.all_engines()
@@ -66,8 +69,9 @@ def plan(
         if e.name not in refused and (p := e.memory.plan(shape, params, budget, ctx, kv_cache, gpus)) is not None
     }
     steps = catalog.steps if catalog else None
-    times = _conversion_times(list(plans), params.total, steps)
-    specs, job = planning.projection(Costs(steps, None), source, recipes.build_recipe(recipe, flags), budget, info)
+    costs = Costs(steps, None, cores=cores)
+    times = _conversion_times(list(plans), params.total, steps, costs.cores())
+    specs, job = planning.projection(costs, source, recipes.build_recipe(recipe, flags), budget, info)
     if as_json:
         answers = {name: {**p.data, "expected_seconds": times[name]} for name, p in plans.items()}
         answers.update({name: {"refused": why} for name, why in refused.items()})
@@ -94,7 +98,7 @@ def plan(
     for why in refused.values():
         out.print(why, markup=False, highlight=False)
     if specs:
-        out.print(_job_line(specs, job, vram), markup=False, highlight=False)
+        out.print(_job_line(specs, job, vram, costs.cores()), markup=False, highlight=False)
 
 
 def _ranking_lines(ranked: ranking.Ranking) -> list:
@@ -131,7 +135,7 @@ def _job_data(specs: list, job: Projection) -> dict:
     }
 
 
-def _job_line(specs: list, job: Projection, vram: str) -> str:
+def _job_line(specs: list, job: Projection, vram: str, cores: int) -> str:
     """One line: the job's time packed and one unit after another, and the units its end waits on that take a
     twentieth of it or more (the gate, publishing and a quant's evaluation are seconds: counted, not named)."""
     long = [s for s in job.critical_path if s.end - s.start >= job.seconds / 20]
@@ -140,7 +144,7 @@ def _job_line(specs: list, job: Projection, vram: str) -> str:
         path += f" and {short} short unit{'s' if short != 1 else ''}"
     return (
         f"the whole job ({len(specs)} quant{'s' if len(specs) != 1 else ''}) on one {vram} GPU and "
-        f"{os.cpu_count()} cores, packed as the factory "
+        f"{cores} cores, packed as the factory "
         f"packs: about {tables.duration(job.seconds)} to publish (one unit after another "
         f"{tables.duration(job.serial_seconds)}); the critical path: {path}"
     )
@@ -171,7 +175,7 @@ def _catalog():
     return None
 
 
-def _conversion_times(names: list[str], parameters: int, steps) -> dict[str, dict]:
+def _conversion_times(names: list[str], parameters: int, steps, cores: int) -> dict[str, dict]:
     """Expected seconds of each engine's conversion units for `qf plan`: the catalog's history where it can be
     read, else the engines' estimates."""
 
@@ -184,4 +188,4 @@ def _conversion_times(names: list[str], parameters: int, steps) -> dict[str, dic
             if eta.family(name) == family
         ]
 
-    return {name: eta.conversion(engines.get(name), parameters, history) for name in names}
+    return {name: eta.conversion(engines.get(name), parameters, history, cores=cores) for name in names}

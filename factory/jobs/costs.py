@@ -50,10 +50,13 @@ def evaluation_bytes(model: Sized, windows: int, walked: bool) -> int:
 
 
 class Costs:
-    def __init__(self, steps: Steps | None, max_units: int | None, ledger: Ledger | None = None):
+    def __init__(
+        self, steps: Steps | None, max_units: int | None, ledger: Ledger | None = None, cores: int | None = None
+    ):
         self.steps = steps  # None: no history here (`qf plan` where no catalog exists): the engines' estimates
         self.max_units = max_units  # None: as many units at once as fit
         self.ledger = ledger  # the units of other jobs on this machine's GPU and cores (qf worker's slots)
+        self.machine_cores = cores  # None: this machine's
         self._history: dict[tuple[str, str], tuple[float, list]] = {}  # (family, device) -> (read at, rows)
 
     def measure_processes(self, engine: engines.Engine, job: Job, stage: str = "measure") -> int:
@@ -62,7 +65,7 @@ class Costs:
         before packing)."""
         if job.device != "cuda" or self.max_units == 1:
             return 1
-        return min(engine.memory.unit_cores(stage, job.device), self._cores())
+        return min(engine.memory.unit_cores(stage, job.device), self.cores())
 
     def seconds(self, job: Job, model: Sized, unit: Unit) -> float:
         """A unit's expected seconds (jobs/eta.py): history of its family near this size, else an estimate."""
@@ -107,7 +110,7 @@ class Costs:
         cuda = job.device == "cuda"
         if unit.kind == "evaluate":
             gpu = evaluation_bytes(model, job.eval_windows, walked=unit.spec is None and model.walkable)
-            return Need(gpu if cuda else 0, 1 if cuda else min(cpu_threads(), self._cores()), in_process=True)
+            return Need(gpu if cuda else 0, 1 if cuda else min(cpu_threads(), self.cores()), in_process=True)
         engine, kind = engines.get(unit.spec.method), _engine_kind(unit)
         family = f"{unit.stage}:" if unit.kind == "measure" else f"quantize:{unit.spec.tag.split('-')[0]}-"
         seen = peaks.get(unit.name) or max((p for n, p in peaks.items() if n.startswith(family)), default=None)
@@ -116,19 +119,20 @@ class Costs:
             if seen
             else engine.memory.unit_gpu_bytes(kind, unit.spec, model.shape, model.params)
         )
-        cores = min(engine.memory.unit_cores(kind, job.device), self._cores())
+        cores = min(engine.memory.unit_cores(kind, job.device), self.cores())
         if self.max_units:  # asked for: the job's cores are shared among them
-            cores = min(cores, max(1, self._cores() // self.max_units))
+            cores = min(cores, max(1, self.cores() // self.max_units))
         return Need(peak + CONTEXT_BYTES if cuda else 0, cores)
 
-    def _cores(self) -> int:
-        return os.cpu_count() or 1
+    def cores(self) -> int:
+        """The cores of the machine the job runs on: this one's, or what `qf plan --cores` says."""
+        return self.machine_cores or os.cpu_count() or 1
 
     def packer(self, job: Job) -> Packer:
         """What this machine admits at once: its GPU's free memory less HEADROOM, its cores. With a ledger, the
         memory other jobs' running units are predicted to take counts as free here (the ledger counts it against
         them when a unit is admitted), up to the card's total."""
-        cores = self._cores()
+        cores = self.cores()
         if job.device != "cuda":
             return Packer(self.max_units or cores, None, cores)
         import torch

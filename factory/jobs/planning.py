@@ -10,7 +10,6 @@ Plain functions of the catalog, the settings and where events go: nothing here r
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -157,7 +156,7 @@ def estimate(costs: Costs, settings: Settings, job: Job) -> tuple[float, float] 
 
 
 def projection(costs: Costs, source: str, recipe: Recipe, vram: int, info) -> tuple[list[QuantSpec], Projection | None]:
-    """How long `recipe` takes for `source` on one CUDA card of `vram` bytes beside this machine's cores, packed as
+    """How long `recipe` takes for `source` on one CUDA card of `vram` bytes beside `costs.cores()`, packed as
     the factory packs (`qf plan`): the specs its engines take (those that refuse the model are left out: `qf plan`
     says why) and the projection. Reads the config and safetensors headers only; `info` is what the engines'
     `refuse` read of them."""
@@ -182,7 +181,7 @@ def projection(costs: Costs, source: str, recipe: Recipe, vram: int, info) -> tu
     )
     keys = {s.tag: measurement_keys(job, s) for s in specs}
     units = graph.units(specs, keys, True, False)
-    packer = Packer(costs.max_units or AUTOMATIC_MAX_UNITS, max(0, vram - HEADROOM), os.cpu_count() or 1)
+    packer = Packer(costs.max_units or AUTOMATIC_MAX_UNITS, max(0, vram - HEADROOM), costs.cores())
     return specs, costs.projection(job, model, units, packer)
 
 

@@ -82,13 +82,33 @@ def make_tiny_llama(
     torch.manual_seed(seed)
     with torch.device(device):
         model = LlamaForCausalLM(config).to(torch.float16)
-    model.save_pretrained(out)
+    if device == "meta":
+        config.architectures, config.dtype = [type(model).__name__], "float16"  # as save_pretrained writes them
+        config.save_pretrained(out)
+        save_headers(model.state_dict(), out / "model.safetensors")
+    else:
+        model.save_pretrained(out)
     # transformers 5 writes rope_parameters; exllamav2 reads rope_theta.
     cfg_path = out / "config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg.setdefault("rope_theta", rope_theta)
     cfg_path.write_text(json.dumps(cfg, indent=2))
     return out
+
+
+def save_headers(tensors: dict, path: Path) -> None:
+    """A safetensors file whose header is real and whose data is a hole: `qf plan` of a large shape on any machine
+    (it reads configs and headers only), at no disk cost."""
+    header, offset = {}, 0
+    for name, t in tensors.items():
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": "F16", "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw)
+        f.truncate(8 + len(raw) + offset)
 
 
 if __name__ == "__main__":
