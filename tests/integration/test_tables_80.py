@@ -300,3 +300,23 @@ def test_plan_projects_the_whole_job_packed_as_the_factory_packs(tiny, tmp_path)
     shown = qf(tmp_path, "plan", tiny, "--vram", "24GB", "--exl3", "4.0", "--awq").stdout
     [line] = [line for line in lines(shown) if line.startswith("the whole job (2 quants) on one 24GB GPU and ")]
     assert "packed as the factory packs: about " in line and "the critical path: quantize:" in line
+
+
+def test_plan_packs_for_the_cores_it_is_told(tiny, tmp_path):
+    """`qf plan --cores N` packs for the machine that runs the job, not the one planning it: a GPU unit's child
+    keeps a core busy, so on one core the two conversions run one after the other and on 16 side by side."""
+
+    def job(cores: int) -> dict:
+        args = ("plan", tiny, "--vram", "24GB", "--exl3", "4.0", "--awq", "--cores", cores)
+        return json.loads(qf(tmp_path, *args, "--json").stdout)["job"]
+
+    one, many = job(1), job(16)
+    starts = {n: [j["units"][f"quantize:{n}"]["start"] for j in (one, many)] for n in ("awq-w4g128", "exl3-4.0bpw")}
+    assert starts["awq-w4g128"][1] == starts["exl3-4.0bpw"][1] == 0  # side by side on 16
+    assert (
+        0 in (starts["awq-w4g128"][0], starts["exl3-4.0bpw"][0])
+        and max(starts["awq-w4g128"][0], starts["exl3-4.0bpw"][0]) > 0
+    )
+    assert one["expected_seconds"] > many["expected_seconds"]
+    shown = qf(tmp_path, "plan", tiny, "--vram", "24GB", "--awq", "--cores", 16).stdout
+    assert "the whole job (1 quant) on one 24GB GPU and 16 cores, packed" in " ".join(lines(shown))
