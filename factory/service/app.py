@@ -199,7 +199,8 @@ def create_app(config: settings.Settings | None = None) -> FastAPI:
         _check_source(body.source, config)
         place, notes = accounts.reserve(who, config.place_seconds), []
         try:
-            request = body.request(config.worker_device, say=notes.append)
+            # --fit alone sizes the job by the ranking of the model's scored quants, in the factory's catalog
+            request = body.request(config.worker_device, say=notes.append, catalog=lambda: factory.catalog)
             for text in (request.recipe.calibration, request.recipe.eval):
                 _check_text(text, config)
 

@@ -211,3 +211,36 @@ def test_fit_in_a_recipe_makes_what_the_ranking_says_across_formats(made, tiny, 
     assert everything.stderr.strip().endswith(
         "error: every budget's best quant of tiny is published: qf pull tiny --fit SIZE gets it"
     )
+
+
+def test_fit_through_the_service_asks_the_factorys_ranking(made, tiny, tmp_path):
+    """`qf submit --fit` through `qf serve` sizes the job as `qf run --fit` does, by the ranking of the model's scored
+    quants in the factory's catalog (here every budget's best is published: the same sentence, nothing queued)."""
+    import os
+
+    import redis
+
+    from tests.support.fleet import BROKER
+    from tests.support.processes import qf as qf_child
+    from tests.support.service import Server, user_env
+
+    qf, _ = made
+    redis.Redis.from_url(BROKER).flushdb()
+    factory_side = {
+        **os.environ,
+        **qf.env,
+        "FACTORY_BROKER_URL": BROKER,
+        "FACTORY_WORKER_DEVICE": "cpu",
+        "FACTORY_SERVE_SOURCES": str(tiny.parent),
+    }
+    server = Server(factory_side, tmp_path / "server.log")
+    try:
+        user = user_env(server, server.token("ana"), tmp_path / "ana")
+        result = qf_child(user, "submit", tiny, "--fit", "24GB", "--ctx", 2048, "--eval-windows", 2)
+    finally:
+        server.stop()
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().endswith(
+        "every budget's best quant of tiny is published: qf pull tiny --fit SIZE gets it"
+    ), result.stderr
+    assert redis.Redis.from_url(BROKER).dbsize() == 0  # nothing was queued
