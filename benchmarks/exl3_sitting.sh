@@ -35,6 +35,8 @@ if [ "$1" = --poll ]; then
 fi
 export PYTHONPATH=/tmp/repo:/tmp/site TORCH_EXTENSIONS_DIR=/tmp/torch_ext TORCH_CUDA_ARCH_LIST=9.0 \
     EXLLAMA_NO_SDPA=1 PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH QF_COMMIT=$(cat /tmp/repo/.commit 2>/dev/null)
+# extensions an earlier sitting built and brought back (gpu-2026-12-06/ext_back.sh), carried as .ext/: not built again
+[ -d /tmp/repo/.ext ] && export PYTHONPATH=/tmp/repo/.ext:$PYTHONPATH
 mkdir -p $R $W
 cd /tmp/repo
 t0=$(date +%s)
