@@ -75,14 +75,13 @@ def submit(catalog: Catalog, settings: Settings, emit: Emit, request: Request) -
         name = catalog.jobs.name_for(
             source.source, naming.model_name(source.label), naming.model_name(f"{source.owner}-{source.label}")
         )
-    spec_dicts = [s.model_dump() for s in specs]
     job, created = catalog.jobs.create(
-        key=job_key(source.identity, spec_dicts, cal.sha256, ev.sha256, windows, versions, device),
+        key=job_key(source.identity, [s.model_dump() for s in specs], cal.sha256, ev.sha256, windows, versions, device),
         name=name,
         source=source.source,
         source_identity=source.identity,
         base_model=request.base_model or source.base_model,
-        specs=spec_dicts,
+        specs=specs,
         calibration=cal.name,
         calibration_sha=cal.sha256,
         eval=ev.name,
@@ -143,7 +142,7 @@ def estimate(costs: Costs, settings: Settings, job: Job) -> tuple[float, float] 
     (config and headers only); None where the shape cannot be read here (a Hub repo without the network)."""
     try:
         config, tensors = sources.layout(job.source)
-        specs = engines.specs_from_dicts(job.specs)
+        specs = job.specs
         if Path(job.source).is_dir():  # the specs' defaults that depend on the model (a group size)
             info = inspect(Path(job.source), engines.architectures())
             specs = [engines.resolve(s, info, job.device) for s in specs]
@@ -175,7 +174,7 @@ def projection(costs: Costs, source: str, recipe: Recipe, vram: int, info) -> tu
     job = Job(
         source=source,
         source_identity=f"plan:{source}",  # no job of it exists: no recorded peaks, the engines' estimates
-        specs=[s.model_dump() for s in specs],
+        specs=specs,
         calibration_sha=cal.sha256,
         eval_windows=recipe.eval_windows or evaluate.default_windows("cuda"),
         device="cuda",

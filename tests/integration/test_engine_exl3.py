@@ -83,7 +83,7 @@ def _quant(tmp_path: Path, qc: dict | None, finished: bool = True) -> Path:
 )
 def test_outputs_are_checked(tmp_path, qc, finished, problem):
     out = _quant(tmp_path, qc, finished)
-    spec = {"bpw": 4.0, "head_bits": 6}
+    spec = Exl3Spec(bpw=4.0)
     if problem is None:
         exl3.check_output(out, spec, tmp_path / "engine.log")
     else:
@@ -226,7 +226,7 @@ def test_a_quant_without_its_layers_is_refused(tmp_path, tiny):
     config, tensors = sources.layout(str(tiny))
     staged = files.stage(tiny, tmp_path / "staged")  # what the engine is given: links to the source's files
     linear = Params.of(tensors, Shape.of(config)).linear
-    spec = {"bpw": 4.0, "head_bits": 6}
+    spec = Exl3Spec(bpw=4.0)
     qc = {"quant_method": "exl3", "bits": 4.0, "head_bits": 6}
     out = _quant(tmp_path / "whole", qc, True)
     save_file(
