@@ -49,6 +49,14 @@ class QuantSpec(Closed):
         return True
 
 
+class Unregistered(QuantSpec):
+    """The spec of an engine this process has not registered (a FACTORY_ENGINES plugin not loaded here, or one no
+    longer installed): its fields as stored, so the catalog still reads and lists every row; what needs the engine
+    asks `engines.get`, which says it is missing."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+
 _KINDS: dict[str, type[QuantSpec]] = {}  # method -> its engine's spec class (engines.register keeps it)
 
 
@@ -61,11 +69,9 @@ def unregister(method: str) -> None:
 
 
 def parse(data: dict) -> QuantSpec:
-    """A spec as the catalog stores it (`{"method": "exl2", "bpw": 4.0, ...}`) -> its engine's spec."""
-    method = data.get("method")
-    if method not in _KINDS:
-        raise SpecError(f"no engine named {method!r} makes this spec; available: {', '.join(sorted(_KINDS))}")
-    return _KINDS[method].model_validate(data)
+    """A spec as the catalog stores it (`{"method": "exl2", "bpw": 4.0, ...}`) -> its engine's spec (Unregistered
+    where this process has no engine of that name)."""
+    return _KINDS.get(data.get("method"), Unregistered).model_validate(data)
 
 
 def check_bpw(value: object, low: float = BPW_MIN, high: float = BPW_MAX) -> float:
