@@ -18,7 +18,7 @@ import calibration
 from factory import engines, events
 from factory.catalog import Catalog, Job, JobState
 from factory.checkpoints import sources
-from factory.checkpoints.inspection import inspect
+from factory.checkpoints.inspection import inspected
 from factory.engines import QuantSpec
 from factory.errors import FactoryError, SpecError
 from factory.evaluation import evaluate, layered
@@ -60,7 +60,7 @@ def submit(catalog: Catalog, settings: Settings, emit: Emit, request: Request) -
 
     source = sources.resolve(request.source, settings.cache)
     if source.path is not None:  # a folder that cannot work is refused before a job exists (a Hub repo: at fetch)
-        info = inspect(source.path, engines.architectures())
+        info = inspected(source.path, engines.architectures(), source.identity, settings.cache)  # kept for the job
         for spec in specs:
             engines.resolve(spec, info, device)
     if request.name:
@@ -144,7 +144,7 @@ def estimate(costs: Costs, settings: Settings, job: Job) -> tuple[float, float] 
         config, tensors = sources.layout(job.source)
         specs = job.specs
         if Path(job.source).is_dir():  # the specs' defaults that depend on the model (a group size)
-            info = inspect(Path(job.source), engines.architectures())
+            info = inspected(Path(job.source), engines.architectures(), job.source_identity, settings.cache)
             specs = [engines.resolve(s, info, job.device) for s in specs]
         [s.tag for s in specs]  # noqa: B018  - a Hub repo's spec may have no tag before it is fetched
     except (FactoryError, ValueError):

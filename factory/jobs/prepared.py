@@ -15,7 +15,7 @@ import calibration
 from factory import engines, events, identity
 from factory.catalog import Job
 from factory.checkpoints import dequantize, files, snapshots, sources
-from factory.checkpoints.inspection import inspect
+from factory.checkpoints.inspection import inspect, inspected
 from factory.engines import QuantSpec
 from factory.errors import JobFailed, ModelRefused, SourceChanged, SpecError
 from factory.evaluation import evaluate, layered
@@ -76,8 +76,11 @@ def read(run: Run, job: Job, fetched: Path | None, where: Path, progress: Callab
     own: staging replaces the files the job's own units read)."""
     folder = where / "source"
     source_folder = _bf16(run, job, fetched or _local(run, job, where, progress))
-    info = inspect(source_folder, engines.architectures())
     stamps = files.stamps(folder) if source_folder == folder else None
+    if stamps is not None:  # the snapshot, hashed to the job's identity: what submit inspected, read back
+        info = inspected(folder, engines.architectures(), job.source_identity, run.settings.cache)
+    else:  # a Hub download (not fetched at submit) or a BF16 copy (other bytes than the source's)
+        info = inspect(source_folder, engines.architectures())
     if stamps is None:
         files.stage(source_folder, folder)
         _check_links(run, job, folder, "since the job was submitted", "submit it again")
