@@ -26,8 +26,8 @@ from factory import engines, settings
 from factory.checkpoints import files
 from factory.errors import JobFailed
 from factory.evaluation import evaluate
+from factory.factory import Factory
 from factory.jobs.planning import Request
-from factory.pipeline import Factory
 from factory.recipes import build_recipe
 from tests.support import ROOT
 from tests.support.gpu_results import RESULTS, rows, run_events, save

@@ -10,8 +10,8 @@ import torch
 from factory import engines, settings
 from factory.engines.awq.quantize import _quantizer_cls
 from factory.errors import JobFailed
+from factory.factory import Factory
 from factory.jobs.planning import Request
-from factory.pipeline import Factory
 from factory.recipes import build_recipe
 
 

@@ -16,8 +16,8 @@ from factory.engines.exl3 import compat
 from factory.engines.exl3 import engine as exl3
 from factory.engines.exl3.spec import Exl3Spec
 from factory.errors import JobFailed, ModelRefused, SpecError
+from factory.factory import Factory
 from factory.jobs.planning import Request
-from factory.pipeline import Factory
 from factory.publish import hub
 from factory.recipes import build_recipe
 from factory.registry import naming

@@ -24,8 +24,8 @@ from factory.engines.gguf import memory as gguf_memory
 from factory.engines.gguf.spec import LADDER, TYPES
 from factory.errors import JobFailed
 from factory.evaluation import evaluate
+from factory.factory import Factory
 from factory.jobs.planning import Request
-from factory.pipeline import Factory
 from factory.recipes import build_recipe
 from factory.vram import Params, Shape
 from tests.support.llama_buffers import allocated

@@ -38,7 +38,7 @@ LAYERS = [
     ["factory.engines"],
     ["factory.ranking"],
     ["factory.recipes", "factory.schedule", "factory.publish", "factory.jobs"],
-    ["factory.pipeline", "factory.submission", "factory.fleet"],
+    ["factory.factory", "factory.submission", "factory.fleet"],
     ["factory.cli", "factory.service", "workers"],
 ]
 LEAVES = {
@@ -125,7 +125,7 @@ def test_the_readmes_layout_is_the_layers():
 
 def test_factory_never_imports_workers():
     """workers/ (Celery on Redis) knows factory/, never the reverse: `qf` and the service reach the fleet through
-    factory/fleet.py's Queue, which workers/queue.py implements and pyproject.toml plugs in (an entry point)."""
+    factory/fleet.py's Queue, which workers/celery_queue.py implements and pyproject.toml plugs in (an entry point)."""
     problems = [
         f"{name} imports {m}"
         for name, _, tree in _modules()
@@ -135,14 +135,14 @@ def test_factory_never_imports_workers():
     ]
     assert problems == [], (
         "factory/ must not import workers/ (not even inside a function): ask factory.fleet.get() for what the fleet "
-        f"does, and add it to factory/fleet.py's Queue and workers/queue.py if it is new: {problems}"
+        f"does, and add it to factory/fleet.py's Queue and workers/celery_queue.py if it is new: {problems}"
     )
 
 
 def test_the_queue_is_celery_through_the_entry_point():
     """What `qf submit` and the service load: the Celery queue (an installation whose metadata lacks the entry point,
     installed before it existed, needs `pip install -e .` again)."""
-    from workers.queue import QUEUE
+    from workers.celery_queue import QUEUE
 
     assert fleet.get() is QUEUE
     assert isinstance(QUEUE, fleet.Queue)
@@ -243,7 +243,7 @@ FUNCTION_IMPORTS = {
             ("factory.cli.run", "factory.jobs.heartbeat"),
             ("factory.cli.services", "factory.catalog.accounts"),
             ("factory.cli.shared", "factory.catalog"),
-            ("factory.cli.shared", "factory.pipeline"),
+            ("factory.cli.shared", "factory.factory"),
             ("factory.cli.shared", "factory.service.client"),
             ("factory.submission", "factory.jobs.planning"),
         ],
