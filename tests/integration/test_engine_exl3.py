@@ -158,7 +158,7 @@ def test_each_engine_says_which_architectures_it_takes(factory, tiny, tmp_path):
     with pytest.raises(ModelRefused, match="^AWQ does not convert Gemma3ForCausalLM; it converts CohereForCausalLM, "):
         factory.submit(Request(source=str(gemma3), recipe=build_recipe(awq=True, exl3="4.0"), device="cuda"))
     job, created = factory.submit(Request(source=str(gemma3), recipe=build_recipe(exl3="4.0"), device="cuda"))
-    assert created and [s["method"] for s in job.specs] == ["exl3"]
+    assert created and [s.method for s in job.specs] == ["exl3"]
 
 
 def test_no_cuda_is_one_sentence(qf, tiny):

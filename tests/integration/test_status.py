@@ -19,7 +19,7 @@ def test_plain_sql_reads_what_the_catalog_wrote(finished):
         "exit_code": job.exit_code,
         "source": job.source,
         "source_identity": job.source_identity,
-        "specs": job.specs,
+        "specs": [s.model_dump() for s in job.specs],
         "device": job.device,
         "created_at": job.created_at.isoformat(timespec="seconds"),
         "steps": [
