@@ -486,9 +486,9 @@ FEW, NAMES = Few(), Names()
     ("target", "why"),
     [
         ("wrongqueue:MISSING", "cannot be loaded: AttributeError: module 'wrongqueue' has no attribute 'MISSING'"),
-        (  # what an installation made before workers/queue.py became workers/celery_queue.py says
-            "workers.queue:QUEUE",
-            "cannot be loaded: ModuleNotFoundError: No module named 'workers.queue'; reinstall quantfactory",
+        (  # a module that is not there: an installation made before workers/queue.py became celery_queue.py
+            "gonequeue:QUEUE",
+            "cannot be loaded: ModuleNotFoundError: No module named 'gonequeue'; reinstall quantfactory",
         ),
         ("wrongqueue:Klass", "is not a Queue (factory/fleet.py): it is the class Klass, not a Queue object"),
         (
