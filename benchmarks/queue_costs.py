@@ -124,7 +124,7 @@ def main() -> None:
 
     from factory import settings
     from factory.catalog import Job
-    from factory.pipeline import Factory
+    from factory.factory import Factory
     from factory.recipes import build_recipe
     from tests.support.tiny_model import make_tiny_llama
 

@@ -20,8 +20,8 @@ from factory.errors import ServiceUnavailable
 
 if TYPE_CHECKING:
     from factory.catalog import Catalog, Job
+    from factory.factory import Factory
     from factory.jobs.planning import Request
-    from factory.pipeline import Factory
 
 GROUP = "quantfactory.queue"
 
@@ -67,8 +67,10 @@ def get() -> Queue:
         queue = found[0].load()
     except Exception as e:  # noqa: BLE001  (whatever a plugin raises while it loads: its name and words, one line)
         reason = str(e).splitlines()[0] if str(e) else ""
+        stale = "; reinstall quantfactory (`pip install -e .`)" if isinstance(e, ModuleNotFoundError) else ""
         raise ServiceUnavailable(
             f"the job queue {found[0].value!r} cannot be loaded: {type(e).__name__}{': ' if reason else ''}{reason}"
+            + stale  # an installation made before the module was renamed names the old one
         ) from None
     if (problem := _mismatch(queue)) is not None:
         raise ServiceUnavailable(f"the job queue {found[0].value!r} is not a Queue (factory/fleet.py): {problem}")

@@ -100,6 +100,11 @@ def tokens_key(source_identity: str, text_sha: str, tokenizer_version: str) -> s
     return digest([source_identity, text_sha, tokenizer_version])
 
 
+def inspection_key(source_identity: str, version: int) -> str:
+    """What inspection learned of a source's files (which the source identity covers), by inspection's version."""
+    return digest([source_identity, "inspection", version])
+
+
 def holder_name() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 

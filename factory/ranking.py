@@ -23,6 +23,7 @@ from calibration import public_name
 from factory import engines, vram
 from factory.checkpoints import sources
 from factory.errors import SpecError
+from factory.specs import QuantSpec
 
 if TYPE_CHECKING:
     from factory.catalog import Catalog
@@ -58,14 +59,14 @@ class Ranked:
     runtime: str
     kind: str  # measured | expected | unscored
     basis: str  # where its numbers come from, for people
+    spec: QuantSpec
     kld: float | None = None
     top1: float | None = None
     ppl: float | None = None
     rev: str | None = None  # a published quant's
-    spec: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+        return {k: getattr(self, k) for k in self.__dataclass_fields__} | {"spec": self.spec.model_dump()}
 
 
 @dataclass(frozen=True)
@@ -176,7 +177,7 @@ def rank(
         scores.setdefault("bytes", weights)
         first = engine.memory.runtimes[0] if engine.memory.runtimes else engine.evaluator
         return Ranked(
-            spec=spec.model_dump(),
+            spec=spec,
             tag=spec.tag,
             method=engine.name,
             bits=spec.bits,
@@ -192,7 +193,7 @@ def rank(
             continue
         made = sized(
             engine,
-            engine.spec_from_dict(row.spec),
+            row.spec,
             bytes=row.bytes,
             kind="measured",
             basis=f"measured (job {row.job})",
@@ -316,12 +317,12 @@ def choose(
     cache: str,
     formats: list[str],
     say,
-) -> dict[str, list[dict]]:
+) -> dict[str, list[QuantSpec]]:
     """`--fit 24GB,16GB` across `formats`: for each budget, what the ranking says to make, as specs by engine. The
     best scored row that fits: nothing to make when it is published (said), else that size (expected from its
     format's curve). Where no row that fits is scored yet (no curve of any format), the largest size of each format
     that fits, so that the job measures them. Each choice is told to `say`."""
-    chosen: dict[str, list[dict]] = {}
+    chosen: dict[str, list[QuantSpec]] = {}
     for text in (t.strip() for t in budgets.split(",")):
         ranking = rank(name, model, quants, vram.parse_size(text), ctx, cache, formats=formats)
         where = f"--fit {text}: {ranking.ctx} tokens ({cache} cache)"

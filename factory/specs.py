@@ -1,7 +1,10 @@
-"""What specs are made of: closed pydantic models and the checks engines share (bits per weight, head bits).
+"""What specs are made of: closed pydantic models, the checks engines share (bits per weight, head bits), and
+`QuantSpec`, the one typed value a quant's spec is from submit to the engine.
 
 A spec that cannot run fails at submit with one sentence that says what is allowed (SpecError, exit 2). Each
-engine's spec lives in its package (factory/engines/<method>/spec.py); recipes, which combine them, in recipes.py.
+engine's spec lives in its package (factory/engines/<method>/spec.py) and is registered here by its method when the
+engine is (factory/engines/__init__.py), so the catalog reads its stored specs back as typed values (`parse`)
+without knowing any engine; recipes, which combine specs, are in recipes.py.
 """
 
 from __future__ import annotations
@@ -23,6 +26,52 @@ def asks_fit(value: object) -> bool:
 
 class Closed(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class QuantSpec(Closed):
+    """One quant an engine makes: closed (unknown keys are refused), with `method` its engine's name. Modules pass
+    it as it is; only the catalog (its JSON columns), the keys hashed from it and an engine's child process see it
+    as a dict (`model_dump()`, read back with `parse`)."""
+
+    method: str
+
+    @property
+    def tag(self) -> str:  # the name's tag: `exl2-4.0bpw`
+        raise NotImplementedError
+
+    @property
+    def bits(self) -> float:
+        raise NotImplementedError
+
+    @property
+    def flag_value(self) -> str | bool:
+        """What its engine's flag takes to make it (`--exl2 4.0`: "4.0"); True: a switch (`--awq`)."""
+        return True
+
+
+class Unregistered(QuantSpec):
+    """The spec of an engine this process has not registered (a FACTORY_ENGINES plugin not loaded here, or one no
+    longer installed): its fields as stored, so the catalog still reads and lists every row; what needs the engine
+    asks `engines.get`, which says it is missing."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+
+_KINDS: dict[str, type[QuantSpec]] = {}  # method -> its engine's spec class (engines.register keeps it)
+
+
+def register(method: str, kind: type[QuantSpec]) -> None:
+    _KINDS[method] = kind
+
+
+def unregister(method: str) -> None:
+    _KINDS.pop(method, None)
+
+
+def parse(data: dict) -> QuantSpec:
+    """A spec as the catalog stores it (`{"method": "exl2", "bpw": 4.0, ...}`) -> its engine's spec (Unregistered
+    where this process has no engine of that name)."""
+    return _KINDS.get(data.get("method"), Unregistered).model_validate(data)
 
 
 def check_bpw(value: object, low: float = BPW_MIN, high: float = BPW_MAX) -> float:

@@ -126,6 +126,5 @@ def _fit_flags(
     flags = {}
     for method, specs in chosen.items():
         engine = engines.get(method)
-        made = [engine.spec_from_dict(s) for s in specs]
-        flags[method] = ",".join(str(s.flag_value) for s in made) if engine.flag.takes_value else True
+        flags[method] = ",".join(str(s.flag_value) for s in specs) if engine.flag.takes_value else True
     return flags

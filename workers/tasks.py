@@ -59,9 +59,9 @@ from factory.catalog import RETRYABLE, TERMINAL, Job, JobState, Lease
 from factory.engines import child
 from factory.errors import Conflict, FactoryError, LeaseLost, NotFound, ServiceUnavailable, SpecError, mask_url
 from factory.evaluation import evaluate
+from factory.factory import Factory
 from factory.jobs import heartbeat
 from factory.jobs.planning import Request
-from factory.pipeline import Factory
 from factory.recipes import recipe_from_dict
 from workers.app import app
 

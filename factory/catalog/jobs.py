@@ -12,6 +12,7 @@ from factory.catalog.database import Database
 from factory.catalog.schema import Job, Model, Step
 from factory.catalog.states import TRANSITIONS, JobState, StepState, now
 from factory.errors import SpecError
+from factory.specs import QuantSpec
 
 
 class Jobs:
@@ -117,7 +118,7 @@ class Jobs:
             return list(s.scalars(select(Job.id).where(Job.state == JobState.queued, Job.updated_at < cutoff)))
 
     def set_specs(
-        self, job_id: str, specs: list[dict], token: int | None = None, parameters: int | None = None
+        self, job_id: str, specs: list[QuantSpec], token: int | None = None, parameters: int | None = None
     ) -> None:
         with self.db.session() as s:
             self.db.fence(s, job_id, token)

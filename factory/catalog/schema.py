@@ -8,9 +8,39 @@ from datetime import datetime
 
 from sqlalchemy import JSON, BigInteger, Float, ForeignKey, Integer, String, Text, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.types import TypeDecorator
 
+from factory import specs
 from factory.catalog.states import JobState, now
 from factory.registry.published import QuantRow
+from factory.specs import QuantSpec
+
+
+class Spec(TypeDecorator):
+    """A QuantSpec in a JSON column, as its `model_dump()`: the catalog's edge, where a spec is a dict (the stored
+    form is the one every catalog already holds, so old rows read back as typed specs)."""
+
+    impl = JSON
+    cache_ok = True
+
+    def process_bind_param(self, value: QuantSpec | None, dialect) -> dict | None:
+        return None if value is None else value.model_dump()
+
+    def process_result_value(self, value: dict | None, dialect) -> QuantSpec | None:
+        return None if value is None else specs.parse(value)
+
+
+class Specs(TypeDecorator):
+    """A job's QuantSpecs in a JSON column, as a list of their `model_dump()`s."""
+
+    impl = JSON
+    cache_ok = True
+
+    def process_bind_param(self, value: list[QuantSpec] | None, dialect) -> list[dict] | None:
+        return None if value is None else [s.model_dump() for s in value]
+
+    def process_result_value(self, value: list[dict] | None, dialect) -> list[QuantSpec] | None:
+        return None if value is None else [specs.parse(s) for s in value]
 
 
 class Base(DeclarativeBase):
@@ -75,7 +105,7 @@ class Job(Base):
     source: Mapped[str] = mapped_column(Text)
     source_identity: Mapped[str] = mapped_column(Text)
     base_model: Mapped[str] = mapped_column(Text)  # what the model card names as base_model
-    specs: Mapped[list] = mapped_column()
+    specs: Mapped[list[QuantSpec]] = mapped_column(Specs)  # resolved at the inspect step (set_specs)
     calibration: Mapped[str] = mapped_column(Text)
     calibration_sha: Mapped[str] = mapped_column(String(64))
     eval: Mapped[str] = mapped_column(Text)
@@ -138,7 +168,7 @@ class Quant(Base):
     rev: Mapped[str] = mapped_column(String(64))
     method: Mapped[str] = mapped_column(String(16))
     bits: Mapped[float] = mapped_column(Float)
-    spec: Mapped[dict] = mapped_column()
+    spec: Mapped[QuantSpec] = mapped_column(Spec)
     bytes: Mapped[int] = mapped_column(BigInteger)
     path: Mapped[str] = mapped_column(Text)  # relative to the registry folder
     source: Mapped[str] = mapped_column(Text)
@@ -178,7 +208,7 @@ class Quant(Base):
             versions=self.versions,
             job=self.job_id,
             path=self.path,
-            spec=self.spec or {},
+            spec=self.spec,
             created_at=(self.created_at or now()).isoformat(timespec="seconds"),
         )
 

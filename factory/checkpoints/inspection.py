@@ -23,10 +23,11 @@ import math
 import re
 import struct
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from factory.checkpoints.files import INDEX, source_files
+from factory import identity
+from factory.checkpoints.files import INDEX, source_files, write_atomic
 from factory.errors import ModelRefused
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
@@ -207,6 +208,28 @@ def inspect(folder: Path, architectures: Collection[str]) -> ModelInfo:
         max_positions=config.get("max_position_embeddings"),
         vision=vision_of(config, shapes),
     )
+
+
+INSPECTION_VERSION = 1  # raise it when ModelInfo or what `inspect` reads changes: recorded inspections are redone
+
+
+def inspected(folder: Path, architectures: Collection[str], source_identity: str, cache: Path) -> ModelInfo:
+    """`inspect`, once per source identity: the first inspection of a source's files (a local folder's, at submit)
+    is kept in `cache`/inspected/ (identity.inspection_key) and read back for the same identity: by the job's
+    estimate and its inspect step, whose snapshot of the folder hashes to that identity. Only for files that are the
+    source's (never its BF16 copy, other bytes under the same identity)."""
+    path = cache / "inspected" / f"{identity.inspection_key(source_identity, INSPECTION_VERSION)}.json"
+    try:
+        data = json.loads(path.read_text())
+        vision = data.pop("vision")
+        info = ModelInfo(**data, vision=Vision(**{**vision, "parts": tuple(vision["parts"])}) if vision else None)
+    except (OSError, ValueError, TypeError, KeyError):  # not recorded yet, or cut short, or of another version
+        info = None
+    if info is not None and info.architecture in architectures:
+        return info
+    info = inspect(folder, architectures)
+    write_atomic(path, json.dumps(asdict(info)).encode())
+    return info
 
 
 def layout_info(config: dict, shapes: dict[str, list[int]]) -> ModelInfo:

@@ -80,7 +80,7 @@ def quiet_libraries() -> None:
 
 
 def make_factory(emit=lambda e: None, max_units: int | None = None):
-    from factory.pipeline import Factory
+    from factory.factory import Factory
 
     loaded = settings.load()
     return Factory(replace(loaded, max_units=max_units or loaded.max_units), emit)

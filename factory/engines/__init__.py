@@ -5,7 +5,7 @@ Each engine runs its tool in a child process (a crash or OOM fails the step, not
 events, and keeps no books: no catalog, no publishing. They are registered here by name; `register` adds one
 (a test's engine, say), and FACTORY_ENGINES=module:attr[,module:attr...] names engines to register in every
 process (workers and their job processes too). Registering an engine also registers its tag grammar with
-`factory.registry.naming`.
+`factory.registry.naming` and its spec class with `factory.specs` (which the catalog reads stored specs with).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import os
 
+from factory import specs
 from factory.checkpoints.inspection import ModelInfo
 from factory.engines.awq.engine import ENGINE as AWQ
 from factory.engines.awq_ct.engine import ENGINE as AWQCT
@@ -40,12 +41,14 @@ _PLUGIN_ERROR: list[SpecError] = []  # a FACTORY_ENGINES entry that cannot be lo
 def register(engine: Engine) -> Engine:
     _ENGINES[engine.name] = engine
     naming.register_tag(engine.name, engine.tag_pattern, engine.tag_example)
+    specs.register(engine.name, engine.spec)
     return engine
 
 
 def unregister(name: str) -> None:
     _ENGINES.pop(name, None)
     naming.unregister_tag(name)
+    specs.unregister(name)
 
 
 def get(name: str) -> Engine:
@@ -60,15 +63,6 @@ def available() -> list[str]:
 
 def all_engines() -> list[Engine]:
     return [_ENGINES[n] for n in available()]
-
-
-def spec_from_dict(data: dict) -> QuantSpec:
-    """A spec as the catalog stores it (`{"method": "exl2", "bpw": 4.0, ...}`) -> its engine's spec."""
-    return get(data["method"]).spec_from_dict(data)
-
-
-def specs_from_dicts(dicts: list[dict]) -> list[QuantSpec]:
-    return [spec_from_dict(d) for d in dicts]
 
 
 def architectures() -> set[str]:
@@ -139,6 +133,5 @@ __all__ = [
     "get",
     "of_tag",
     "register",
-    "spec_from_dict",
     "unregister",
 ]

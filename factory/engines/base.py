@@ -15,7 +15,7 @@ from pydantic import Field, field_validator
 
 from factory.errors import JobFailed, SpecError
 from factory.settings import cpu_threads
-from factory.specs import Closed, bpw_tag, check_bpw, check_head_bits
+from factory.specs import Closed, QuantSpec, bpw_tag, check_bpw, check_head_bits
 from factory.vram import human
 
 if TYPE_CHECKING:
@@ -27,25 +27,6 @@ if TYPE_CHECKING:
 
 Emit = Callable[[dict], None]
 Logits = Callable[["torch.Tensor"], "torch.Tensor"]  # token ids [1, L] on the CPU -> logits [1, L, V]
-
-
-class QuantSpec(Closed):
-    """One quant an engine makes: closed (unknown keys are refused), with `method` its engine's name."""
-
-    method: str
-
-    @property
-    def tag(self) -> str:  # the name's tag: `exl2-4.0bpw`
-        raise NotImplementedError
-
-    @property
-    def bits(self) -> float:
-        raise NotImplementedError
-
-    @property
-    def flag_value(self) -> str | bool:
-        """What its engine's flag takes to make it (`--exl2 4.0`: "4.0"); True: a switch (`--awq`)."""
-        return True
 
 
 class Targets(Closed):
@@ -112,7 +93,7 @@ class QuantizeRequest:
     source_dir: Path  # the job's staging folder: the source's allowlisted files only (factory/checkpoints/files.py)
     out_dir: Path  # empty; the engine fills it with the quant's files
     work_dir: Path  # the engine's scratch space, kept between attempts
-    spec: dict
+    spec: QuantSpec
     calibration: list[list[int]] = field(default_factory=list)  # token windows, for engines that take tokens
     calibration_file: Path | None = None  # the calibration text as parquet ("text"), for engines that tokenize
     measurements: dict[str, Path] = field(default_factory=dict)  # stage -> file of each of the engine's Shared units
@@ -342,9 +323,6 @@ class Engine:
     def version(self) -> str:
         raise NotImplementedError
 
-    def spec_from_dict(self, data: dict) -> QuantSpec:
-        return self.spec.model_validate(data)
-
     def targets_from_flag(self, value: str | bool, written: dict) -> dict:
         """The recipe key for this engine that `--<name> VALUE` asks for, keeping the recipe's other settings."""
         return written
@@ -380,7 +358,7 @@ class Engine:
         windows = self.calibration_windows(spec)
         return [windows] if windows else []
 
-    def describe_calibration(self, spec: dict, text: str) -> str:
+    def describe_calibration(self, spec: QuantSpec, text: str) -> str:
         """The card's calibration column: the text set and how much of it was used."""
         return text
 

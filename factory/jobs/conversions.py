@@ -202,7 +202,7 @@ def _make_quant(
             source_dir=prepared.folder,
             out_dir=work / "out",
             work_dir=work,
-            spec=spec.model_dump(),
+            spec=spec,
             calibration=prepared.calibration.get(spec.tag, []),
             calibration_file=prepared.calibration_file,
             measurements=measurements,

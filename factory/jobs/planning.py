@@ -17,7 +17,7 @@ import calibration
 from factory import engines, events
 from factory.catalog import Catalog, Job, JobState
 from factory.checkpoints import sources
-from factory.checkpoints.inspection import inspect
+from factory.checkpoints.inspection import inspected
 from factory.engines import QuantSpec
 from factory.errors import FactoryError, SpecError
 from factory.evaluation import evaluate, layered
@@ -59,7 +59,7 @@ def submit(catalog: Catalog, settings: Settings, emit: Emit, request: Request) -
 
     source = sources.resolve(request.source, settings.cache)
     if source.path is not None:  # a folder that cannot work is refused before a job exists (a Hub repo: at fetch)
-        info = inspect(source.path, engines.architectures())
+        info = inspected(source.path, engines.architectures(), source.identity, settings.cache)  # kept for the job
         for spec in specs:
             engines.resolve(spec, info, device)
     if request.name:
@@ -74,14 +74,13 @@ def submit(catalog: Catalog, settings: Settings, emit: Emit, request: Request) -
         name = catalog.jobs.name_for(
             source.source, naming.model_name(source.label), naming.model_name(f"{source.owner}-{source.label}")
         )
-    spec_dicts = [s.model_dump() for s in specs]
     job, created = catalog.jobs.create(
-        key=job_key(source.identity, spec_dicts, cal.sha256, ev.sha256, windows, versions, device),
+        key=job_key(source.identity, [s.model_dump() for s in specs], cal.sha256, ev.sha256, windows, versions, device),
         name=name,
         source=source.source,
         source_identity=source.identity,
         base_model=request.base_model or source.base_model,
-        specs=spec_dicts,
+        specs=specs,
         calibration=cal.name,
         calibration_sha=cal.sha256,
         eval=ev.name,
@@ -142,9 +141,9 @@ def estimate(costs: Costs, settings: Settings, job: Job) -> tuple[float, float] 
     (config and headers only); None where the shape cannot be read here (a Hub repo without the network)."""
     try:
         config, tensors = sources.layout(job.source)
-        specs = engines.specs_from_dicts(job.specs)
+        specs = job.specs
         if Path(job.source).is_dir():  # the specs' defaults that depend on the model (a group size)
-            info = inspect(Path(job.source), engines.architectures())
+            info = inspected(Path(job.source), engines.architectures(), job.source_identity, settings.cache)
             specs = [engines.resolve(s, info, job.device) for s in specs]
         [s.tag for s in specs]  # noqa: B018  - a Hub repo's spec may have no tag before it is fetched
     except (FactoryError, ValueError):
@@ -174,7 +173,7 @@ def projection(costs: Costs, source: str, recipe: Recipe, vram: int, info) -> tu
     job = Job(
         source=source,
         source_identity=f"plan:{source}",  # no job of it exists: no recorded peaks, the engines' estimates
-        specs=[s.model_dump() for s in specs],
+        specs=specs,
         calibration_sha=cal.sha256,
         eval_windows=recipe.eval_windows or evaluate.default_windows("cuda"),
         device="cuda",

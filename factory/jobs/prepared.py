@@ -15,7 +15,7 @@ import calibration
 from factory import engines, events, identity
 from factory.catalog import Job
 from factory.checkpoints import dequantize, files, snapshots, sources
-from factory.checkpoints.inspection import inspect
+from factory.checkpoints.inspection import inspect, inspected
 from factory.engines import QuantSpec
 from factory.errors import JobFailed, ModelRefused, SourceChanged, SpecError
 from factory.evaluation import evaluate, layered
@@ -56,14 +56,12 @@ def prepare(run: Run, job: Job) -> Prepared:
             fetched = _bf16(run, job, fetched or _local(run, job, where, progress), progress)
     with run.step_once(job.id, "inspect", done) as progress:
         prepared = read(run, job, fetched, where, progress)
-        run.catalog.jobs.set_specs(
-            job.id, [s.model_dump() for s in prepared.specs], run.token, parameters=prepared.model.parameters
-        )
+        run.catalog.jobs.set_specs(job.id, prepared.specs, run.token, parameters=prepared.model.parameters)
     for s in prepared.specs:
         if (
             s.tag in prepared.calibration and "inspect" not in done
         ):  # what the engine takes of the text, said before it runs for minutes
-            used = engines.get(s.method).describe_calibration(s.model_dump(), job.calibration)
+            used = engines.get(s.method).describe_calibration(s, job.calibration)
             run.note(
                 f"{s.tag}: calibration {used}; eval {job.eval} "
                 f"{job.eval_windows} x {prepared.stream.window_length} tokens on {job.device}"
@@ -78,13 +76,15 @@ def read(run: Run, job: Job, fetched: Path | None, where: Path, progress: Callab
     own: staging replaces the files the job's own units read)."""
     folder = where / "source"
     source_folder = _bf16(run, job, fetched or _local(run, job, where, progress))
-    specs = engines.specs_from_dicts(job.specs)
-    info = inspect(source_folder, engines.architectures())
     stamps = files.stamps(folder) if source_folder == folder else None
+    if stamps is not None:  # the snapshot, hashed to the job's identity: what submit inspected, read back
+        info = inspected(folder, engines.architectures(), job.source_identity, run.settings.cache)
+    else:  # a Hub download (not fetched at submit) or a BF16 copy (other bytes than the source's)
+        info = inspect(source_folder, engines.architectures())
     if stamps is None:
         files.stage(source_folder, folder)
         _check_links(run, job, folder, "since the job was submitted", "submit it again")
-    specs = [engines.resolve(spec, info, job.device) for spec in specs]
+    specs = [engines.resolve(spec, info, job.device) for spec in job.specs]
     cal = _text(job.calibration, job.calibration_sha)
     cal_ids = _tokens(run, job, folder, cal)
     calibration.check_vocabulary(cal_ids, info.config["vocab_size"], job.calibration)

@@ -18,7 +18,7 @@ import shutil
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from factory import engines, events, tables
+from factory import events, tables
 from factory.catalog import Job, JobState
 from factory.engines import QuantSpec
 from factory.errors import Cancelled, FactoryError, JobFailed, LeaseLost, QualityGateRefused, QuantRemoved, mask_url
@@ -142,7 +142,7 @@ def _published_all(run: Run, job_id: str) -> bool:
     unit in a thread was publishing, an error of a later attempt): published means succeeded."""
     job = run.catalog.jobs.get(job_id)
     try:
-        tags = {s.tag for s in engines.specs_from_dicts(job.specs)}
+        tags = {s.tag for s in job.specs}
     except ValueError:  # specs not resolved yet: nothing was published
         return False
     done = run.catalog.steps.done(job_id)

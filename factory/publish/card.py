@@ -60,7 +60,7 @@ def _top1(r: QuantRow) -> str:
 def _calibration(r: QuantRow) -> str:
     """The calibration a quant was made with: the text set, and how much of it (its engine says)."""
     text = public_name(r.calibration)
-    return engines.get(r.method).describe_calibration(r.spec, text) if r.spec else text
+    return engines.get(r.method).describe_calibration(r.spec, text)
 
 
 def _sections(rows: list[QuantRow]) -> tuple[str, str]:

@@ -104,7 +104,7 @@ class Publisher:
             rev=rev,
             method=spec.method,
             bits=spec.bits,
-            spec=spec.model_dump(),
+            spec=spec,
             bytes=sum(p.stat().st_size for p in out.iterdir() if p.is_file()),
             path=str(
                 folder.quant_dir(self.settings.registry, job.name, spec.tag, rev).relative_to(self.settings.registry)

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from factory import specs
+from factory.specs import QuantSpec
+
 
 @dataclass(frozen=True)
 class QuantRow:
@@ -30,7 +33,7 @@ class QuantRow:
     versions: dict
     job: str
     path: str  # relative to the registry folder
-    spec: dict
+    spec: QuantSpec
     created_at: str
     fits: list[dict] | None = None  # the longest context that fits each budget (engines with a memory model)
     load_note: str | None = None
@@ -48,7 +51,8 @@ class QuantRow:
     @property
     def fit(self) -> dict | None:
         """The VRAM budget `--fit` chose this size for."""
-        return self.spec.get("fit")
+        fit = getattr(self.spec, "fit", None)
+        return fit.model_dump() if fit is not None else None
 
     def to_json(self) -> dict:
         """`name` as people type it (`name:tag`), with `tag` and `rev` apart too."""
@@ -73,7 +77,7 @@ class QuantRow:
             "versions": self.versions,
             "job": self.job,
             "path": self.path,
-            "spec": self.spec,
+            "spec": self.spec.model_dump(),
             "fit": self.fit,
             "created_at": self.created_at,
         }
@@ -87,5 +91,5 @@ class QuantRow:
     @classmethod
     def from_json(cls, row: dict) -> QuantRow:
         """The inverse of to_json (what a client of the service reads)."""
-        names = {f.name for f in fields(cls)} - {"name"}
-        return cls(name=row["model"], **{k: v for k, v in row.items() if k in names})
+        names = {f.name for f in fields(cls)} - {"name", "spec"}
+        return cls(name=row["model"], spec=specs.parse(row["spec"]), **{k: v for k, v in row.items() if k in names})

@@ -48,7 +48,7 @@ from factory.errors import (
     ServiceUnavailable,
     SpecError,
 )
-from factory.pipeline import Factory
+from factory.factory import Factory
 from factory.publish import folder, lookup
 from factory.registry import naming
 from factory.service import dashboard, redact

@@ -26,8 +26,8 @@ from factory import engines, settings
 from factory.checkpoints import files
 from factory.errors import JobFailed
 from factory.evaluation import evaluate
+from factory.factory import Factory
 from factory.jobs.planning import Request
-from factory.pipeline import Factory
 from factory.recipes import build_recipe
 from tests.support import ROOT
 from tests.support.gpu_results import RESULTS, rows, run_events, save
@@ -282,7 +282,7 @@ def test_engine_transcripts(models, tmp_path):
     events: list[dict] = []
     measurement = tmp_path / "measurement.json"
     engine.measure("measure", source, cal, 16, 2048, tmp_path / "measure", measurement, {}, events.append)
-    spec = {"method": "exl2", "bpw": 4.0, "head_bits": 6, "rows": 100, "length": 2048}
+    spec = engines.get("exl2").spec(bpw=4.0)
     request = engines.QuantizeRequest(
         source, tmp_path / "out", tmp_path / "quant", spec, calibration_file=cal, measurements={"measure": measurement}
     )

@@ -62,7 +62,7 @@ def test_ranges_measure_what_one_serial_measurement_does(tmp_path):
     assert [e["peak_gpu_bytes"] for e in events if e.get("peak_gpu_bytes")]  # the ranges' peaks together
     assert not (tmp_path / "ranges").exists() and (tmp_path / "ranges.log").is_file()
 
-    spec = {"method": "exl2", "bpw": 4.0, "head_bits": 6, "rows": 100, "length": 2048}
+    spec = engines.get("exl2").spec(bpw=4.0)
     request = engines.QuantizeRequest(
         source, tmp_path / "out", tmp_path / "quant", spec, calibration_file=cal, measurement=tmp_path / "ranges.json"
     )

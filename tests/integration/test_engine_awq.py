@@ -10,8 +10,8 @@ import torch
 from factory import engines, settings
 from factory.engines.awq.quantize import _quantizer_cls
 from factory.errors import JobFailed
+from factory.factory import Factory
 from factory.jobs.planning import Request
-from factory.pipeline import Factory
 from factory.recipes import build_recipe
 
 
@@ -39,7 +39,8 @@ def test_grid_search_leaves_weights_as_they_were(fixed):
 
 
 def test_engine_failure_is_a_failed_step(tiny, tmp_path):
-    spec = {"method": "awq", "w_bit": 4, "group_size": 96, "zero_point": True, "version": "gemm", "clip": False}
+    # a group size the spec refuses at submit, made past its checks to fail the child
+    spec = engines.get("awq").spec.model_construct(group_size=96, clip=False)
     request = engines.QuantizeRequest(tiny, tmp_path / "out", tmp_path / "work", spec, [[1] * 32] * 2)
     with pytest.raises(JobFailed) as e:
         engines.get("awq").quantize(request, lambda event: None)

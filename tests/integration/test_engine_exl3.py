@@ -16,8 +16,8 @@ from factory.engines.exl3 import compat
 from factory.engines.exl3 import engine as exl3
 from factory.engines.exl3.spec import Exl3Spec
 from factory.errors import JobFailed, ModelRefused, SpecError
+from factory.factory import Factory
 from factory.jobs.planning import Request
-from factory.pipeline import Factory
 from factory.publish import hub
 from factory.recipes import build_recipe
 from factory.registry import naming
@@ -83,7 +83,7 @@ def _quant(tmp_path: Path, qc: dict | None, finished: bool = True) -> Path:
 )
 def test_outputs_are_checked(tmp_path, qc, finished, problem):
     out = _quant(tmp_path, qc, finished)
-    spec = {"bpw": 4.0, "head_bits": 6}
+    spec = Exl3Spec(bpw=4.0)
     if problem is None:
         exl3.check_output(out, spec, tmp_path / "engine.log")
     else:
@@ -158,7 +158,7 @@ def test_each_engine_says_which_architectures_it_takes(factory, tiny, tmp_path):
     with pytest.raises(ModelRefused, match="^AWQ does not convert Gemma3ForCausalLM; it converts CohereForCausalLM, "):
         factory.submit(Request(source=str(gemma3), recipe=build_recipe(awq=True, exl3="4.0"), device="cuda"))
     job, created = factory.submit(Request(source=str(gemma3), recipe=build_recipe(exl3="4.0"), device="cuda"))
-    assert created and [s["method"] for s in job.specs] == ["exl3"]
+    assert created and [s.method for s in job.specs] == ["exl3"]
 
 
 def test_no_cuda_is_one_sentence(qf, tiny):
@@ -226,7 +226,7 @@ def test_a_quant_without_its_layers_is_refused(tmp_path, tiny):
     config, tensors = sources.layout(str(tiny))
     staged = files.stage(tiny, tmp_path / "staged")  # what the engine is given: links to the source's files
     linear = Params.of(tensors, Shape.of(config)).linear
-    spec = {"bpw": 4.0, "head_bits": 6}
+    spec = Exl3Spec(bpw=4.0)
     qc = {"quant_method": "exl3", "bits": 4.0, "head_bits": 6}
     out = _quant(tmp_path / "whole", qc, True)
     save_file(

@@ -24,8 +24,8 @@ from factory.engines.gguf import memory as gguf_memory
 from factory.engines.gguf.spec import LADDER, TYPES
 from factory.errors import JobFailed
 from factory.evaluation import evaluate
+from factory.factory import Factory
 from factory.jobs.planning import Request
-from factory.pipeline import Factory
 from factory.recipes import build_recipe
 from factory.vram import Params, Shape
 from tests.support.llama_buffers import allocated
@@ -247,7 +247,7 @@ def test_a_tool_that_fails_fails_the_unit_with_its_last_line(tmp_path):
     imatrix = tmp_path / "broken.imatrix.gguf"
     imatrix.write_bytes(broken.read_bytes())
     request = engines.QuantizeRequest(
-        source_dir=tmp_path, out_dir=tmp_path / "out", work_dir=tmp_path / "work", spec={"type": "Q4_K_M"}
+        source_dir=tmp_path, out_dir=tmp_path / "out", work_dir=tmp_path / "work", spec=ENGINE.spec(type="Q4_K_M")
     )
     request.measurements = {"convert": broken, "imatrix": imatrix}
     with pytest.raises(JobFailed, match=r"GGUF quantization to Q4_K_M failed: .*\(exit 1; log: .*engine.log\)"):

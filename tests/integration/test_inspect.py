@@ -7,6 +7,8 @@ import struct
 import pytest
 
 from factory import engines
+from factory.checkpoints import inspection
+from factory.jobs import prepared
 
 
 def _no_config(m):
@@ -110,3 +112,22 @@ def test_refused(qf, model_copy, breaks, message):
 
 def _header_len(model):
     return struct.unpack("<Q", (model / "model.safetensors").read_bytes()[:8])[0]
+
+
+def test_a_local_source_is_inspected_once_per_job(qf, tiny, tmp_path, round_engine, monkeypatch):
+    """`qf run` of a folder: submit inspects it and keeps what it learned (inspection.inspected); the estimate and
+    the inspect step, whose snapshot hashes to the same identity, read that back instead of inspecting again."""
+    seen, real = [], inspection.inspect
+
+    def counted(folder, architectures):
+        seen.append(folder)
+        return real(folder, architectures)
+
+    for module in (inspection, prepared):
+        monkeypatch.setattr(module, "inspect", counted)
+    recipe = tmp_path / "round.yaml"
+    recipe.write_text("round: {mantissa: [3]}\n")
+    result = qf("run", tiny, "--recipe", recipe, "--eval-windows", 1)
+    assert result.exit_code == 0, result.output
+    assert seen == [tiny]
+    assert "inspect" in {s["name"] for s in qf.json("status", qf.json("ls")[0]["job"])["steps"]}

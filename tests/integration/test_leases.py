@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import update
 
+from factory import engines
 from factory.catalog import RETRYABLE, TERMINAL, TRANSITIONS, Catalog, Job, JobState, Quant, StepState
 from factory.errors import Cancelled, LeaseLost
 
@@ -181,7 +182,7 @@ def _quant(catalog: Catalog, job_id: str) -> Quant:
         rev="abc",
         method="awq",
         bits=4.0,
-        spec={},
+        spec=engines.get("awq").spec(group_size=128),
         bytes=1,
         path=str(Path("m") / "awq-w4g128@abc"),
         source="/models/m",

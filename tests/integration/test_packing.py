@@ -201,7 +201,7 @@ def test_units_record_what_was_expected_and_a_later_job_learns_from_an_earlier_o
     qf, tiny, tmp_path, round_engine, monkeypatch
 ):
     from factory import settings
-    from factory.pipeline import Factory
+    from factory.factory import Factory
 
     for mantissa in (3, 5):
         recipe = tmp_path / f"m{mantissa}.yaml"

@@ -6,9 +6,9 @@ import shutil
 import pytest
 import torch
 
+from factory.factory import Factory
 from factory.identity import file_sha256
 from factory.jobs.planning import Request
-from factory.pipeline import Factory
 from factory.publish import card
 from factory.publish.folder import MANIFEST
 from factory.recipes import build_recipe

@@ -252,7 +252,7 @@ def test_the_api_tells_a_user_nothing_of_the_server(finished, tmp_path):
         not_there = [answer(s) for s in ("/etc/nothing-here", "/nothing/at/all", "../../../../nothing", "not-here")]
         assert len(set(there + not_there)) == 1 and there[0][0] == 403, there + not_there
         # Hub-shaped, and a path where `qf serve` was started (this repository) or not: the Hub is asked for both
-        assert answer("factory/pipeline.py") == answer("factory/nothing.py"), answer("factory/pipeline.py")
+        assert answer("factory/factory.py") == answer("factory/nothing.py"), answer("factory/factory.py")
         windows = user.post(
             "/api/jobs", json={"source": "org/model", "flags": {"awq": True}, "eval_windows": 3_000_000_000}
         )
@@ -486,6 +486,10 @@ FEW, NAMES = Few(), Names()
     ("target", "why"),
     [
         ("wrongqueue:MISSING", "cannot be loaded: AttributeError: module 'wrongqueue' has no attribute 'MISSING'"),
+        (  # a module that is not there: an installation made before workers/queue.py became celery_queue.py
+            "gonequeue:QUEUE",
+            "cannot be loaded: ModuleNotFoundError: No module named 'gonequeue'; reinstall quantfactory",
+        ),
         ("wrongqueue:Klass", "is not a Queue (factory/fleet.py): it is the class Klass, not a Queue object"),
         (
             "wrongqueue:FEW",
@@ -493,7 +497,7 @@ FEW, NAMES = Few(), Names()
         ),
         ("wrongqueue:NAMES", "is not a Queue (factory/fleet.py): it has no method check_broker"),
     ],
-    ids=["missing-name", "a-class", "other-arguments", "no-methods"],
+    ids=["missing-name", "missing-module", "a-class", "other-arguments", "no-methods"],
 )
 def test_a_queue_plugin_that_is_not_a_queue_is_one_sentence_not_a_500(factory_env, tmp_path, target, why):
     plugin = tmp_path / "plugin"

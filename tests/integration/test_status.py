@@ -3,7 +3,13 @@ on PostgreSQL (the second pass of scripts/test)."""
 
 from __future__ import annotations
 
+import json
+
+from sqlalchemy import text
+
+from factory import engines, specs
 from factory.catalog import Catalog, status
+from tests.support.round_engine import ENGINE as ROUND
 
 
 def test_plain_sql_reads_what_the_catalog_wrote(finished):
@@ -19,7 +25,7 @@ def test_plain_sql_reads_what_the_catalog_wrote(finished):
         "exit_code": job.exit_code,
         "source": job.source,
         "source_identity": job.source_identity,
-        "specs": job.specs,
+        "specs": [s.model_dump() for s in job.specs],
         "device": job.device,
         "created_at": job.created_at.isoformat(timespec="seconds"),
         "steps": [
@@ -66,3 +72,42 @@ def test_unsupported_database_url(qf):
     result = qf("status")
     assert result.exit_code == 2
     assert "mysql://u:***@db/x is neither sqlite:///PATH nor postgresql://" in result.stderr
+
+
+def test_specs_are_stored_as_dicts_and_read_back_typed(tmp_path, db_url):
+    """The catalog's edge (catalog/schema.py's Spec and Specs): a job's specs go in as their model_dump(), the form
+    every catalog holds already, and come out as their engines' spec classes; a spec whose engine this process has
+    not registered (a plugin that is not loaded here) comes out as specs.Unregistered, its fields as stored."""
+    catalog = Catalog(db_url or f"sqlite:///{tmp_path / 'catalog.db'}")
+    catalog.jobs.name_for("/models/m", "m", None)
+    awq = engines.get("awq").spec(group_size=128)
+    engines.register(ROUND)
+    try:
+        job, _ = catalog.jobs.create(
+            key="k",
+            name="m",
+            source="/models/m",
+            source_identity="sha256:0",
+            base_model="m",
+            specs=[awq, ROUND.spec(mantissa=3)],
+            calibration="builtin:mix",
+            calibration_sha="c",
+            eval="builtin:wiki",
+            eval_sha="e",
+            eval_windows=1,
+            max_ppl_ratio=1.5,
+            versions={},
+            device="cpu",
+        )
+        assert catalog.jobs.get(job.id).specs == [awq, ROUND.spec(mantissa=3)]
+    finally:
+        engines.unregister(ROUND.name)
+    with catalog.db.session() as s:
+        stored = s.execute(text("SELECT specs FROM jobs WHERE id = :id"), {"id": job.id}).scalar_one()
+    assert (json.loads(stored) if isinstance(stored, str) else stored) == [
+        awq.model_dump(),
+        {"method": "round", "mantissa": 3},
+    ]
+    read = catalog.jobs.get(job.id).specs
+    assert read[0] == awq and type(read[1]) is specs.Unregistered
+    assert read[1].model_dump() == {"method": "round", "mantissa": 3}

@@ -244,7 +244,7 @@ def test_fits_table_of_a_finished_quant_and_its_card(tmp_path):
     row = quant_row(
         "smollm2:exl2-4.0bpw",
         fits=fits,
-        spec={"fit": {"vram": 8 * 2**30, "ctx": 8192, "cache": "q4"}},
+        spec={"head_bits": 6, "fit": {"vram": 8 * 2**30, "ctx": 8192, "cache": "q4"}},
         eval={"kv_cache": {"fp16": 16.2, "q8": 16.21, "q4": 16.5}},
     )
     text = exl2_card.fits(row)

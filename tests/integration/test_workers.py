@@ -409,7 +409,7 @@ def test_a_job_that_keeps_losing_workers_fails_instead_of_looping(env, tiny, mon
     for key, value in {**env, "FACTORY_MAX_ATTEMPTS": "2", "FACTORY_LEASE_SECONDS": "0.01"}.items():
         monkeypatch.setenv(key, value)
     from factory import settings
-    from factory.pipeline import Factory
+    from factory.factory import Factory
     from workers import tasks
 
     job_id = qf(env, "submit", tiny, "--awq", "--eval-windows", 1, check=True).stdout.strip()

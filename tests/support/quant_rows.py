@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import factory.engines  # noqa: F401  (registers the engines' spec classes, which specs.parse reads)
+from factory import specs
 from factory.registry.published import QuantRow
+from factory.specs import QuantSpec
 
 DEFAULTS = dict(
     rev="abc1234",
@@ -20,12 +23,25 @@ DEFAULTS = dict(
     versions={},
     job="j",
     path="p",
-    spec={},
     created_at="2026-12-01T00:00:00",
 )
 
 
-def quant_row(ref: str, **fields) -> QuantRow:
-    """`ref` is `name:tag`; the method is the tag's first word unless given."""
+def spec_of(tag: str, **fields) -> QuantSpec:
+    """The spec a built-in engine's `tag` names (its sizes read off the tag), with `fields` besides."""
+    method, size = tag.split("-")[:2]
+    read = {
+        "exl2": {"bpw": size.removesuffix("bpw")},
+        "exl3": {"bpw": size.removesuffix("bpw")},
+        "awq": {"group_size": size.split("g")[-1]},
+        "awqct": {"group_size": size.split("g")[-1]},
+        "gguf": {"type": size.upper()},
+    }[method]
+    return specs.parse({"method": method, **read, **fields})
+
+
+def quant_row(ref: str, spec: dict | None = None, **fields) -> QuantRow:
+    """`ref` is `name:tag`; the method is the tag's first word unless given; `spec`: fields of the tag's spec."""
     name, tag = ref.split(":")
-    return QuantRow(**{**DEFAULTS, "name": name, "tag": tag, "method": tag.split("-")[0], **fields})
+    made = spec_of(tag, **(spec or {}))
+    return QuantRow(**{**DEFAULTS, "name": name, "tag": tag, "method": tag.split("-")[0], "spec": made, **fields})

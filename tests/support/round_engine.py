@@ -73,15 +73,15 @@ class RoundEngine(Engine):
         payload = {
             "source_dir": str(request.source_dir),
             "out_dir": str(request.out_dir),
-            "spec": request.spec,
+            "spec": request.spec.model_dump(),
             "seconds": float(os.environ.get("QF_TEST_ROUND_SECONDS", "0")),
-            "fails": str(request.spec["mantissa"]) == os.environ.get("QF_TEST_ROUND_FAILS"),
+            "fails": str(request.spec.mantissa) == os.environ.get("QF_TEST_ROUND_FAILS"),
         }
-        child.run(__name__, payload, request.work_dir, emit, what=f"rounding to {request.spec['mantissa']} bits")
+        child.run(__name__, payload, request.work_dir, emit, what=f"rounding to {request.spec.mantissa} bits")
         check_quant_folder(
             request.out_dir,
             "model.safetensors",
-            {"quant_method": "round", "mantissa": request.spec["mantissa"]},
+            {"quant_method": "round", "mantissa": request.spec.mantissa},
             "the round engine",
         )
 

@@ -67,7 +67,7 @@ def _quant_folder(tmp_path, qc: dict | None, outputs: bool = True):
 
 
 def test_outputs_are_checked_not_trusted(tmp_path):
-    spec = {"bpw": 4.0, "head_bits": 6}
+    spec = exl2.Exl2Spec(bpw=4.0)
     good = {"quant_method": "exl2", "bits": 4.0, "head_bits": 6}
     exl2.check_output(_quant_folder(tmp_path / "a", good), spec, tmp_path / "log")
     with pytest.raises(JobFailed, match="wrote no output"):

@@ -19,7 +19,8 @@ CYCLES_INSPECT = (
 
 # -- layers -------------------------------------------------------------------------------------------------------
 # Direction of knowledge: a module imports only modules of its own layer or a lower one, at module level
-# or inside a function alike. The leaves import nothing but errors; engines never see the catalog or publishing.
+# or inside a function alike. The leaves import nothing but errors (and a published row its spec's type, from the
+# leaf specs); engines never see the catalog or publishing.
 LAYERS = [
     ["factory.errors"],
     [
@@ -37,7 +38,7 @@ LAYERS = [
     ["factory.engines"],
     ["factory.ranking"],
     ["factory.recipes", "factory.schedule", "factory.publish", "factory.jobs"],
-    ["factory.pipeline", "factory.submission", "factory.fleet"],
+    ["factory.factory", "factory.submission", "factory.fleet"],
     ["factory.cli", "factory.service", "workers"],
 ]
 LEAVES = {
@@ -84,7 +85,9 @@ def test_lower_layers_never_import_higher_ones():
         imported = {m for m in _imports(tree) if m.split(".")[0] in ("factory", "workers", "calibration")}
         imported = {m for m in imported if m != "factory"}  # `from factory import x` names x itself, listed too
         if name in LEAVES:
-            problems += [f"{name} imports {m}" for m in imported if not m.startswith("factory.errors")]
+            problems += [
+                f"{name} imports {m}" for m in imported if not m.startswith(("factory.errors", "factory.specs"))
+            ]
         here = _layer(name)
         problems += [
             f"{name} (layer {here}) imports {m} (layer {_layer(m)})" for m in sorted(imported) if _layer(m) > here
@@ -122,7 +125,7 @@ def test_the_readmes_layout_is_the_layers():
 
 def test_factory_never_imports_workers():
     """workers/ (Celery on Redis) knows factory/, never the reverse: `qf` and the service reach the fleet through
-    factory/fleet.py's Queue, which workers/queue.py implements and pyproject.toml plugs in (an entry point)."""
+    factory/fleet.py's Queue, which workers/celery_queue.py implements and pyproject.toml plugs in (an entry point)."""
     problems = [
         f"{name} imports {m}"
         for name, _, tree in _modules()
@@ -132,14 +135,14 @@ def test_factory_never_imports_workers():
     ]
     assert problems == [], (
         "factory/ must not import workers/ (not even inside a function): ask factory.fleet.get() for what the fleet "
-        f"does, and add it to factory/fleet.py's Queue and workers/queue.py if it is new: {problems}"
+        f"does, and add it to factory/fleet.py's Queue and workers/celery_queue.py if it is new: {problems}"
     )
 
 
 def test_the_queue_is_celery_through_the_entry_point():
     """What `qf submit` and the service load: the Celery queue (an installation whose metadata lacks the entry point,
     installed before it existed, needs `pip install -e .` again)."""
-    from workers.queue import QUEUE
+    from workers.celery_queue import QUEUE
 
     assert fleet.get() is QUEUE
     assert isinstance(QUEUE, fleet.Queue)
@@ -240,7 +243,7 @@ FUNCTION_IMPORTS = {
             ("factory.cli.run", "factory.jobs.heartbeat"),
             ("factory.cli.services", "factory.catalog.accounts"),
             ("factory.cli.shared", "factory.catalog"),
-            ("factory.cli.shared", "factory.pipeline"),
+            ("factory.cli.shared", "factory.factory"),
             ("factory.cli.shared", "factory.service.client"),
             ("factory.submission", "factory.jobs.planning"),
         ],

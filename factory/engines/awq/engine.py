@@ -72,9 +72,9 @@ class AwqEngine(Engine):
     def calibration_windows(self, spec: AwqSpec) -> tuple[int, int]:
         return spec.calib_rows or CUDA_ROWS, spec.calib_length  # before fit_calibration: the most it takes
 
-    def describe_calibration(self, spec: dict, text: str) -> str:
-        clipping = "on" if spec["clip"] else "off"
-        return f"{text}, {spec['calib_rows']} x {spec['calib_length']} tokens, clipping {clipping}"
+    def describe_calibration(self, spec: AwqSpec, text: str) -> str:
+        clipping = "on" if spec.clip else "off"
+        return f"{text}, {spec.calib_rows} x {spec.calib_length} tokens, clipping {clipping}"
 
     def load(self, folder: Path, device: str):
         return evaluate.load(folder, device)
@@ -86,7 +86,7 @@ class AwqEngine(Engine):
             {
                 "source_dir": str(request.source_dir),
                 "out_dir": str(request.out_dir),
-                "spec": request.spec,
+                "spec": request.spec.model_dump(),
                 "calibration": request.calibration,
             },
             request.work_dir,
@@ -99,8 +99,8 @@ class AwqEngine(Engine):
                 shutil.copyfile(request.source_dir / name, request.out_dir / name)
 
 
-def check_output(out_dir: Path, spec: dict) -> None:
-    want = {"quant_method": "awq", "bits": spec["w_bit"], "group_size": spec["group_size"]}
+def check_output(out_dir: Path, spec: AwqSpec) -> None:
+    want = {"quant_method": "awq", "bits": spec.w_bit, "group_size": spec.group_size}
     check_quant_folder(out_dir, "*.safetensors", want, "AutoAWQ")
 
 

@@ -115,8 +115,8 @@ class AwqCtEngine(Engine):
     def calibration_windows(self, spec: AwqCtSpec) -> tuple[int, int]:
         return spec.calib_rows or CUDA_ROWS, spec.calib_length  # before fit_calibration: the most it takes
 
-    def describe_calibration(self, spec: dict, text: str) -> str:
-        return f"{text}, {spec['calib_rows']} x {spec['calib_length']} tokens"
+    def describe_calibration(self, spec: AwqCtSpec, text: str) -> str:
+        return f"{text}, {spec.calib_rows} x {spec.calib_length} tokens"
 
     def load(self, folder: Path, device: str):
         return evaluate.load(folder, device)
@@ -127,7 +127,7 @@ class AwqCtEngine(Engine):
         payload = {
             "source_dir": str(request.source_dir),
             "out_dir": str(request.out_dir),
-            "spec": request.spec,
+            "spec": request.spec.model_dump(),
             "calibration": request.calibration,
         }
         request.work_dir.mkdir(parents=True, exist_ok=True)
@@ -145,7 +145,7 @@ class AwqCtEngine(Engine):
                 shutil.copyfile(request.source_dir / name, request.out_dir / name)
 
 
-def check_output(out_dir: Path, spec: dict, log: Path | None = None) -> None:
+def check_output(out_dir: Path, spec: AwqCtSpec, log: Path | None = None) -> None:
     """compressed-tensors' config, and the one group the spec asked for: 4-bit asymmetric int groups."""
     check_quant_folder(
         out_dir,
@@ -156,8 +156,8 @@ def check_output(out_dir: Path, spec: dict, log: Path | None = None) -> None:
     )
     groups = json.loads((out_dir / "config.json").read_text())["quantization_config"]["config_groups"]
     want = {
-        "num_bits": spec["w_bit"],
-        "group_size": spec["group_size"],
+        "num_bits": spec.w_bit,
+        "group_size": spec.group_size,
         "symmetric": False,
         "strategy": "group",
         "type": "int",

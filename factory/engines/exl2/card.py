@@ -37,9 +37,8 @@ def fits(row: QuantRow) -> str:
     lines = [f"### {row.ref}", ""]
     if kv := row.eval.get("kv_cache"):
         lines += [f"Perplexity through exllamav2's KV cache ({KV_CHUNK_NOTE}): {format_scores(kv)}.", ""]
-    if row.fit:
-        f = row.fit
-        lines += [f"Made to fit {f['vram'] / 2**30:.0f} GiB with {f['ctx']} tokens of {f['cache']} cache (--fit).", ""]
+    if (f := row.spec.fit) is not None:
+        lines += [f"Made to fit {f.vram / 2**30:.0f} GiB with {f.ctx} tokens of {f.cache} cache (--fit).", ""]
     lines += [
         "| GPU | " + " | ".join(f"longest context, {c} cache" for c in caches) + " |",
         "|---|" + "---|" * len(caches),

@@ -109,10 +109,10 @@ class Exl2Engine(Engine):
     def measurement_settings(self, spec: Exl2Spec, stage: str) -> tuple[int, int]:
         return spec.measurement_rows, spec.measurement_length
 
-    def describe_calibration(self, spec: dict, text: str) -> str:
+    def describe_calibration(self, spec: Exl2Spec, text: str) -> str:
         return (
-            f"{text}, {spec['rows']} x {spec['length']} tokens (measured on {spec['measurement_rows']} x "
-            f"{spec['measurement_length']})"
+            f"{text}, {spec.rows} x {spec.length} tokens (measured on {spec.measurement_rows} x "
+            f"{spec.measurement_length})"
         )
 
     def load(self, folder: Path, device: str):
@@ -165,13 +165,13 @@ class Exl2Engine(Engine):
             o=work,
             c=request.calibration_file,
             m=request.measurements["measure"],
-            b=spec["bpw"],
-            hb=spec["head_bits"],
-            r=spec["rows"],
-            l=spec["length"],
+            b=spec.bpw,
+            hb=spec.head_bits,
+            r=spec.rows,
+            l=spec.length,
             cf=request.out_dir,
         )
-        self._run(args, work, log, emit, what=f"EXL2 conversion at {spec['bpw']} bpw")
+        self._run(args, work, log, emit, what=f"EXL2 conversion at {spec.bpw} bpw")
         check_output(request.out_dir, spec, log)
         (request.out_dir / "model.safetensors.index.json").unlink(missing_ok=True)
         shutil.copy2(request.measurements["measure"], request.out_dir / "measurement.json")
@@ -183,8 +183,8 @@ def _flags(**flags: object) -> list[str]:
     return [item for name, value in flags.items() for item in (f"-{name}", str(value))]
 
 
-def check_output(out_dir: Path, spec: dict, log: Path) -> None:
-    want = {"quant_method": "exl2", "bits": spec["bpw"], "head_bits": spec["head_bits"]}
+def check_output(out_dir: Path, spec: Exl2Spec, log: Path) -> None:
+    want = {"quant_method": "exl2", "bits": spec.bpw, "head_bits": spec.head_bits}
     check_quant_folder(out_dir, "output*.safetensors", want, "exllamav2", log)
 
 

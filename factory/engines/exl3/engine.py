@@ -161,8 +161,8 @@ class Exl3Engine(Engine):
     def calibration_windows(self, spec: Exl3Spec) -> tuple[int, int]:
         return spec.rows or ROWS, spec.length
 
-    def describe_calibration(self, spec: dict, text: str) -> str:
-        return f"{text}, {spec['rows']} x {spec['length']} tokens"
+    def describe_calibration(self, spec: Exl3Spec, text: str) -> str:
+        return f"{text}, {spec.rows} x {spec.length} tokens"
 
     def quantize(self, request: QuantizeRequest, emit) -> None:
         spec, work, log = request.spec, request.work_dir / "convert", request.work_dir / child.LOG_NAME
@@ -179,9 +179,9 @@ class Exl3Engine(Engine):
             "-w",
             work,
             "-b",
-            spec["bpw"],
+            spec.bpw,
             "-hb",
-            spec["head_bits"],
+            spec.head_bits,
             "-vb",
             VISION_BITS,
             "-cd",
@@ -194,7 +194,7 @@ class Exl3Engine(Engine):
         ]
         parse = _parser(modules)
         cmd = [sys.executable, "-u", "-m", "factory.engines.exl3.compat", SCRIPT, *map(str, args)]
-        child.run_command(cmd, log, emit, f"EXL3 conversion at {spec['bpw']} bpw", parse=parse)
+        child.run_command(cmd, log, emit, f"EXL3 conversion at {spec.bpw} bpw", parse=parse)
         if parse.errors:
             raise JobFailed(f"exllamav3 refused the conversion: {parse.errors[-1]}; see {log}")
         check_output(request.out_dir, spec, log, request.source_dir)
@@ -214,27 +214,27 @@ MIN_LAYER_SHARE = 0.9  # of the layers' linear weights at the bits asked; what e
 BITS_OVER = 0.25  # what exllamav3 may add to the bits asked for: its layers' sign vectors and scales
 
 
-def check_output(out_dir: Path, spec: dict, log: Path, source_dir: Path | None = None) -> None:
+def check_output(out_dir: Path, spec: Exl3Spec, log: Path, source_dir: Path | None = None) -> None:
     """exllamav3 writes the bits it reached beside the head bits asked for: a little over the bits asked, for the
     layers' sign vectors and scales (4.12 at -b 4.0 on a 256-wide test model, tests/fixtures/convert_exl3_tiny.log).
     With the source, the weights are weighed too: exllamav3 1.6.5 can write a quant without its layers and exit 0
     (compat.py), so the decoder layers must hold at least MIN_LAYER_SHARE of their linear weights at the bits asked."""
     check_quant_folder(
-        out_dir, "model*.safetensors", {"quant_method": "exl3", "head_bits": spec["head_bits"]}, "exllamav3", log
+        out_dir, "model*.safetensors", {"quant_method": "exl3", "head_bits": spec.head_bits}, "exllamav3", log
     )
     bits = json.loads((out_dir / "config.json").read_text())["quantization_config"].get("bits")
-    if not isinstance(bits, (int, float)) or not spec["bpw"] - 0.01 <= bits <= spec["bpw"] + BITS_OVER:
-        raise JobFailed(f"exllamav3 reached {bits} bits per weight, not the {spec['bpw']} asked for; see {log}")
+    if not isinstance(bits, (int, float)) or not spec.bpw - 0.01 <= bits <= spec.bpw + BITS_OVER:
+        raise JobFailed(f"exllamav3 reached {bits} bits per weight, not the {spec.bpw} asked for; see {log}")
     if not (out_dir / "quantization_config.json").is_file():
         raise JobFailed(f"exllamav3 did not finish writing {out_dir} (no quantization_config.json); see {log}")
     if source_dir is not None:
         config = read_config(source_dir / "config.json", check_numbers=False)  # staged: links to the source's files
         tensors = {n: i["shape"] for f in sorted(source_dir.glob("*.safetensors")) for n, i in read_header(f).items()}
-        wanted = Params.of(tensors, Shape.of(config)).linear * spec["bpw"] / 8
+        wanted = Params.of(tensors, Shape.of(config)).linear * spec.bpw / 8
         got = tensor_bytes(out_dir).get("layers", 0)
         if got < MIN_LAYER_SHARE * wanted:
             raise JobFailed(
-                f"exllamav3 wrote {human(got)} of decoder layers where {spec['bpw']} bpw takes about "
+                f"exllamav3 wrote {human(got)} of decoder layers where {spec.bpw} bpw takes about "
                 f"{human(wanted)}: the quant is incomplete; see {log}"
             )
 

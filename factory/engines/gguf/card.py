@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 
 def file_name(row: QuantRow) -> str:
-    return gguf_file.name(Path(row.source.split("@")[0].rstrip("/")).name, row.spec["type"])
+    return gguf_file.name(Path(row.source.split("@")[0].rstrip("/")).name, row.spec.type)
 
 
 def files_table(rows: list[QuantRow]) -> str:
@@ -35,8 +35,8 @@ def files_table(rows: list[QuantRow]) -> str:
         kld = "n/a" if r.kld is None else f"{r.kld:.4f}"
         top1 = "n/a" if r.top1 is None else f"{r.top1 * 100:.1f}%"
         size = f"{r.bytes / 2**30:.2f} GiB" if r.bytes >= 2**30 else f"{r.bytes / 2**20:.1f} MiB"
-        lines.append(f"| `{file_name(r)}` | {r.spec['type']} | {size} | {r.ppl:.4f} | {kld} | {top1} |")
-    types = ", ".join(r.spec["type"] for r in sorted(rows, key=lambda r: -r.bits))
+        lines.append(f"| `{file_name(r)}` | {r.spec.type} | {size} | {r.ppl:.4f} | {kld} | {top1} |")
+    types = ", ".join(r.spec.type for r in sorted(rows, key=lambda r: -r.bits))
     lines += [
         "",
         f"A file over {gguf_split_bytes() / 1e9:g} GB is published in parts by llama.cpp's gguf-split "
@@ -72,7 +72,7 @@ def fits_in(rows: list[QuantRow]) -> str:
             if (f.get("q8") or 0) > (f["fp16"] or 0):
                 cell += f" ({f['q8']:,})"
             cells.append(cell)
-        lines.append(f"| {r.spec['type']} | " + " | ".join(cells) + " |")
+        lines.append(f"| {r.spec.type} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -139,8 +139,8 @@ class GgufEngine(Engine):
     def calibration_lengths(self, spec: GgufSpec) -> list[tuple[int, int]]:
         return [(spec.imatrix_chunks, spec.imatrix_ctx)]
 
-    def describe_calibration(self, spec: dict, text: str) -> str:
-        return f"{text}, importance matrix on {spec['imatrix_chunks']} x {spec['imatrix_ctx']} tokens"
+    def describe_calibration(self, spec: GgufSpec, text: str) -> str:
+        return f"{text}, importance matrix on {spec.imatrix_chunks} x {spec.imatrix_ctx} tokens"
 
     def load(self, folder: Path, device: str):
         return evaluate.load(folder, device)
@@ -188,11 +188,11 @@ class GgufEngine(Engine):
         f16, imatrix = request.measurements["convert"], request.measurements["imatrix"]
         shutil.rmtree(request.out_dir, ignore_errors=True)
         request.out_dir.mkdir(parents=True)
-        quant = request.work_dir / gguf_file.name(request.model, spec["type"])
-        cmd = [str(llama.tool("llama-quantize")), "--imatrix", str(imatrix), str(f16), str(quant), spec["type"]]
+        quant = request.work_dir / gguf_file.name(request.model, spec.type)
+        cmd = [str(llama.tool("llama-quantize")), "--imatrix", str(imatrix), str(f16), str(quant), spec.type]
         cmd.append(str(cpu_threads()))
-        child.run_command(cmd, log, emit, f"GGUF quantization to {spec['type']}", _quantize_parser, merge=True)
-        check_gguf(quant, spec["type"], log)
+        child.run_command(cmd, log, emit, f"GGUF quantization to {spec.type}", _quantize_parser, merge=True)
+        check_gguf(quant, spec.type, log)
         if quant.stat().st_size > (largest := gguf_split_bytes()):
             split = [str(llama.tool("llama-gguf-split")), "--split", "--split-max-size", f"{largest // 10**6}M"]
             child.run_command([*split, str(quant), str(request.out_dir / quant.stem)], log, emit, "gguf-split")

@@ -1,7 +1,7 @@
-"""The factory's front, for the CLI, the service and the workers: `submit` checks a request and creates the job
-or finds the same one, `estimate` says how long it should take, `execute` runs a job (or its part a GPU worker
-runs) and `help` converts some of another worker's running job here. `qf run` calls submit and execute in-process;
-a worker calls `execute` with a job id.
+"""The factory's front, `Factory` (the module is named for it), for the CLI, the service and the workers: `submit`
+checks a request and creates the job or finds the same one, `estimate` says how long it should take, `execute` runs a
+job (or its part a GPU worker runs) and `help` converts some of another worker's running job here. `qf run` calls
+submit and execute in-process; a worker calls `execute` with a job id.
 
 Each call builds the context of one attempt (factory/jobs/context.py's Run: the catalog, the settings, `emit`, the
 lease's token, this process's holder name, the stop event) and hands it to factory/jobs/: planning.py (submit,

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from factory.catalog import Catalog, Job
+from factory.factory import Factory
 from factory.jobs.planning import Request
-from factory.pipeline import Factory
 from workers import tasks
 
 
