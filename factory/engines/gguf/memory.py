@@ -146,9 +146,11 @@ class GgufMemory(Memory):
         self, source: str, budgets: str, ctx: int | None, cache: str, written: dict, note: Callable[[str], None]
     ) -> dict:
         """--fit 16GB,8GB -> for each budget the best type of LADDER whose weights, KV cache and compute buffer fit
-        it (RAM or VRAM alike); SpecError where none does."""
+        it (RAM or VRAM alike), with the budget it was for (the spec's `fit`, on the card); SpecError where none
+        does."""
         shape, params = source_shape(source)
-        types = []
+        types, fits = [], []
+        cache = "q8" if cache == "q6" else cache  # llama.cpp has no q6 cache; q8_0 it is (CACHE_BYTES)
         for text in budgets.split(","):
             budget = parse_size(text)
             chosen = plan(shape, params, budget, ctx, cache, 1).data
@@ -164,7 +166,8 @@ class GgufMemory(Memory):
                 f"({human(best['total'])} of {human(budget)}, {human(HEADROOM)} left free)"
             )
             types.append(best["type"])
-        return {**written, "types": types}
+            fits.append({"memory": budget, "ctx": chosen["ctx"], "cache": cache})
+        return {**written, "types": types, "fit": fits}
 
     def unit_seconds(self, kind: str, parameters: int, device: str, cores: int) -> float:
         """On the CPU the importance matrix is a forward pass of the 16-bit model over its calibration tokens (the
