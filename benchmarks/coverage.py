@@ -207,6 +207,13 @@ CANDIDATES["gguf"] = [
     "smollm3",
     "stablelm",
     "gpt_neox",
+    # the vision-language families of issue 33 it registers (a text model and an mmproj model each)
+    "gemma3",
+    "mistral3",
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "llama4",
+    "glm4v",
 ]
 
 

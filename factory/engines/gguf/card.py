@@ -57,8 +57,8 @@ def made_to_fit(row: QuantRow) -> str:
     f = row.fit
     cache = "f16" if f["cache"] == "fp16" else f"{f['cache']}_0"
     return (
-        f"- {row.spec['type']} was chosen for {human(f['memory'])} of RAM or VRAM holding {f['ctx']:,} tokens with a "
-        f"{cache} KV cache{CACHE_FLAGS[f['cache']]} (`--gguf fit --fit`)."
+        f"- {row.spec['type']} was chosen for {human(f['memory'])} of RAM or VRAM holding {f['ctx']:,} tokens with its "
+        f"KV cache in {cache}{CACHE_FLAGS[f['cache']]} (`--gguf fit --fit`)."
     )
 
 

@@ -7,6 +7,8 @@ from either; with every layer offloaded, all of it is on the GPU).
     cache     2 (K and V) x layers x context x KV heads x head dim x 2 bytes (f16), 34/32 (q8_0) or 18/32 (q4_0)
     compute   llama.cpp's graph for one micro-batch (512 tokens, fewer for a shorter context): its logits (the
               vocabulary) and the largest activation (the MLP's) in f32, and the attention mask (the context) in f16
+    mmproj    a vision-language model's vision tower and projector at 16 bits (`mmproj`), said apart: llama.cpp loads
+              it only to read images (--mmproj)
 
 Checked against what llama.cpp allocates (its load log: the model, KV and compute buffers;
 tests/support/llama_buffers.py, run by tests/integration/test_engine_gguf.py and tests/integration/test_smollm2.py):
@@ -71,7 +73,13 @@ def plan(shape: Shape, params: Params, budget: int, ctx: int | None, cache: str,
         f"tokens, {cache} cache, {human(HEADROOM)} left free"
     )
     lines = [f"best GGUF type that fits (of {', '.join(LADDER)}): {best}" if best else "no GGUF type fits"]
+    if params.vision:  # not in the totals: llama.cpp loads it only for images (--mmproj)
+        lines.append(
+            f"GGUF's mmproj file (the vision tower and projector at 16 bits, for images: --mmproj): "
+            f"{human(2 * params.vision)} more"
+        )
     result = {"budget": budget, "gpus": gpus, "ctx": ctx, "cache": cache, "rows": data, "best_type": best}
+    result["mmproj"] = 2 * params.vision
     return MemoryPlan(result, title, ("TYPE", "WEIGHTS", "CACHE", "COMPUTE", "TOTAL", "FITS"), rows, lines)
 
 
