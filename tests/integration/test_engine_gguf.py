@@ -270,7 +270,7 @@ def test_a_vision_language_family_the_converter_cannot_take_is_refused_in_one_se
     assert result.exit_code == 3, result.output
     said = " ".join(result.output.split())
     assert "error: GGUF does not convert the vision-language Qwen3VLForConditionalGeneration; it converts " in said
-    assert "Gemma3ForConditionalGeneration" in said and "Traceback" not in said, said
+    assert "Mistral3ForConditionalGeneration" in said and "Traceback" not in said, said
     assert qf.json("jobs") == []
 
 

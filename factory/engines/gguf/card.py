@@ -25,9 +25,9 @@ def files_table(rows: list[QuantRow], hub_repo: str | None = None) -> str:
         "## Files",
         "",
         "Each type's file, with its importance matrix (`*-imatrix.gguf`, computed once on the calibration text) beside "
-        "it (the size counts both). PPL, KLD and top-1 are llama.cpp's own inference on the factory's windows (no BOS, "
-        "every position), against the FP16 source in transformers on the same windows, so they compare with the "
-        "other formats' rows.",
+        "it (the size counts both, and a vision-language model's `mmproj-*.gguf`). PPL, KLD and top-1 are llama.cpp's "
+        "own inference on the factory's windows (no BOS, every position), against the FP16 source in transformers on "
+        "the same windows, so they compare with the other formats' rows.",
         "",
         "| file | type | size | PPL | KLD | top-1 |",
         "|---|---|---|---|---|---|",
@@ -89,6 +89,7 @@ def images(rows: list[QuantRow], hub_repo: str | None = None) -> str:
     shown = next((r for r in seeing if r.spec["type"] == "Q4_K_M"), seeing[0])
     mmproj, example = gguf_file.mmproj_name(Path(shown.source.split("@")[0].rstrip("/")).name), file_name(shown)
     lines = [
+        "",
         "## Images in llama.cpp",
         "",
         f"`{mmproj}` is the vision tower and its projector at 16 bits (llama.cpp's `--mmproj`), the same file beside "
@@ -142,9 +143,9 @@ class GgufCard(Card):
 
     def how_to_load(self, folder: str) -> str:
         return f"""```bash
-# llama.cpp (the file is the one .gguf beside *-imatrix.gguf)
-llama-cli -m "$(ls ./{folder}/*.gguf | grep -v -- -imatrix.gguf | head -1)" -cnv
-llama-server -m "$(ls ./{folder}/*.gguf | grep -v -- -imatrix.gguf | head -1)" --port 8080
+# llama.cpp (the file is the one .gguf beside *-imatrix.gguf, and mmproj-*.gguf for images)
+llama-cli -m "$(ls ./{folder}/*.gguf | grep -v -e -imatrix.gguf -e /mmproj- | head -1)" -cnv
+llama-server -m "$(ls ./{folder}/*.gguf | grep -v -e -imatrix.gguf -e /mmproj- | head -1)" --port 8080
 ```
 """
 

@@ -55,9 +55,11 @@ ARCHITECTURES = frozenset({
     "Gemma3ForCausalLM", "GraniteForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM",
     "Olmo2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "SmolLM3ForCausalLM",
     "StableLmForCausalLM", "Starcoder2ForCausalLM",
+    # vision-language: the language model's GGUF and the projector's (mmproj)
+    "Mistral3ForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
     # the converter reads these families' vocabulary from tokenizer.model, which their releases ship and the tiny
     # checkpoints do not
-    "GemmaForCausalLM", "Gemma2ForCausalLM", "Phi3ForCausalLM",
+    "GemmaForCausalLM", "Gemma2ForCausalLM", "Phi3ForCausalLM", "Gemma3ForConditionalGeneration",
 })  # fmt: skip
 
 
