@@ -135,7 +135,7 @@ class GgufMemory(Memory):
     # llama-imatrix on one CPU core: SmolLM2-135M's 128 x 512 tokens (2 x parameters FLOPs each) in 952 s on a busy
     # core, 2026-12-06 (docs/measured.md)
     IMATRIX_FLOPS_PER_CORE = 1.9e10
-    UNIT_SECONDS = {"convert": (10.0, 30.0), "imatrix": (10.0, 30.0), "quantize": (10.0, 20.0)}
+    UNIT_SECONDS = {"convert": (10.0, 30.0), "imatrix": (10.0, 30.0), "mmproj": (10.0, 30.0), "quantize": (10.0, 20.0)}
     CPU_CORE_SECONDS_PER_B = 200.0
     runtimes = ("llama.cpp", "ollama")
 
