@@ -6,6 +6,7 @@ without the build, and the parsers of the tools' lines."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -310,6 +311,15 @@ def test_each_architecture_is_one_the_converter_registers():
         for call in re.findall(r"register\(([^)]*)\)", path.read_text()):
             registered.update(re.findall(r'"(\w+)"', call))
     assert gguf_engine.ARCHITECTURES <= registered, sorted(gguf_engine.ARCHITECTURES - registered)
+    # a vision-language one has an mmproj model too (the converter's MMPROJ_MODEL_MAP names it)
+    maps = ast.parse((llama.source() / "conversion" / "__init__.py").read_text())
+    [mmproj] = [
+        ast.literal_eval(node.value)
+        for node in maps.body
+        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == "MMPROJ_MODEL_MAP"
+    ]
+    vision = {a for a in gguf_engine.ARCHITECTURES if a.endswith("ForConditionalGeneration")}
+    assert vision and vision <= set(mmproj), sorted(vision - set(mmproj))
 
 
 def test_a_tool_that_fails_fails_the_unit_with_its_last_line(tmp_path):
