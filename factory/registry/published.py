@@ -47,7 +47,8 @@ class QuantRow:
 
     @property
     def fit(self) -> dict | None:
-        """The VRAM budget `--fit` chose this size for."""
+        """The budget `--fit` chose this size for: EXL2's `{vram, ctx, cache}`, GGUF's `{memory, ctx, cache}` (RAM
+        or VRAM)."""
         return self.spec.get("fit")
 
     def to_json(self) -> dict:
