@@ -207,6 +207,13 @@ CANDIDATES["gguf"] = [
     "smollm3",
     "stablelm",
     "gpt_neox",
+    # the vision-language families of issue 33 it registers (a text model and an mmproj model each)
+    "gemma3",
+    "mistral3",
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "llama4",
+    "glm4v",
 ]
 
 
@@ -251,7 +258,7 @@ def _why(run: subprocess.CompletedProcess) -> str:
     lines = [line.strip() for line in (run.stderr + run.stdout).splitlines() if line.strip()]
     said = [line for line in lines if line.startswith("error:") or '"event": "failed"' in line]
     why = (said or lines or [f"exit {run.returncode}"])[-1]
-    return re.sub(r" \(exit \d+; log: [^)]*\)", "", why)[:400]  # the log's path is this machine's
+    return re.sub(r" \(exit \d+; log: [^)]*\)|; log: \S+", "", why)[:400]  # the log's path is this machine's
 
 
 def _rescore(engine_name: str, folder: Path, source: Path, device: str) -> float:

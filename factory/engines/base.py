@@ -264,9 +264,10 @@ class Card(Part):
         """What a user must know to load this quant beyond the snippet (the card prints it under it), if anything."""
         return None
 
-    def sections(self, rows: list[QuantRow]) -> tuple[str, str]:
+    def sections(self, rows: list[QuantRow], hub_repo: str | None = None) -> tuple[str, str]:
         """Markdown sections the card adds about this engine's quants (`rows`): one before the prompt format and
-        the load snippets, one after them (EXL2: which size to pick; where each fits)."""
+        the load snippets, one after them (EXL2: which size to pick; where each fits). `hub_repo`: the Hub repo
+        whose main card this is (GGUF: what `ollama run hf.co/REPO` names); None for a registry folder's card."""
         return "", ""
 
     def describe_scores(self, row: QuantRow) -> list[str]:
@@ -361,6 +362,11 @@ class Engine:
     def describe_calibration(self, spec: QuantSpec, text: str) -> str:
         """The card's calibration column: the text set and how much of it was used."""
         return text
+
+    def shared_units(self, spec: QuantSpec) -> tuple[Shared, ...]:
+        """The shared units `spec` needs, in `shared`'s order: all of them, unless the model needs fewer (GGUF's
+        vision projector, for a model with a vision tower only)."""
+        return self.shared
 
     def measurement_settings(self, spec: QuantSpec, stage: str) -> tuple[int, int]:
         """(rows, length) of the calibration text its shared unit `stage` reads; (0, 0): it reads none, and its key

@@ -235,7 +235,7 @@ def measurement_keys(job: Job, spec: QuantSpec) -> dict[str, str]:
     """{stage: key} of the spec's engine's shared units, in its order (none for an engine without them)."""
     engine = engines.get(spec.method)
     keys = {}
-    for shared in engine.shared:
+    for shared in engine.shared_units(spec):
         rows, length = engine.measurement_settings(spec, shared.stage)
         calibration = job.calibration_sha if rows else ""
         keys[shared.stage] = identity.measurement_key(

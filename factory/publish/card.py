@@ -63,9 +63,14 @@ def _calibration(r: QuantRow) -> str:
     return engines.get(r.method).describe_calibration(r.spec, text)
 
 
-def _sections(rows: list[QuantRow]) -> tuple[str, str]:
-    """What each engine adds about its quants: before the prompt format, and after the load snippets."""
-    parts = [engines.get(m).card.sections([r for r in rows if r.method == m]) for m in sorted({r.method for r in rows})]
+def _sections(rows: list[QuantRow], places: dict) -> tuple[str, str]:
+    """What each engine adds about its quants: before the prompt format, and after the load snippets; on a Hub repo's
+    main card (`places`), each engine is told its repo."""
+    parts = []
+    for method in sorted({r.method for r in rows}):
+        mine = [r for r in rows if r.method == method]
+        repo = next((places[r.tag].repo for r in mine if r.tag in places), None)
+        parts.append(engines.get(method).card.sections(mine, repo))
     return "".join(p[0] for p in parts), "".join(p[1] for p in parts)
 
 
@@ -187,7 +192,7 @@ def render(
             + (f" `{places[r.tag].repo}` branch `{places[r.tag].branch}` |" if places else "")
         )
     loads = "\n".join(_how_to_load(r, places.get(r.tag)) for r in ordered)
-    before, after = _sections(rows)
+    before, after = _sections(rows, places)
     picture = ""
     if places:
         picture = f"\n![perplexity against size]({PLOT})\n"

@@ -50,7 +50,8 @@ class QuantRow:
 
     @property
     def fit(self) -> dict | None:
-        """The VRAM budget `--fit` chose this size for."""
+        """The budget `--fit` chose this size for: EXL2's `{vram, ctx, cache}`, GGUF's `{memory, ctx, cache}` (RAM
+        or VRAM)."""
         fit = getattr(self.spec, "fit", None)
         return fit.model_dump() if fit is not None else None
 

@@ -6,6 +6,7 @@ without the build, and the parsers of the tools' lines."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -17,6 +18,7 @@ import pytest
 
 from calibration import builtin_text
 from factory import engines, settings
+from factory.checkpoints.inspection import inspect
 from factory.engines.gguf import engine as gguf_engine
 from factory.engines.gguf import evaluate as gguf_evaluate
 from factory.engines.gguf import gguf_file, llama
@@ -29,6 +31,7 @@ from factory.jobs.planning import Request
 from factory.recipes import build_recipe
 from factory.vram import Params, Shape
 from tests.support.llama_buffers import allocated
+from tests.support.tiny_vlms import make_tiny_vlm
 
 ENGINE = engines.get("gguf")
 
@@ -85,7 +88,10 @@ def test_the_pulled_file_is_named_as_uploaders_do_and_llama_cpp_scores_it_to_the
     assert meta["general.file_type"] == TYPES["Q4_K_M"][1] and meta["general.architecture"] == "llama"
     assert rescored(pulled, tiny, 2) == pytest.approx(rows["tiny:gguf-q4_k_m"]["ppl"], rel=1e-5)
     card = (pulled / "README.md").read_text()
-    assert "| `tiny-Q4_K_M.gguf` | Q4_K_M |" in card and "ollama run hf.co/" in card
+    assert "| `tiny-Q4_K_M.gguf` | Q4_K_M |" in card
+    # a registry folder's card names no Hub repo: ollama runs the file through a Modelfile
+    assert "hf.co/" not in card and "`FROM ./<file>.gguf` in `Modelfile`" in card
+    assert "## Images in llama.cpp" not in card and not list(pulled.glob("mmproj-*"))  # a text model: no projector
     # what fits which RAM or VRAM: the tiny model holds its 4096 positions in 4 GB with either cache
     assert "## Fits in" in card and "| Q4_K_M | 4,096 | 4,096 |" in card, card
 
@@ -144,6 +150,11 @@ def test_fit_picks_the_best_type_for_a_budget_and_reuses_the_conversion_on_anoth
     steps = [s["name"] for s in qf.json("status", job["job"])["steps"]]
     assert [s.split(":")[0] for s in steps if s.startswith(("convert:", "imatrix:"))] == ["imatrix"]
     assert [q["tag"] for q in job["quants"]] == ["gguf-q8_0"]
+    # the budget it was chosen for is in its spec, and its card says so
+    [row] = [r for r in qf.json("ls") if r["job"] == job["job"]]
+    assert row["fit"] == {"memory": 2**30, "ctx": 4096, "cache": "fp16"} == row["spec"]["fit"]
+    card = (qf.home / "registry" / row["path"] / "README.md").read_text()
+    assert "- Q8_0 was chosen for 1.00 GiB of RAM or VRAM holding 4,096 tokens with its KV cache in f16" in card, card
 
 
 def test_a_file_over_the_split_size_is_published_in_parts_pulled_back_and_loaded(qf, tiny, hub, monkeypatch, tmp_path):
@@ -200,7 +211,68 @@ def test_every_type_goes_on_the_hub_repos_main_as_uploaders_publish(qf, tiny, hu
     assert main["tiny-Q4_K_M.gguf"] == hub.files("alice/tiny-GGUF", "q4_k_m")["tiny-Q4_K_M.gguf"]
     text = main["README.md"].decode()
     assert "| `tiny-Q8_0.gguf` | Q8_0 |" in text and "| `tiny-Q4_K_M.gguf` | Q4_K_M |" in text
-    assert "`ollama run hf.co/<this repository>:<TYPE>`" in text
+    # the repository's own name, where ollama and llama.cpp's -hf find every type's file
+    assert "ollama run hf.co/alice/tiny-GGUF:Q4_K_M\nllama-cli -hf alice/tiny-GGUF:Q4_K_M" in text, text
+    assert "TYPE one of Q8_0, Q4_K_M" in text and "<this repository>" not in text
+
+
+@pytest.fixture(scope="module")
+def tiny_mistral3(tmp_path_factory):
+    """Mistral 3 with its Pixtral vision tower (tests/support/tiny_vlms.py)."""
+    return make_tiny_vlm("mistral3", tmp_path_factory.mktemp("vlm") / "mistral3")
+
+
+def test_a_vision_language_model_gets_its_projector_once_beside_every_type(
+    qf, tiny_mistral3, hub, monkeypatch, tmp_path
+):
+    """The tiny Mistral 3: its language model quantized to each type and scored; its vision tower and projector
+    converted once (one `mmproj` unit for both types) into llama.cpp's projector file, published beside each type as
+    `mmproj-<Model>-F16.gguf` and on the Hub repo's main, whose card says how llama.cpp's multimodal tools load it."""
+    monkeypatch.setenv("FACTORY_HUB_OWNER", "alice")
+    monkeypatch.setenv("HF_TOKEN", "hf_alice_write")
+    recipe = tmp_path / "gguf.yaml"
+    recipe.write_text("gguf:\n  types: [Q8_0, Q4_K_M]\n  imatrix_chunks: 4\n  imatrix_ctx: 256\n")
+    result = qf("run", tiny_mistral3, "--recipe", recipe, "--eval-windows", 1, "--json")
+    assert result.exit_code == 0, result.output
+    job = json.loads(result.stdout.splitlines()[-1])["job"]
+    steps = [s["name"].split(":")[0] for s in qf.json("status", job)["steps"]]
+    assert [s for s in steps if s in ("convert", "imatrix", "mmproj")] == ["convert", "imatrix", "mmproj"]
+    rows = {r["tag"]: r for r in qf.json("ls")}
+    assert set(rows) == {"gguf-q8_0", "gguf-q4_k_m"} and all(r["spec"]["mmproj"] for r in rows.values())
+    folders = {tag: qf.home / "registry" / r["path"] for tag, r in rows.items()}
+    projectors = {(f / "mmproj-mistral3-F16.gguf").read_bytes() for f in folders.values()}
+    assert len(projectors) == 1  # the one shared unit's file beside both
+    meta = gguf_file.metadata(folders["gguf-q4_k_m"] / "mmproj-mistral3-F16.gguf")
+    assert (meta["general.architecture"], meta["clip.projector_type"], meta["general.file_type"]) == (
+        "clip",
+        "pixtral",
+        1,
+    )
+    assert gguf_file.metadata(folders["gguf-q4_k_m"] / "mistral3-Q4_K_M.gguf")["general.architecture"] == "mistral3"
+    main = hub.files("alice/mistral3-GGUF", "main")
+    assert {"mistral3-Q8_0.gguf", "mistral3-Q4_K_M.gguf", "mmproj-mistral3-F16.gguf"} <= set(main)
+    card = main["README.md"].decode()
+    assert "## Images in llama.cpp" in card
+    assert "llama-mtmd-cli -m mistral3-Q4_K_M.gguf --mmproj mmproj-mistral3-F16.gguf --image photo.jpg" in card
+    assert "llama-server -hf alice/mistral3-GGUF:Q4_K_M" in card
+    plan = qf.json("plan", tiny_mistral3, "--engine", "gguf", "--vram", "1GB")["gguf"]
+    assert plan["mmproj"] == 2 * inspect(tiny_mistral3, ENGINE.architectures).vision.params  # said apart, at 16 bits
+    pulled = tmp_path / "pulled"
+    assert qf("pull", "mistral3:gguf-q4_k_m", "-o", pulled).exit_code == 0
+    assert gguf_evaluate.model_file(pulled).name == "mistral3-Q4_K_M.gguf"  # the projector is not the model
+    assert rescored(pulled, tiny_mistral3, 1) == pytest.approx(rows["gguf-q4_k_m"]["ppl"], rel=1e-5)
+
+
+def test_a_vision_language_family_the_converter_cannot_take_is_refused_in_one_sentence(qf, tmp_path):
+    """Qwen3-VL's tiny checkpoint: llama.cpp registers the family, but its projector conversion fails on the tiny
+    tower (deepstack layers past its three), so GGUF does not claim it (benchmarks/results/coverage-cpu.json)."""
+    source = make_tiny_vlm("qwen3_vl", tmp_path / "qwen3_vl")
+    result = qf("run", source, "--gguf", "Q4_K_M")
+    assert result.exit_code == 3, result.output
+    said = " ".join(result.output.split())
+    assert "error: GGUF does not convert the vision-language Qwen3VLForConditionalGeneration; it converts " in said
+    assert "Mistral3ForConditionalGeneration" in said and "Traceback" not in said, said
+    assert qf.json("jobs") == []
 
 
 def test_llama_cpp_tokenizes_the_eval_text_as_the_source_tokenizer_does(tiny_gguf, tiny, tmp_path):
@@ -239,6 +311,15 @@ def test_each_architecture_is_one_the_converter_registers():
         for call in re.findall(r"register\(([^)]*)\)", path.read_text()):
             registered.update(re.findall(r'"(\w+)"', call))
     assert gguf_engine.ARCHITECTURES <= registered, sorted(gguf_engine.ARCHITECTURES - registered)
+    # a vision-language one has an mmproj model too (the converter's MMPROJ_MODEL_MAP names it)
+    maps = ast.parse((llama.source() / "conversion" / "__init__.py").read_text())
+    [mmproj] = [
+        ast.literal_eval(node.value)
+        for node in maps.body
+        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == "MMPROJ_MODEL_MAP"
+    ]
+    vision = {a for a in gguf_engine.ARCHITECTURES if a.endswith("ForConditionalGeneration")}
+    assert vision and vision <= set(mmproj), sorted(vision - set(mmproj))
 
 
 def test_a_tool_that_fails_fails_the_unit_with_its_last_line(tmp_path):

@@ -15,6 +15,7 @@ from datetime import datetime
 
 import pytest
 
+from factory import engines
 from factory.engines.awq.spec import AwqSpec
 from factory.engines.exl2.spec import Exl2Spec
 from factory.engines.gguf.spec import GgufSpec
@@ -60,6 +61,21 @@ def test_gguf_shares_two_units_in_order_the_conversion_and_the_importance_matrix
     assert units[shared[0]].needs == frozenset() and units[shared[1]].needs == frozenset(shared[:1])
     assert [units[n].stage for n in shared] == ["convert", "imatrix"]
     assert all(units[f"quantize:{s.tag}"].needs == frozenset(shared) for s in specs)
+
+
+def test_a_vision_language_models_gguf_adds_its_projector_as_a_third_shared_unit():
+    """`mmproj` only where the spec says the model has a vision tower (the engine's resolve sets it): after the
+    importance matrix, and every type waits for it too."""
+    gguf = engines.get("gguf")
+    text, vlm = GgufSpec(type="Q4_K_M"), GgufSpec(type="Q4_K_M", mmproj=True)
+    assert [s.stage for s in gguf.shared_units(text)] == ["convert", "imatrix"]
+    assert [s.stage for s in gguf.shared_units(vlm)] == ["convert", "imatrix", "mmproj"]
+    keys = {vlm.tag: {"convert": "cd" * 32, "imatrix": "ef" * 32, "mmproj": "ab" * 32}}
+    units = {u.name: u for u in graph.units([vlm], keys, True, False)}
+    assert units["mmproj:" + "ab" * 6].needs == frozenset({"imatrix:" + "ef" * 6})
+    assert units["quantize:gguf-q4_k_m"].needs == frozenset(
+        {"convert:" + "cd" * 6, "imatrix:" + "ef" * 6, "mmproj:" + "ab" * 6}
+    )
 
 
 def test_no_publish_units_for_a_gpu_worker_and_no_push_without_a_hub_owner():

@@ -3,6 +3,7 @@ import pytest
 from factory import recipes
 from factory.engines.awq.spec import AwqSpec, resolve
 from factory.engines.exl2.spec import Exl2Spec
+from factory.engines.gguf.spec import GgufTargets
 from factory.errors import SpecError
 from factory.specs import parse_bpw_list
 
@@ -113,3 +114,16 @@ def _info(in_features: list[int]):
     from types import SimpleNamespace
 
     return SimpleNamespace(in_features=in_features)
+
+
+def test_a_gguf_fit_records_the_budget_each_type_was_chosen_for():
+    """`--gguf fit --fit 8GB,16GB,12GB`: each type's spec keeps its budget (two budgets that chose one type: the
+    smaller); a type asked by name has none; a list of budgets that does not match the types is refused."""
+    gib = 2**30
+    fits = [{"memory": m * gib, "ctx": 8192, "cache": "fp16"} for m in (8, 16, 12)]
+    specs = GgufTargets(types=["Q4_K_M", "Q8_0", "Q4_K_M"], fit=fits).specs()
+    assert [(s.type, s.fit.memory // gib) for s in specs] == [("Q8_0", 16), ("Q4_K_M", 8)]
+    assert specs[0].model_dump()["fit"] == {"memory": 16 * gib, "ctx": 8192, "cache": "fp16"}
+    assert GgufTargets(types=["Q4_K_M"]).specs()[0].fit is None
+    with pytest.raises(SpecError, match="gguf fit lists 1 budgets for 2 types; give one per type"):
+        GgufTargets(types=["Q4_K_M", "Q8_0"], fit=fits[:1])

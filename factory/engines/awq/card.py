@@ -37,7 +37,7 @@ def fits_on(rows: list[QuantRow]) -> str:
 class VllmCard(Card):
     library_name = "transformers"
 
-    def sections(self, rows: list[QuantRow]) -> tuple[str, str]:
+    def sections(self, rows: list[QuantRow], hub_repo: str | None = None) -> tuple[str, str]:
         return "", fits_on(rows)
 
     def main_files(self, newest: Path) -> list[str]:

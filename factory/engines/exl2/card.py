@@ -96,7 +96,7 @@ class Exl2Card(Card):
     def how_to_load(self, folder: str) -> str:
         return how_to_load(folder)
 
-    def sections(self, rows: list[QuantRow]) -> tuple[str, str]:
+    def sections(self, rows: list[QuantRow], hub_repo: str | None = None) -> tuple[str, str]:
         return picks(rows), fits_on(rows)
 
     def main_files(self, newest: Path) -> list[str]:

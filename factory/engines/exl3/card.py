@@ -75,5 +75,5 @@ class Exl3Card(Card):
             notes.append(IMAGES_NOTE)
         return "\n\n".join(notes) or None
 
-    def sections(self, rows: list[QuantRow]) -> tuple[str, str]:
+    def sections(self, rows: list[QuantRow], hub_repo: str | None = None) -> tuple[str, str]:
         return "", kv_section(rows)

@@ -5,6 +5,10 @@
         (convert_hf_to_gguf.py; convert.py says what it adds)
     imatrix (a shared unit: one per model and calibration, for every type; after convert):
       llama-imatrix -m KEY.gguf -f CAL.txt -c CTX --chunks N -o KEY.imatrix.gguf    the importance matrix
+    mmproj (a shared unit of a vision-language model only: one per model, for every type and calibration):
+      python -m factory.engines.gguf.convert LLAMA SRC --mmproj --outtype f16 --outfile KEY.mmproj.gguf
+        the vision tower and its projector, as llama.cpp's multimodal tools (llama-mtmd-cli, llama-server
+        --mmproj) load them beside the language model's file
     quantize (one unit per type):
       llama-quantize --imatrix KEY.imatrix.gguf KEY.gguf <Model>-<TYPE>.gguf TYPE THREADS
       llama-gguf-split --split --split-max-size NM ...   where the file is over FACTORY_GGUF_SPLIT_BYTES (the Hub's
@@ -13,7 +17,8 @@
 What we add, and why:
 - the 16-bit type is the source's (bf16 for a bfloat16 checkpoint: float16 would clip its range);
 - the importance matrix is computed once on the job's calibration text, for every type (the IQ types need one,
-  the K-quants are better with one, Q8_0 ignores it); it is published beside each quant, as uploaders do;
+  the K-quants are better with one, Q8_0 ignores it); it is published beside each quant, as uploaders do, and so is
+  a vision-language model's projector, `mmproj-<Model>-F16.gguf` (the types quantize its language model only);
 - outputs are checked, not trusted: each file must be GGUF with `general.file_type` the type asked for;
 - the tools print to stderr too: their lines are read for progress (`blk.N` of the converter, `[i/n]` tensors of
   llama-quantize, `computing over N chunks` and each chunk's `[i]` of llama-imatrix);
@@ -50,9 +55,11 @@ ARCHITECTURES = frozenset({
     "Gemma3ForCausalLM", "GraniteForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM",
     "Olmo2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "SmolLM3ForCausalLM",
     "StableLmForCausalLM", "Starcoder2ForCausalLM",
+    # vision-language: the language model's GGUF and the projector's (mmproj)
+    "Mistral3ForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
     # the converter reads these families' vocabulary from tokenizer.model, which their releases ship and the tiny
     # checkpoints do not
-    "GemmaForCausalLM", "Gemma2ForCausalLM", "Phi3ForCausalLM",
+    "GemmaForCausalLM", "Gemma2ForCausalLM", "Phi3ForCausalLM", "Gemma3ForConditionalGeneration",
 })  # fmt: skip
 
 
@@ -99,6 +106,20 @@ def check_gguf(path: Path, type_: str, log: Path) -> None:
         raise JobFailed(f"{path.name} has file type {got}, not {type_}'s {TYPES[type_][1]}; see {log}")
 
 
+def check_mmproj(path: Path, log: Path) -> None:
+    """The file is a GGUF vision projector (llama.cpp's `clip` architecture, with a vision encoder)."""
+    try:
+        meta = gguf_file.metadata(path)
+    except (OSError, ValueError) as e:
+        raise JobFailed(
+            f"llama.cpp's converter wrote no readable vision projector {path.name}: {e}; see {log}"
+        ) from None
+    if meta.get("general.architecture") != "clip" or not meta.get("clip.has_vision_encoder"):
+        raise JobFailed(
+            f"{path.name} is not a vision projector (architecture {meta.get('general.architecture')}); see {log}"
+        )
+
+
 class GgufEngine(Engine):
     name = "gguf"
     label = "GGUF"
@@ -115,6 +136,7 @@ class GgufEngine(Engine):
     shared = (  # every type of a model reads both; the conversion serves every calibration too
         Shared("convert", "16-bit conversion", ".gguf"),
         Shared("imatrix", "importance matrix", ".imatrix.gguf"),
+        Shared("mmproj", "vision projector", ".mmproj.gguf"),  # a vision-language model's only (shared_units)
     )
     default_calibration = "builtin:c4"
     outputs = ("*.gguf",)
@@ -128,7 +150,10 @@ class GgufEngine(Engine):
 
     def resolve(self, spec: GgufSpec, info, device: str) -> GgufSpec:
         gguf_split_bytes()  # a bad FACTORY_GGUF_SPLIT_BYTES is refused at submit, not after the conversion
-        return spec
+        return spec.model_copy(update={"mmproj": info.vision is not None})
+
+    def shared_units(self, spec: GgufSpec) -> tuple[Shared, ...]:
+        return tuple(s for s in self.shared if s.stage != "mmproj" or spec.mmproj)
 
     def targets_from_flag(self, value: str | dict, written: dict) -> dict:
         return value if isinstance(value, dict) else targets_from_flag(value, written)
@@ -161,14 +186,20 @@ class GgufEngine(Engine):
         work_dir.mkdir(parents=True, exist_ok=True)
         log = work_dir.parent / f"{work_dir.name}.log"
         made = work_dir / out.name
+        config = read_config(source_dir / "config.json", check_numbers=False)
+        convert = [sys.executable, "-m", "factory.engines.gguf.convert", str(llama.source()), str(source_dir)]
         if stage == "convert":
-            config = read_config(source_dir / "config.json", check_numbers=False)
             outtype = "bf16" if child.saved_dtype(config.get("text_config", config)) == "bfloat16" else "f16"
             layers = int(config.get("text_config", config).get("num_hidden_layers") or 1)
-            cmd = [sys.executable, "-m", "factory.engines.gguf.convert", str(llama.source()), str(source_dir)]
-            cmd += ["--outtype", outtype, "--outfile", str(made)]
+            cmd = [*convert, "--outtype", outtype, "--outfile", str(made)]
             child.run_command(cmd, log, emit, f"GGUF conversion to {outtype}", _converter_parser(layers), merge=True)
             check_gguf(made, outtype.upper(), log)
+        elif stage == "mmproj":  # the vision tower and projector at 16 bits, as uploaders publish them
+            layers = int(config["vision_config"].get("num_hidden_layers") or config["vision_config"].get("depth") or 1)
+            cmd = [*convert, "--mmproj", "--outtype", "f16", "--outfile", str(made)]
+            what = f"GGUF vision projector of {config['architectures'][0]}"
+            child.run_command(cmd, log, emit, what, _converter_parser(layers), merge=True)
+            check_mmproj(made, log)
         else:  # imatrix, on the job's calibration text, with the 16-bit GGUF the stage before made
             text = work_dir / "calibration.txt"
             text.write_text(calibration.read_file(calibration_file, "calibration"))
@@ -200,6 +231,8 @@ class GgufEngine(Engine):
         else:
             quant.replace(request.out_dir / quant.name)
         shutil.copy2(imatrix, request.out_dir / gguf_file.name(request.model, "imatrix"))
+        if mmproj := request.measurements.get("mmproj"):
+            shutil.copy2(mmproj, request.out_dir / gguf_file.mmproj_name(request.model))
 
 
 ENGINE = GgufEngine()

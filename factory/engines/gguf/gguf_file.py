@@ -25,10 +25,25 @@ def name(model: str, type_: str) -> str:
     return f"{stem(model)}-{type_}.gguf"
 
 
+def mmproj_name(model: str) -> str:
+    """`mmproj-gemma-3-4b-it-F16.gguf`: a vision-language model's projector (and vision tower), as llama.cpp's
+    multimodal tools load it beside the language model's file (`--mmproj`) and uploaders name it."""
+    return f"mmproj-{stem(model)}-F16.gguf"
+
+
 def model_files(folder: Path) -> list[Path]:
-    """The quant's .gguf files in `folder`, not the importance matrix: one, or gguf-split's parts in their order
-    (`-00001-of-0000K.gguf` first, which llama.cpp loads, finding the others beside it)."""
-    return sorted(p for p in Path(folder).glob("*.gguf") if not p.name.endswith("-imatrix.gguf"))
+    """The quant's .gguf files in `folder`, not the importance matrix nor the vision projector: one, or gguf-split's
+    parts in their order (`-00001-of-0000K.gguf` first, which llama.cpp loads, finding the others beside it)."""
+    return sorted(
+        p
+        for p in Path(folder).glob("*.gguf")
+        if not p.name.endswith("-imatrix.gguf") and not p.name.startswith("mmproj-")
+    )
+
+
+def mmproj_file(folder: Path) -> Path | None:
+    """The vision projector's file in `folder`, where the model has one."""
+    return next(iter(sorted(Path(folder).glob("mmproj-*.gguf"))), None)
 
 
 def _read(f: BinaryIO, fmt: str):

@@ -7,6 +7,8 @@ from either; with every layer offloaded, all of it is on the GPU).
     cache     2 (K and V) x layers x context x KV heads x head dim x 2 bytes (f16), 34/32 (q8_0) or 18/32 (q4_0)
     compute   llama.cpp's graph for one micro-batch (512 tokens, fewer for a shorter context): its logits (the
               vocabulary) and the largest activation (the MLP's) in f32, and the attention mask (the context) in f16
+    mmproj    a vision-language model's vision tower and projector at 16 bits (`mmproj`), said apart: llama.cpp loads
+              it only to read images (--mmproj)
 
 Checked against what llama.cpp allocates (its load log: the model, KV and compute buffers;
 tests/support/llama_buffers.py, run by tests/integration/test_engine_gguf.py and tests/integration/test_smollm2.py):
@@ -71,7 +73,13 @@ def plan(shape: Shape, params: Params, budget: int, ctx: int | None, cache: str,
         f"tokens, {cache} cache, {human(HEADROOM)} left free"
     )
     lines = [f"best GGUF type that fits (of {', '.join(LADDER)}): {best}" if best else "no GGUF type fits"]
+    if params.vision:  # not in the totals: llama.cpp loads it only for images (--mmproj)
+        lines.append(
+            f"GGUF's mmproj file (the vision tower and projector at 16 bits, for images: --mmproj): "
+            f"{human(2 * params.vision)} more"
+        )
     result = {"budget": budget, "gpus": gpus, "ctx": ctx, "cache": cache, "rows": data, "best_type": best}
+    result["mmproj"] = 2 * params.vision
     return MemoryPlan(result, title, ("TYPE", "WEIGHTS", "CACHE", "COMPUTE", "TOTAL", "FITS"), rows, lines)
 
 
@@ -127,7 +135,7 @@ class GgufMemory(Memory):
     # llama-imatrix on one CPU core: SmolLM2-135M's 128 x 512 tokens (2 x parameters FLOPs each) in 952 s on a busy
     # core, 2026-12-06 (docs/measured.md)
     IMATRIX_FLOPS_PER_CORE = 1.9e10
-    UNIT_SECONDS = {"convert": (10.0, 30.0), "imatrix": (10.0, 30.0), "quantize": (10.0, 20.0)}
+    UNIT_SECONDS = {"convert": (10.0, 30.0), "imatrix": (10.0, 30.0), "mmproj": (10.0, 30.0), "quantize": (10.0, 20.0)}
     CPU_CORE_SECONDS_PER_B = 200.0
     runtimes = ("llama.cpp", "ollama")
 
@@ -146,9 +154,11 @@ class GgufMemory(Memory):
         self, source: str, budgets: str, ctx: int | None, cache: str, written: dict, note: Callable[[str], None]
     ) -> dict:
         """--fit 16GB,8GB -> for each budget the best type of LADDER whose weights, KV cache and compute buffer fit
-        it (RAM or VRAM alike); SpecError where none does."""
+        it (RAM or VRAM alike), with the budget it was for (the spec's `fit`, on the card); SpecError where none
+        does."""
         shape, params = source_shape(source)
-        types = []
+        types, fits = [], []
+        cache = "q8" if cache == "q6" else cache  # llama.cpp has no q6 cache; q8_0 it is (CACHE_BYTES)
         for text in budgets.split(","):
             budget = parse_size(text)
             chosen = plan(shape, params, budget, ctx, cache, 1).data
@@ -164,7 +174,8 @@ class GgufMemory(Memory):
                 f"({human(best['total'])} of {human(budget)}, {human(HEADROOM)} left free)"
             )
             types.append(best["type"])
-        return {**written, "types": types}
+            fits.append({"memory": budget, "ctx": chosen["ctx"], "cache": cache})
+        return {**written, "types": types, "fit": fits}
 
     def unit_seconds(self, kind: str, parameters: int, device: str, cores: int) -> float:
         """On the CPU the importance matrix is a forward pass of the 16-bit model over its calibration tokens (the

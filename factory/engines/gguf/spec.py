@@ -1,15 +1,16 @@
-"""GGUF specs: one of llama-quantize's types (its own names: Q4_K_M, IQ4_XS), and the importance matrix's calibration
-(chunks x tokens of the job's calibration text, as llama-imatrix's --chunks and -c)."""
+"""GGUF specs: one of llama-quantize's types (its own names: Q4_K_M, IQ4_XS), the importance matrix's calibration
+(chunks x tokens of the job's calibration text, as llama-imatrix's --chunks and -c), and the budget of RAM or VRAM a
+type was chosen for (`--gguf fit --fit 16GB`)."""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from factory.engines.base import QuantSpec, Targets
 from factory.errors import SpecError
-from factory.specs import asks_fit
+from factory.specs import Closed, asks_fit
 
 # llama-quantize's QUANT_OPTIONS (tools/quantize/quantize.cpp of the pinned llama.cpp;
 # tests/integration/test_engine_gguf.py checks each is in the built tool's list), with the bits per weight of its
@@ -31,6 +32,18 @@ STANDARD = ("Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "IQ4_XS")  # a recipe's `gguf: {
 LADDER = ("Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "IQ4_XS", "Q3_K_M", "IQ3_M", "IQ3_XXS", "IQ2_M", "IQ2_XXS", "IQ1_M")
 
 
+Cache = Literal["fp16", "q8", "q4"]  # llama.cpp's KV caches the memory model sizes: f16, q8_0 and q4_0
+
+
+class Fit(Closed):
+    """The budget a GGUF type was chosen for (`--gguf fit --fit 16GB`): RAM or VRAM in bytes (llama.cpp runs from
+    either), and the context and KV cache it must hold beside the weights."""
+
+    memory: int = Field(gt=0)
+    ctx: int = Field(gt=0)
+    cache: Cache = "fp16"
+
+
 def check_type(value: object) -> str:
     """Rules: one of TYPES, any case. Valid: "Q4_K_M", "iq4_xs". Not valid: "Q4_K" (an alias), "q4km"."""
     name = str(value).strip().upper()
@@ -44,6 +57,9 @@ class GgufSpec(QuantSpec):
     type: str
     imatrix_chunks: int = Field(128, ge=1)  # llama-imatrix --chunks
     imatrix_ctx: int = Field(512, ge=16)  # llama-imatrix -c: tokens per chunk
+    fit: Fit | None = None  # --gguf fit: the budget this type was chosen for
+    mmproj: bool = False  # set by the engine's resolve: the model has a vision tower, whose projector file (mmproj,
+    # converted once: a shared unit) is published beside the type's
 
     @field_validator("type", mode="before")
     @classmethod
@@ -67,15 +83,25 @@ class GgufTargets(Targets):
     types: list[str] = Field(default_factory=lambda: list(STANDARD), min_length=1)
     imatrix_chunks: int = Field(128, ge=1)
     imatrix_ctx: int = Field(512, ge=16)
+    fit: list[Fit] | None = None  # --gguf fit: the budget each type (same order) was chosen for
 
     @field_validator("types", mode="before")
     @classmethod
     def _types(cls, v: object) -> list[str]:
         return [check_type(t) for t in (v if isinstance(v, list) else [v])]
 
+    @model_validator(mode="after")
+    def _one_fit_per_type(self) -> GgufTargets:
+        if self.fit is not None and len(self.fit) != len(self.types):
+            raise SpecError(f"gguf fit lists {len(self.fit)} budgets for {len(self.types)} types; give one per type")
+        return self
+
     def specs(self) -> list[GgufSpec]:
+        fits: dict[str, Fit] = {}
+        for t, f in zip(self.types, self.fit or [], strict=False):  # two budgets that chose one type: the smaller
+            fits[t] = min(fits.get(t, f), f, key=lambda x: x.memory)
         return [
-            GgufSpec(type=t, imatrix_chunks=self.imatrix_chunks, imatrix_ctx=self.imatrix_ctx)
+            GgufSpec(type=t, imatrix_chunks=self.imatrix_chunks, imatrix_ctx=self.imatrix_ctx, fit=fits.get(t))
             for t in sorted(set(self.types), key=lambda t: -TYPES[t][0])
         ]
 
