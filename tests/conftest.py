@@ -123,21 +123,48 @@ def smollm2(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_job(smollm2, tmp_path_factory):
-    """One `qf run` on SmolLM2 with both AWQ engines, AutoAWQ and llm-compressor, each on 8 x 128 calibration
-    tokens of builtin:c4 (the demo's CPU default is 16: AWQ's grid search is most of the run), and GGUF Q4_K_M and
-    IQ4_XS with an importance matrix on 16 x 512 tokens of it, scored on the same 8 windows of builtin:wiki against
-    one FP16 evaluation. Yields the runner and the job's quants by method (GGUF's: `gguf-q4_k_m`, `gguf-iq4_xs`)."""
+    """One `qf run` on SmolLM2 with AutoAWQ on 8 x 128 calibration tokens of builtin:c4 (the demo's CPU default is
+    16: AWQ's grid search is most of the run), and GGUF Q4_K_M and IQ4_XS with an importance matrix on 16 x 512 tokens
+    of it, scored on the same 8 windows of builtin:wiki against one FP16 evaluation. Yields the runner and the job's
+    quants by method (GGUF's: `gguf-q4_k_m`, `gguf-iq4_xs`). AWQ-CT is compared with AutoAWQ in `smollm2_cut_job`."""
     from tests.support.smollm2 import BASE
 
+    yield from _job(
+        smollm2,
+        tmp_path_factory,
+        "awq:\n  w_bit: 4\n  calib_rows: 8\n"
+        "gguf:\n  types: [Q4_K_M, IQ4_XS]\n  imatrix_chunks: 16\n  imatrix_ctx: 512\n",
+        "--base-model",
+        BASE,
+    )
+
+
+SMOLLM2_CUT_LAYERS = 4
+
+
+@pytest.fixture(scope="session")
+def smollm2_cut_job(smollm2, tmp_path_factory):
+    """Both AWQ engines, AutoAWQ and llm-compressor, on SmolLM2 cut to its first SMOLLM2_CUT_LAYERS decoder layers
+    (tests/support/smollm2.py `cut`: real weights, so what the engines do with real activations shows), with the same
+    calibration and windows as `smollm2_job`: the engines compared at a fraction of the full model's grid search
+    (AWQ-CT's unit took 1362 s at load on the 30 layers). Yields the runner and the job's quants by method."""
+    from tests.support.smollm2 import cut
+
+    folder = tmp_path_factory.mktemp("models") / f"SmolLM2-135M-Instruct-{SMOLLM2_CUT_LAYERS}-layers"
+    source = cut(smollm2, folder, SMOLLM2_CUT_LAYERS)
+    yield from _job(
+        source, tmp_path_factory, "awq:\n  w_bit: 4\n  calib_rows: 8\nawqct:\n  w_bit: 4\n  calib_rows: 8\n"
+    )
+
+
+def _job(source, tmp_path_factory, targets: str, *args):
+    """`qf run SOURCE` with a recipe of `targets`, scored on 8 windows of builtin:wiki: yields its runner and quants
+    while its catalog is there."""
     with fresh_database() as url:
         qf = Qf(home=tmp_path_factory.mktemp("smollm2") / "home", db_url=url)
-        recipe = tmp_path_factory.mktemp("recipe") / "awq.yaml"
-        recipe.write_text(
-            "awq:\n  w_bit: 4\n  calib_rows: 8\nawqct:\n  w_bit: 4\n  calib_rows: 8\n"
-            "gguf:\n  types: [Q4_K_M, IQ4_XS]\n  imatrix_chunks: 16\n  imatrix_ctx: 512\n"
-            "eval: builtin:wiki\nmax_ppl_ratio: 1.5\n"
-        )
-        result = qf("run", smollm2, "--recipe", recipe, "--eval-windows", 8, "--base-model", BASE, "--json")
+        recipe = tmp_path_factory.mktemp("recipe") / "recipe.yaml"
+        recipe.write_text(targets + "eval: builtin:wiki\nmax_ppl_ratio: 1.5\n")
+        result = qf("run", source, "--recipe", recipe, "--eval-windows", 8, *args, "--json")
         assert result.exit_code == 0, result.output
         events = [json.loads(line) for line in result.stdout.splitlines()]
         rows = events[-1]["quants"]

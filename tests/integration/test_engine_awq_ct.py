@@ -1,10 +1,10 @@
 """The AWQ-CT engine (llm-compressor's AWQ, written as compressed-tensors), for real: `qf run --awqct` end to end on
 the tiny Llama, then what transformers (5.17, from the engine's own packages) makes of the pulled quant; the child's
 packages, made once; the mixtures of experts its mappings name, each a tiny checkpoint of tests/support/tiny_archs.py
-that the engine quantizes and scores; SmolLM2-135M on the CPU against the AutoAWQ quant's numbers; a child that fails.
-And the packages' folder as another user of the machine or a package index may try to spoil it (a second uid, stand-in
-wheels and an index that never answers: tests/support/fake_index.py): nothing planted runs, nothing is followed, an
-install stops on SIGTERM or after its time, a damaged folder is installed again."""
+that the engine quantizes and scores; SmolLM2-135M's first layers on the CPU against the AutoAWQ quant's numbers; a
+child that fails. And the packages' folder as another user of the machine or a package index may try to spoil it (a
+second uid, stand-in wheels and an index that never answers: tests/support/fake_index.py): nothing planted runs,
+nothing is followed, an install stops on SIGTERM or after its time, a damaged folder is installed again."""
 
 from __future__ import annotations
 
@@ -31,7 +31,6 @@ from factory.engines.awq_ct.engine import ARCHITECTURES
 from factory.errors import JobFailed
 from factory.evaluation import evaluate
 from tests.support import ROOT, fake_index, hostile_user
-from tests.support.smollm2 import PPL_WIKI
 from tests.support.tiny_archs import make_tiny
 
 ENGINE = engines.get("awqct")
@@ -239,19 +238,24 @@ def test_a_failing_child_is_a_failed_step(tiny, tmp_path):
 
 
 @pytest.mark.smollm2
-def test_smollm2_lands_where_autoawq_does(smollm2_job):
-    """SmolLM2-135M, w4 g64 (128 does not divide 576), the same 8 x 128 calibration tokens and 8 windows as the
-    AutoAWQ quant of the same job (tests/conftest.py), on the CPU."""
-    qf, rows = smollm2_job
+def test_smollm2_lands_where_autoawq_does(smollm2_cut_job):
+    """SmolLM2-135M cut to its first 4 layers (real weights: tests/conftest.py `smollm2_cut_job`), w4 g64 (128 does
+    not divide 576), the same 8 x 128 calibration tokens and 8 windows as the AutoAWQ quant of the same job, on the
+    CPU. Cut, the model predicts no text (FP16's perplexity is in the millions, and a quant's may fall below it), so
+    the engines are compared on how far each moves the model's outputs: KLD and top-1 against FP16, and perplexity
+    (2026-12-06: KLD 0.0477 against AutoAWQ's 0.0478, top-1 0.879 against 0.875, perplexity 1.1% apart; on the
+    whole model, 2026-12-03: KLD 0.1587 against 0.1546, ppl 14.390 against 14.353)."""
+    qf, rows = smollm2_cut_job
     row, autoawq = rows["awqct"], rows["awq"]
-    assert row["name"] == "smollm2-135m-instruct:awqct-w4g64"
-    assert row["fp16_ppl"] == autoawq["fp16_ppl"] == pytest.approx(PPL_WIKI[8], rel=0.005)
+    model = row["name"].split(":")[0]
+    assert row["name"] == f"{model}:awqct-w4g64" and autoawq["name"] == f"{model}:awq-w4g64"
+    assert row["fp16_ppl"] == autoawq["fp16_ppl"]  # one FP16 evaluation, the same windows
     print(
-        f"SmolLM2: AWQ-CT ppl {row['ppl']:.3f}, KLD {row['kld']:.4f}, top-1 {row['top1']:.3f}; AutoAWQ ppl "
+        f"{model}: AWQ-CT ppl {row['ppl']:.3f}, KLD {row['kld']:.4f}, top-1 {row['top1']:.3f}; AutoAWQ ppl "
         f"{autoawq['ppl']:.3f}, KLD {autoawq['kld']:.4f}, top-1 {autoawq['top1']:.3f} (fp16 {row['fp16_ppl']:.3f})"
     )
-    assert row["fp16_ppl"] < row["ppl"] < 1.05 * autoawq["ppl"]  # 2026-12-03: 14.390 against AutoAWQ's 14.353
-    assert row["kld"] < 1.2 * autoawq["kld"]  # 0.1587 against 0.1546
+    assert 0 < row["kld"] < 1.2 * autoawq["kld"] and row["top1"] > autoawq["top1"] - 0.02
+    assert row["ppl"] == pytest.approx(autoawq["ppl"], rel=0.05)
     text = (qf.home / "registry" / row["path"] / "README.md").read_text()
     assert "builtin:c4, 8 x 128 tokens" in text and "vllm serve" in text
 

@@ -185,9 +185,10 @@ def test_gguf_memory_model_holds_what_llama_cpp_allocates_for_smollm2(smollm2, t
 
 
 def test_the_ranking_across_formats_is_the_catalogs_and_a_pull_by_budget_gets_its_best(smollm2_job, tmp_path):
-    """Issue 49 on the real model: `qf plan` ranks the job's four quants (AutoAWQ, AWQ-CT, two GGUF types) by the KLD
-    the catalog holds, GGUF's Q4_K_S (4.58 bits) expected between its measured IQ4_XS and Q4_K_M; `qf pull --fit` gets
-    the lowest KLD that fits, and with a budget just too small for it, the next that still fits."""
+    """Issue 49 on the real model: `qf plan` ranks the job's three quants (AutoAWQ, two GGUF types) by the KLD the
+    catalog holds, GGUF's Q4_K_S (4.58 bits) expected between its measured IQ4_XS and Q4_K_M; `qf pull --fit` gets
+    the lowest KLD that fits, and with a budget just too small for it, the next that still fits. (AWQ-CT among the
+    formats ranked: tests/integration/test_ranking.py, on the tiny model.)"""
     qf, rows = smollm2_job
     name = rows["awq"]["name"].split(":")[0]
     listed = {r["tag"]: r for r in qf.json("ls") if r["model"] == name}

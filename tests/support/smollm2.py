@@ -9,6 +9,10 @@ head tensor) and set rope_theta (exllamav2 reads it; transformers 5 writes rope_
 FP16 perplexity on builtin:wiki, no BOS: 13.077 at 48 x 2048 tokens, 12.378 at 8 (H200, fp16).
 A README.md beside the weights says so in its front matter (`quantfactory_note`), with the release's license and
 language, so the model cards of its quants say it too.
+
+`cut(source, out, layers)` keeps the checkpoint's first decoder layers (real weights, the real embedding, norm and
+head): where two engines only need to be compared on the same model and windows, AWQ's grid search then runs over
+`layers` of the 30 (tests/conftest.py, `smollm2_cut_job`).
 """
 
 from __future__ import annotations
@@ -95,6 +99,36 @@ def convert(out: Path, gguf: Path | None = None) -> Path:
     (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
     tokenizer.save_pretrained(tmp)
     (tmp / "README.md").write_text(CARD)
+    tmp.rename(out)
+    return out
+
+
+def cut(source: Path, out: Path, layers: int) -> Path:
+    """`source` (made by `convert`) with only its first `layers` decoder layers, in `out`; its tokenizer and chat
+    template as they were. No README: its quants' cards name no base model, as the checkpoint is not a release's."""
+    from safetensors.torch import load_file, save_file
+
+    out = Path(out)
+    if (out / "config.json").is_file():
+        return out
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    kept = {
+        name: tensor
+        for name, tensor in load_file(source / "model.safetensors").items()
+        if not name.startswith("model.layers.") or int(name.split(".")[2]) < layers
+    }
+    save_file(kept, tmp / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((source / "config.json").read_text())
+    if layers >= config["num_hidden_layers"]:
+        raise ValueError(f"{source} has {config['num_hidden_layers']} layers: nothing to cut at {layers}")
+    config["num_hidden_layers"] = layers
+    if isinstance(config.get("layer_types"), list):
+        config["layer_types"] = config["layer_types"][:layers]
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    for path in source.iterdir():
+        if path.is_file() and path.name not in {"model.safetensors", "config.json", "README.md"}:
+            (tmp / path.name).write_bytes(path.read_bytes())
     tmp.rename(out)
     return out
 
