@@ -215,9 +215,9 @@ def test_a_measurement_runs_its_ranges_at_once_unless_one_unit_at_a_time(max_uni
 
     exl2, job = engines.get("exl2"), SimpleNamespace(device=device)
     costs = Costs(None, max_units)
-    costs._cores = lambda: 16  # a GPU machine's
+    costs.machine_cores = 16  # a GPU machine's
     assert costs.measure_processes(exl2, job) == processes
-    costs._cores = lambda: 2  # no more processes than cores
+    costs.machine_cores = 2  # no more processes than cores
     assert costs.measure_processes(exl2, job) == min(processes, 2)
     serial = exl2.memory.unit_seconds("measure", int(1.1e9), "cuda", 1)
     assert serial == pytest.approx(sum(exl2.memory.UNIT_SECONDS["measure"][i] * (1, 1.1)[i] for i in (0, 1)))
