@@ -64,7 +64,12 @@ def test_ranges_measure_what_one_serial_measurement_does(tmp_path):
 
     spec = engines.get("exl2").spec(bpw=4.0)
     request = engines.QuantizeRequest(
-        source, tmp_path / "out", tmp_path / "quant", spec, calibration_file=cal, measurement=tmp_path / "ranges.json"
+        source,
+        tmp_path / "out",
+        tmp_path / "quant",
+        spec,
+        calibration_file=cal,
+        measurements={"measure": tmp_path / "ranges.json"},
     )
     engines.get("exl2").quantize(request, lambda event: None)  # checks its outputs and bits
     if out := os.environ.get("QF_GPU_RANGES_OUT"):
