@@ -69,8 +69,8 @@ def unregister(method: str) -> None:
 
 
 def parse(data: dict) -> QuantSpec:
-    """A spec as the catalog stores it (`{"method": "exl2", "bpw": 4.0, ...}`) -> its engine's spec (Unregistered
-    where this process has no engine of that name)."""
+    """A spec as the catalog stores it (`{"method": NAME, ...}`: its engine's name and its fields) -> its engine's
+    spec (Unregistered where this process has no engine of that name)."""
     return _KINDS.get(data.get("method"), Unregistered).model_validate(data)
 
 
