@@ -15,6 +15,7 @@ from sqlalchemy import update
 from factory import engines
 from factory.catalog import RETRYABLE, TERMINAL, TRANSITIONS, Catalog, Job, JobState, Quant, StepState
 from factory.errors import Cancelled, LeaseLost
+from tests.support.catalog_jobs import bare_job
 
 
 @pytest.fixture
@@ -28,22 +29,7 @@ _made = itertools.count()
 def _job(catalog: Catalog, state: JobState = JobState.queued) -> str:
     n = next(_made)
     catalog.jobs.name_for(f"/models/m{n}", f"m{n}", None)
-    job, _ = catalog.jobs.create(
-        key=f"key-{n}",
-        name=f"m{n}",
-        source=f"/models/m{n}",
-        source_identity=f"sha256:{n}",
-        base_model=f"m{n}",
-        specs=[],
-        calibration="builtin:mix",
-        calibration_sha="c",
-        eval="builtin:wiki",
-        eval_sha="e",
-        eval_windows=1,
-        max_ppl_ratio=1.5,
-        versions={},
-        device="cpu",
-    )
+    job = bare_job(catalog, n)
     _force(catalog, job.id, state)
     return job.id
 

@@ -20,6 +20,7 @@ import pytest
 import redis
 from sqlalchemy import create_engine, text
 
+from tests.support.catalog_jobs import bare_job
 from tests.support.processes import qf
 from tests.support.service import RACER, Server, user_env
 
@@ -306,10 +307,7 @@ def test_a_place_recorded_between_the_quota_counts_is_still_counted(db_url):
     frank = accounts.authenticate(secret)
 
     def job(windows: int):
-        fields = {"key": f"k{windows}", "name": "tiny", "source": "/m/tiny", "source_identity": "x"}
-        fields |= {"base_model": "b", "specs": [], "calibration": "c", "calibration_sha": "c", "eval": "e"}
-        fields |= {"eval_sha": "e", "eval_windows": windows, "max_ppl_ratio": 1.1, "max_kld": None, "versions": {}}
-        return catalog.jobs.create(**fields, device="cpu")[0]
+        return bare_job(catalog, windows, name="tiny", source="/m/tiny", eval_windows=windows)
 
     place_a, job_a = accounts.reserve(frank, 900), job(1)  # A: its place, its job, not recorded yet
     accounts.reserve(frank, 900)  # B
@@ -372,10 +370,7 @@ def test_a_place_let_go_while_its_submission_still_runs_is_not_recorded_past_the
     hal = accounts.authenticate(secret)
 
     def job(windows: int):
-        fields = {"key": f"k{windows}", "name": "tiny", "source": "/m/tiny", "source_identity": "x"}
-        fields |= {"base_model": "b", "specs": [], "calibration": "c", "calibration_sha": "c", "eval": "e"}
-        fields |= {"eval_sha": "e", "eval_windows": windows, "max_ppl_ratio": 1.1, "max_kld": None, "versions": {}}
-        return catalog.jobs.create(**fields, device="cpu")[0]
+        return bare_job(catalog, windows, name="tiny", source="/m/tiny", eval_windows=windows)
 
     place_a, job_a = accounts.reserve(hal, 900), job(1)
     place_b = accounts.reserve(hal, 0)  # B finds A's place expired (a place of 0 seconds) and lets it go

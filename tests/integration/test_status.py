@@ -9,6 +9,7 @@ from sqlalchemy import text
 
 from factory import engines, specs
 from factory.catalog import Catalog, status
+from tests.support.catalog_jobs import bare_job
 from tests.support.round_engine import ENGINE as ROUND
 
 
@@ -83,22 +84,7 @@ def test_specs_are_stored_as_dicts_and_read_back_typed(tmp_path, db_url):
     awq = engines.get("awq").spec(group_size=128)
     engines.register(ROUND)
     try:
-        job, _ = catalog.jobs.create(
-            key="k",
-            name="m",
-            source="/models/m",
-            source_identity="sha256:0",
-            base_model="m",
-            specs=[awq, ROUND.spec(mantissa=3)],
-            calibration="builtin:mix",
-            calibration_sha="c",
-            eval="builtin:wiki",
-            eval_sha="e",
-            eval_windows=1,
-            max_ppl_ratio=1.5,
-            versions={},
-            device="cpu",
-        )
+        job = bare_job(catalog, specs=[awq, ROUND.spec(mantissa=3)])
         assert catalog.jobs.get(job.id).specs == [awq, ROUND.spec(mantissa=3)]
     finally:
         engines.unregister(ROUND.name)
