@@ -39,6 +39,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+# the vision-language families of issue 33 (tests/support/tiny_vlms.py makes them)
+VISION_LANGUAGE = ["gemma3", "mistral3", "qwen2_5_vl", "qwen3_vl", "llama4", "glm4v"]
 # model types each engine's upstream maps, built into transformers (no auto_map); the vision-language ones are made
 # by tests/support/tiny_vlms.py
 CANDIDATES = {
@@ -175,12 +177,7 @@ CANDIDATES["awqct"] = [
     "mpt",
     # GLM-4 with mappings of the factory's (its MLP fuses gate and up), and the vision-language families of issue 33
     "glm4",
-    "gemma3",
-    "mistral3",
-    "qwen2_5_vl",
-    "qwen3_vl",
-    "llama4",
-    "glm4v",
+    *VISION_LANGUAGE,
 ]
 
 
@@ -208,12 +205,7 @@ CANDIDATES["gguf"] = [
     "stablelm",
     "gpt_neox",
     # the vision-language families of issue 33 it registers (a text model and an mmproj model each)
-    "gemma3",
-    "mistral3",
-    "qwen2_5_vl",
-    "qwen3_vl",
-    "llama4",
-    "glm4v",
+    *VISION_LANGUAGE,
 ]
 
 

@@ -13,6 +13,8 @@ from factory.factory import Factory
 from factory.jobs.planning import Request
 from workers import tasks
 
+CELERY = (sys.executable, "-m", "celery", "-A", "workers.app")  # this interpreter's celery, on our app
+
 
 class CeleryQueue:
     def check_broker(self) -> None:
@@ -37,11 +39,7 @@ class CeleryQueue:
         """One job at a time, acknowledged when done (workers/app.py); the solo pool: the job runs in a spawned
         process of its own (workers/tasks.py)."""
         return [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
-            "workers.app",
+            *CELERY,
             "worker",
             "-Q",
             queues,
@@ -59,11 +57,7 @@ class CeleryQueue:
 
     def beat_command(self, schedule: Path) -> list[str]:
         return [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
-            "workers.app",
+            *CELERY,
             "beat",
             "--loglevel",
             "INFO",

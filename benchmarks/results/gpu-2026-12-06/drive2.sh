@@ -9,11 +9,12 @@
 #  - `--awqct` at once (its pinned packages from .whl/awqct, no index).
 # Start it as the first one was (report.sh polls it):
 #   cp -a . /tmp/repo && cd /tmp/repo && setsid nohup bash benchmarks/results/gpu-2026-12-06/drive2.sh &
-# carrying .whl (scripts/gpu_wheels, plus AWQ-CT's pins in .whl/awqct) and .commit.
+# carrying .whl (scripts/gpu_wheels, plus AWQ-CT's pins in .whl/awqct) and .commit. EXL2_JOBS, EXL3_JOBS: the
+# extensions' build jobs (8 each; drive3.sh gives exllamav3's most of the cores).
 source /tmp/repo/benchmarks/results/gpu-2026-12-06/setup.sh
-(MAX_JOBS=8 python3 -c "import exllamav2" > $R/build2.log 2>&1; stamp built_exl2 $?) &
+(MAX_JOBS=${EXL2_JOBS:-8} python3 -c "import exllamav2" > $R/build2.log 2>&1; stamp built_exl2 $?) &
 b2=$!
-(MAX_JOBS=8 python3 -c "import exllamav3" > $R/build3.log 2>&1; stamp built_exl3 $?) &
+(MAX_JOBS=${EXL3_JOBS:-8} python3 -c "import exllamav3" > $R/build3.log 2>&1; stamp built_exl3 $?) &
 b3=$!
 python3 benchmarks/cost_growth.py $W --shape 8b --make > $R/make.log 2>&1
 stamp made $? "$(du -sh $W/llama-8b | cut -f1)"
