@@ -213,12 +213,22 @@ def inspect(folder: Path, architectures: Collection[str]) -> ModelInfo:
 INSPECTION_VERSION = 1  # raise it when ModelInfo or what `inspect` reads changes: recorded inspections are redone
 
 
+def _record(source_identity: str, cache: Path) -> Path:
+    return cache / "inspected" / f"{identity.inspection_key(source_identity, INSPECTION_VERSION)}.json"
+
+
+def forget(source_identity: str, cache: Path) -> None:
+    """Drop the inspection recorded under `source_identity`: submit took that identity from the hash cache (a
+    hint), and the folder's bytes turned out not to hash to it, so the record describes other bytes."""
+    _record(source_identity, cache).unlink(missing_ok=True)
+
+
 def inspected(folder: Path, architectures: Collection[str], source_identity: str, cache: Path) -> ModelInfo:
     """`inspect`, once per source identity: the first inspection of a source's files (a local folder's, at submit)
     is kept in `cache`/inspected/ (identity.inspection_key) and read back for the same identity: by the job's
     estimate and its inspect step, whose snapshot of the folder hashes to that identity. Only for files that are the
     source's (never its BF16 copy, other bytes under the same identity)."""
-    path = cache / "inspected" / f"{identity.inspection_key(source_identity, INSPECTION_VERSION)}.json"
+    path = _record(source_identity, cache)
     try:
         data = json.loads(path.read_text())
         vision = data.pop("vision")

@@ -14,7 +14,7 @@ from pathlib import Path
 import calibration
 from factory import engines, events, identity
 from factory.catalog import Job
-from factory.checkpoints import dequantize, files, snapshots, sources
+from factory.checkpoints import dequantize, files, inspection, snapshots, sources
 from factory.checkpoints.inspection import inspect, inspected
 from factory.engines import QuantSpec
 from factory.errors import JobFailed, ModelRefused, SourceChanged, SpecError
@@ -163,6 +163,7 @@ def _local(run: Run, job: Job, where: Path, progress: Callable[..., None]) -> Pa
 
     def verify(hashes: dict[str, str]) -> None:
         if identity.of_files(hashes) != job.source_identity:
+            inspection.forget(job.source_identity, run.settings.cache)  # what submit recorded describes these bytes
             raise SourceChanged(
                 job.source, sources.forget_changed(folder, run.settings.cache, hashes), "submit it again"
             )

@@ -103,6 +103,7 @@ def test_weights_rewritten_before_the_job_reads_them_fail_it_in_one_sentence(qf,
     first = _run(qf, model, recipe)
     assert first.returncode == 0, first.stderr
     made = _published(qf, "tiny:round-m3")
+    [recorded] = (qf.home / "cache" / "inspected").iterdir()  # what submit inspected, under the identity
 
     _rewrite_in_place(model / "model.safetensors")
     recipe.write_text("round: {mantissa: [5]}\nmax_ppl_ratio: 100.0\n")
@@ -113,6 +114,7 @@ def test_weights_rewritten_before_the_job_reads_them_fail_it_in_one_sentence(qf,
         "was hashed then; submit it again"
     )
     assert [q["name"] for q in qf.json("ls")] == ["tiny:round-m3"]
+    assert not recorded.exists()  # it described the rewritten bytes under the old identity: forgotten with them
 
     again = _run(qf, model, recipe)  # the cache forgot the file: submitted again, the job is of what is there now
     assert again.returncode == 0, again.stderr
