@@ -296,12 +296,10 @@ def test_a_place_recorded_between_the_quota_counts_is_still_counted(db_url):
         pytest.skip("SQLite serializes writers: record() cannot commit inside reserve's transaction there")
     from sqlalchemy import event
 
-    from factory.catalog import Catalog, Model
+    from factory.catalog import Catalog
     from factory.errors import OverQuota
 
     catalog = Catalog(db_url)
-    with catalog.db.session() as s:
-        s.add(Model(name="tiny", source="/m/tiny"))
     accounts = catalog.accounts
     secret, _ = accounts.create("frank", max_running=2)
     frank = accounts.authenticate(secret)
@@ -359,12 +357,10 @@ def test_a_place_let_go_while_its_submission_still_runs_is_not_recorded_past_the
     only place (--max-running 1) and records its job. A's record must not add a second running job: it is refused
     with OverQuota and A's job, which nobody else wants, is cancelled. A place let go while the quota stays free is
     taken again at record."""
-    from factory.catalog import Catalog, JobState, Model
+    from factory.catalog import Catalog, JobState
     from factory.errors import OverQuota
 
     catalog = Catalog(db_url or "sqlite:///" + str(Path(tempfile.mkdtemp()) / "catalog.db"))
-    with catalog.db.session() as s:
-        s.add(Model(name="tiny", source="/m/tiny"))
     accounts = catalog.accounts
     secret, _ = accounts.create("hal", max_running=1)
     hal = accounts.authenticate(secret)

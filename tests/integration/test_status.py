@@ -80,7 +80,6 @@ def test_specs_are_stored_as_dicts_and_read_back_typed(tmp_path, db_url):
     every catalog holds already, and come out as their engines' spec classes; a spec whose engine this process has
     not registered (a plugin that is not loaded here) comes out as specs.Unregistered, its fields as stored."""
     catalog = Catalog(db_url or f"sqlite:///{tmp_path / 'catalog.db'}")
-    catalog.jobs.name_for("/models/m", "m", None)
     awq = engines.get("awq").spec(group_size=128)
     engines.register(ROUND)
     try:

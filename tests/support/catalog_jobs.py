@@ -6,7 +6,8 @@ from factory.catalog import Catalog, Job
 
 
 def bare_job(catalog: Catalog, n: int | str = 0, **fields) -> Job:
-    """`catalog.jobs.create` with placeholder fields (`m<n>`, key `key-<n>`), `fields` over them."""
+    """`catalog.jobs.create` with placeholder fields (`m<n>`, key `key-<n>`), `fields` over them; the job's name is
+    registered for its source first, as submit does (PostgreSQL holds jobs.name to models.name)."""
     made = {
         "key": f"key-{n}",
         "name": f"m{n}",
@@ -23,4 +24,6 @@ def bare_job(catalog: Catalog, n: int | str = 0, **fields) -> Job:
         "versions": {},
         "device": "cpu",
     }
-    return catalog.jobs.create(**(made | fields))[0]
+    made |= fields
+    catalog.jobs.name_for(made["source"], made["name"], None)
+    return catalog.jobs.create(**made)[0]
