@@ -21,7 +21,7 @@ from tests.support.tiny_model import make_sentencepiece_tokenizer, make_tiny_tok
 HIDDEN, LAYERS, HEADS, KV_HEADS, VOCAB = 128, 2, 4, 2, 1024
 # The families whose releases ship a SentencePiece tokenizer.model, which llama.cpp's converter reads for them: their
 # tiny checkpoints carry one (the others, the byte-level BPE)
-SENTENCEPIECE = {"gemma", "gemma2", "phi3", "gemma3"}
+SENTENCEPIECE = {"gemma", "gemma2", "phi3", "gemma3", "ernie4_5", "nemotron"}
 
 
 def make_tokenizer(model_type: str, out: Path):
