@@ -19,13 +19,15 @@ process only; nothing else changes.
 
 Each engine lists its candidates below: the model types its upstream names that transformers builds without
 custom code (AutoAWQ 0.2.9's awq/models/auto.py; exllamav2 0.3.2's architecture.py; exllamav3's architecture
-files). One result per (engine, model type): "quantized" with its numbers and seconds, or "refused" with the
-first line of why (the factory's refusal, or the upstream's error).
+files; GGUF's read from its converter's own registrations, gguf_candidates). One result per (engine, model type):
+"quantized" with its numbers and seconds, or "refused" with the first line of why (the factory's refusal, or the
+upstream's error).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import re
@@ -181,32 +183,43 @@ CANDIDATES["awqct"] = [
 ]
 
 
-# llama.cpp's converter registers these among the families tests/support/tiny_archs.py builds (conversion/*.py of the
-# pinned llama.cpp: factory/engines/gguf/llama.py)
-CANDIDATES["gguf"] = [
-    "llama",
-    "mistral",
-    "mixtral",
-    "qwen2",
-    "qwen2_moe",
-    "qwen3",
-    "qwen3_moe",
-    "gemma",
-    "gemma2",
-    "gemma3_text",
-    "phi3",
-    "cohere",
-    "cohere2",
-    "granite",
-    "glm4",
-    "olmo2",
-    "starcoder2",
-    "smollm3",
-    "stablelm",
-    "gpt_neox",
-    # the vision-language families of issue 33 it registers (a text model and an mmproj model each)
-    *VISION_LANGUAGE,
-]
+def gguf_candidates() -> list[str]:
+    """The families tiny_archs.py and tiny_vlms.py build whose architecture the pinned llama.cpp's converter registers:
+    `@ModelBase.register("Arch", ...)` on a class of its conversion/*.py, a projector (mmproj) where the class derives
+    from MmprojModel, as ModelBase.register sorts them; a vision-language family needs its language model and its
+    projector registered. (conversion/__init__.py's maps index the same names for its lazy imports.)"""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from factory.engines.gguf import llama
+    from tests.support.tiny_vlms import FAMILIES
+
+    bases: dict[str, list[str]] = {}
+    names: dict[str, list[str]] = {}
+    for path in sorted((llama.source() / "conversion").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            bases[node.name] = [ast.unparse(b).split(".")[-1] for b in node.bases]
+            for call in node.decorator_list:
+                if isinstance(call, ast.Call) and ast.unparse(call.func) == "ModelBase.register":
+                    names.setdefault(node.name, []).extend(arg.value for arg in call.args)
+
+    def projector(cls: str, seen: frozenset = frozenset()) -> bool:
+        return cls == "MmprojModel" or any(projector(b, seen | {cls}) for b in bases.get(cls, ()) if b not in seen)
+
+    text = {n for cls, registered in names.items() if not projector(cls) for n in registered}
+    mmproj = {n for cls, registered in names.items() if projector(cls) for n in registered}
+    families = sorted(t for t, arch in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items() if t not in FAMILIES and arch in text)
+    return families + [t for t, arch in FAMILIES.items() if arch in text and arch in mmproj]
+
+
+# read when asked: the converter is on the machine once llama.cpp is built (factory/engines/gguf/llama.py)
+CANDIDATES["gguf"] = gguf_candidates
+
+
+def candidates(engine: str) -> list[str]:
+    found = CANDIDATES[engine]
+    return found() if callable(found) else found
 
 
 # engine -> how its pulled quant of a vision-language model is given an image, as its users load it
@@ -282,7 +295,7 @@ def claimed(engine: str) -> list[str]:
 
     claims = engines.get(engine).architectures
     done = proven(results()[engine]) if engine in results() else frozenset()
-    mine = [t for t in CANDIDATES[engine] if architecture(t) in claims]
+    mine = [t for t in candidates(engine) if architecture(t) in claims]
     return sorted(mine, key=lambda t: architecture(t) in done)
 
 
@@ -450,7 +463,7 @@ def main() -> None:
         if args.claimed:
             wanted = claimed(engine) + [t for t in asked if t not in claimed(engine)]
         else:
-            wanted = asked or CANDIDATES[engine]
+            wanted = asked or candidates(engine)
         found = written.setdefault(engine, {"device": device, "architectures": {}})
         found["versions"] = {
             "engine": engines.get(engine).version(),

@@ -46,16 +46,6 @@ UNPROVEN = {
         "Qwen2ForCausalLM": "transformers' AutoTokenizer gave calibration ids past the tiny model's vocabulary "
         "(fixed since: ids from the checkpoint's own tokenizer.json)",
     },
-    "gguf": {
-        **dict.fromkeys(
-            ["GemmaForCausalLM", "Gemma2ForCausalLM", "Phi3ForCausalLM"],
-            "the tiny checkpoint has no tokenizer.model, which llama.cpp's converter reads for these families "
-            "(releases ship it)",
-        ),
-        "Gemma3ForConditionalGeneration": "the tiny checkpoint has no tokenizer.model (releases ship it): without it "
-        "the converter cuts the embedding to tokenizer.json's tokens but pads the vocabulary to vocab_size, a file "
-        "llama.cpp refuses (its projector, mmproj, converts)",
-    },
 }
 
 

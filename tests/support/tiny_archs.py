@@ -16,9 +16,18 @@ import argparse
 import json
 from pathlib import Path
 
-from tests.support.tiny_model import make_tiny_tokenizer
+from tests.support.tiny_model import make_sentencepiece_tokenizer, make_tiny_tokenizer
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, VOCAB = 128, 2, 4, 2, 1024
+# The families whose releases ship a SentencePiece tokenizer.model, which llama.cpp's converter reads for them: their
+# tiny checkpoints carry one (the others, the byte-level BPE)
+SENTENCEPIECE = {"gemma", "gemma2", "phi3", "gemma3", "ernie4_5", "nemotron"}
+
+
+def make_tokenizer(model_type: str, out: Path):
+    """The tests' tokenizer for a `model_type` checkpoint in `out`: SentencePiece's where its releases ship it."""
+    make = make_sentencepiece_tokenizer if model_type in SENTENCEPIECE else make_tiny_tokenizer
+    return make(out, VOCAB)
 
 
 def sizes(model_type: str, hidden: int = HIDDEN) -> dict:
@@ -167,7 +176,7 @@ def make_tiny(model_type: str, out: Path, seed: int = 0, hidden: int = HIDDEN) -
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = make_tiny_tokenizer(out, VOCAB)
+    tokenizer = make_tokenizer(model_type, out)
     config = config_for(model_type, tokenizer.bos_token_id, tokenizer.eos_token_id, hidden)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).to(torch.float16)

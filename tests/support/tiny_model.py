@@ -44,6 +44,42 @@ def make_tiny_tokenizer(out: Path, vocab: int = 1024):
     return tokenizer
 
 
+def make_sentencepiece_tokenizer(out: Path, vocab: int = 1024):
+    """A SentencePiece BPE of `vocab` pieces (<unk>, <s>, </s>, the 256 bytes, merges) trained on the builtin c4 text,
+    saved in `out` as the SentencePiece families' releases ship it: tokenizer.model beside the tokenizer.json made
+    from it. No normalization and no dummy prefix (as Gemma's), so both give the same ids for any text."""
+    import io
+
+    import sentencepiece
+    from transformers import LlamaTokenizer
+    from transformers.tokenization_utils_sentencepiece import SentencePieceExtractor
+
+    out.mkdir(parents=True, exist_ok=True)
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(builtin_text("c4").splitlines()),
+        model_writer=model,
+        vocab_size=vocab,
+        model_type="bpe",
+        byte_fallback=True,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        add_dummy_prefix=False,
+        max_sentence_length=1 << 20,  # c4's lines are whole documents; the default drops those over 4 KiB
+        num_threads=1,
+        minloglevel=2,
+    )
+    (out / "tokenizer.model").write_bytes(model.getvalue())
+    pieces, _, merges = SentencePieceExtractor(str(out / "tokenizer.model")).extract()
+    tokenizer = LlamaTokenizer(vocab=pieces, merges=merges, add_prefix_space=False, add_bos_token=False)
+    tokenizer.save_pretrained(out)
+    return tokenizer
+
+
 def make_tiny_llama(
     out: Path,
     *,

@@ -18,8 +18,7 @@ import json
 import re
 from pathlib import Path
 
-from tests.support.tiny_archs import HIDDEN, VOCAB, config_for
-from tests.support.tiny_model import make_tiny_tokenizer
+from tests.support.tiny_archs import HIDDEN, VOCAB, config_for, make_tokenizer
 
 # model type -> the architecture its checkpoint names (the families of issue 33)
 FAMILIES = {
@@ -242,7 +241,7 @@ def make_tiny_vlm(model_type: str, out: Path, seed: int = 0, hidden: int = HIDDE
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = make_tiny_tokenizer(out, VOCAB)
+    tokenizer = make_tokenizer(model_type, out)
     config = vlm_config(model_type, tokenizer.bos_token_id, tokenizer.eos_token_id, hidden)
     if model_type in PROCESSORS:
         PROCESSORS[model_type](out, tokenizer, config)

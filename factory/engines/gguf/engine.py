@@ -49,17 +49,15 @@ CHUNK_DONE = re.compile(r"\[(\d+)\]-?[\d.]+(?:e[+-]?\d+)?,")
 TENSOR = re.compile(r"^\[\s*(\d+)/\s*(\d+)\]")
 
 # What benchmarks/coverage.py proved llama.cpp's converter, tools and inference take on the CPU
-# (benchmarks/results/coverage-cpu.json; tests/integration/test_coverage.py keeps the two equal), and the claims that
-# run failed for a reason of the tiny checkpoints' (UNPROVEN there).
+# (benchmarks/results/coverage-cpu.json; tests/integration/test_coverage.py keeps the two equal).
 ARCHITECTURES = frozenset({
-    "Gemma3ForCausalLM", "GraniteForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM",
-    "Olmo2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "SmolLM3ForCausalLM",
-    "StableLmForCausalLM", "Starcoder2ForCausalLM",
+    "ApertusForCausalLM", "ArceeForCausalLM", "BloomForCausalLM", "Ernie4_5ForCausalLM", "Exaone4ForCausalLM",
+    "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GemmaForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
+    "HunYuanDenseV1ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "NemotronForCausalLM",
+    "Olmo2ForCausalLM", "OlmoForCausalLM", "Phi3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM", "SeedOssForCausalLM", "SmolLM3ForCausalLM", "StableLmForCausalLM", "Starcoder2ForCausalLM",
     # vision-language: the language model's GGUF and the projector's (mmproj)
-    "Mistral3ForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
-    # the converter reads these families' vocabulary from tokenizer.model, which their releases ship and the tiny
-    # checkpoints do not
-    "GemmaForCausalLM", "Gemma2ForCausalLM", "Phi3ForCausalLM", "Gemma3ForConditionalGeneration",
+    "Gemma3ForConditionalGeneration", "Mistral3ForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
 })  # fmt: skip
 
 
