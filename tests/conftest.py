@@ -48,13 +48,13 @@ def model_copy(tiny, tmp_path):
 CATALOG_FIXTURES = {"db_url", "finished"}  # every test that writes or reads a catalog uses one of these
 # The tests where the database itself is under test: concurrent writers and fenced holders (leases, claims, the
 # workers, two runs of one job, publishing fenced by a token), plain SQL (status), the watchlist's and
-# housekeeping's writes, the service's quotas and plain SQL. The other catalog tests go through the same SQLAlchemy
-# code and ran on SQLite.
+# housekeeping's writes, the service's quotas and plain SQL; elsewhere, a test marked `database` (test_safety's runs
+# of one job side by side and after a kill, and the catalog's names). The other catalog tests go through the same
+# SQLAlchemy code and ran on SQLite.
 DATABASE_MODULES = {
     "test_workers",
     "test_leases",
     "test_packing",
-    "test_safety",
     "test_status",
     "test_schedule",
     "test_housekeeping",
@@ -65,15 +65,15 @@ DATABASE_MODULES = {
 
 
 def pytest_collection_modifyitems(config, items):
-    """The PostgreSQL pass (QF_TEST_PG) runs the catalog tests of DATABASE_MODULES: the others already ran in the
-    SQLite pass (scripts/test)."""
+    """The PostgreSQL pass (QF_TEST_PG) runs the catalog tests of DATABASE_MODULES and those marked `database`: the
+    others already ran in the SQLite pass (scripts/test)."""
     if not PG:
         return
     others = [
         item
         for item in items
         if not CATALOG_FIXTURES & set(getattr(item, "fixturenames", ()))
-        or item.module.__name__.rpartition(".")[2] not in DATABASE_MODULES
+        or (item.module.__name__.rpartition(".")[2] not in DATABASE_MODULES and not item.get_closest_marker("database"))
     ]
     if others:
         config.hook.pytest_deselected(items=others)
@@ -124,8 +124,8 @@ def smollm2(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_job(smollm2, tmp_path_factory):
     """One `qf run` on SmolLM2 with AutoAWQ on 8 x 128 calibration tokens of builtin:c4 (the demo's CPU default is
-    16: AWQ's grid search is most of the run), and GGUF Q4_K_M and IQ4_XS with an importance matrix on 16 x 512 tokens
-    of it, scored on the same 8 windows of builtin:wiki against one FP16 evaluation. Yields the runner and the job's
+    16: AWQ's grid search is most of the run), and GGUF Q4_K_M and IQ4_XS with an importance matrix on 8 x 512 tokens
+    of it, scored on the same 4 windows of builtin:wiki against one FP16 evaluation. Yields the runner and the job's
     quants by method (GGUF's: `gguf-q4_k_m`, `gguf-iq4_xs`). AWQ-CT is compared with AutoAWQ in `smollm2_cut_job`."""
     from tests.support.smollm2 import BASE
 
@@ -133,7 +133,7 @@ def smollm2_job(smollm2, tmp_path_factory):
         smollm2,
         tmp_path_factory,
         "awq:\n  w_bit: 4\n  calib_rows: 8\n"
-        "gguf:\n  types: [Q4_K_M, IQ4_XS]\n  imatrix_chunks: 16\n  imatrix_ctx: 512\n",
+        "gguf:\n  types: [Q4_K_M, IQ4_XS]\n  imatrix_chunks: 8\n  imatrix_ctx: 512\n",
         "--base-model",
         BASE,
     )
@@ -158,13 +158,15 @@ def smollm2_cut_job(smollm2, tmp_path_factory):
 
 
 def _job(source, tmp_path_factory, targets: str, *args):
-    """`qf run SOURCE` with a recipe of `targets`, scored on 8 windows of builtin:wiki: yields its runner and quants
-    while its catalog is there."""
+    """`qf run SOURCE` with a recipe of `targets`, scored on WINDOWS windows of builtin:wiki (tests/support/smollm2.py):
+    yields its runner and quants while its catalog is there."""
+    from tests.support.smollm2 import WINDOWS
+
     with fresh_database() as url:
         qf = Qf(home=tmp_path_factory.mktemp("smollm2") / "home", db_url=url)
         recipe = tmp_path_factory.mktemp("recipe") / "recipe.yaml"
         recipe.write_text(targets + "eval: builtin:wiki\nmax_ppl_ratio: 1.5\n")
-        result = qf("run", source, "--recipe", recipe, "--eval-windows", 8, *args, "--json")
+        result = qf("run", source, "--recipe", recipe, "--eval-windows", WINDOWS, *args, "--json")
         assert result.exit_code == 0, result.output
         events = [json.loads(line) for line in result.stdout.splitlines()]
         rows = events[-1]["quants"]

@@ -460,6 +460,7 @@ def _gone(engine: psutil.Process) -> bool:
     return not engine.is_running() or engine.status() == psutil.STATUS_ZOMBIE
 
 
+@pytest.mark.database
 def test_interrupted_runs_continue(qf, tiny):
     """SIGTERM stops `qf run` like Ctrl-C (exit 130, step interrupted, job failed "interrupted", engine stopped);
     SIGKILL leaves a running step that the next attempt marks interrupted; the same command then finishes."""
@@ -552,6 +553,7 @@ def test_a_unit_that_fails_stops_the_engine_beside_it_at_once(qf, tiny, tmp_path
     }
 
 
+@pytest.mark.database
 def test_two_runs_of_one_job_run_it_once(qf, tiny):
     """`qf run` holds its job as a worker does: a second `qf run` of it while the first is alive names the holder
     and exits 1; the first finishes."""
@@ -629,6 +631,7 @@ def test_name_refusals(qf, tiny, name, message):
     assert qf.json("jobs") == []
 
 
+@pytest.mark.database
 def test_a_name_that_differs_from_the_catalogs_is_an_error(finished, tiny):
     qf, _ = finished
     result = qf("run", tiny, "--awq", "--eval-windows", 2, "--name", "other")

@@ -14,7 +14,7 @@ import pytest
 from factory import engines
 from factory.evaluation import evaluate
 from factory.publish import card
-from tests.support.smollm2 import BASE, NOTE, PPL_WIKI
+from tests.support.smollm2 import BASE, NOTE, PPL_WIKI, WINDOWS
 
 pytestmark = pytest.mark.smollm2
 
@@ -28,7 +28,7 @@ def smollm2_run(smollm2_job):
 
 def test_fp16_matches_the_reference(smollm2_run):
     _, row = smollm2_run
-    assert row["fp16_ppl"] == pytest.approx(PPL_WIKI[8], rel=0.005)
+    assert row["fp16_ppl"] == pytest.approx(PPL_WIKI[WINDOWS], rel=0.005)
 
 
 def test_the_evals_ids_read_from_a_prefix_are_the_whole_texts(smollm2):
@@ -140,7 +140,7 @@ def test_gguf_lands_between_fp16_and_the_gate_on_the_same_windows(smollm2_job, t
 
 
 def test_the_pulled_gguf_scores_in_llama_cpp_to_the_published_numbers(smollm2, smollm2_job, tmp_path):
-    """`qf pull` gives the .gguf (every sha256 checked); llama.cpp's inference on it, on the job's 8 windows, gives the
+    """`qf pull` gives the .gguf (every sha256 checked); llama.cpp's inference on it, on the job's windows, gives the
     perplexity the job published; llama.cpp's tokenizer gives the source tokenizer's ids for the eval text."""
     from calibration import builtin_text
     from factory.engines.gguf import evaluate as gguf_evaluate
@@ -153,7 +153,7 @@ def test_the_pulled_gguf_scores_in_llama_cpp_to_the_published_numbers(smollm2, s
     assert {"SmolLM2-135M-Instruct-Q4_K_M.gguf", "SmolLM2-135M-Instruct-imatrix.gguf"} <= {
         p.name for p in pulled.iterdir()
     }
-    data = evaluate.stream(evaluate.tokenize(smollm2, builtin_text("wiki")), 8, None, "builtin:wiki")
+    data = evaluate.stream(evaluate.tokenize(smollm2, builtin_text("wiki")), WINDOWS, None, "builtin:wiki")
     gguf = engines.get("gguf")
     assert evaluate.evaluate(pulled, gguf.load, gguf.evaluator, data).ppl == pytest.approx(row["ppl"], rel=1e-5)
     # llama.cpp's tokenizer, on the eval text: the source's ids but where a blank line runs into a number, which
