@@ -3,7 +3,8 @@ seeded checkpoint made with transformers' own class (tests/support/tiny_archs.py
 (inspect, quantize, evaluate: ppl, KLD, top-1; publish), `qf pull`, and the pulled quant is loaded with the
 engine's loader (the consumer's library: AutoAWQ's unpacking, exllamav2, exllamav3, transformers for
 compressed-tensors) and scored again on the same windows, which must give the perplexity the factory published; a
-vision-language quant is also given an image where SEES_IMAGES says how (EXL3: tests/support/exl3_image.py).
+vision-language quant is also given an image where SEES_IMAGES says how (EXL3: tests/support/exl3_image.py; GGUF:
+tests/support/gguf_image.py, llama.cpp's llama-mtmd-cli, built on this machine when first asked for: minutes once).
 
     python benchmarks/coverage.py DIR [--engine awq] [--arch llama,qwen3] [--jobs N] [--out RESULTS.json]
     python benchmarks/coverage.py DIR --engine exl3 --claimed --jobs 10 --out benchmarks/results/coverage-h200.json
@@ -229,7 +230,13 @@ def _exl3_image(folder: Path) -> dict:
     return first_token(folder)
 
 
-SEES_IMAGES = {"exl3": _exl3_image}
+def _gguf_image(folder: Path) -> dict:
+    from tests.support.gguf_image import first_token
+
+    return first_token(folder)
+
+
+SEES_IMAGES = {"exl3": _exl3_image, "gguf": _gguf_image}
 FLAGS = {
     "awq": ["--awq"],
     "awqct": ["--awqct"],
