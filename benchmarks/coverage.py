@@ -246,6 +246,8 @@ FLAGS = {
 }
 WIDTH = {"exl2": 256, "exl3": 256}  # the GPU engines: heads of 64 (tests/support/tiny_archs.py); the others 128
 WINDOWS = 2
+# torch's seed is one per process: two threads (--jobs) building checkpoints at once would draw each other's weights
+_BUILDING = threading.Lock()
 RESULTS = ROOT / "benchmarks" / "results"
 
 
@@ -334,7 +336,8 @@ def run_one(engine: str, model_type: str, models: Path, work: Path, device: str)
     hidden = WIDTH.get(engine, HIDDEN)
     make = make_tiny_vlm if model_type in FAMILIES else make_tiny
     try:
-        source = make(model_type, models / f"{model_type}-{hidden}", hidden=hidden)
+        with _BUILDING:
+            source = make(model_type, models / f"{model_type}-{hidden}", hidden=hidden)
     except Exception as e:  # noqa: BLE001  (a survey: the failure is the result)
         return {"status": "refused", "reason": f"transformers cannot build it: {type(e).__name__}: {e}"[:400]}
     architecture = json.loads((source / "config.json").read_text())["architectures"][0]
