@@ -226,18 +226,6 @@ def as_released(model_type: str, out: Path) -> None:
         )
     if preprocessor is not None:
         (out / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2) + "\n")
-    if model_type == "mistral3":  # llama.cpp's converter finds [IMG_BREAK] there for the projector (mmproj)
-        added_tokens_decoder(out)
-
-
-def added_tokens_decoder(out: Path) -> None:
-    """tokenizer_config.json's `added_tokens_decoder` (id -> token), as Mistral-Small-3.1's release has it:
-    transformers 5 keeps added tokens in tokenizer.json only."""
-    path = out / "tokenizer_config.json"
-    config = json.loads(path.read_text())
-    added = json.loads((out / "tokenizer.json").read_text())["added_tokens"]
-    config["added_tokens_decoder"] = {str(t.pop("id")): t for t in added}
-    path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 # The families whose tiny checkpoints carry a processor that takes images: the others' processors need torchvision
