@@ -3,7 +3,8 @@ seeded checkpoint made with transformers' own class (tests/support/tiny_archs.py
 (inspect, quantize, evaluate: ppl, KLD, top-1; publish), `qf pull`, and the pulled quant is loaded with the
 engine's loader (the consumer's library: AutoAWQ's unpacking, exllamav2, exllamav3, transformers for
 compressed-tensors) and scored again on the same windows, which must give the perplexity the factory published; a
-vision-language quant is also given an image where SEES_IMAGES says how (EXL3: tests/support/exl3_image.py).
+vision-language quant is also given an image where SEES_IMAGES says how (EXL3: tests/support/exl3_image.py; GGUF:
+tests/support/gguf_image.py, llama.cpp's llama-mtmd-cli, built on this machine when first asked for: minutes once).
 
     python benchmarks/coverage.py DIR [--engine awq] [--arch llama,qwen3] [--jobs N] [--out RESULTS.json]
     python benchmarks/coverage.py DIR --engine exl3 --claimed --jobs 10 --out benchmarks/results/coverage-h200.json
@@ -229,7 +230,13 @@ def _exl3_image(folder: Path) -> dict:
     return first_token(folder)
 
 
-SEES_IMAGES = {"exl3": _exl3_image}
+def _gguf_image(folder: Path) -> dict:
+    from tests.support.gguf_image import first_token
+
+    return first_token(folder)
+
+
+SEES_IMAGES = {"exl3": _exl3_image, "gguf": _gguf_image}
 FLAGS = {
     "awq": ["--awq"],
     "awqct": ["--awqct"],
@@ -239,6 +246,8 @@ FLAGS = {
 }
 WIDTH = {"exl2": 256, "exl3": 256}  # the GPU engines: heads of 64 (tests/support/tiny_archs.py); the others 128
 WINDOWS = 2
+# torch's seed is one per process: two threads (--jobs) building checkpoints at once would draw each other's weights
+_BUILDING = threading.Lock()
 RESULTS = ROOT / "benchmarks" / "results"
 
 
@@ -327,7 +336,8 @@ def run_one(engine: str, model_type: str, models: Path, work: Path, device: str)
     hidden = WIDTH.get(engine, HIDDEN)
     make = make_tiny_vlm if model_type in FAMILIES else make_tiny
     try:
-        source = make(model_type, models / f"{model_type}-{hidden}", hidden=hidden)
+        with _BUILDING:
+            source = make(model_type, models / f"{model_type}-{hidden}", hidden=hidden)
     except Exception as e:  # noqa: BLE001  (a survey: the failure is the result)
         return {"status": "refused", "reason": f"transformers cannot build it: {type(e).__name__}: {e}"[:400]}
     architecture = json.loads((source / "config.json").read_text())["architectures"][0]

@@ -4,6 +4,9 @@
 # the committed results do not prove first, then the rest again, since the EXL3 evaluation changed), plus LFM2-MoE
 # and HunYuan V3, which EXL3 does not claim yet. JOBS families at once (default 10: the 2026-12-03 sitting's pace,
 # about 220 s a family), each one's row written to benchmarks/results/coverage-h200.json as it finishes.
+# The committed EXL3 rows of gemma2 and gemma3 (and EXL2's of gemma, gemma2, phi3) predate the SentencePiece
+# tokenizer.model of those tiny checkpoints (tiny_archs.py SENTENCEPIECE: other token streams); the next sitting remakes
+# EXL3's, as it runs every family EXL3 claims.
 #
 # Before the sitting, here: scripts/gpu_wheels fills .whl (the project's wheels), .whl/exl3 (exllamav3 and what it
 # imports) and .whl/tf (transformers, tokenizers and huggingface_hub as the CPU venv pins them, so the tiny

@@ -217,22 +217,21 @@ def test_every_type_goes_on_the_hub_repos_main_as_uploaders_publish(qf, tiny, hu
 
 
 @pytest.fixture(scope="module")
-def tiny_mistral3(tmp_path_factory):
-    """Mistral 3 with its Pixtral vision tower (tests/support/tiny_vlms.py)."""
-    return make_tiny_vlm("mistral3", tmp_path_factory.mktemp("vlm") / "mistral3")
+def tiny_gemma3(tmp_path_factory):
+    """Gemma 3 with its SigLIP vision tower (tests/support/tiny_vlms.py; GGUF no longer claims Mistral 3, whose
+    projector llama-mtmd-cli refuses)."""
+    return make_tiny_vlm("gemma3", tmp_path_factory.mktemp("vlm") / "gemma3")
 
 
-def test_a_vision_language_model_gets_its_projector_once_beside_every_type(
-    qf, tiny_mistral3, hub, monkeypatch, tmp_path
-):
-    """The tiny Mistral 3: its language model quantized to each type and scored; its vision tower and projector
+def test_a_vision_language_model_gets_its_projector_once_beside_every_type(qf, tiny_gemma3, hub, monkeypatch, tmp_path):
+    """The tiny Gemma 3: its language model quantized to each type and scored; its vision tower and projector
     converted once (one `mmproj` unit for both types) into llama.cpp's projector file, published beside each type as
     `mmproj-<Model>-F16.gguf` and on the Hub repo's main, whose card says how llama.cpp's multimodal tools load it."""
     monkeypatch.setenv("FACTORY_HUB_OWNER", "alice")
     monkeypatch.setenv("HF_TOKEN", "hf_alice_write")
     recipe = tmp_path / "gguf.yaml"
     recipe.write_text("gguf:\n  types: [Q8_0, Q4_K_M]\n  imatrix_chunks: 4\n  imatrix_ctx: 256\n")
-    result = qf("run", tiny_mistral3, "--recipe", recipe, "--eval-windows", 1, "--json")
+    result = qf("run", tiny_gemma3, "--recipe", recipe, "--eval-windows", 1, "--json")
     assert result.exit_code == 0, result.output
     job = json.loads(result.stdout.splitlines()[-1])["job"]
     steps = [s["name"].split(":")[0] for s in qf.json("status", job)["steps"]]
@@ -240,27 +239,27 @@ def test_a_vision_language_model_gets_its_projector_once_beside_every_type(
     rows = {r["tag"]: r for r in qf.json("ls")}
     assert set(rows) == {"gguf-q8_0", "gguf-q4_k_m"} and all(r["spec"]["mmproj"] for r in rows.values())
     folders = {tag: qf.home / "registry" / r["path"] for tag, r in rows.items()}
-    projectors = {(f / "mmproj-mistral3-F16.gguf").read_bytes() for f in folders.values()}
+    projectors = {(f / "mmproj-gemma3-F16.gguf").read_bytes() for f in folders.values()}
     assert len(projectors) == 1  # the one shared unit's file beside both
-    meta = gguf_file.metadata(folders["gguf-q4_k_m"] / "mmproj-mistral3-F16.gguf")
+    meta = gguf_file.metadata(folders["gguf-q4_k_m"] / "mmproj-gemma3-F16.gguf")
     assert (meta["general.architecture"], meta["clip.projector_type"], meta["general.file_type"]) == (
         "clip",
-        "pixtral",
+        "gemma3",
         1,
     )
-    assert gguf_file.metadata(folders["gguf-q4_k_m"] / "mistral3-Q4_K_M.gguf")["general.architecture"] == "mistral3"
-    main = hub.files("alice/mistral3-GGUF", "main")
-    assert {"mistral3-Q8_0.gguf", "mistral3-Q4_K_M.gguf", "mmproj-mistral3-F16.gguf"} <= set(main)
+    assert gguf_file.metadata(folders["gguf-q4_k_m"] / "gemma3-Q4_K_M.gguf")["general.architecture"] == "gemma3"
+    main = hub.files("alice/gemma3-GGUF", "main")
+    assert {"gemma3-Q8_0.gguf", "gemma3-Q4_K_M.gguf", "mmproj-gemma3-F16.gguf"} <= set(main)
     card = main["README.md"].decode()
     assert "## Images in llama.cpp" in card
-    assert "llama-mtmd-cli -m mistral3-Q4_K_M.gguf --mmproj mmproj-mistral3-F16.gguf --image photo.jpg" in card
-    assert "llama-server -hf alice/mistral3-GGUF:Q4_K_M" in card
-    plan = qf.json("plan", tiny_mistral3, "--engine", "gguf", "--vram", "1GB")["gguf"]
-    assert plan["mmproj"] == 2 * inspect(tiny_mistral3, ENGINE.architectures).vision.params  # said apart, at 16 bits
+    assert "llama-mtmd-cli -m gemma3-Q4_K_M.gguf --mmproj mmproj-gemma3-F16.gguf --image photo.jpg" in card
+    assert "llama-server -hf alice/gemma3-GGUF:Q4_K_M" in card
+    plan = qf.json("plan", tiny_gemma3, "--engine", "gguf", "--vram", "1GB")["gguf"]
+    assert plan["mmproj"] == 2 * inspect(tiny_gemma3, ENGINE.architectures).vision.params  # said apart, at 16 bits
     pulled = tmp_path / "pulled"
-    assert qf("pull", "mistral3:gguf-q4_k_m", "-o", pulled).exit_code == 0
-    assert gguf_evaluate.model_file(pulled).name == "mistral3-Q4_K_M.gguf"  # the projector is not the model
-    assert rescored(pulled, tiny_mistral3, 1) == pytest.approx(rows["gguf-q4_k_m"]["ppl"], rel=1e-5)
+    assert qf("pull", "gemma3:gguf-q4_k_m", "-o", pulled).exit_code == 0
+    assert gguf_evaluate.model_file(pulled).name == "gemma3-Q4_K_M.gguf"  # the projector is not the model
+    assert rescored(pulled, tiny_gemma3, 1) == pytest.approx(rows["gguf-q4_k_m"]["ppl"], rel=1e-5)
 
 
 def test_a_vision_language_family_the_converter_cannot_take_is_refused_in_one_sentence(qf, tmp_path):
@@ -271,7 +270,7 @@ def test_a_vision_language_family_the_converter_cannot_take_is_refused_in_one_se
     assert result.exit_code == 3, result.output
     said = " ".join(result.output.split())
     assert "error: GGUF does not convert the vision-language Qwen3VLForConditionalGeneration; it converts " in said
-    assert "Mistral3ForConditionalGeneration" in said and "Traceback" not in said, said
+    assert "Gemma3ForConditionalGeneration" in said and "Traceback" not in said, said
     assert qf.json("jobs") == []
 
 

@@ -56,8 +56,9 @@ ARCHITECTURES = frozenset({
     "HunYuanDenseV1ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "NemotronForCausalLM",
     "Olmo2ForCausalLM", "OlmoForCausalLM", "Phi3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM", "SeedOssForCausalLM", "SmolLM3ForCausalLM", "StableLmForCausalLM", "Starcoder2ForCausalLM",
-    # vision-language: the language model's GGUF and the projector's (mmproj)
-    "Gemma3ForConditionalGeneration", "Mistral3ForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
+    # vision-language: the language model's GGUF and the projector's (mmproj), which llama-mtmd-cli loads with an
+    # image (not Mistral 3's: the converter's mmproj lacks the [IMG_BREAK] row it needs)
+    "Gemma3ForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
 })  # fmt: skip
 
 

@@ -11,6 +11,9 @@ worker of the machine shares it):
               nvcc and a GPU exist), targets TOOLS and libllama
     bin/qf-llama  our driver over libllama (logits.cpp): every position's logits of the token ids it is given, and
               llama.cpp's own tokenization of a text
+    multimodal/   llama-mtmd-cli, llama.cpp's multimodal tool, only when first asked for (multimodal_tool; never by
+              setup, so CI's minutes do not grow): a build of its own with the same flags, because build/ was
+              configured in the hidden folder and cmake cannot build it again once renamed
 
 `python -m factory.engines.gguf.build` makes it (scripts/setup runs it, so CI counts its minutes); a job never builds
 it: without it a GGUF job is refused at submit with one sentence naming that command. Made under a lock, in a
@@ -38,6 +41,7 @@ PACKAGE, VERSION = "llama-cpp-python", "0.3.36"
 SDIST = f"llama_cpp_python-{VERSION}.tar.gz"
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
 TOOLS = ("llama-quantize", "llama-imatrix", "llama-gguf-split")
+MULTIMODAL = "llama-mtmd-cli"
 DRIVER = "qf-llama"
 DONE = ".complete"
 SETUP = "python -m factory.engines.gguf.build"  # or scripts/setup, which runs it
@@ -82,6 +86,23 @@ def tool(name: str) -> Path:
     return where / "bin" / DRIVER if name == DRIVER else where / "build" / "bin" / name
 
 
+def multimodal_tool(log=print) -> Path:
+    """llama-mtmd-cli (a language model's GGUF, its mmproj and an image in, text out), built when first asked for:
+    minutes once (llama.cpp again, and the tool), then ninja finds it up to date; configured in place, so a killed
+    build resumes where it stopped. Under the build's lock, so concurrent callers build it once."""
+    where = built()
+    out = where / "multimodal"
+    with open(where.parent / f"{where.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "bin" / MULTIMODAL).is_file():
+            log(f"building {MULTIMODAL} into {out} (once: minutes)")
+        if not (out / "build.ninja").is_file():
+            _run(["cmake", "-S", str(source()), "-B", str(out), *CMAKE_FLAGS, *_cuda_flags()], where, "cmake")
+        jobs = str(os.cpu_count() or 2)
+        _run(["cmake", "--build", str(out), "--target", MULTIMODAL, "-j", jobs], where, f"build of {MULTIMODAL}")
+    return out / "bin" / MULTIMODAL
+
+
 def source() -> Path:
     """The vendored llama.cpp: convert_hf_to_gguf.py and gguf-py."""
     return built() / "src" / "vendor" / "llama.cpp"
@@ -121,12 +142,15 @@ def _make(tmp: Path, log) -> None:
     (tmp / SDIST.removesuffix(".tar.gz")).rename(tmp / "src")
     sdist.unlink()
     llama = tmp / "src" / "vendor" / "llama.cpp"
-    cuda = ["-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=native"] if flavour() == "cuda" else []
     jobs = str(os.cpu_count() or 2)
     log(f"building llama.cpp ({flavour()}; {', '.join(TOOLS)}, libllama) with {jobs} jobs: minutes")
-    _run(["cmake", "-S", str(llama), "-B", str(tmp / "build"), *CMAKE_FLAGS, *cuda], tmp, "cmake")
+    _run(["cmake", "-S", str(llama), "-B", str(tmp / "build"), *CMAKE_FLAGS, *_cuda_flags()], tmp, "cmake")
     _run(["cmake", "--build", str(tmp / "build"), "--target", *TOOLS, "llama", "-j", jobs], tmp, "the build")
     compile_driver(tmp)
+
+
+def _cuda_flags() -> list[str]:
+    return ["-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=native"] if flavour() == "cuda" else []
 
 
 def compile_driver(where: Path) -> Path:
