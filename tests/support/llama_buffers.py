@@ -36,7 +36,7 @@ def allocated(path: Path, ctx: int, work: Path) -> dict[str, float]:
             if ALLOCATED in line:
                 tool.kill()
                 break
-    assert ALLOCATED in log[-1], "".join(log[-40:])
+    assert log and ALLOCATED in log[-1], "".join(log[-40:]) or "llama-imatrix printed nothing"
     sizes = {name: 0.0 for name in NAMES.values()}
     for kind, mib in BUFFER.findall("".join(log)):
         sizes[NAMES[kind]] += float(mib) * 2**20
