@@ -376,7 +376,7 @@ def test_sigterm_stops_qf_run_while_pip_waits_on_an_index_that_never_answers(tin
         finally:
             run.kill()
         took = time.monotonic() - stopped
-    assert took < 10, f"qf run took {took:.1f} s to stop"
+    assert took < 30, f"qf run took {took:.1f} s to stop"  # seconds, not the minutes pip waited (10.6 s at load)
     assert run.returncode == 130 and stderr.splitlines()[-1] == "interrupted", stderr[-3000:]
     assert not Path(f"/proc/{pip}").exists() or "zombie" in Path(f"/proc/{pip}/status").read_text()
     assert [p.name for p in envs.iterdir()] == [f"{env.folder().name}.lock"]
