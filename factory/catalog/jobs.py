@@ -101,12 +101,13 @@ class Jobs:
 
     def fail(self, job_id: str, error: str, token: int | None = None) -> bool:
         """The job and its running steps failed with `error` (a job process that died without saying why); with
-        `token`, only while that lease holds the job. False when it did not happen."""
-        if not self.transition(
-            job_id, JobState.failed, token, error, 1, only_from=frozenset({JobState.queued, JobState.running})
-        ):
-            return False
+        `token`, only while that lease holds the job. False when it did not happen. One transaction: no reader sees
+        the job failed and its steps still running."""
         with self.db.session() as s:
+            if not self.transition(
+                job_id, JobState.failed, token, error, 1, frozenset({JobState.queued, JobState.running}), session=s
+            ):
+                return False
             for step in s.scalars(select(Step).where(Step.job_id == job_id, Step.state == StepState.running)):
                 step.state, step.error, step.ended_at = StepState.failed, error, now()
         return True
