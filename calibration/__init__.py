@@ -157,6 +157,13 @@ def write_parquet(text: TextSet, path: Path) -> Path:
     return path
 
 
+def read_parquet(path: Path) -> str:
+    """The text `write_parquet` wrote."""
+    import pyarrow.parquet as pq
+
+    return pq.read_table(path, columns=[TEXT_FIELD]).column(TEXT_FIELD)[0].as_py()
+
+
 def token_windows(ids: list[int], rows: int, length: int, name: str) -> list[list[int]]:
     """`rows` non-overlapping windows of `length` tokens, spread evenly from the start to the end of `ids`."""
     check_length(ids, rows, length, name)

@@ -14,7 +14,8 @@ sha256 of a file, and the keys that decide when a job or a measurement is the sa
                       one (its evaluation windows and text may differ) instead of converting again
     files sha         sha256 of a quant's file table (every file's name, sha256 and size) but its card and
                       manifest: what a registry entry `name:tag@rev` names, for ever
-    measurement key   hash(source identity, calibration sha256, rows, length, tool version)
+    measurement key   hash(source identity, calibration sha256, rows, length, tool version; the stage when not
+                      EXL2's `measure`; the weights keys of the quants it measures, for a shared unit made from them)
     tokens key        hash(source identity, text sha256, tokenizers version)
     holder            `host:pid` of a process that holds a lease or a claim
 """
@@ -78,12 +79,20 @@ def files_sha(table: dict[str, dict]) -> str:
 
 
 def measurement_key(
-    source_identity: str, calibration_sha: str, rows: int, length: int, tool_version: str, stage: str = "measure"
+    source_identity: str,
+    calibration_sha: str,
+    rows: int,
+    length: int,
+    tool_version: str,
+    stage: str = "measure",
+    inputs: list[str] | None = None,
 ) -> str:
     """An engine's shared unit (engines.Shared). EXL2's `measure` keys predate stages and are kept as they were, so
-    its measurements stay reusable; every other stage is hashed in."""
+    its measurements stay reusable; every other stage is hashed in, and so are `inputs`, the weights keys of the
+    quants a unit reads (EXL3's per-tensor measurement reads the uniform quants it measures)."""
+    stage_part = [stage] if stage != "measure" else []
     return digest(
-        [source_identity, calibration_sha, rows, length, tool_version, *([stage] if stage != "measure" else [])]
+        [source_identity, calibration_sha, rows, length, tool_version, *stage_part, *([inputs] if inputs else [])]
     )
 
 

@@ -214,8 +214,10 @@ def rank(
 
 def _not_made(engine, model: Model, scored: list, made: set[str], sized) -> list[Ranked]:
     """The sizes `engine` could make of the model that are not published (`made`): expected from its measured curve
-    where one covers them, else unscored."""
-    curve = sorted({row.bits: kld for row, kld, *_ in scored if row.method == engine.name and kld and kld > 0}.items())
+    where one covers them, else unscored. A quant made to beat another (Engine.rival: EXL3's optimized size) is off
+    the curve: it is ranked as measured, and no size is read off it."""
+    scored = [s for s in scored if s[0].method == engine.name and engine.rival(s[0].spec) is None]
+    curve = sorted({row.bits: kld for row, kld, *_ in scored if kld and kld > 0}.items())
     rows = []
     for spec in engine.memory.sizes():
         try:

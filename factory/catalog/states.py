@@ -42,7 +42,8 @@ class StepState(enum.StrEnum):
     reused = "reused"  # done without its work: what an earlier job made or published is used (its note says which)
 
 
-DONE_STEPS = frozenset({StepState.succeeded, StepState.reused})  # a step that needs no running again
+# a step that needs no running again (skipped: the publish of a quant the gate did not keep, factory/jobs/rivals.py)
+DONE_STEPS = frozenset({StepState.succeeded, StepState.reused, StepState.skipped})
 
 
 def now() -> datetime:

@@ -24,7 +24,7 @@ from factory.errors import ServiceUnavailable, database_error, mask_url
 from factory.settings import DEVICE_QUEUES, POSTGRES_URL, WORKER_BEAT_SECONDS, WORKERS_KEY, database_kind
 
 # states.DONE_STEPS and StepState.reused as strings: importing factory.catalog imports SQLAlchemy
-DONE, REUSED = frozenset({"succeeded", "reused"}), "reused"
+DONE, REUSED = frozenset({"succeeded", "reused", "skipped"}), "reused"
 _JOBS = (
     "SELECT id, name, state, error, exit_code, source, source_identity, specs, created_at, worker, lease_until, "
     "attempts, expected_end, device FROM jobs"
@@ -122,8 +122,8 @@ def latest_steps(steps: list[dict]) -> list[dict]:
 
 def summary(steps: list[dict]) -> dict:
     """How far a job is, as every view says it: its steps each counted once (their latest records), how many of
-    them are done (succeeded, or reused from an earlier job), the ones running, and the seconds they took (reused
-    steps took none)."""
+    them are done (succeeded, reused from an earlier job, or skipped), the ones running, and the seconds they took
+    (reused and skipped steps took none)."""
     latest = latest_steps(steps)
     return {
         "done": sum(s["state"] in DONE for s in latest),

@@ -95,6 +95,12 @@ class Steps:
                 )
             )
 
+    def skipped(self, job_id: str) -> set[str]:
+        """The names of the job's steps recorded as skipped (`skip`: a quant the gate did not keep, its publish)."""
+        with self.db.session() as s:
+            rows = s.scalars(select(Step.name).where(Step.job_id == job_id, Step.state == StepState.skipped))
+            return set(rows)
+
     def done(self, job_id: str) -> set[str]:
         with self.db.session() as s:
             rows = s.scalars(select(Step.name).where(Step.job_id == job_id, Step.state.in_(DONE_STEPS)))

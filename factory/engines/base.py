@@ -97,6 +97,7 @@ class QuantizeRequest:
     calibration: list[list[int]] = field(default_factory=list)  # token windows, for engines that take tokens
     calibration_file: Path | None = None  # the calibration text as parquet ("text"), for engines that tokenize
     measurements: dict[str, Path] = field(default_factory=dict)  # stage -> file of each of the engine's Shared units
+    quants: dict[str, Path] = field(default_factory=dict)  # tag -> folder of each quant it is made from (made_from)
     model: str = "model"  # the source's name as its owner wrote it (`SmolLM2-135M-Instruct`), for file names
 
 
@@ -373,6 +374,19 @@ class Engine:
         leaves the calibration out (GGUF's 16-bit conversion serves every calibration)."""
         return 0, 0
 
+    def made_from(self, spec: QuantSpec) -> list[QuantSpec]:
+        """The job's other quants `spec` is made from, in the order its tool takes them (EXL3's optimized size: the
+        uniform sizes around it, lowest first): its targets make them too, its shared units and its quantize unit
+        wait for them and read their folders (`earlier`, `request.quants`), and its shared units' keys hold their
+        weights keys."""
+        return []
+
+    def rival(self, spec: QuantSpec) -> QuantSpec | None:
+        """The job's quant `spec` is kept only where it beats: a lower KL divergence from FP16 in no more tensor
+        bytes (the gate drops it otherwise, and its publish step is skipped with both numbers); such a quant is off
+        its format's size curve in the ranking. EXL3's optimized size: the uniform size of its bpw."""
+        return None
+
     def measure(
         self,
         stage: str,
@@ -385,7 +399,8 @@ class Engine:
         earlier: dict[str, Path],
         emit: Emit,
     ) -> None:
-        """Make the shared unit `stage` into `out` (`earlier`: the files of the stages listed before it)."""
+        """Make the shared unit `stage` into `out` (`earlier`: the files of the stages listed before it, by stage, then
+        the folders of the quants its spec is made from, by tag: made_from)."""
         raise NotImplementedError
 
     def quantize(self, request: QuantizeRequest, emit: Emit) -> None:

@@ -78,13 +78,18 @@ def help(run: Run, job_id: str) -> None:
         made = {stage: _known_measurement(run, key) for stage, key in keys[unit.spec.tag].items()}
         return None if None in made.values() else made
 
+    def inputs(unit: Unit) -> dict[str, Path] | None:
+        """The folders of the quants it is made from, once every one is made."""
+        made = {s.tag: quantized(run, job, s) for s in engines.get(unit.spec.method).made_from(unit.spec)}
+        return None if None in made.values() else made
+
     def work(unit: Unit) -> None:
-        quantize(run, job, prepared, unit.spec, known(unit) or {}, helping=True)
+        quantize(run, job, prepared, unit.spec, known(unit) or {}, inputs(unit) or {}, helping=True)
 
     try:
         while run.catalog.jobs.get(job_id).state == JobState.running:
             left = [u for u in units if quantized(run, job, u.spec) is None and not held_elsewhere(run, job, u)]
-            ready = [u for u in left if known(u) is not None]
+            ready = [u for u in left if known(u) is not None and inputs(u) is not None]
             if not left:
                 return
             if ready:
@@ -141,11 +146,18 @@ def _reused(run: Run, job: Job, spec: QuantSpec) -> Path | None:
 
 
 def quantize(
-    run: Run, job: Job, prepared: Prepared, spec: QuantSpec, measurements: dict[str, Path], helping: bool = False
+    run: Run,
+    job: Job,
+    prepared: Prepared,
+    spec: QuantSpec,
+    measurements: dict[str, Path],
+    quants: dict[str, Path],
+    helping: bool = False,
 ) -> Path | None:
-    """The quant of `spec`, made here under the claim `unit:<job>:quantize:<tag>` unless it is made already.
-    While another process holds the claim (a worker helping with the job), the job waits for its quant and
-    makes it itself once the claim runs out; a helper (`helping`) leaves it and returns None."""
+    """The quant of `spec`, made here under the claim `unit:<job>:quantize:<tag>` unless it is made already
+    (`quants`: the folders of the quants it is made from, by tag). While another process holds the claim (a worker
+    helping with the job), the job waits for its quant and makes it itself once the claim runs out; a helper
+    (`helping`) leaves it and returns None."""
     if not helping and (reused := _reused(run, job, spec)) is not None:
         return reused
     claim = unit_claim(job.id, f"quantize:{spec.tag}")
@@ -161,7 +173,7 @@ def quantize(
                 if token > 1:  # taken over: the step its last holder left running is not running
                     run.catalog.steps.interrupt(job.id, run.token, f"quantize:{spec.tag}")
                 with _renewed(run, claim, token, stop_when_lost=True):
-                    _make_quant(run, job, prepared, spec, measurements, (claim, token), helping)
+                    _make_quant(run, job, prepared, spec, measurements, quants, (claim, token), helping)
         finally:
             run.catalog.leases.release_claim(claim, token)
     return out
@@ -173,6 +185,7 @@ def _make_quant(
     prepared: Prepared,
     spec: QuantSpec,
     measurements: dict[str, Path],
+    quants: dict[str, Path],
     claim: tuple[str, int],
     helping: bool,
 ) -> None:
@@ -206,6 +219,7 @@ def _make_quant(
             calibration=prepared.calibration.get(spec.tag, []),
             calibration_file=prepared.calibration_file,
             measurements=measurements,
+            quants=quants,
             model=Path(job.source.split("@")[0].rstrip("/")).name or job.name,
         )
         engine.quantize(request, lambda event: progress(**event))
@@ -232,14 +246,16 @@ def held_elsewhere(run: Run, job: Job, unit: Unit) -> bool:
 
 
 def measurement_keys(job: Job, spec: QuantSpec) -> dict[str, str]:
-    """{stage: key} of the spec's engine's shared units, in its order (none for an engine without them)."""
+    """{stage: key} of the spec's engine's shared units, in its order (none for an engine without them); a unit
+    made from the job's other quants (Engine.made_from) is keyed by their weights too."""
     engine = engines.get(spec.method)
+    inputs = [publishing.weights_key(job, s) for s in engine.made_from(spec)]
     keys = {}
     for shared in engine.shared_units(spec):
         rows, length = engine.measurement_settings(spec, shared.stage)
         calibration = job.calibration_sha if rows else ""
         keys[shared.stage] = identity.measurement_key(
-            job.source_identity, calibration, rows, length, engine.version(), shared.stage
+            job.source_identity, calibration, rows, length, engine.version(), shared.stage, inputs
         )
     return keys
 

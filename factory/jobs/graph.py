@@ -1,8 +1,9 @@
 """The units of a job after its inspect step, and what each needs first. A unit's name is the catalog's step name.
 
     <stage>:<key>          an engine's shared units (engines.Shared: EXL2's `measure`, GGUF's `convert` then
-                           `imatrix`), once per key, each after the stage before it
-    quantize:<tag>         after its engine's shared units, if it has any
+                           `imatrix`, EXL3's `measure-kld`), once per key, each after the stage before it and after
+                           the quants its spec is made from (Engine.made_from: EXL3's optimized size's uniform ones)
+    quantize:<tag>         after its engine's shared units, if it has any, and the quants it is made from
     evaluate:fp16          once per job (reused across jobs by the catalog's baseline and its KL reference)
     evaluate:<tag>         after quantize:<tag> and evaluate:fp16 (its KL divergence reads FP16's reference)
     evaluate:<tag>:<group> the engine's other scores (a quantized KV cache's), after quantize:<tag>
@@ -45,12 +46,13 @@ def units(specs: list[QuantSpec], measurement_keys: dict[str, dict[str, str]], p
         made.setdefault(unit.name, unit)
 
     for spec in specs:
+        inputs = [f"quantize:{s.tag}" for s in engines.get(spec.method).made_from(spec)]
         shared: list[str] = []
         for stage, key in measurement_keys.get(spec.tag, {}).items():
             name = f"{stage}:{key[:12]}"
-            add(Unit(name, "measure", frozenset(shared[-1:]), spec, measurement=key))
+            add(Unit(name, "measure", frozenset([*shared[-1:], *inputs]), spec, measurement=key))
             shared.append(name)
-        add(Unit(f"quantize:{spec.tag}", "quantize", frozenset(shared), spec))
+        add(Unit(f"quantize:{spec.tag}", "quantize", frozenset([*shared, *inputs]), spec))
     add(Unit("evaluate:fp16", "evaluate"))
     for spec in specs:
         add(Unit(f"evaluate:{spec.tag}", "evaluate", frozenset({f"quantize:{spec.tag}", "evaluate:fp16"}), spec))

@@ -177,6 +177,7 @@ def projection(costs: Costs, source: str, recipe: Recipe, vram: int, info) -> tu
         calibration_sha=cal.sha256,
         eval_windows=recipe.eval_windows or evaluate.default_windows("cuda"),
         device="cuda",
+        versions={},  # the keys of units made from other quants hash their weights keys (Engine.made_from)
     )
     keys = {s.tag: measurement_keys(job, s) for s in specs}
     units = graph.units(specs, keys, True, False)

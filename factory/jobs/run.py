@@ -18,12 +18,12 @@ import shutil
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from factory import events, tables
+from factory import engines, events, tables
 from factory.catalog import Job, JobState
 from factory.engines import QuantSpec
 from factory.errors import Cancelled, FactoryError, JobFailed, LeaseLost, QualityGateRefused, QuantRemoved, mask_url
 from factory.evaluation import kld
-from factory.jobs import conversions, eta, evaluations, graph, packing
+from factory.jobs import conversions, eta, evaluations, graph, packing, rivals
 from factory.jobs.context import Run
 from factory.jobs.costs import Sized
 from factory.jobs.graph import Unit
@@ -46,6 +46,7 @@ class _Made:
     divergences: dict[str, kld.Divergence | None] = field(default_factory=dict)  # tag -> from FP16
     extra: dict[str, dict[str, dict]] = field(default_factory=dict)  # tag -> group -> {key: ppl}
     refused: dict[str, QualityGateRefused] = field(default_factory=dict)
+    dropped: dict[str, str] = field(default_factory=dict)  # tag -> why the gate did not keep it (rivals.py)
 
 
 def execute(run: Run, job_id: str, publish: bool) -> Job:
@@ -145,6 +146,7 @@ def _published_all(run: Run, job_id: str) -> bool:
         tags = {s.tag for s in job.specs}
     except ValueError:  # specs not resolved yet: nothing was published
         return False
+    tags -= {name.removeprefix("publish:") for name in run.catalog.steps.skipped(job_id)}  # the gate dropped them
     done = run.catalog.steps.done(job_id)
     published = {q.tag for q in run.catalog.quants.live(job_id=job_id)}
     return (
@@ -161,12 +163,14 @@ def _unit(run: Run, job: Job, prepared: Prepared, unit: Unit, made: _Made) -> No
             for s in prepared.specs
             if unit.measurement in conversions.measurement_keys(job, s).values()
         ):
-            earlier = _shared_files(unit, made)
+            earlier = _shared_files(unit, made) | _made_from(spec, made)
             made.measurements[unit.name] = conversions.measure(
                 run, job, prepared, spec, unit.stage, unit.measurement, earlier
             )
     elif unit.kind == "quantize":
-        made.outputs[spec.tag] = conversions.quantize(run, job, prepared, spec, _shared_files(unit, made))
+        made.outputs[spec.tag] = conversions.quantize(
+            run, job, prepared, spec, _shared_files(unit, made), _made_from(spec, made)
+        )
     elif unit.kind == "evaluate" and spec is None:
         made.fp16 = evaluations.evaluate_fp16(run, job, prepared.folder, prepared.stream)
     elif unit.kind == "evaluate" and unit.group is None:
@@ -179,6 +183,14 @@ def _unit(run: Run, job: Job, prepared: Prepared, unit: Unit, made: _Made) -> No
         made.extra.setdefault(spec.tag, {})[unit.group] = scores
     elif unit.kind == "gate":
         made.refused = _gate(run, job, made.ppls, made.fp16, made.divergences)
+        for decision in rivals.decide(run.catalog, job.id, prepared.specs, made.outputs):
+            run.note(f"gate: {decision}")
+            if not decision.kept:  # not published, and so not a reason to fail the job either
+                made.dropped[decision.tag] = str(decision)
+                made.refused.pop(decision.tag, None)
+    elif unit.kind == "publish" and spec.tag in made.dropped:
+        if f"publish:{spec.tag}" not in run.catalog.steps.skipped(job.id):
+            run.catalog.steps.skip(job.id, f"publish:{spec.tag}", made.dropped[spec.tag], run.token)
     elif unit.kind == "publish" and spec.tag not in made.refused:
         scores = publishing.Scores(
             made.ppls[spec.tag],
@@ -189,13 +201,18 @@ def _unit(run: Run, job: Job, prepared: Prepared, unit: Unit, made: _Made) -> No
             prepared.stream.window_length,
         )
         _publish(run, job, prepared, spec, made.outputs[spec.tag], scores)
-    elif unit.kind == "push" and spec.tag not in made.refused:
+    elif unit.kind == "push" and spec.tag not in made.refused and spec.tag not in made.dropped:
         _push(run, job, prepared, spec)
 
 
 def _shared_files(unit: Unit, made: _Made) -> dict[str, Path]:
     """{stage: file} of the shared units `unit` needs that this attempt made (a quant made already needs none)."""
     return {name.partition(":")[0]: made.measurements[name] for name in unit.needs if name in made.measurements}
+
+
+def _made_from(spec: QuantSpec, made: _Made) -> dict[str, Path]:
+    """{tag: folder} of the quants `spec` is made from (Engine.made_from), in its engine's order."""
+    return {s.tag: made.outputs[s.tag] for s in engines.get(spec.method).made_from(spec)}
 
 
 def _expect(

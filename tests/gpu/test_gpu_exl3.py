@@ -2,8 +2,9 @@
 
 Gemma-3-270M (tests/support/gemma.py, from the GGUF parts in $QF_GEMMA_PARTS) at 2.0-6.0 bpw in one job on the same 48
 windows as its FP16; FP16 through exllamav3 against transformers; a tiny random Llama end to end (convert, score
-through the quantized cache, publish, pull), a tiny Gemma 3 vision-language checkpoint given an image after, and a
-conversion killed and resumed. Results: $QF_GPU_RESULTS.
+through the quantized cache, publish, pull), and at 4.0 with its bits chosen per tensor (exllamav3's measure and
+optimize), a tiny Gemma 3 vision-language checkpoint given an image after, and a conversion killed and resumed.
+Results: $QF_GPU_RESULTS.
 """
 
 from __future__ import annotations
@@ -21,8 +22,11 @@ import pytest
 import torch
 
 import calibration
+from benchmarks import exl3_opt
 from factory import engines
 from factory.checkpoints.inspection import VISION_PART
+from factory.engines.exl3 import optimize
+from factory.engines.exl3.engine import write_calibration
 from factory.evaluation import evaluate
 from tests.support import ROOT
 from tests.support.exl3_image import first_token
@@ -72,6 +76,51 @@ def test_exl3_end_to_end_on_a_tiny_llama(tiny_llama, tmp_path):
     log = next((tmp_path / "home" / "work").rglob("engine.log"), None)  # removed after success: the job is done
     assert log is None
     save()
+
+
+def test_exl3_bits_chosen_per_tensor_on_a_tiny_llama(tiny_llama, tmp_path):
+    """`--exl3 4.0opt` on CUDA (issue 49, item 4): exllamav3's measure of the uniform 3.0, 4.0 and 5.0 (made first, in
+    the same job) against the FP16 model, its optimize to the uniform 4.0's bits, both scored on the same windows, and
+    the gate's decision the rule's (factory/jobs/rivals.py): kept only where its KLD is lower in no more bytes."""
+    qf = Qf(home=tmp_path / "home")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("exl3: {opt: [4.0]}\nmax_ppl_ratio: 3.0\n")
+    events = run_events(qf("run", tiny_llama, "--recipe", recipe, "--eval-windows", "2", "--json"))
+    rows("tiny-llama", events)
+    made_from = ["exl3-3.0bpw", "exl3-4.0bpw", "exl3-5.0bpw"]
+    found = exl3_opt.summarize(events, "exl3-4.0bpw", "exl3-4.0bpw-opt", made_from)
+    RESULTS["checks"]["exl3_opt_tiny"] = found
+    save()
+    at = {(e["step"], e["state"]): i for i, e in enumerate(events) if e["event"] == "step"}
+    [measure] = [m["step"] for m in found["measurements"]]
+    assert all(at[f"quantize:{t}", "succeeded"] < at[measure, "running"] for t in made_from)  # each made before it
+    assert at[measure, "succeeded"] < at["quantize:exl3-4.0bpw-opt", "running"]
+    [measurement] = (tmp_path / "home" / "measurements").glob("*.json")  # kept for any later job with these inputs
+    measured = optimize.check_measurement(measurement, 3, tmp_path / "engine.log")
+    assert len(measured["groups"]) == 2 * 4  # level 2: a layer's attention and its MLP, 4 layers
+    opt, uniform = found["optimized"], found["uniform"]
+    assert opt["tensor_bytes"] <= uniform["tensor_bytes"]  # optimized to the uniform size's own bits
+    assert found["kept"] == (opt["kld"] < uniform["kld"])
+    published = {q["name"] for q in events[-1]["quants"]}
+    assert {f"tiny-llama:{t}" for t in made_from} <= published
+    assert ("tiny-llama:exl3-4.0bpw-opt" in published) == found["kept"]
+    # The measurement once more from the published quants, its transcript kept beside the results (a job's is removed
+    # with its work folder): tests/fixtures/exl3_measure_tiny.log's real counterpart, read by the engine's parser.
+    inputs = [tmp_path / "pulled" / tag for tag in made_from]
+    for tag, folder in zip(made_from, inputs, strict=True):
+        assert qf("pull", f"tiny-llama:{tag}", "-o", folder).exit_code == 0
+    ids = evaluate.tokenize(tiny_llama, calibration.resolve("builtin:mix").text)
+    cal = write_calibration(calibration.token_windows(ids, 10, 1024, "builtin:mix"), tmp_path / "cal.safetensors")
+    seen: list[dict] = []
+    work = tmp_path / "measured-again"
+    optimize.measure(tiny_llama, inputs, cal, 10, 1024, work, tmp_path / "again.json", seen.append)
+    transcript = (work / "engine.log").read_text()
+    results = Path(os.environ.get("QF_GPU_RESULTS", ROOT / "benchmarks" / "results" / "gpu_suite.json"))
+    results.with_name("exl3_measure_tiny.log").write_text(transcript)
+    modules = [e["module"] for e in seen if "module" in e]
+    assert modules[:2] == ["model.embed_tokens", "model.layers.0"] and modules[-1] == "lm_head"
+    done = [e for e in seen if "done" in e]
+    assert done[-1]["done"] == done[-1]["total"] and any(e.get("peak_gpu_bytes") for e in seen)
 
 
 def test_a_vision_language_exl3_quant_keeps_its_tower_and_takes_an_image(tmp_path):

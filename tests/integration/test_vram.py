@@ -138,7 +138,7 @@ def test_plan_on_the_cli(qf, tiny):
     assert {r["kind"] for r in plans["ranking"]["rows"]} == {"unscored"}
     assert plans["awqct"]["fp16"] == plans["awq"]["fp16"]  # both are vLLM serving w4 groups
     assert [r["bpw"] for r in plans["exl3"]["rows"]] == [x / 2 for x in range(2, 17)]
-    assert plans["exl3"]["best_bpw"] == 8.0 and set(plans["exl3"]["expected_seconds"]) == {"quantize"}
+    assert plans["exl3"]["best_bpw"] == 8.0 and set(plans["exl3"]["expected_seconds"]) == {"measure-kld", "quantize"}
     result = plans["exl2"]
     assert [r["bpw"] for r in result["rows"]] == [x / 2 for x in range(4, 17)]
     assert result["best_bpw"] == 8.0 and all(r["fits"] for r in result["rows"])

@@ -6,6 +6,8 @@ It rounds every FP16 weight's mantissa to N bits (round-to-nearest, `torch.frexp
 quantization_config is set aside; a conversion takes at least $QF_TEST_ROUND_SECONDS (0), for tests that need one to
 be running, and the one to $QF_TEST_ROUND_FAILS mantissa bits fails after its first tensor. Tags: `round-m<N>`;
 recipe key `round: {mantissa: [3, 5]}`. Workers take it with FACTORY_ENGINES=tests.support.round_engine:ENGINE.
+Two variants beside it: MEASURED (a measurement every size shares, as EXL2's) and MIXED (a size made from the job's
+other sizes and kept only where it beats one of them, as EXL3's optimized size).
 """
 
 from __future__ import annotations
@@ -161,6 +163,91 @@ class MeasuredRoundEngine(RoundEngine):
 
 
 MEASURED = MeasuredRoundEngine()
+
+
+class MixSpec(RoundSpec):
+    method: Literal["xround"] = "xround"  # type: ignore[assignment]
+    mix: bool = False
+
+    @property
+    def tag(self) -> str:
+        return f"xround-m{self.mantissa}" + ("-mix" if self.mix else "")
+
+
+class MixTargets(Targets):
+    mantissa: list[int] = Field(default_factory=list)
+    mix: list[int] = Field(default_factory=list)
+
+    def specs(self) -> list[MixSpec]:
+        uniform = sorted({*self.mantissa, *(m + d for m in self.mix for d in (-1, 0, 1))})
+        return [MixSpec(mantissa=m) for m in uniform] + [MixSpec(mantissa=m, mix=True) for m in sorted(set(self.mix))]
+
+
+class MixCard(RoundCard):
+    hub_repo = "{owner}/{model}-xround"
+
+
+class MixedRoundEngine(RoundEngine):
+    """The round engine with a mixed size (`xround: {mix: [4]}`, tag `xround-m4-mix`) made from the job's sizes a
+    mantissa bit below, at and above it (Engine.made_from), as EXL3's optimized size is made from its uniform ones:
+    its measurement (a shared unit) reads those quants' folders and lists them, and its quant is the one above when
+    its mantissa is in $QF_TEST_MIX_ABOVE (comma-separated), else the one below. The gate keeps it only where it beats
+    the size of its own mantissa (Engine.rival): the one above does (a lower KLD in as many bytes), the one below
+    does not."""
+
+    name = "xround"
+    label = "XROUND"
+    spec = MixSpec
+    targets = MixTargets
+    tag_pattern = r"xround-m\d+(-mix)?"
+    tag_example = "xround-m3"
+    Card = MixCard
+    shared = (Shared("mixmeasure", "mix measurement", ".json"),)
+
+    def shared_units(self, spec: MixSpec) -> tuple[Shared, ...]:
+        return self.shared if spec.mix else ()
+
+    def made_from(self, spec: MixSpec) -> list[MixSpec]:
+        return [MixSpec(mantissa=spec.mantissa + d) for d in (-1, 0, 1)] if spec.mix else []
+
+    def rival(self, spec: MixSpec) -> MixSpec | None:
+        return MixSpec(mantissa=spec.mantissa) if spec.mix else None
+
+    def measurement_settings(self, spec, stage: str) -> tuple[int, int]:
+        return 2, 16
+
+    def measure(
+        self,
+        stage,
+        source_dir: Path,
+        calibration_file: Path,
+        rows: int,
+        length: int,
+        work_dir: Path,
+        measurement: Path,
+        earlier,
+        emit,
+        processes: int = 1,
+    ) -> None:
+        missing = [tag for tag, folder in earlier.items() if not (folder / "model.safetensors").is_file()]
+        if missing:
+            raise AssertionError(f"measured before its inputs were made: {missing}")
+        measurement.write_text(json.dumps({"inputs": list(earlier)}))
+
+    def quantize(self, request: QuantizeRequest, emit) -> None:
+        spec = request.spec
+        if not spec.mix:
+            return super().quantize(request, emit)
+        measured = json.loads(request.measurements["mixmeasure"].read_text())["inputs"]
+        if measured != list(request.quants) or measured != [s.tag for s in self.made_from(spec)]:
+            raise AssertionError(f"{spec.tag} measured {measured}, given {list(request.quants)}")
+        above = str(spec.mantissa) in os.environ.get("QF_TEST_MIX_ABOVE", "").split(",")
+        shutil.rmtree(request.out_dir, ignore_errors=True)
+        shutil.copytree(request.quants[measured[2 if above else 0]], request.out_dir)
+        check_quant_folder(request.out_dir, "model.safetensors", {"quant_method": "round"}, "the mixed round engine")
+
+
+MIXED = MixedRoundEngine()
 
 
 def main() -> None:

@@ -214,6 +214,7 @@ FUNCTION_IMPORTS = {
             ("factory.engines.exl2.evaluate", "exllamav2"),
             ("factory.engines.exl2.ranges", "exllamav2"),
             ("factory.engines.exl3.compat", "exllamav3"),
+            ("factory.engines.exl3.optimize", "exllamav3"),
             ("factory.engines.exl3.evaluate", "exllamav3"),
         ],
         _CUDA,

@@ -20,6 +20,8 @@ What we add, and why (facts of exllamav3 1.6.5):
   the towers it has validated (Qwen3-VL's, GLM-4V's) to 6 bits;
 - exllamav3 pads every dimension to a multiple of 128 and its gated MLP does not crop the padding of its output:
   a hidden size that is not a multiple of 128 fails at layer 0 (SmolLM2-135M: 576), so `refuse` says so at submit.
+An optimized size (`--exl3 4.0opt`, tag `exl3-4.0bpw-opt`: bits chosen per tensor by exllamav3's measure and
+optimize, from the uniform sizes the job makes around it) is optimize.py's.
 exllamav3 is never imported here: importing it builds its CUDA extension.
 """
 
@@ -32,14 +34,26 @@ import shutil
 import sys
 from pathlib import Path
 
+import calibration
 from factory.checkpoints.inspection import read_config, read_header
 from factory.engines import child
-from factory.engines.base import Engine, Evaluation, Flag, QuantizeRequest, check_quant_folder
-from factory.engines.exl3 import evaluate
+from factory.engines.base import Engine, Evaluation, Flag, QuantizeRequest, Shared, check_quant_folder
+from factory.engines.exl3 import evaluate, optimize
 from factory.engines.exl3.card import Exl3Card
 from factory.engines.exl3.memory import Exl3Memory
-from factory.engines.exl3.spec import MIN_ROWS, ROWS, Exl3Spec, Exl3Targets, targets_from_flag
+from factory.engines.exl3.spec import (
+    MEASURE_KLD,
+    MEASURE_LENGTH,
+    MEASURE_ROWS,
+    MIN_ROWS,
+    ROWS,
+    Exl3Spec,
+    Exl3Targets,
+    sources,
+    targets_from_flag,
+)
 from factory.errors import JobFailed, SpecError
+from factory.evaluation.evaluate import tokenize
 from factory.vram import Params, Shape, human, tensor_bytes
 
 SCRIPT = "exllamav3.conversion.convert_model"
@@ -119,11 +133,16 @@ class Exl3Engine(Engine):
     label = "EXL3"
     spec = Exl3Spec
     targets = Exl3Targets
-    flag = Flag("EXL3 targets, e.g. 3.0,4.0,5.0 (exllamav3; needs CUDA).", takes_value=True)
-    tag_pattern = r"exl3-\d+\.\d+bpw(-h(1|2|3|4|5|7|8|16))?"
+    flag = Flag(
+        "EXL3 targets, e.g. 3.0,4.0,5.0 (exllamav3; needs CUDA); 4.0opt: 4.0's size with its bits chosen per tensor "
+        "by KL divergence (made from 3.0, 4.0, 5.0; kept where it beats 4.0).",
+        takes_value=True,
+    )
+    tag_pattern = r"exl3-\d+\.\d+bpw(-h(1|2|3|4|5|7|8|16))?(-opt)?"
     tag_example = "exl3-4.0bpw"
     architectures = ARCHITECTURES
     requires_cuda = True
+    shared = (Shared(MEASURE_KLD, "per-tensor KL divergence measurement (for a size with opt)", ".json"),)
     default_calibration = "builtin:mix"  # no wiki: that is the default eval text
     outputs = ("model*.safetensors", "model.safetensors.index.json", "quantization_config.json")
     evaluator = "exllamav3"
@@ -158,13 +177,72 @@ class Exl3Engine(Engine):
             return spec
         return spec.model_copy(update={"rows": max(MIN_ROWS, min(ROWS, tokens // spec.length))})
 
-    def calibration_windows(self, spec: Exl3Spec) -> tuple[int, int]:
-        return spec.rows or ROWS, spec.length
+    def calibration_windows(self, spec: Exl3Spec) -> tuple[int, int] | None:
+        return None if spec.opt else (spec.rows or ROWS, spec.length)  # an optimized size converts nothing itself
+
+    def calibration_lengths(self, spec: Exl3Spec) -> list[tuple[int, int]]:
+        return [(MEASURE_ROWS, MEASURE_LENGTH)] if spec.opt else [self.calibration_windows(spec)]
 
     def describe_calibration(self, spec: Exl3Spec, text: str) -> str:
+        if spec.opt:
+            made = ", ".join(s.tag for s in self.made_from(spec))
+            return (
+                f"{text}, {spec.rows} x {spec.length} tokens; bits chosen per tensor from {made} by KL divergence "
+                f"on {MEASURE_ROWS} x {MEASURE_LENGTH} tokens"
+            )
         return f"{text}, {spec.rows} x {spec.length} tokens"
 
+    # an optimized size (spec.opt): its shared measurement and its quant, from the uniform sizes around it --------
+    def shared_units(self, spec: Exl3Spec) -> tuple[Shared, ...]:
+        return self.shared if spec.opt else ()
+
+    def made_from(self, spec: Exl3Spec) -> list[Exl3Spec]:
+        return [spec.uniform(b) for b in sources(spec.bpw)] if spec.opt else []
+
+    def rival(self, spec: Exl3Spec) -> Exl3Spec | None:
+        return spec.uniform() if spec.opt else None
+
+    def measurement_settings(self, spec: Exl3Spec, stage: str) -> tuple[int, int]:
+        return MEASURE_ROWS, MEASURE_LENGTH
+
+    def measure(
+        self,
+        stage: str,
+        source_dir: Path,
+        calibration_file: Path,
+        rows: int,
+        length: int,
+        work_dir: Path,
+        out: Path,
+        earlier: dict[str, Path],
+        emit,
+        processes: int = 1,
+    ) -> None:
+        """exllamav3's measurement of the uniform quants an optimized size is made from (`earlier`, by tag, lowest
+        bits first) on `rows` x `length` tokens of the job's calibration text."""
+        shutil.rmtree(work_dir, ignore_errors=True)  # a measurement killed midway starts over
+        work_dir.mkdir(parents=True)
+        ids = tokenize(source_dir, calibration.read_parquet(calibration_file))
+        cal = write_calibration(
+            calibration.token_windows(ids, rows, length, "the calibration text"), work_dir / "calibration.safetensors"
+        )
+        optimize.measure(source_dir, list(earlier.values()), cal, rows, length, work_dir, out, emit)
+        shutil.rmtree(work_dir, ignore_errors=True)
+
+    def _optimize(self, request: QuantizeRequest, emit) -> None:
+        """The optimized quant, assembled from the uniform ones (`request.quants`) at the size of the one of its own
+        bpw (the bits measure recorded for it), then checked as a quant between the lowest of them and that."""
+        spec, log = request.spec, request.work_dir / child.LOG_NAME
+        measurement, inputs = request.measurements[MEASURE_KLD], list(request.quants.values())
+        same = list(request.quants).index(spec.uniform().tag)
+        bits = optimize.measured_bits(measurement, same)
+        optimize.optimize(measurement, inputs, bits, request.out_dir, log, emit)
+        low = min(s.bpw for s in self.made_from(spec))
+        check_output(request.out_dir, spec, log, request.source_dir, bits=(low, bits))
+
     def quantize(self, request: QuantizeRequest, emit) -> None:
+        if request.spec.opt:
+            return self._optimize(request, emit)
         spec, work, log = request.spec, request.work_dir / "convert", request.work_dir / child.LOG_NAME
         shutil.rmtree(request.out_dir, ignore_errors=True)
         resume = _resume_or_wipe(work)
@@ -214,27 +292,39 @@ MIN_LAYER_SHARE = 0.9  # of the layers' linear weights at the bits asked; what e
 BITS_OVER = 0.25  # what exllamav3 may add to the bits asked for: its layers' sign vectors and scales
 
 
-def check_output(out_dir: Path, spec: Exl3Spec, log: Path, source_dir: Path | None = None) -> None:
+def check_output(
+    out_dir: Path,
+    spec: Exl3Spec,
+    log: Path,
+    source_dir: Path | None = None,
+    bits: tuple[float, float] | None = None,
+) -> None:
     """exllamav3 writes the bits it reached beside the head bits asked for: a little over the bits asked, for the
-    layers' sign vectors and scales (4.12 at -b 4.0 on a 256-wide test model, tests/fixtures/convert_exl3_tiny.log).
-    With the source, the weights are weighed too: exllamav3 1.6.5 can write a quant without its layers and exit 0
-    (compat.py), so the decoder layers must hold at least MIN_LAYER_SHARE of their linear weights at the bits asked."""
+    layers' sign vectors and scales (4.12 at -b 4.0 on a 256-wide test model, tests/fixtures/convert_exl3_tiny.log);
+    an optimized quant (`bits`: the range it may reach) the storage bits of its layers, from the lowest of its inputs
+    to the budget. With the source, the weights are weighed too: exllamav3 1.6.5 can write a quant without its layers
+    and exit 0 (compat.py), so the decoder layers must hold at least MIN_LAYER_SHARE of their linear weights at the
+    bits asked (the lowest of the range)."""
     check_quant_folder(
         out_dir, "model*.safetensors", {"quant_method": "exl3", "head_bits": spec.head_bits}, "exllamav3", log
     )
-    bits = json.loads((out_dir / "config.json").read_text())["quantization_config"].get("bits")
-    if not isinstance(bits, (int, float)) or not spec.bpw - 0.01 <= bits <= spec.bpw + BITS_OVER:
-        raise JobFailed(f"exllamav3 reached {bits} bits per weight, not the {spec.bpw} asked for; see {log}")
+    if bits is None:
+        low, high, asked = spec.bpw, spec.bpw + BITS_OVER, f"{spec.bpw}"
+    else:
+        low, high, asked = bits[0], bits[1] + 0.01, f"{bits[0]} to {bits[1]:.2f}"  # written rounded to 2 decimals
+    reached = json.loads((out_dir / "config.json").read_text())["quantization_config"].get("bits")
+    if not isinstance(reached, (int, float)) or not low - 0.01 <= reached <= high:
+        raise JobFailed(f"exllamav3 reached {reached} bits per weight, not the {asked} asked for; see {log}")
     if not (out_dir / "quantization_config.json").is_file():
         raise JobFailed(f"exllamav3 did not finish writing {out_dir} (no quantization_config.json); see {log}")
     if source_dir is not None:
         config = read_config(source_dir / "config.json", check_numbers=False)  # staged: links to the source's files
         tensors = {n: i["shape"] for f in sorted(source_dir.glob("*.safetensors")) for n, i in read_header(f).items()}
-        wanted = Params.of(tensors, Shape.of(config)).linear * spec.bpw / 8
+        wanted = Params.of(tensors, Shape.of(config)).linear * low / 8
         got = tensor_bytes(out_dir).get("layers", 0)
         if got < MIN_LAYER_SHARE * wanted:
             raise JobFailed(
-                f"exllamav3 wrote {human(got)} of decoder layers where {spec.bpw} bpw takes about "
+                f"exllamav3 wrote {human(got)} of decoder layers where {low} bpw takes about "
                 f"{human(wanted)}: the quant is incomplete; see {log}"
             )
 

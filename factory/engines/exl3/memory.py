@@ -27,6 +27,7 @@ from pathlib import Path
 
 from factory.checkpoints.inspection import read_header
 from factory.engines.base import Memory, MemoryPlan
+from factory.engines.exl3.spec import MEASURE_KLD
 from factory.vram import HEADROOM, MiB, Params, Shape, best_bpw, human, plan_room, too_small
 
 CONTEXT = 729 * MiB
@@ -162,9 +163,16 @@ def plan(
 class Exl3Memory(Memory):
     """EXL3's part of an engine: the memory model above (`qf plan`), and its units: 156 s at 1.1B on an H200, 90-93 s
     at Gemma-3-270M (its 262k-word head), 30-33 s a layer at the random 8B on an H100 (about 1090 s; 649 s expected
-    at 70 + 80 s a billion)."""
+    at 70 + 80 s a billion).
+    An optimized size's measurement (MEASURE_KLD, not measured yet): exllamav3's measure runs every module of the
+    source and of three quants once, and each group of tensors it tries (two per group at three inputs) through every
+    module after it, on 10 x 1024 tokens, moving each state to the CPU and back: about L x (2 + G x L) layer forwards
+    for L layers of G groups, which at 8B (32 layers, 4 groups) is some 4,000 forwards of 10k tokens, a few minutes
+    on an H200; the guess below is 30 s and 30 s a billion until a sitting measures it. Its quant is an assembly of
+    the measured quants' tensors (seconds), which the ETA predicts as a conversion (it shares quantize:exl3's
+    history)."""
 
-    UNIT_SECONDS = {"quantize": (10.0, 148.0)}
+    UNIT_SECONDS = {"quantize": (10.0, 148.0), MEASURE_KLD: (30.0, 30.0)}
     runtimes = ("exllamav3", "tabbyapi")
 
     def need(self, shape, params, spec, ctx: int, cache: str) -> tuple[int, int]:
@@ -193,5 +201,8 @@ class Exl3Memory(Memory):
         return told
 
     def unit_cores(self, kind: str, device: str) -> int:
-        """exllamav3's conversion keeps about 8 cores busy (on 16 cores two at once took 219 s, one 156 s)."""
-        return 8 if device == "cuda" else super().unit_cores(kind, device)
+        """exllamav3's conversion keeps about 8 cores busy (on 16 cores two at once took 219 s, one 156 s); its
+        measure is one process that feeds the card a module at a time."""
+        if device != "cuda":
+            return super().unit_cores(kind, device)
+        return 1 if kind == MEASURE_KLD else 8
