@@ -47,17 +47,15 @@ def model_copy(tiny, tmp_path):
 
 CATALOG_FIXTURES = {"db_url", "finished"}  # every test that writes or reads a catalog uses one of these
 # The tests where the database itself is under test: concurrent writers and fenced holders (leases, claims, the
-# workers, two runs of one job, publishing fenced by a token), plain SQL (status), the watchlist's and
-# housekeeping's writes, the service's quotas and plain SQL; elsewhere, a test marked `database` (test_safety's runs
-# of one job side by side and after a kill, and the catalog's names). The other catalog tests go through the same
-# SQLAlchemy code and ran on SQLite.
+# workers), plain SQL (status), the service's quotas and plain SQL; elsewhere, a test marked `database`: two runs of
+# one job side by side and after a kill, the catalog's names (test_safety), a measurement another job makes or left
+# when killed (test_packing), a release recorded once however many schedulers look (test_schedule), a quant removed
+# under a job that evaluates it and a publish killed before its row (test_housekeeping). The other catalog tests go
+# through the same SQLAlchemy code and ran on SQLite.
 DATABASE_MODULES = {
     "test_workers",
     "test_leases",
-    "test_packing",
     "test_status",
-    "test_schedule",
-    "test_housekeeping",
     "test_service",
     "test_service_races",
     "test_fleet_cpu",

@@ -12,6 +12,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from factory import tables
 from factory.publish import folder as registry
 from tests.support import ROOT
@@ -130,6 +132,7 @@ def _stop_when_running(qf: Qf, step: str, child: subprocess.Popen, timeout: floa
     raise AssertionError(f"{step} never ran: {child.communicate()}")
 
 
+@pytest.mark.database
 def test_rm_of_a_quant_another_job_evaluates_fails_that_job_in_one_sentence(qf, tiny):
     """A second job of the same weights (another eval length) reuses the published quant and evaluates it from the
     registry; `qf rm` of it meanwhile fails that job in one sentence, not a traceback (issue 43)."""
@@ -157,6 +160,7 @@ def test_rm_of_a_quant_another_job_evaluates_fails_that_job_in_one_sentence(qf, 
     assert qf.json("ls") == []
 
 
+@pytest.mark.database
 def test_a_publish_killed_before_its_row_is_recovered_and_its_folder_collected(qf, model_copy):
     """`qf run` SIGKILLed with its quant's registry folder in place and the folder's row not recorded: once its lease
     runs out, `qf status` shows the job queued again (it stayed `running` for ever: no reconciler runs beside `qf

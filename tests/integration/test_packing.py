@@ -275,6 +275,7 @@ def _when(qf, what, seconds: float = 60):
     raise AssertionError(f"no step came to {what} within {seconds} s: {_steps_of_all_jobs(qf)}")
 
 
+@pytest.mark.database
 def test_a_second_job_waits_for_the_measurement_another_job_is_making(qf, tiny, tmp_path):
     first = _qf_process(qf, tiny, tmp_path, 3)
     _when(qf, lambda s: s["name"].startswith("measure:") and s["state"] == "running")
@@ -289,6 +290,7 @@ def test_a_second_job_waits_for_the_measurement_another_job_is_making(qf, tiny, 
     assert sorted(r["name"] for r in qf.json("ls")) == ["tiny:mround-m3", "tiny:mround-m5"]
 
 
+@pytest.mark.database
 def test_a_waiting_job_makes_the_measurement_when_its_maker_is_killed(qf, tiny, tmp_path):
     short = {"FACTORY_LEASE_SECONDS": "3"}
     first = _qf_process(qf, tiny, tmp_path, 3, **short)

@@ -141,6 +141,7 @@ def _files(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
 
 
+@pytest.mark.database
 def test_new_releases_become_one_job_per_watch_and_only_once(env, hub, tiny):
     first = hub.add_repo("meta/tiny-llama", _files(tiny))
     hub.add_repo("meta/tiny-chat", _files(tiny))
@@ -173,6 +174,7 @@ def test_new_releases_become_one_job_per_watch_and_only_once(env, hub, tiny):
     assert f"meta/tiny-llama@{newer}" in {j["source_identity"] for j in jobs()}
 
 
+@pytest.mark.database
 def test_two_schedulers_still_one_job(env, hub, tiny):
     hub.add_repo("meta/tiny-llama", _files(tiny))
     qf("watch", "add", "meta/tiny-llama", "--awq")
@@ -241,6 +243,7 @@ def test_a_config_the_hub_cannot_serve_now_is_an_error_not_a_skip(env, hub, tiny
     assert errors == [] and [(r.repo, r.problem) for r in releases] == [("meta/tiny-llama", None)]
 
 
+@pytest.mark.database
 def test_gated_and_unsupported_models_are_skipped_once(env, hub, tiny):
     hub.add_repo("meta/tiny-gated", _files(tiny))
     hub.set_gated("meta/tiny-gated")
@@ -261,6 +264,7 @@ def test_gated_and_unsupported_models_are_skipped_once(env, hub, tiny):
     assert sorted(s["repo"] for s in watch["seen"] if s["skipped"]) == ["meta/tiny-bert", "meta/tiny-gated"]
 
 
+@pytest.mark.database
 def test_a_skipped_release_is_quantized_once_an_engine_takes_it(env, hub, tiny, monkeypatch):
     """Skipped because no engine of the watch converted it, the release is looked at again at every check: with a
     factory whose AWQ takes it, the next check submits it, and `qf watch ls` shows the job in the skip's place."""
