@@ -178,6 +178,9 @@ def make_tiny(model_type: str, out: Path, seed: int = 0, hidden: int = HIDDEN) -
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = make_tokenizer(model_type, out)
     config = config_for(model_type, tokenizer.bos_token_id, tokenizer.eos_token_id, hidden)
+    if getattr(config, "text_config", None) is not None:
+        # the sizes above are the top level's: the text model inside would be built at full size (Qwen3.5's: 22 GB)
+        raise ValueError(f"{model_type}'s config nests its language model (text_config): a tiny one is not made here")
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).to(torch.float16)
     model.save_pretrained(out)
