@@ -92,6 +92,9 @@ def sizes(model_type: str, hidden: int = HIDDEN) -> dict:
         "lfm2_moe": {"layer_types": ["conv", "full_attention"], "tie_word_embeddings": True},
         # Mamba-2's heads times their width must be the expanded width (2 x hidden)
         "granitemoehybrid": {"mamba_n_heads": 8, "mamba_d_head": 2 * hidden // 8, "mamba_d_state": 16},
+        "bamba": {"mamba_n_heads": 8, "mamba_d_head": 2 * hidden // 8, "mamba_d_state": 16},
+        # microsoft's BitNet release ties its output to the embedding
+        "bitnet": {"tie_word_embeddings": True},
         "llama4_text": {"intermediate_size_mlp": 2 * hidden},
         # every kind of layer a release has (Mamba-2, experts, attention: NVIDIA-Nemotron-3-Nano's "MEMEM*E..."),
         # which two layers cannot hold
