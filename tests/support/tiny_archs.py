@@ -88,6 +88,8 @@ def sizes(model_type: str, hidden: int = HIDDEN) -> dict:
         },
         "deepseek_v2": {**latent, "q_lora_rank": None, "topk_method": "greedy"},
         "deepseek_v3": {**latent, "q_lora_rank": hidden},
+        "deepseek_v32": {**latent, "q_lora_rank": hidden},
+        "glm_moe_dsa": {**latent, "q_lora_rank": hidden},
         # LiquidAI's LFM2 releases tie the output to the embedding (llama.cpp's converter maps no lm_head for them)
         "lfm2_moe": {"layer_types": ["conv", "full_attention"], "tie_word_embeddings": True},
         # Mamba-2's heads times their width must be the expanded width (2 x hidden)
