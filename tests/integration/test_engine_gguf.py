@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 
 import psutil
 import pytest
@@ -319,6 +320,28 @@ def test_each_architecture_is_one_the_converter_registers():
     ]
     vision = {a for a in gguf_engine.ARCHITECTURES if a.endswith("ForConditionalGeneration")}
     assert vision and vision <= set(mmproj), sorted(vision - set(mmproj))
+
+
+def test_a_checkpoint_without_the_draft_head_its_converter_exports_converts(tmp_path):
+    """Qwen3.5's converter class exports a multi-token-prediction head and asserts the checkpoint holds one; a
+    checkpoint saved by transformers has none (it drops those layers), so convert.py tells the converter `--no-mtp`."""
+    import safetensors.torch
+    import torch
+
+    from factory.engines.gguf import convert
+    from tests.support.tiny_archs import make_tiny
+
+    source = make_tiny("qwen3_5_text", tmp_path / "qwen3_5")
+    assert not convert.has_draft_layers(source)
+    out = tmp_path / "qwen3_5.gguf"
+    cmd = [sys.executable, "-m", "factory.engines.gguf.convert", str(llama.source()), str(source)]
+    run = subprocess.run([*cmd, "--outtype", "f16", "--outfile", str(out)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert gguf_file.metadata(out)["general.architecture"] == "qwen35"
+    # a release's head: `mtp.*` (Qwen) or a layer past num_hidden_layers (DeepSeek's and GLM's nextn layers)
+    for name in ("mtp.fc.weight", "model.layers.2.eh_proj.weight"):
+        safetensors.torch.save_file({name: torch.zeros(1)}, source / "model-draft.safetensors")
+        assert convert.has_draft_layers(source), name
 
 
 def test_a_tool_that_fails_fails_the_unit_with_its_last_line(tmp_path):

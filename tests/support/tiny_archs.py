@@ -24,10 +24,16 @@ HIDDEN, LAYERS, HEADS, KV_HEADS, VOCAB = 128, 2, 4, 2, 1024
 SENTENCEPIECE = {"gemma", "gemma2", "phi3", "gemma3", "ernie4_5", "nemotron"}
 
 
+# The families whose tokenizer class in transformers adds a special token of its releases' vocabulary to any
+# tokenizer.json (Qwen3.5-MoE's `<|endoftext|>`): their tiny vocabulary holds it, as the releases' does
+SPECIAL = {"qwen3_5_moe_text": ["<|endoftext|>"]}
+
+
 def make_tokenizer(model_type: str, out: Path):
     """The tests' tokenizer for a `model_type` checkpoint in `out`: SentencePiece's where its releases ship it."""
-    make = make_sentencepiece_tokenizer if model_type in SENTENCEPIECE else make_tiny_tokenizer
-    return make(out, VOCAB)
+    if model_type in SENTENCEPIECE:
+        return make_sentencepiece_tokenizer(out, VOCAB)
+    return make_tiny_tokenizer(out, VOCAB, SPECIAL.get(model_type, []))
 
 
 def sizes(model_type: str, hidden: int = HIDDEN) -> dict:
@@ -82,7 +88,15 @@ def sizes(model_type: str, hidden: int = HIDDEN) -> dict:
         },
         "deepseek_v2": {**latent, "q_lora_rank": None, "topk_method": "greedy"},
         "deepseek_v3": {**latent, "q_lora_rank": hidden},
-        "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
+        "deepseek_v32": {**latent, "q_lora_rank": hidden},
+        "glm_moe_dsa": {**latent, "q_lora_rank": hidden},
+        # LiquidAI's LFM2 releases tie the output to the embedding (llama.cpp's converter maps no lm_head for them)
+        "lfm2_moe": {"layer_types": ["conv", "full_attention"], "tie_word_embeddings": True},
+        # Mamba-2's heads times their width must be the expanded width (2 x hidden)
+        "granitemoehybrid": {"mamba_n_heads": 8, "mamba_d_head": 2 * hidden // 8, "mamba_d_state": 16},
+        "bamba": {"mamba_n_heads": 8, "mamba_d_head": 2 * hidden // 8, "mamba_d_state": 16},
+        # microsoft's BitNet release ties its output to the embedding
+        "bitnet": {"tie_word_embeddings": True},
         "llama4_text": {"intermediate_size_mlp": 2 * hidden},
         # every kind of layer a release has (Mamba-2, experts, attention: NVIDIA-Nemotron-3-Nano's "MEMEM*E..."),
         # which two layers cannot hold
@@ -98,7 +112,7 @@ def config_for(model_type: str, bos: int, eos: int, hidden: int = HIDDEN):
     mapped = getattr(config, "attribute_map", {})
     _per_layer(config, getattr(config, "num_hidden_layers", None))
     for key, value in sizes(model_type, hidden).items():
-        if key in mapped or hasattr(config, key):
+        if key in mapped or _has(config, key):
             try:
                 setattr(config, key, value)
             except AttributeError:  # a property computed from the others (Falcon's head_dim)
@@ -107,6 +121,14 @@ def config_for(model_type: str, bos: int, eos: int, hidden: int = HIDDEN):
     if getattr(config, "pad_token_id", None) is not None and config.pad_token_id >= VOCAB:
         config.pad_token_id = None
     return config
+
+
+def _has(config, key: str) -> bool:
+    """The config has `key` as one value (Gemma 4's says head_dim once a layer, and raises on reading it whole)."""
+    try:
+        return hasattr(config, key)
+    except RuntimeError:
+        return False
 
 
 def _per_layer(config, layers: int | None) -> None:
@@ -151,10 +173,15 @@ def _nemotron_h(cfg: dict) -> dict:
     return written
 
 
+def _falcon_h1(cfg: dict) -> dict:
+    """tiiuae's Falcon-H1 releases say head_dim (transformers 5.24 saves none; llama.cpp's converter reads it)."""
+    return {"head_dim": cfg["hidden_size"] // cfg["num_attention_heads"]}
+
+
 # model type -> what its release's config.json says where transformers' save_pretrained writes otherwise: exllamav3
 # reads the releases' form (tests/integration/test_exl3_checkpoints.py reads each checkpoint with exllamav3's own
 # classes)
-RELEASE = {"qwen3_moe": _qwen3_moe, "exaone4": _exaone4, "nemotron_h": _nemotron_h}
+RELEASE = {"qwen3_moe": _qwen3_moe, "exaone4": _exaone4, "nemotron_h": _nemotron_h, "falcon_h1": _falcon_h1}
 
 
 def as_released(model_type: str, config_path: Path) -> None:
@@ -178,6 +205,9 @@ def make_tiny(model_type: str, out: Path, seed: int = 0, hidden: int = HIDDEN) -
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = make_tokenizer(model_type, out)
     config = config_for(model_type, tokenizer.bos_token_id, tokenizer.eos_token_id, hidden)
+    if getattr(config, "text_config", None) is not None:
+        # the sizes above are the top level's: the text model inside would be built at full size (Qwen3.5's: 22 GB)
+        raise ValueError(f"{model_type}'s config nests its language model (text_config): a tiny one is not made here")
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).to(torch.float16)
     model.save_pretrained(out)

@@ -27,8 +27,8 @@ LLAMA_1B = dict(
 )
 
 
-def make_tiny_tokenizer(out: Path, vocab: int = 1024):
-    """A byte-level BPE of `vocab` tokens (<s>, </s>) trained on the builtin c4 text, saved in `out`."""
+def make_tiny_tokenizer(out: Path, vocab: int = 1024, special: list[str] = ()):
+    """A byte-level BPE of `vocab` tokens (<s>, </s> and `special`) trained on the builtin c4 text, saved in `out`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -36,7 +36,7 @@ def make_tiny_tokenizer(out: Path, vocab: int = 1024):
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=vocab, special_tokens=["<s>", "</s>", *special], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
     bpe.train_from_iterator(builtin_text("c4").splitlines(), trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>")

@@ -7,14 +7,23 @@ One thing added: the converter names a BPE vocabulary's pre-tokenizer by hashing
 a vocabulary it has not seen (a tokenizer trained here, as the tests' tiny model's) is refused even when its
 pre-tokenizer is GPT-2's exactly. Where the source's tokenizer.json says so (a lone ByteLevel with GPT-2's regex, no
 prefix space), an unrecognized hash is taken as llama.cpp's `gpt-2`; any other is still refused.
+
+And one thing passed on: a converter class that exports a multi-token-prediction head (Qwen3.5, Qwen3-Next, GLM-4.5,
+DeepSeek-V3) asserts that the checkpoint holds one unless told `--no-mtp`; a checkpoint saved by transformers (a
+fine-tune) has none, since transformers drops those layers on load. Where the source holds no such tensors (`mtp.*`,
+or a layer past num_hidden_layers) the converter is told so.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import runpy
+import struct
 import sys
 from pathlib import Path
+
+LAYER = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.")  # the language model's, not a vision tower's
 
 
 def gpt2_pre_tokenizer(source: Path) -> bool:
@@ -23,6 +32,42 @@ def gpt2_pre_tokenizer(source: Path) -> bool:
     except (OSError, ValueError):
         return False
     return pre.get("type") == "ByteLevel" and pre.get("use_regex", True) and not pre.get("add_prefix_space", False)
+
+
+def tensor_names(source: Path) -> list[str]:
+    """The tensor names of the source's safetensors files, from their headers."""
+    names = []
+    for path in sorted(source.glob("*.safetensors")):
+        with path.open("rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            names += [n for n in json.loads(f.read(size)) if n != "__metadata__"]
+    return names
+
+
+def has_draft_layers(source: Path) -> bool:
+    """The source holds a multi-token-prediction head: `mtp.*` tensors (Qwen's releases) or a layer numbered past
+    num_hidden_layers (DeepSeek's and GLM's nextn layers)."""
+    config = json.loads((source / "config.json").read_text())
+    layers = config.get("text_config", config).get("num_hidden_layers", 0)
+    for name in tensor_names(source):
+        found = LAYER.search(name)
+        if name.startswith("mtp.") or ".mtp." in name or (found and int(found.group(1)) >= layers):
+            return True
+    return False
+
+
+def without_draft(llama_dir: Path, source: Path, args: list[str]) -> list[str]:
+    """`args` with `--no-mtp` where the converter's class exports a draft head the source does not hold."""
+    if "--mmproj" in args or {"--mtp", "--no-mtp", "--no-nextn"} & set(args):
+        return args
+    from conversion import get_model_class
+
+    architecture = json.loads((source / "config.json").read_text())["architectures"][0]
+    try:
+        exports = get_model_class(architecture, mmproj=False).supports_mtp_export
+    except NotImplementedError:  # the converter says so itself
+        return args
+    return [*args, "--no-mtp"] if exports and not has_draft_layers(source) else args
 
 
 def main() -> None:
@@ -40,6 +85,7 @@ def main() -> None:
                 return "gpt-2"
 
         base.TextModel.get_vocab_base_pre = pre_tokenizer
+    args = without_draft(llama_dir, Path(args[0]), args)
     script = llama_dir / "convert_hf_to_gguf.py"
     sys.argv = [str(script), *args]
     runpy.run_path(str(script), run_name="__main__")
