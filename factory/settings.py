@@ -39,6 +39,9 @@ OMP_NUM_THREADS   the threads torch's CPU kernels take in each process (the fact
 FACTORY_GGUF_SPLIT_BYTES  the largest GGUF file the factory publishes: a quant's file over it is cut by llama.cpp's
                   gguf-split into parts of at most this many bytes of tensors, each with its metadata (default 48e9,
                   2 GB under the Hub's 50 GB per file)
+FACTORY_WARM_START  0 (or false, no, off): every engine child starts a fresh Python, which imports its libraries
+                  itself, as before 2026-12-06 (for debugging); default 1: the engines' Python children are forked
+                  from a starter that imported torch and transformers once per process (factory/engines/warm.py)
 FACTORY_PLACE_SECONDS  how long a submission to the service may hold its place in its user's quota before the
                   place is let go (a server killed mid-submission; default 900)
 """
@@ -159,6 +162,11 @@ def cpu_threads() -> int:
     cores = os.cpu_count() or 1
     value = os.environ.get("OMP_NUM_THREADS", "")
     return min(int(value), cores) if value.isdigit() and int(value) > 0 else cores
+
+
+def warm_start() -> bool:
+    """FACTORY_WARM_START: anything but 0, false, no or off (any case) is on; unset is on."""
+    return os.environ.get("FACTORY_WARM_START", "").strip().lower() not in ("0", "false", "no", "off")
 
 
 GGUF_SPLIT_BYTES = 48 * 10**9

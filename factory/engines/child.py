@@ -11,6 +11,9 @@ cannot corrupt the event stream.
 Inside `fenced(path, mark)`, a child started by this thread has a watchdog process beside it
 (`python -m factory.engines.fence`) that SIGKILLs it once `path` no longer holds `mark`: whoever holds the unit
 writes its own mark there, and a parent that was stopped past its claim cannot stop its child itself.
+A Python child of ours (`python -m MODULE`, this interpreter) starts warm: forked from a process that imported
+torch and transformers once (factory/engines/warm.py: same environment, same behaviour, seconds of CPU less); its
+Popen-like handle serves all of the above alike. FACTORY_WARM_START=0 starts every child cold.
 The child's environment is an allowlist (`environment`): the locale, paths, CUDA, torch and thread settings a tool
 needs, HF_HUB_OFFLINE=1, and nothing else: no HF_TOKEN, no catalog or broker URL with its password.
 """
@@ -29,6 +32,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from factory.engines import warm
 from factory.errors import JobFailed
 
 LOG_NAME = "engine.log"
@@ -106,7 +110,7 @@ def environment(extra: dict[str, str] | None = None) -> dict[str, str]:
     return {**kept, "HF_HUB_OFFLINE": "1", **(extra or {})}
 
 
-_running: set[subprocess.Popen] = set()  # the engine children of this process, whichever thread started them
+_running: set[subprocess.Popen | warm.Started] = set()  # this process's engine children, whichever thread started
 _fences = threading.local()  # (path, mark) of the unit this thread runs, while `fenced`
 
 
@@ -162,18 +166,21 @@ def run_command(
 ) -> None:
     """`merge`: the tool's stderr is read for progress too (a C++ tool that logs there), not only kept in the log."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    child_env = environment(env)
     with open(log_path, "a", encoding="utf-8", errors="replace") as log:
-        # PDEATHSIG fires when the thread that started the child ends: start engines from the main thread.
-        proc = subprocess.Popen(
-            cmd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT if merge else log,
-            stdin=subprocess.DEVNULL,
-            text=True,
-            errors="replace",
-            env=environment(env),
-            preexec_fn=die_with_parent,
-        )
+        proc = warm.start(cmd, child_env, None if merge else log.fileno())
+        if proc is None:
+            # PDEATHSIG fires when the thread that started the child ends: start engines from the main thread.
+            proc = subprocess.Popen(
+                cmd,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT if merge else log,
+                stdin=subprocess.DEVNULL,
+                text=True,
+                errors="replace",
+                env=child_env,
+                preexec_fn=die_with_parent,
+            )
         _running.add(proc)
         watchdog = _watchdog(proc)
         try:

@@ -29,7 +29,7 @@ from factory.evaluation import evaluate
 from factory.factory import Factory
 from factory.jobs.planning import Request
 from factory.recipes import build_recipe
-from tests.support import ROOT
+from tests.support import ROOT, processes
 from tests.support.gpu_results import RESULTS, rows, run_events, save
 from tests.support.qf import Qf
 from tests.support.smollm2 import convert
@@ -202,12 +202,12 @@ def _quantizing(event: dict) -> bool:
 
 
 def _kill_conversion_once():
-    """An emit callback that SIGKILLs this process's children once the conversion is 30% into quantizing."""
+    """An emit callback that SIGKILLs this process's engines once the conversion is 30% into quantizing."""
     killed: list[int] = []
 
     def kill(event: dict) -> None:
         if event["event"] == "progress" and _quantizing(event) and not killed:
-            for proc in psutil.Process().children(recursive=True):
+            for proc in processes.engines(os.getpid()):
                 proc.send_signal(signal.SIGKILL)
                 killed.append(proc.pid)
 

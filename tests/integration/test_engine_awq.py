@@ -3,7 +3,6 @@
 import os
 import signal
 
-import psutil
 import pytest
 import torch
 
@@ -13,6 +12,7 @@ from factory.errors import JobFailed
 from factory.factory import Factory
 from factory.jobs.planning import Request
 from factory.recipes import build_recipe
+from tests.support import processes
 
 
 def _bare_quantizer(cls):
@@ -59,7 +59,7 @@ def test_killed_engine_fails_the_job_and_the_job_runs_again(tiny, tmp_path, db_u
 
     def kill_the_engine(event):
         if event["event"] == "progress" and event.get("unit") == "layer" and not killed:
-            for child in psutil.Process().children():
+            for child in processes.engines(os.getpid()):
                 os.kill(child.pid, signal.SIGKILL)
                 killed.append(child.pid)
 

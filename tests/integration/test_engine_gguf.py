@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 
-import psutil
 import pytest
 
 from calibration import builtin_text
@@ -31,6 +30,7 @@ from factory.factory import Factory
 from factory.jobs.planning import Request
 from factory.recipes import build_recipe
 from factory.vram import Params, Shape
+from tests.support import processes
 from tests.support.llama_buffers import allocated
 from tests.support.tiny_vlms import make_tiny_vlm
 
@@ -365,7 +365,7 @@ def test_a_killed_converter_fails_the_shared_unit_and_the_job_runs_again(tiny, t
 
     def kill_the_converter(event):
         if event["event"] == "progress" and event.get("stage") == "convert" and not killed:
-            for child in psutil.Process().children():
+            for child in processes.engines(os.getpid()):
                 os.kill(child.pid, signal.SIGKILL)
                 killed.append(child.pid)
 

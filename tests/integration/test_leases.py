@@ -216,7 +216,7 @@ def test_a_holder_stopped_past_its_lease_has_its_engine_stopped_and_its_unit_mad
     import psutil
 
     from factory.publish import folder as registry
-    from tests.support.processes import qf_process, wait_until
+    from tests.support.processes import engines, qf_process, wait_until
 
     recipe = tmp_path / "round.yaml"
     recipe.write_text("round: {mantissa: [3]}\n")
@@ -226,7 +226,7 @@ def test_a_holder_stopped_past_its_lease_has_its_engine_stopped_and_its_unit_mad
     try:
 
         def converting():
-            kids = [p for p in psutil.Process(first.pid).children() if "tests.support.round_engine" in p.cmdline()]
+            kids = [p for p in engines(first.pid) if "tests.support.round_engine" in p.cmdline()]
             return kids and kids[0]
 
         engine = wait_until(converting, 120)

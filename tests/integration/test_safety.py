@@ -24,6 +24,7 @@ from factory.checkpoints import files
 from factory.engines import child
 from factory.errors import JobFailed, mask_url
 from factory.publish import folder as registry
+from tests.support import processes
 from tests.support.processes import qf_process, wait_until
 from tests.support.qf import Qf
 
@@ -453,7 +454,7 @@ def _quantizing(qf: Qf, proc: subprocess.Popen) -> psutil.Process:
         event = json.loads(line)
         if event["event"] == "progress" and event["step"].startswith("quantize:") and event.get("unit") == "layer":
             break
-    return wait_until(lambda: next(iter(psutil.Process(proc.pid).children()), None))
+    return wait_until(lambda: next(iter(processes.engines(proc.pid)), None))
 
 
 def _gone(engine: psutil.Process) -> bool:
@@ -518,7 +519,7 @@ def test_sigterm_stops_every_engine_of_units_running_side_by_side_at_once(qf, ti
 
         def both_converting():
             steps = [s for j in qf.json("jobs") for s in j["steps"] if s["name"].startswith("quantize:")]
-            kids = [p for p in psutil.Process(proc.pid).children() if "tests.support.round_engine" in p.cmdline()]
+            kids = [p for p in processes.engines(proc.pid) if "tests.support.round_engine" in p.cmdline()]
             return len(kids) == 2 and [s["state"] for s in steps] == ["running"] * 2 and kids
 
         engines = wait_until(both_converting)

@@ -67,13 +67,13 @@ def quantizing(status: dict) -> bool:
 
 
 def running_job_process(worker: subprocess.Popen):
-    """The process the worker spawned that runs its job: the one with children (its engine; the other spawned one
-    waits for the next job). A step shows `running` a moment before its engine starts: wait for that."""
+    """The process the worker spawned that runs its job: the one with an engine (the other spawned one waits for
+    the next job). A step shows `running` a moment before its engine starts: wait for that."""
     import psutil
 
     def found():
         spawned = [p for p in psutil.Process(worker.pid).children() if "spawn_main" in " ".join(p.cmdline())]
-        return [p for p in spawned if p.children()]
+        return [p for p in spawned if processes.engines(p.pid)]
 
     [job_process] = processes.wait_until(found, 60)
     return job_process

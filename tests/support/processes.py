@@ -11,6 +11,7 @@ import time
 
 import psutil
 
+from factory.engines import warm
 from factory.publish.publishing import STOP_AT
 from tests.support import ROOT
 from tests.support.qf import Qf
@@ -82,6 +83,18 @@ def tree(pid: int) -> list[int]:
         return [pid, *(p.pid for p in psutil.Process(pid).children(recursive=True))]
     except psutil.NoSuchProcess:
         return []
+
+
+def engines(pid: int) -> list[psutil.Process]:
+    """The processes `pid` started for its engines (their watchdogs too): its children, with a warm starter's
+    children in place of the starter (factory/engines/warm.py: it forks a process's Python engines)."""
+    found = []
+    for proc in psutil.Process(pid).children():
+        try:
+            found.extend(proc.children() if warm.STARTER in proc.cmdline() else [proc])
+        except psutil.NoSuchProcess:
+            pass
+    return found
 
 
 def send(pids: list[int], sig: int) -> None:

@@ -1,0 +1,175 @@
+"""Engine children started warm (factory/engines/warm.py): forked from this process's starter, a child runs its module
+as `python -m` would, with exactly the environment it was given, and ends as it would; a killed parent or starter
+leaves no engine running; what cannot start warm starts cold."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import psutil
+import pytest
+
+from factory.engines import child, warm
+from factory.errors import JobFailed
+from tests.support import ROOT
+from tests.support.processes import wait_until
+
+PROBE = "tests.support.warm_probe"
+
+
+def _probe(log: Path, *args: str, env: dict[str, str] | None = None) -> dict:
+    """The probe run as engines run their children (child.run_command): the event it sent."""
+    events = []
+    child.run_command([sys.executable, "-m", PROBE, *args], log, events.append, "the probe", env=env)
+    [event] = events
+    return event
+
+
+def _started(*args: str, flags: tuple[str, ...] = ()) -> tuple[warm.Started, dict]:
+    """The probe started warm, its stderr in /dev/null, and the event it sent."""
+    with open(os.devnull, "w") as devnull:
+        proc = warm.start([sys.executable, *flags, "-m", PROBE, *args], child.environment(), devnull.fileno())
+    assert proc is not None
+    return proc, json.loads(proc.stdout.readline())
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_a_warm_child_runs_its_module_as_python_would(tmp_path, monkeypatch):
+    monkeypatch.setenv("QF_TEST_NOT_PASSED_ON", "1")  # this process has it; an engine's allowlist does not
+    umask = os.umask(0o027)
+    try:
+        event = _probe(tmp_path / "engine.log", "report", "two words", env={"QF_TEST_ASKED": "yes"})
+    finally:
+        os.umask(umask)
+    assert event["preloaded"] and event["ppid"] != os.getpid()
+    assert warm.STARTER in psutil.Process(event["ppid"]).cmdline()  # its parent is this process's starter
+    assert event["argv"] == [str(ROOT / "tests" / "support" / "warm_probe.py"), "report", "two words"]
+    assert (event["cwd"], event["umask"]) == (os.getcwd(), 0o027)
+    assert event["env"] == child.environment({"QF_TEST_ASKED": "yes"})
+    assert "the probe's stderr" in (tmp_path / "engine.log").read_text()
+
+
+@pytest.mark.parametrize(
+    ("args", "returncode", "reason"),
+    [
+        (("report",), 0, None),
+        (("exit", "3"), 3, r".* \(exit 3; log: {log}\)"),  # the log's last line: stderr's or stdout's
+        (("raise",), 1, r"ValueError: the probe raised \(exit 1; log: {log}\)"),
+        (("kill", "SIGTERM"), -signal.SIGTERM, r"the engine process was killed by SIGTERM; log: {log}"),
+        (
+            ("kill", "SIGKILL"),
+            -signal.SIGKILL,
+            r"the engine process was killed by SIGKILL \(out of memory\?\); log: {log}",
+        ),
+    ],
+)
+def test_a_warm_child_ends_as_a_cold_one_does(tmp_path, monkeypatch, args, returncode, reason):
+    """The same exit status and the same failure, started warm and started cold (FACTORY_WARM_START=0)."""
+    for start in ("cold", "warm"):
+        monkeypatch.setenv("FACTORY_WARM_START", "1" if start == "warm" else "0")
+        log = tmp_path / start / "engine.log"
+        if reason is None:
+            _probe(log, *args)
+        else:
+            with pytest.raises(JobFailed) as failed:
+                _probe(log, *args)
+            assert re.fullmatch("the probe failed: " + reason.format(log=re.escape(str(log))), failed.value.message)
+    proc, _ = _started(*args)
+    assert (proc.wait(30), proc.poll(), proc.returncode) == (returncode,) * 3
+
+
+def test_a_warm_child_finds_torch_imported(tmp_path, monkeypatch):
+    """What the starter is for: the child's own imports of torch and transformers cost next to nothing."""
+    _probe(tmp_path / "engine.log", "report")  # this process's starter, started if there was none
+    warm_event = _probe(tmp_path / "engine.log", "report")
+    monkeypatch.setenv("FACTORY_WARM_START", "0")
+    cold = _probe(tmp_path / "engine.log", "report")
+    assert warm_event["preloaded"] and warm_event["import_seconds"] < 0.5, warm_event["import_seconds"]
+    assert not cold["preloaded"] and cold["ppid"] == os.getpid()
+    assert cold["import_seconds"] > warm_event["import_seconds"] + 1.0, cold["import_seconds"]
+
+
+def test_terminate_kill_and_minus_u_reach_a_warm_child():
+    for stop, sig in ((warm.Started.terminate, signal.SIGTERM), (warm.Started.kill, signal.SIGKILL)):
+        proc, event = _started("sleep")
+        assert "tests.support.warm_probe" in psutil.Process(event["pid"]).cmdline()  # `ps` shows its command
+        stop(proc)
+        assert proc.wait(30) == -sig and _gone(event["pid"])
+    proc, _ = _started("unflushed", flags=("-u",))
+    timer = threading.Timer(30, proc.kill)  # a buffered line would never come: fail, do not hang
+    timer.start()
+    try:
+        assert proc.stdout.readline() == "unflushed\n"
+    finally:
+        timer.cancel()
+        proc.kill()
+        proc.wait(30)
+
+
+def test_a_killed_starter_takes_its_engine_and_the_next_child_gets_a_new_one(tmp_path):
+    proc, event = _started("sleep")
+    os.kill(event["ppid"], signal.SIGKILL)
+    assert proc.wait(30) == -signal.SIGTERM  # its PDEATHSIG
+    assert _gone(event["pid"])
+    again = _probe(tmp_path / "engine.log", "report")
+    assert again["preloaded"] and again["ppid"] not in (event["ppid"], os.getpid())
+
+
+PARENT = """
+import json, sys
+from pathlib import Path
+from factory.engines import child
+emit = lambda event: print(json.dumps(event), flush=True)
+child.run_command([sys.executable, "-m", "tests.support.warm_probe", "sleep"], Path(sys.argv[1]), emit, "the probe")
+"""
+
+
+def test_a_killed_parent_takes_its_starter_and_its_engine_with_it(tmp_path):
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, str(tmp_path / "engine.log")], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        event = json.loads(parent.stdout.readline())
+        engine, starter = event["pid"], event["ppid"]
+        assert psutil.Process(starter).ppid() == parent.pid
+        parent.kill()
+        wait_until(lambda: _gone(starter) and _gone(engine), 15)
+    finally:
+        parent.kill()
+        parent.wait()
+
+
+def test_what_starts_cold(monkeypatch):
+    env = child.environment()
+    probe = [sys.executable, "-m", PROBE, "report"]
+    assert warm.start(probe, {**env, "PYTHONPATH": "/elsewhere"}, None) is None  # other packages (AWQ-CT's)
+    assert warm.start(["/bin/true"], env, None) is None  # a C++ tool
+    assert warm.start([sys.executable, "-c", "pass"], env, None) is None
+    monkeypatch.setenv("FACTORY_WARM_START", "0")
+    assert warm.start(probe, env, None) is None
+
+
+def test_a_starter_serves_one_environment(tmp_path, monkeypatch):
+    """Where libraries read the environment at import, a child gets a starter started with what it was given; a
+    cache folder they name is not one of those (the module's docstring)."""
+    first = _probe(tmp_path / "engine.log", "report")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    same = _probe(tmp_path / "engine.log", "report")
+    assert same["ppid"] == first["ppid"] and same["env"]["HF_HOME"] == str(tmp_path / "hf")
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    other = _probe(tmp_path / "engine.log", "report")
+    assert other["ppid"] != first["ppid"] and other["env"]["OMP_NUM_THREADS"] == "2"
+    assert _gone(first["ppid"])  # the idle starter of the other environment was stopped
