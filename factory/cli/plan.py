@@ -88,10 +88,15 @@ def plan(
     for name, plan_ in sorted(plans.items(), key=lambda item: not item[1].rows):  # tables first
         if plan_.rows:
             out.print(_plan_table(plan_))
-        about = {s.stage: f"the {s.about}" for s in engines.get(name).shared}
+        engine = engines.get(name)
+        about = {s.stage: f"the {s.about}" for s in engine.shared}
+        # a shared unit only where this job's sizes of the engine need it (EXL3's measurement: an `opt` size)
+        sizes = [s for s in specs if s.method == name] or engine.memory.sizes()
+        needed = {u.stage for s in sizes for u in engine.shared_units(s)}
         parts = [
             f"{about.get(kind, 'each size')} about {tables.duration(t['seconds'])} ({t['basis']})"
             for kind, t in times[name].items()
+            if kind not in about or kind in needed
         ]
         for line in [*plan_.lines, f"converting with {engines.get(name).label} on a GPU: {', then '.join(parts)}"]:
             out.print(line, markup=False, highlight=False)

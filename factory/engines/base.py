@@ -186,6 +186,10 @@ class Memory(Part):
     # (fixed seconds, seconds per billion parameters) of one measure or quantize unit on an H200 (docs/measured.md);
     # on a CPU, core-seconds per billion parameters
     UNIT_SECONDS: ClassVar[dict[str, tuple[float, float]]] = {"quantize": (60.0, 100.0)}
+    # the power of the billions the second term grows with: 1, or 0.5 for a conversion bound by its launches, whose
+    # seconds follow the layers (across Llama shapes about the square root of the parameters: 16, 28, 32 layers at
+    # 1.1B, 3B, 8B)
+    GROWTH: ClassVar[float] = 1.0
     CPU_CORE_SECONDS_PER_B: ClassVar[float] = 1600.0  # AutoAWQ on 2 cores: SmolLM2-135M in 118 s (scripts/demo)
 
     # the runtimes that load its quants, the first the one its memory model is of (`qf plan --runtime`, the ranking)
@@ -239,7 +243,7 @@ class Memory(Part):
         if device != "cuda":
             return 10.0 + self.CPU_CORE_SECONDS_PER_B * billions / max(cores, 1)
         fixed, per_b = self.UNIT_SECONDS.get(kind, self.UNIT_SECONDS["quantize"])
-        return fixed + per_b * billions
+        return fixed + per_b * billions**self.GROWTH
 
     def unit_cores(self, kind: str, device: str) -> int:
         """CPU cores a unit of this engine keeps busy: on a GPU its child feeds the card from about one; on the CPU
