@@ -98,7 +98,7 @@ def plan(
             for kind, t in times[name].items()
             if kind not in about or kind in needed
         ]
-        for line in [*plan_.lines, f"converting with {engines.get(name).label} on a GPU: {', then '.join(parts)}"]:
+        for line in [*plan_.lines, f"converting with {engine.label} on a GPU: {', then '.join(parts)}"]:
             out.print(line, markup=False, highlight=False)
     for why in refused.values():
         out.print(why, markup=False, highlight=False)
