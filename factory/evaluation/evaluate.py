@@ -196,7 +196,8 @@ def torch_dtype(dev: str):
 
 def transformers_logits(model, dev: str) -> Logits:
     model = model.to(dev).eval()
-    return lambda ids: model(ids.to(dev)).logits
+    # no cache: a window is one forward, and a hybrid's cache of Mamba layers alone refuses to build a mask
+    return lambda ids: model(ids.to(dev), use_cache=False).logits
 
 
 def source_dtype(folder: Path, dev: str):

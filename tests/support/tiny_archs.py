@@ -21,12 +21,19 @@ from tests.support.tiny_model import make_sentencepiece_tokenizer, make_tiny_tok
 HIDDEN, LAYERS, HEADS, KV_HEADS, VOCAB = 128, 2, 4, 2, 1024
 # The families whose releases ship a SentencePiece tokenizer.model, which llama.cpp's converter reads for them: their
 # tiny checkpoints carry one (the others, the byte-level BPE)
-SENTENCEPIECE = {"gemma", "gemma2", "phi3", "gemma3", "ernie4_5", "nemotron"}
+SENTENCEPIECE = {"gemma", "gemma2", "phi3", "gemma3", "ernie4_5", "nemotron", "jamba"}
 
 
-# The families whose tokenizer class in transformers adds a special token of its releases' vocabulary to any
-# tokenizer.json (Qwen3.5-MoE's `<|endoftext|>`): their tiny vocabulary holds it, as the releases' does
-SPECIAL = {"qwen3_5_moe_text": ["<|endoftext|>"]}
+# The special tokens of a family's releases that a tool looks up by name: transformers' tokenizer class adds
+# Qwen3.5-MoE's `<|endoftext|>` to any tokenizer.json, and llama.cpp's converter reads GLM's (zai-org's GLM-4.x and
+# the families built on its tokenizer) and Solar Open's: their tiny vocabulary holds them, as the releases' does
+GLM_SPECIAL = ["<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>", "<|user|>"]
+GLM_SPECIAL += ["<|assistant|>", "<|observation|>"]
+SPECIAL = {
+    "qwen3_5_moe_text": ["<|endoftext|>"],
+    **dict.fromkeys(("glm", "glm4", "glm4v", "glm4_moe", "glm_moe_dsa", "param2moe", "sarvam_moe"), GLM_SPECIAL),
+    "solar_open": ["<|startoftext|>", "<|endoftext|>", "<unk>"],
+}
 
 
 def make_tokenizer(model_type: str, out: Path):
@@ -92,9 +99,17 @@ def sizes(model_type: str, hidden: int = HIDDEN) -> dict:
         "glm_moe_dsa": {**latent, "q_lora_rank": hidden},
         # LiquidAI's LFM2 releases tie the output to the embedding (llama.cpp's converter maps no lm_head for them)
         "lfm2_moe": {"layer_types": ["conv", "full_attention"], "tie_word_embeddings": True},
-        # Mamba-2's heads times their width must be the expanded width (2 x hidden)
-        "granitemoehybrid": {"mamba_n_heads": 8, "mamba_d_head": 2 * hidden // 8, "mamba_d_state": 16},
-        "bamba": {"mamba_n_heads": 8, "mamba_d_head": 2 * hidden // 8, "mamba_d_state": 16},
+        # Mamba-2's heads times their width must be the expanded width (2 x hidden); the hybrids' releases put
+        # attention among the Mamba layers (Bamba-9B at 9, 18, 27; Jamba every 8th from the 4th; Granite 4.0-H one
+        # in 10), where transformers' defaults leave two layers none: the tiny ones keep one of each kind
+        "granitemoehybrid": {
+            "mamba_n_heads": 8,
+            "mamba_d_head": 2 * hidden // 8,
+            "mamba_d_state": 16,
+            "layer_types": ["linear_attention", "full_attention"],
+        },
+        "bamba": {"mamba_n_heads": 8, "mamba_d_head": 2 * hidden // 8, "mamba_d_state": 16, "attn_layer_indices": [1]},
+        "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1},
         # microsoft's BitNet release ties its output to the embedding
         "bitnet": {"tie_word_embeddings": True},
         "llama4_text": {"intermediate_size_mlp": 2 * hidden},
@@ -173,6 +188,13 @@ def _nemotron_h(cfg: dict) -> dict:
     return written
 
 
+def _granitemoehybrid(cfg: dict) -> dict:
+    """ibm-granite/granite-4.0-h-tiny's config.json says layer_types in its own words ("mamba", "attention", which
+    llama.cpp's converter reads); transformers 5 saves "linear_attention" and "full_attention"."""
+    words = {"linear_attention": "mamba", "full_attention": "attention"}
+    return {"layer_types": [words.get(t, t) for t in cfg["layer_types"]]}
+
+
 def _falcon_h1(cfg: dict) -> dict:
     """tiiuae's Falcon-H1 releases say head_dim (transformers 5.24 saves none; llama.cpp's converter reads it)."""
     return {"head_dim": cfg["hidden_size"] // cfg["num_attention_heads"]}
@@ -181,7 +203,13 @@ def _falcon_h1(cfg: dict) -> dict:
 # model type -> what its release's config.json says where transformers' save_pretrained writes otherwise: exllamav3
 # reads the releases' form (tests/integration/test_exl3_checkpoints.py reads each checkpoint with exllamav3's own
 # classes)
-RELEASE = {"qwen3_moe": _qwen3_moe, "exaone4": _exaone4, "nemotron_h": _nemotron_h, "falcon_h1": _falcon_h1}
+RELEASE = {
+    "qwen3_moe": _qwen3_moe,
+    "exaone4": _exaone4,
+    "nemotron_h": _nemotron_h,
+    "falcon_h1": _falcon_h1,
+    "granitemoehybrid": _granitemoehybrid,
+}
 
 
 def as_released(model_type: str, config_path: Path) -> None:
