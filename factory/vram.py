@@ -56,13 +56,13 @@ class Shape:
 
     @classmethod
     def of(cls, config: dict) -> Shape:
-        heads = config["num_attention_heads"]
+        heads = config.get("num_attention_heads") or 0  # none in an attention-free model: no KV cache
         return cls(
             hidden=config["hidden_size"],
             layers=config["num_hidden_layers"],
             heads=heads,
             kv_heads=config.get("num_key_value_heads") or heads,
-            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            head_dim=config.get("head_dim") or (config["hidden_size"] // heads if heads else 0),
             intermediate=config["intermediate_size"],
             vocab=config["vocab_size"],
             max_positions=config.get("max_position_embeddings") or 2048,

@@ -426,19 +426,32 @@ def _defaults_of(model_type: str, given: tuple[tuple[str, object], ...]) -> tupl
     return tuple((k, found[k]) for k in CONFIG_NUMBERS if found.get(k) is not None)
 
 
+# The state-space families whose layers hold no attention (state-spaces/mamba-*, tiiuae/falcon-mamba-7b): their
+# configs name no heads, and they keep no KV cache
+ATTENTION_FREE = frozenset({"mamba", "falcon_mamba"})
+
+
+def attention_free(config: dict) -> bool:
+    return config.get("model_type") in ATTENTION_FREE and config.get("num_attention_heads") is None
+
+
 def check_config(config: dict) -> dict:
     """The numbers the factory uses are integers in CONFIG_NUMBERS' ranges, heads divide the hidden size and KV
-    heads divide heads; ModelRefused with one sentence for the first that is not."""
+    heads divide heads (an attention-free model has none); ModelRefused with one sentence for the first that is
+    not."""
+    headless = attention_free(config)
     for key, (required, low, high) in CONFIG_NUMBERS.items():
         value = config.get(key)
         if value is None:
-            if required:
+            if required and not (headless and key == "num_attention_heads"):
                 raise ModelRefused(f"config.json has no {key}; the factory needs it to size the model")
             continue
         if isinstance(value, bool) or not isinstance(value, int):
             raise ModelRefused(f"config.json: {key} must be an integer, not {_short(value)}")
         if not low <= value <= high:
             raise ModelRefused(f"config.json: {key} is {value}; it must be between {low} and {high}")
+    if headless:
+        return config
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
     if hidden % heads:
         raise ModelRefused(f"config.json: hidden_size {hidden} is not divisible by num_attention_heads {heads}")

@@ -114,7 +114,7 @@ def forward_bytes(shape: Shape, ctx: int) -> int:
     scores = score_bytes(shape, ctx)
     expanded = ctx * shape.heads * shape.head_dim * 2 if shape.kv_heads != shape.heads else 0  # K or V
     attention = max(2 * scores + expanded, scores + 2 * expanded)
-    mask = scores // shape.heads
+    mask = scores // max(shape.heads, 1)
     states = 3 * chunk * max(shape.hidden, shape.heads * shape.head_dim) * 2
     return attention + mask + states + CUBLAS_WORKSPACE
 

@@ -94,14 +94,14 @@ def file_shape(meta: dict) -> Shape:
         value = meta.get(f"{meta['general.architecture']}.{key}") or default
         return max(value) if isinstance(value, list) else int(value)  # per-layer values (some families): the most
 
-    hidden, heads = get("embedding_length"), get("attention.head_count", 1)
+    hidden, heads = get("embedding_length"), get("attention.head_count")  # none in Mamba's: no KV cache
     tokens = meta.get("tokenizer.ggml.tokens", 0)
     return Shape(
         hidden=hidden,
         layers=get("block_count"),
         heads=heads,
         kv_heads=get("attention.head_count_kv", heads),
-        head_dim=get("attention.key_length", hidden // heads),
+        head_dim=get("attention.key_length", hidden // heads if heads else 0),
         intermediate=get("feed_forward_length", 4 * hidden),
         vocab=len(tokens) if isinstance(tokens, list) else int(tokens),
         max_positions=get("context_length", 2048),
