@@ -24,11 +24,15 @@ if TYPE_CHECKING:
     import torch
 
 ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+# ... and only where the config's model_type is the class's own: transformers loads EXAONE 3 (model_type exaone)
+# into LlamaForCausalLM, renaming its tensors (transformer.wte, transformer.h.N) as it loads them, and the walk reads
+# the files by the class's names
+MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
 Progress = Callable[[int, int, str], None]  # done, total, unit
 
 
 def walkable(config: dict) -> bool:
-    return bool(set(config.get("architectures") or []) & ARCHITECTURES)
+    return bool(set(config.get("architectures") or []) & ARCHITECTURES) and config.get("model_type") in MODEL_TYPES
 
 
 class Tensors:
