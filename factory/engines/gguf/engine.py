@@ -51,18 +51,21 @@ TENSOR = re.compile(r"^\[\s*(\d+)/\s*(\d+)\]")
 # What benchmarks/coverage.py proved llama.cpp's converter, tools and inference take on the CPU
 # (benchmarks/results/coverage-cpu.json; tests/integration/test_coverage.py keeps the two equal).
 ARCHITECTURES = frozenset({
-    "AfmoeForCausalLM", "ApertusForCausalLM", "ArceeForCausalLM", "BloomForCausalLM", "Cohere2MoeForCausalLM",
-    "DeepseekV3ForCausalLM", "Ernie4_5ForCausalLM", "Exaone4ForCausalLM", "FalconH1ForCausalLM", "Gemma2ForCausalLM",
-    "Gemma3ForCausalLM", "GemmaForCausalLM", "GptOssForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
-    "GraniteMoeSWAForCausalLM", "GraniteMoeSharedForCausalLM", "GraniteSWAForCausalLM", "HYV3ForCausalLM",
-    "HunYuanDenseV1ForCausalLM", "Jais2ForCausalLM", "LagunaForCausalLM", "Lfm2MoeForCausalLM", "LlamaForCausalLM",
-    "Ministral3ForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "NemotronForCausalLM", "NemotronHForCausalLM",
-    "Olmo2ForCausalLM", "Olmo3ForCausalLM", "OlmoForCausalLM", "Phi3ForCausalLM", "Qwen2MoeForCausalLM",
-    "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
-    "SeedOssForCausalLM", "SmolLM3ForCausalLM", "StableLmForCausalLM", "Starcoder2ForCausalLM",
+    "AfmoeForCausalLM", "ApertusForCausalLM", "ArceeForCausalLM", "BambaForCausalLM", "BloomForCausalLM",
+    "Cohere2MoeForCausalLM", "DeepseekV3ForCausalLM", "Ernie4_5ForCausalLM", "Exaone4ForCausalLM",
+    "FalconH1ForCausalLM", "FalconMambaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GemmaForCausalLM",
+    "Glm4ForCausalLM", "Glm4MoeForCausalLM", "GlmForCausalLM", "GlmMoeDsaForCausalLM", "GptOssForCausalLM",
+    "GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeHybridForCausalLM", "GraniteMoeSWAForCausalLM",
+    "GraniteMoeSharedForCausalLM", "GraniteSWAForCausalLM", "HYV3ForCausalLM", "HunYuanDenseV1ForCausalLM",
+    "Jais2ForCausalLM", "JambaForCausalLM", "LagunaForCausalLM", "Lfm2MoeForCausalLM", "LlamaForCausalLM",
+    "MambaForCausalLM", "Ministral3ForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "NemotronForCausalLM",
+    "NemotronHForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "OlmoForCausalLM", "Phi3ForCausalLM",
+    "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM", "SeedOssForCausalLM", "SmolLM3ForCausalLM", "SolarOpenForCausalLM",
+    "StableLmForCausalLM", "Starcoder2ForCausalLM",
     # vision-language: the language model's GGUF and the projector's (mmproj), which llama-mtmd-cli loads with an
     # image (not Mistral 3's: the converter's mmproj lacks the [IMG_BREAK] row it needs)
-    "Gemma3ForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
+    "Gemma3ForConditionalGeneration", "Glm4vForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
 })  # fmt: skip
 
 
