@@ -237,8 +237,9 @@ class Memory(Part):
         largest = max(params.linear // max(shape.layers, 1), params.head)
         return int(states + 3 * largest * 2)
 
-    def unit_seconds(self, kind: str, parameters: int, device: str, cores: int) -> float:
-        """First-principles seconds of a measure or quantize unit, before the catalog has seen one near this size."""
+    def unit_seconds(self, kind: str, parameters: int, device: str, cores: int, spec=None) -> float:
+        """First-principles seconds of a measure or quantize unit, before the catalog has seen one near this size
+        (`spec`: the unit's, where its settings change the work)."""
         billions = parameters / 1e9
         if device != "cuda":
             return 10.0 + self.CPU_CORE_SECONDS_PER_B * billions / max(cores, 1)

@@ -74,7 +74,7 @@ class Costs:
             cores = engine.memory.unit_cores(kind, job.device)
             if unit.kind == "measure" and job.device == "cuda":
                 cores = self.measure_processes(engine, job, kind)
-            guess = engine.memory.unit_seconds(kind, model.parameters, job.device, cores)
+            guess = engine.memory.unit_seconds(kind, model.parameters, job.device, cores, unit.spec)
         else:
             guess = eta.other_seconds(
                 unit.kind, model.parameters, job.eval_windows * model.window_length, job.device, cpu_threads()

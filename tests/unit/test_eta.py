@@ -87,3 +87,16 @@ def test_an_evaluation_walked_layer_by_layer_is_predicted_by_its_largest_layer()
     whole, walked = evaluation_bytes(model, 48, walked=False), evaluation_bytes(model, 48, walked=True)
     assert 17e9 < whole < 19e9  # 16 GB of weights, a window's logits
     assert 5.5e9 < walked < 6.5e9 and walked < whole / 2.5
+
+
+def test_the_importance_matrix_is_expected_to_take_as_long_as_its_tokens():
+    """llama-imatrix on the CPU is a forward pass over chunks x context tokens: a recipe's 16 x 512 is expected at
+    an eighth of the default 128 x 512 (Gemma-3-270M's job was told 50 minutes for 16 chunks)."""
+    from factory import engines
+    from factory.engines.gguf.spec import GgufSpec
+
+    memory, parameters = engines.get("gguf").memory, 268_000_000
+    default = memory.unit_seconds("imatrix", parameters, "cpu", 1)
+    assert memory.unit_seconds("imatrix", parameters, "cpu", 1, GgufSpec(type="Q4_K_M")) == default
+    small = memory.unit_seconds("imatrix", parameters, "cpu", 1, GgufSpec(type="Q4_K_M", imatrix_chunks=16))
+    assert abs((small - 10.0) * 8 - (default - 10.0)) < 1e-6

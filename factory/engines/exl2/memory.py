@@ -256,13 +256,13 @@ class Exl2Memory(Memory):
         processes = ranges.processes(shape.layers)
         return int(one_pass * 1.2) * processes + (processes - 1) * CONTEXT_BYTES
 
-    def unit_seconds(self, kind: str, parameters: int, device: str, cores: int) -> float:
+    def unit_seconds(self, kind: str, parameters: int, device: str, cores: int, spec=None) -> float:
         """The measurement's ranges (one a core) run at once: its per-billion seconds shared among them, at 1.6
         times each (they share the card's SMs, and each range first runs the layers before it): the random 8B's four
         ranges took 440 s on an H100 beside an EXL3 conversion, against about 963 s for one serial measurement."""
         processes = min(cores, ranges.RANGES)
         if kind != "measure" or device != "cuda" or processes <= 1:
-            return super().unit_seconds(kind, parameters, device, cores)
+            return super().unit_seconds(kind, parameters, device, cores, spec)
         fixed, per_b = self.UNIT_SECONDS["measure"]
         return fixed + RANGES_SLOWER * per_b * parameters / 1e9 / processes
 

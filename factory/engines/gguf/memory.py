@@ -177,11 +177,17 @@ class GgufMemory(Memory):
             fits.append({"memory": budget, "ctx": chosen["ctx"], "cache": cache})
         return {**written, "types": types, "fit": fits}
 
-    def unit_seconds(self, kind: str, parameters: int, device: str, cores: int) -> float:
+    def unit_seconds(self, kind: str, parameters: int, device: str, cores: int, spec=None) -> float:
         """On the CPU the importance matrix is a forward pass of the 16-bit model over its calibration tokens (the
-        default 128 x 512), far more than a conversion or a llama-quantize."""
+        spec's chunks x context, by default 128 x 512), far more than a conversion or a llama-quantize."""
         if kind == "imatrix" and device != "cuda":
-            tokens = GgufSpec.model_fields["imatrix_chunks"].default * GgufSpec.model_fields["imatrix_ctx"].default
+            fields = GgufSpec.model_fields
+            chunks, ctx = (
+                (spec.imatrix_chunks, spec.imatrix_ctx)
+                if isinstance(spec, GgufSpec)
+                else (fields["imatrix_chunks"].default, fields["imatrix_ctx"].default)
+            )
+            tokens = chunks * ctx
             return 10.0 + 2.0 * parameters * tokens / (self.IMATRIX_FLOPS_PER_CORE * max(cores, 1))
         return super().unit_seconds(kind, parameters, device, cores)
 
