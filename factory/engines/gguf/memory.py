@@ -189,7 +189,7 @@ class GgufMemory(Memory):
             )
             tokens = chunks * ctx
             return 10.0 + 2.0 * parameters * tokens / (self.IMATRIX_FLOPS_PER_CORE * max(cores, 1))
-        return super().unit_seconds(kind, parameters, device, cores)
+        return super().unit_seconds(kind, parameters, device, cores, spec)
 
     def fits(self, folder: Path) -> list[dict] | None:
         return fits_table(folder) if gguf_file.model_files(folder) else None
