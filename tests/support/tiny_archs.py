@@ -27,8 +27,18 @@ SENTENCEPIECE = {"gemma", "gemma2", "phi3", "gemma3", "ernie4_5", "nemotron", "j
 # The special tokens of a family's releases that a tool looks up by name: transformers' tokenizer class adds
 # Qwen3.5-MoE's `<|endoftext|>` to any tokenizer.json, and llama.cpp's converter reads GLM's (zai-org's GLM-4.x and
 # the families built on its tokenizer) and Solar Open's: their tiny vocabulary holds them, as the releases' does
-GLM_SPECIAL = ["<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>", "<|user|>"]
-GLM_SPECIAL += ["<|assistant|>", "<|observation|>"]
+GLM_SPECIAL = [
+    "<|endoftext|>",
+    "[MASK]",
+    "[gMASK]",
+    "[sMASK]",
+    "<sop>",
+    "<eop>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|observation|>",
+]
 SPECIAL = {
     "qwen3_5_moe_text": ["<|endoftext|>"],
     **dict.fromkeys(("glm", "glm4", "glm4v", "glm4_moe", "glm_moe_dsa", "param2moe", "sarvam_moe"), GLM_SPECIAL),
