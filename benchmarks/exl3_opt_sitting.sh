@@ -1,6 +1,8 @@
 #!/bin/bash
 # One GPU sitting (issue 49, item 4): EXL3 with its bits chosen per tensor (`--exl3 4.0opt`: exllamav3's measure and
-# optimize, factory/engines/exl3/optimize.py), first on CUDA at all.
+# optimize, factory/engines/exl3/optimize.py), first on CUDA at all. Ran 2026-12-06 on an H100 (795 s; its results in
+# benchmarks/results/gpu-2026-12-06-exl3opt/, docs/measured.md); the tokenizer travels gzipped (.gguf/tok) since
+# .whl and the tokenizer together pass the 64 MiB a call carries.
 #  1. tests/gpu/test_gpu_exl3.py::test_exl3_bits_chosen_per_tensor_on_a_tiny_llama (the tiny random Llama: the units in
 #     their order, the measurement's file, the optimized quant at most the uniform 4.0's size, the gate's decision);
 #  2. `qf run` of Gemma-3-270M with `--exl3 4.0opt` (the uniform 3.0, 4.0 and 5.0 and the optimized 4.0, 48 windows of

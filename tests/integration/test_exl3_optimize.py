@@ -4,9 +4,9 @@ the command lines for exllamav3's measure and optimize, their output as progress
 exllamav3's own optimize assembling a quant from three inputs without a GPU (tests/support/exl3_cpu.py: its CUDA
 extension refuses every call). The measurement itself needs CUDA: tests/gpu/test_gpu_exl3.py runs it.
 
-The measure transcript (tests/fixtures/exl3_measure_tiny.log) is what exllamav3 1.6.5's measure_model.py prints for
-the 2-layer tiny Llama measured from three quants, written with its own format strings and its compact_alt: not
-recorded on a GPU yet (a job's work folder, its log with it, is removed once the job succeeds)."""
+The measure transcript (tests/fixtures/exl3_measure_tiny.log) is what exllamav3 1.6.5's measure_model.py printed for
+the 4-layer tiny Llama measured from three pulled quants on an H100 (tests/gpu/test_gpu_exl3.py, 2026-12-06 sitting,
+benchmarks/results/gpu-2026-12-06-exl3opt/)."""
 
 from __future__ import annotations
 
@@ -215,18 +215,13 @@ def test_the_command_lines(tmp_path):
 
 
 def test_the_measure_transcript_becomes_one_event_per_module():
-    parse = optimize.parser(modules=2 + 3)
+    parse = optimize.parser(modules=4 + 3)
     events = [e for e in map(parse, (FIXTURES / "exl3_measure_tiny.log").read_text().splitlines(True)) if e]
     done = [e for e in events if "done" in e]
-    assert [e["module"] for e in done] == [
-        "model.embed_tokens",
-        "model.layers.0",
-        "model.layers.1",
-        "model.norm",
-        "lm_head",
-    ]
-    assert [(e["done"], e["total"]) for e in done] == [(i, 5) for i in range(1, 6)]
-    assert events[-1] == {"event": "progress", "peak_gpu_bytes": 182452224} and parse.errors == []
+    layers = [f"model.layers.{i}" for i in range(4)]
+    assert [e["module"] for e in done] == ["model.embed_tokens", *layers, "model.norm", "lm_head"]
+    assert [(e["done"], e["total"]) for e in done] == [(i, 7) for i in range(1, 8)]
+    assert events[-1] == {"event": "progress", "peak_gpu_bytes": 659898368} and parse.errors == []
 
 
 def test_a_measurement_in_passes_counts_every_pass():

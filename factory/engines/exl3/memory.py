@@ -164,15 +164,15 @@ class Exl3Memory(Memory):
     """EXL3's part of an engine: the memory model above (`qf plan`), and its units: 156 s at 1.1B on an H200, 90-93 s
     at Gemma-3-270M (its 262k-word head), 30-33 s a layer at the random 8B on an H100 (about 1090 s; 649 s expected
     at 70 + 80 s a billion).
-    An optimized size's measurement (MEASURE_KLD, not measured yet): exllamav3's measure runs every module of the
-    source and of three quants once, and each group of tensors it tries (two per group at three inputs) through every
-    module after it, on 10 x 1024 tokens, moving each state to the CPU and back: about L x (2 + G x L) layer forwards
-    for L layers of G groups, which at 8B (32 layers, 4 groups) is some 4,000 forwards of 10k tokens, a few minutes
-    on an H200; the guess below is 30 s and 30 s a billion until a sitting measures it. Its quant is an assembly of
-    the measured quants' tensors (seconds), which the ETA predicts as a conversion (it shares quantize:exl3's
-    history)."""
+    An optimized size's measurement (MEASURE_KLD): exllamav3's measure runs every module of the source and of three
+    quants once, and each group of tensors it tries (two per group at three inputs) through every module after it,
+    on 10 x 1024 tokens, moving each state to the CPU and back. Measured on an H100 (2026-12-06,
+    benchmarks/results/gpu-2026-12-06-exl3opt/): 19.6 s for the 4-layer tiny Llama, 94.4 s for Gemma-3-270M (0.44
+    billion parameters as counted here, its 262k-word embedding and head twice): 20 s and 170 s a billion. Its quant
+    is an assembly of the measured quants' tensors (5-8 s), which the ETA predicts as a conversion (it shares
+    quantize:exl3's history)."""
 
-    UNIT_SECONDS = {"quantize": (10.0, 148.0), MEASURE_KLD: (30.0, 30.0)}
+    UNIT_SECONDS = {"quantize": (10.0, 148.0), MEASURE_KLD: (20.0, 170.0)}
     runtimes = ("exllamav3", "tabbyapi")
 
     def need(self, shape, params, spec, ctx: int, cache: str) -> tuple[int, int]:
