@@ -16,9 +16,8 @@ import pytest
 from factory.checkpoints.sources import is_hub_name
 from factory.recipes import build_recipe
 from tests.support import ROOT
+from tests.support.fleet import BROKER
 from tests.support.qf import Qf
-
-BROKER = os.environ.get("QF_TEST_BROKER", "redis://127.0.0.1:6379/7")  # as tests/integration/test_workers.py
 
 
 def last_line(result) -> str:

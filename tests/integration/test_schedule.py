@@ -15,8 +15,8 @@ import redis
 from factory import engines, schedule
 from factory.errors import SpecError
 from tests.support import ROOT
+from tests.support.fleet import BROKER
 
-BROKER = os.environ.get("QF_TEST_BROKER", "redis://127.0.0.1:6379/7")
 LLAMA = ("LlamaForCausalLM",)
 
 

@@ -193,9 +193,11 @@ def test_fit_chooses_the_sizes_and_records_the_budget(qf, tiny, monkeypatch):
     """--fit on a submission for CUDA workers: one EXL2 size per budget, chosen by the plan, the budget in the spec."""
     import redis
 
-    monkeypatch.setenv("FACTORY_BROKER_URL", "redis://127.0.0.1:6379/7")
+    from tests.support.fleet import BROKER
+
+    monkeypatch.setenv("FACTORY_BROKER_URL", BROKER)
     monkeypatch.setenv("FACTORY_WORKER_DEVICE", "cuda")
-    redis.Redis.from_url("redis://127.0.0.1:6379/7").flushdb()
+    redis.Redis.from_url(BROKER).flushdb()
     result = qf("submit", tiny, "--fit", "2GB,1500MB", "--ctx", 2048, "--kv-cache", "q4")
     assert result.exit_code == 0, result.output
     job = qf.json("status", result.stdout.strip())
