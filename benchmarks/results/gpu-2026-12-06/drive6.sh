@@ -6,7 +6,9 @@
 # checkout lacks it, and the sitting builds it first with all 16 cores, beside the model's making (409 s at 8 jobs
 # beside other work in sitting 5). Expected: the EXL3 unit about 1081 s (the cost model: 10 + 148 s a billion; sitting
 # 2 saw 30-33 s a layer beside other units), its evaluations about 2 minutes; the sitting about 22 minutes with the
-# extension carried, 27 without.
+# extension carried, 27 without. exllamav3's extension alone with 16 jobs took 246 s on an H100 (2026-12-06, the
+# exl3opt sitting): start this sitting first in a session, while its 30 minutes of device time are whole (every
+# refused start costs a minute or two of them; on 2026-12-06 six refusals left 18 minutes, too few for it).
 # Start (carry .whl without .whl/awqct and .commit, and .ext where it is here: 64 MiB in all; poll report.sh back
 # to back, a machine goes back 30 s after a call ends):
 #   rm -rf /tmp/repo && mkdir -p /tmp/repo && cp -a . /tmp/repo/ && cd /tmp/repo &&
