@@ -11,7 +11,9 @@
 # Before the sitting, here: scripts/gpu_wheels fills .whl (the project's wheels), .whl/exl3 (exllamav3 and what it
 # imports) and .whl/tf (transformers, tokenizers and huggingface_hub as the CPU venv pins them, so the tiny
 # checkpoints are built as on CPU); `git rev-parse HEAD > .commit`. What this sitting installs (.whl/*.whl,
-# .whl/exl3, .whl/tf) is about 60 MB of the 64 MiB a call carries: move .whl/awqct and .whl/bin out of .whl for it.
+# .whl/exl3, .whl/tf) is about 58 MB, 62 with the tracked tree, of the 64 MiB a call carries: move .whl/awqct and
+# .whl/bin out of .whl for it. .whl/tf must keep kernels: carried without it (2026-12-07), 32 of 36 families were
+# refused with "Kernels are not available" (benchmarks/results/h100-2026-12-07/).
 # Then one device call, carrying .whl and .commit:
 #     rm -rf /tmp/repo && cp -r . /tmp/repo && cd /tmp/repo &&
 #     setsid nohup bash benchmarks/exl3_sitting.sh > /tmp/sitting.out 2>&1 < /dev/null & sleep 540;

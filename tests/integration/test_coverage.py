@@ -30,7 +30,6 @@ UNPROVEN = {
     "exl3": {
         "Olmo3ForCausalLM": "not run",
         "Phi3ForCausalLM": "not run",
-        "Qwen3ForCausalLM": "not run",
         "Qwen3NextForCausalLM": "not run",
         "SeedOssForCausalLM": "not run",
         "SmolLM3ForCausalLM": "not run",
@@ -43,8 +42,6 @@ UNPROVEN = {
         "(fixed since: the tiny checkpoint writes the release's letters)",
         "Qwen3MoeForCausalLM": "transformers 5.24 saves num_local_experts, releases (and exllamav3) num_experts "
         "(fixed since: the tiny checkpoint writes num_experts)",
-        "Qwen2ForCausalLM": "transformers' AutoTokenizer gave calibration ids past the tiny model's vocabulary "
-        "(fixed since: ids from the checkpoint's own tokenizer.json)",
     },
 }
 
