@@ -22,6 +22,10 @@ HIDDEN, LAYERS, HEADS, KV_HEADS, VOCAB = 128, 2, 4, 2, 1024
 # The families whose releases ship a SentencePiece tokenizer.model, which llama.cpp's converter reads for them: their
 # tiny checkpoints carry one (the others, the byte-level BPE)
 SENTENCEPIECE = {"gemma", "gemma2", "phi3", "gemma3", "ernie4_5", "nemotron", "jamba"}
+# The families written in bfloat16, as their releases are, where an engine reads some tensors in that type only:
+# exllamav3's kernels take Qwen3-Next's dt_bias and Nemotron-H's gated norm in bfloat16 alone (the 2026-12-07 sitting
+# refused both in float16). The others are written in float16.
+BFLOAT16 = {"qwen3_next", "nemotron_h"}
 
 
 # The special tokens of a family's releases that a tool looks up by name: transformers' tokenizer class adds
@@ -235,7 +239,8 @@ def as_released(model_type: str, config_path: Path) -> None:
 
 
 def make_tiny(model_type: str, out: Path, seed: int = 0, hidden: int = HIDDEN) -> Path:
-    """A tiny random checkpoint of `model_type` (FP16 weights, the tests' tokenizer), `hidden` wide, in `out`."""
+    """A tiny random checkpoint of `model_type` (FP16 weights, BF16 for BFLOAT16; the tests' tokenizer), `hidden`
+    wide, in `out`."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -247,7 +252,7 @@ def make_tiny(model_type: str, out: Path, seed: int = 0, hidden: int = HIDDEN) -
         # the sizes above are the top level's: the text model inside would be built at full size (Qwen3.5's: 22 GB)
         raise ValueError(f"{model_type}'s config nests its language model (text_config): a tiny one is not made here")
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).to(torch.float16)
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16 if model_type in BFLOAT16 else torch.float16)
     model.save_pretrained(out)
     as_released(model_type, out / "config.json")
     return out
