@@ -8,7 +8,8 @@ worker of the machine shares it):
 
     src/      the sdist, unpacked
     build/    cmake -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF -DLLAMA_CURL=OFF ... (-DGGML_CUDA=ON where
-              nvcc and a GPU exist), targets TOOLS and libllama
+              nvcc and a GPU exist), targets TOOLS and libllama; llama.cpp's `common` library, which the tools use
+              only for their command lines, at -O0 (cheap_common.cmake)
     bin/qf-llama  our driver over libllama (logits.cpp): every position's logits of the token ids it is given, and
               llama.cpp's own tokenization of a text
     multimodal/   llama-mtmd-cli, llama.cpp's multimodal tool, only when first asked for (multimodal_tool; never by
@@ -97,7 +98,7 @@ def multimodal_tool(log=print) -> Path:
         if not (out / "bin" / MULTIMODAL).is_file():
             log(f"building {MULTIMODAL} into {out} (once: minutes)")
         if not (out / "build.ninja").is_file():
-            _run(["cmake", "-S", str(source()), "-B", str(out), *CMAKE_FLAGS, *_cuda_flags()], where, "cmake")
+            _run(["cmake", "-S", str(source()), "-B", str(out), *_configure_flags()], where, "cmake")
         jobs = str(os.cpu_count() or 2)
         _run(["cmake", "--build", str(out), "--target", MULTIMODAL, "-j", jobs], where, f"build of {MULTIMODAL}")
     return out / "bin" / MULTIMODAL
@@ -144,13 +145,15 @@ def _make(tmp: Path, log) -> None:
     llama = tmp / "src" / "vendor" / "llama.cpp"
     jobs = str(os.cpu_count() or 2)
     log(f"building llama.cpp ({flavour()}; {', '.join(TOOLS)}, libllama) with {jobs} jobs: minutes")
-    _run(["cmake", "-S", str(llama), "-B", str(tmp / "build"), *CMAKE_FLAGS, *_cuda_flags()], tmp, "cmake")
+    _run(["cmake", "-S", str(llama), "-B", str(tmp / "build"), *_configure_flags()], tmp, "cmake")
     _run(["cmake", "--build", str(tmp / "build"), "--target", *TOOLS, "llama", "-j", jobs], tmp, "the build")
     compile_driver(tmp)
 
 
-def _cuda_flags() -> list[str]:
-    return ["-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=native"] if flavour() == "cuda" else []
+def _configure_flags() -> list[str]:
+    hook = Path(__file__).with_name("cheap_common.cmake")  # llama.cpp's `common` at -O0: its docstring says why
+    cuda = ["-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=native"] if flavour() == "cuda" else []
+    return [*CMAKE_FLAGS, f"-DCMAKE_PROJECT_INCLUDE={hook}", *cuda]
 
 
 def compile_driver(where: Path) -> Path:
