@@ -214,6 +214,22 @@ def _falcon_h1(cfg: dict) -> dict:
     return {"head_dim": cfg["hidden_size"] // cfg["num_attention_heads"]}
 
 
+def _own_architecture(name: str):
+    """Sarvam-MoE's and Param2-MoE's releases name their own class (SarvamMoEForCausalLM, Param2MoEForCausalLM, with
+    their modeling code) and their own keys (transformers' SarvamMoEConfig.attribute_map: "Names used by the original
+    `sarvamai/sarvam-30b` config"); transformers runs both as GLM-4-MoE and saves `Glm4MoeForCausalLM` with GLM's
+    keys, which llama.cpp's converter would take for GLM's own layout (their `gate.expert_bias` then loses the
+    `.bias` llama.cpp loads)."""
+
+    def written(cfg: dict) -> dict:
+        for ours, theirs in (("n_routed_experts", "num_experts"), ("n_shared_experts", "num_shared_experts"),
+                             ("attention_bias", "use_qkv_bias")):  # fmt: skip
+            cfg[theirs] = cfg.pop(ours)
+        return {"architectures": [name]}
+
+    return written
+
+
 # model type -> what its release's config.json says where transformers' save_pretrained writes otherwise: exllamav3
 # reads the releases' form (tests/integration/test_exl3_checkpoints.py reads each checkpoint with exllamav3's own
 # classes)
@@ -223,6 +239,8 @@ RELEASE = {
     "nemotron_h": _nemotron_h,
     "falcon_h1": _falcon_h1,
     "granitemoehybrid": _granitemoehybrid,
+    "sarvam_moe": _own_architecture("SarvamMoEForCausalLM"),
+    "param2moe": _own_architecture("Param2MoEForCausalLM"),
 }
 
 
