@@ -214,18 +214,18 @@ def _falcon_h1(cfg: dict) -> dict:
     return {"head_dim": cfg["hidden_size"] // cfg["num_attention_heads"]}
 
 
-def _own_architecture(name: str):
+def _own_architecture(name: str, **release):
     """Sarvam-MoE's and Param2-MoE's releases name their own class (SarvamMoEForCausalLM, Param2MoEForCausalLM, with
     their modeling code) and their own keys (transformers' SarvamMoEConfig.attribute_map: "Names used by the original
     `sarvamai/sarvam-30b` config"); transformers runs both as GLM-4-MoE and saves `Glm4MoeForCausalLM` with GLM's
     keys, which llama.cpp's converter would take for GLM's own layout (their `gate.expert_bias` then loses the
-    `.bias` llama.cpp loads)."""
+    `.bias` llama.cpp loads). `release`: keys the release writes that transformers' class has no field for."""
 
     def written(cfg: dict) -> dict:
         for ours, theirs in (("n_routed_experts", "num_experts"), ("n_shared_experts", "num_shared_experts"),
                              ("attention_bias", "use_qkv_bias")):  # fmt: skip
             cfg[theirs] = cfg.pop(ours)
-        return {"architectures": [name]}
+        return {"architectures": [name], **release}
 
     return written
 
@@ -239,7 +239,7 @@ RELEASE = {
     "nemotron_h": _nemotron_h,
     "falcon_h1": _falcon_h1,
     "granitemoehybrid": _granitemoehybrid,
-    "sarvam_moe": _own_architecture("SarvamMoEForCausalLM"),
+    "sarvam_moe": _own_architecture("SarvamMoEForCausalLM", score_function="sigmoid"),  # sarvam-30b's router
     "param2moe": _own_architecture("Param2MoEForCausalLM"),
 }
 

@@ -70,12 +70,38 @@ def without_draft(llama_dir: Path, source: Path, args: list[str]) -> list[str]:
     return [*args, "--no-mtp"] if exports and not has_draft_layers(source) else args
 
 
+def with_release_keys(load):
+    """The converter's load_hparams, and the keys of the source's config.json that transformers' config class knows
+    by another name (its attribute_map) put back: the converter reads its hparams through AutoConfig's to_dict, which
+    writes only transformers' names, while some of its classes ask for the release's (Sarvam-MoE's `num_experts` and
+    `num_shared_experts`, which transformers 5 calls n_routed_experts and n_shared_experts)."""
+
+    def load_hparams(dir_model: Path, is_mistral_format: bool):
+        config = load(dir_model, is_mistral_format)
+        path = Path(dir_model) / "config.json"
+        if is_mistral_format or not path.is_file():
+            return config
+        from transformers import AutoConfig
+
+        try:
+            aliases = type(AutoConfig.from_pretrained(dir_model, trust_remote_code=False)).attribute_map
+        except Exception:  # noqa: BLE001  (the converter fell back to config.json itself: nothing was renamed)
+            return config
+        raw = json.loads(path.read_text())
+        for key in (aliases.keys() & raw.keys()) - config.keys():
+            config[key] = raw[key]
+        return config
+
+    return staticmethod(load_hparams)
+
+
 def main() -> None:
     llama_dir, args = Path(sys.argv[1]), sys.argv[2:]
     sys.path[:0] = [str(llama_dir), str(llama_dir / "gguf-py")]
-    if gpt2_pre_tokenizer(Path(args[0])):
-        from conversion import base
+    from conversion import base
 
+    base.ModelBase.load_hparams = with_release_keys(base.ModelBase.load_hparams)
+    if gpt2_pre_tokenizer(Path(args[0])):
         named = base.TextModel.get_vocab_base_pre
 
         def pre_tokenizer(self, tokenizer) -> str:
