@@ -23,6 +23,8 @@ import struct
 import sys
 from pathlib import Path
 
+from transformers import AutoConfig
+
 LAYER = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.")  # the language model's, not a vision tower's
 
 
@@ -81,8 +83,6 @@ def with_release_keys(load):
         path = Path(dir_model) / "config.json"
         if is_mistral_format or not path.is_file():
             return config
-        from transformers import AutoConfig
-
         try:
             aliases = type(AutoConfig.from_pretrained(dir_model, trust_remote_code=False)).attribute_map
         except Exception:  # noqa: BLE001  (the converter fell back to config.json itself: nothing was renamed)

@@ -61,7 +61,7 @@ ARCHITECTURES = frozenset({
     "MambaForCausalLM", "Ministral3ForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "NemotronForCausalLM",
     "NemotronHForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "OlmoForCausalLM", "Phi3ForCausalLM",
     "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM",
-    "Qwen3_5MoeForCausalLM", "SeedOssForCausalLM", "SmolLM3ForCausalLM", "SolarOpenForCausalLM",
+    "Qwen3_5MoeForCausalLM", "SarvamMoEForCausalLM", "SeedOssForCausalLM", "SmolLM3ForCausalLM", "SolarOpenForCausalLM",
     "StableLmForCausalLM", "Starcoder2ForCausalLM",
     # vision-language: the language model's GGUF and the projector's (mmproj), which llama-mtmd-cli loads with an
     # image (not Mistral 3's: the converter's mmproj lacks the [IMG_BREAK] row it needs)
