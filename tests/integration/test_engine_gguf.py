@@ -344,6 +344,29 @@ def test_a_checkpoint_without_the_draft_head_its_converter_exports_converts(tmp_
         assert convert.has_draft_layers(source), name
 
 
+def test_a_granite_4_h_saved_by_transformers_5_converts_as_its_release_does(tmp_path):
+    """Granite 4.0-H's releases name its layers "mamba" and "attention"; transformers 5 saves "linear_attention" and
+    "full_attention" (a fine-tune's config), where the converter found no attention layer and wrote every layer as a
+    Mamba one. Both forms of one seeded checkpoint give the same GGUF layers: one Mamba, one attention (2 KV heads)."""
+    from tests.support.tiny_archs import make_tiny
+
+    release = make_tiny("granitemoehybrid", tmp_path / "release")
+    saved = make_tiny("granitemoehybrid", tmp_path / "saved")
+    config = json.loads((saved / "config.json").read_text())
+    config["layer_types"] = [
+        {"mamba": "linear_attention", "attention": "full_attention"}[t] for t in config["layer_types"]
+    ]
+    (saved / "config.json").write_text(json.dumps(config))
+    heads = []
+    for source in (release, saved):
+        out = tmp_path / f"{source.name}.gguf"
+        cmd = [sys.executable, "-m", "factory.engines.gguf.convert", str(llama.source()), str(source)]
+        run = subprocess.run([*cmd, "--outtype", "f16", "--outfile", str(out)], capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr[-2000:]
+        heads.append(gguf_file.metadata(out)["granitehybrid.attention.head_count_kv"])
+    assert heads == [[0, 2], [0, 2]]
+
+
 def test_a_tool_that_fails_fails_the_unit_with_its_last_line(tmp_path):
     broken = tmp_path / "broken.gguf"
     broken.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x00" * 64)

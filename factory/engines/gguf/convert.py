@@ -8,6 +8,9 @@ a vocabulary it has not seen (a tokenizer trained here, as the tests' tiny model
 pre-tokenizer is GPT-2's exactly. Where the source's tokenizer.json says so (a lone ByteLevel with GPT-2's regex, no
 prefix space), an unrecognized hash is taken as llama.cpp's `gpt-2`; any other is still refused.
 
+And what transformers 5 saves read as the releases write it: config keys it renames (with_release_keys) and Granite
+4.0-H's layer types (with_saved_layer_types).
+
 And one thing passed on: a converter class that exports a multi-token-prediction head (Qwen3.5, Qwen3-Next, GLM-4.5,
 DeepSeek-V3) asserts that the checkpoint holds one unless told `--no-mtp`; a checkpoint saved by transformers (a
 fine-tune) has none, since transformers drops those layers on load. Where the source holds no such tensors (`mtp.*`,
@@ -95,12 +98,28 @@ def with_release_keys(load):
     return staticmethod(load_hparams)
 
 
+def with_saved_layer_types(attention_layers):
+    """GraniteHybridModel.get_attn_layers that also reads layer_types as transformers 5 saves them: Granite 4.0-H's
+    releases say "attention" and "mamba", a checkpoint saved by transformers 5 (any fine-tune) "full_attention" and
+    "linear_attention", where the converter found no attention layer and wrote every layer as Mamba (head_count_kv
+    all 0, so llama.cpp reads the attention layers' tensors as a Mamba layer's)."""
+
+    def get_attn_layers(self):
+        types = self.hparams.get("layer_types") or []
+        if "attention" not in types and "full_attention" in types:
+            return [i for i, kind in enumerate(types) if kind == "full_attention"]
+        return attention_layers(self)
+
+    return get_attn_layers
+
+
 def main() -> None:
     llama_dir, args = Path(sys.argv[1]), sys.argv[2:]
     sys.path[:0] = [str(llama_dir), str(llama_dir / "gguf-py")]
-    from conversion import base
+    from conversion import base, granite
 
     base.ModelBase.load_hparams = with_release_keys(base.ModelBase.load_hparams)
+    granite.GraniteHybridModel.get_attn_layers = with_saved_layer_types(granite.GraniteHybridModel.get_attn_layers)
     if gpt2_pre_tokenizer(Path(args[0])):
         named = base.TextModel.get_vocab_base_pre
 
