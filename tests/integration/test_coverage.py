@@ -4,11 +4,10 @@ run`, `qf pull` and the engine's own loader, on CPU here and on the H200 for the
 those results, and the CPU engines' claims are proven again here, end to end (two families on every CI run, all
 with QF_COVERAGE=all).
 
-UNPROVEN lists the claims an engine keeps that its last run did not prove, each with why: the H200 run of
-2026-12-03 ran out of device time before some EXL3 families, and some failed for a reason in the factory or in our
-tiny checkpoints, fixed since (issue 48: tests/integration/test_exl3_checkpoints.py reads each checkpoint with
-exllamav3's own classes on CPU) and not yet run again. An entry leaves the list when a run proves it (this test says
-which), or the claim goes, when the engine itself refuses it: `python benchmarks/coverage.py --unproven exl3` prints
+UNPROVEN lists the claims an engine keeps that its last run did not prove, each with why: a failure for a reason in
+our tiny checkpoints, fixed since and not yet run again (issue 48: tests/integration/test_exl3_checkpoints.py reads
+each checkpoint with exllamav3's own classes on CPU), or one not understood yet. An entry leaves the list when a run
+proves it (this test says which), or the claim goes, when the engine itself refuses it: `python benchmarks/coverage.py --unproven exl3` prints
 what the committed results leave unproven, with the results' reasons. benchmarks/exl3_sitting.sh is the GPU run that
 empties EXL3's entries."""
 
