@@ -7,9 +7,9 @@ with QF_COVERAGE=all).
 UNPROVEN lists the claims an engine keeps that its last run did not prove, each with why: a failure for a reason in
 our tiny checkpoints, fixed since and not yet run again (issue 48: tests/integration/test_exl3_checkpoints.py reads
 each checkpoint with exllamav3's own classes on CPU), or one not understood yet. An entry leaves the list when a run
-proves it (this test says which), or the claim goes, when the engine itself refuses it: `python benchmarks/coverage.py --unproven exl3` prints
-what the committed results leave unproven, with the results' reasons. benchmarks/exl3_sitting.sh is the GPU run that
-empties EXL3's entries."""
+proves it (this test says which), or the claim goes, when the engine itself refuses it: `python benchmarks/coverage.py
+--unproven exl3` prints what the committed results leave unproven, with the results' reasons.
+benchmarks/exl3_sitting.sh is the GPU run that empties EXL3's entries."""
 
 from __future__ import annotations
 
