@@ -26,7 +26,7 @@ import struct
 import sys
 from pathlib import Path
 
-from transformers import AutoConfig
+from transformers import CONFIG_MAPPING
 
 LAYER = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.")  # the language model's, not a vision tower's
 
@@ -86,13 +86,10 @@ def with_release_keys(load):
         path = Path(dir_model) / "config.json"
         if is_mistral_format or not path.is_file():
             return config
-        try:
-            aliases = type(AutoConfig.from_pretrained(dir_model, trust_remote_code=False)).attribute_map
-        except Exception:  # noqa: BLE001  (the converter fell back to config.json itself: nothing was renamed)
-            return config
         raw = json.loads(path.read_text())
-        for key in (aliases.keys() & raw.keys()) - config.keys():
-            config[key] = raw[key]
+        if raw.get("model_type") in CONFIG_MAPPING:  # the class AutoConfig read it with (its model_type's)
+            for key in (CONFIG_MAPPING[raw["model_type"]].attribute_map.keys() & raw.keys()) - config.keys():
+                config[key] = raw[key]
         return config
 
     return staticmethod(load_hparams)
