@@ -112,10 +112,14 @@ PROCESS = textwrap.dedent(
 
     ledger, out, name = Ledger(Path(sys.argv[1])), sys.argv[2], sys.argv[3]
     spans, waited = {}, []
+    # both processes start their units together, however long each took to import
+    Path(out + ".ready").touch()
+    while len(list(Path(out).parent.glob("*.ready"))) < 2:
+        time.sleep(0.05)
 
     def work(unit):
         start = time.time()
-        time.sleep(0.6)
+        time.sleep(1.0)
         spans[unit.name] = (start, time.time())
 
     units = [Unit(f"quantize:{name}{i}", "quantize") for i in range(3)]

@@ -21,16 +21,16 @@ from tests.support.tiny_model import make_sentencepiece_tokenizer, make_tiny_tok
 HIDDEN, LAYERS, HEADS, KV_HEADS, VOCAB = 128, 2, 4, 2, 1024
 # The families whose releases ship a SentencePiece tokenizer.model, which llama.cpp's converter reads for them: their
 # tiny checkpoints carry one (the others, the byte-level BPE)
-SENTENCEPIECE = {"gemma", "gemma2", "phi3", "gemma3", "ernie4_5", "nemotron", "jamba"}
+SENTENCEPIECE = {"gemma", "gemma2", "phi3", "gemma3", "ernie4_5", "ernie4_5_moe", "nemotron", "jamba"}
 # The families written in bfloat16, as their releases are, where an engine reads some tensors in that type only:
 # exllamav3's kernels take Qwen3-Next's dt_bias and Nemotron-H's gated norm in bfloat16 alone (the 2026-12-07 sitting
 # refused both in float16). The others are written in float16.
 BFLOAT16 = {"qwen3_next", "nemotron_h"}
 
 
-# The special tokens of a family's releases that a tool looks up by name: transformers' tokenizer class adds
-# Qwen3.5-MoE's `<|endoftext|>` to any tokenizer.json, and llama.cpp's converter reads GLM's (zai-org's GLM-4.x and
-# the families built on its tokenizer) and Solar Open's: their tiny vocabulary holds them, as the releases' does
+# The special tokens of a family's releases that a tool looks up by name: transformers' tokenizer class adds Qwen2's and
+# Qwen3.5-MoE's `<|endoftext|>` to any tokenizer.json, and llama.cpp's converter reads GLM's (zai-org's GLM-4.x and the
+# families built on its tokenizer) and Solar Open's: their tiny vocabulary holds them, as the releases' does
 GLM_SPECIAL = [
     "<|endoftext|>",
     "[MASK]",
@@ -44,17 +44,27 @@ GLM_SPECIAL = [
     "<|observation|>",
 ]
 SPECIAL = {
-    "qwen3_5_moe_text": ["<|endoftext|>"],
+    **dict.fromkeys(("qwen2", "qwen3_5_moe_text"), ["<|endoftext|>"]),
     **dict.fromkeys(("glm", "glm4", "glm4v", "glm4_moe", "glm_moe_dsa", "param2moe", "sarvam_moe"), GLM_SPECIAL),
     "solar_open": ["<|startoftext|>", "<|endoftext|>", "<unk>"],
 }
 
 
+# What a family's release says in tokenizer_config.json that a tool reads: llama.cpp's converter asserts DeepSeek-V3.2's
+# add_bos_token
+TOKENIZER_CONFIG = {"deepseek_v32": {"add_bos_token": True}}
+
+
 def make_tokenizer(model_type: str, out: Path):
     """The tests' tokenizer for a `model_type` checkpoint in `out`: SentencePiece's where its releases ship it."""
     if model_type in SENTENCEPIECE:
-        return make_sentencepiece_tokenizer(out, VOCAB)
-    return make_tiny_tokenizer(out, VOCAB, SPECIAL.get(model_type, []))
+        tokenizer = make_sentencepiece_tokenizer(out, VOCAB)
+    else:
+        tokenizer = make_tiny_tokenizer(out, VOCAB, SPECIAL.get(model_type, []))
+    if model_type in TOKENIZER_CONFIG:
+        path = out / "tokenizer_config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **TOKENIZER_CONFIG[model_type]}, indent=2))
+    return tokenizer
 
 
 def sizes(model_type: str, hidden: int = HIDDEN) -> dict:
@@ -99,19 +109,34 @@ def sizes(model_type: str, hidden: int = HIDDEN) -> dict:
     family = {
         "opt": {"ffn_dim": 2 * hidden, "word_embed_proj_dim": hidden},
         "gptj": {"n_inner": 2 * hidden, "rotary_dim": 16},
-        "gpt_bigcode": {"n_inner": 2 * hidden, "multi_query": True},
+        # StarCoder's feed-forward 4 x hidden, as llama.cpp loads it
+        "gpt_bigcode": {"n_inner": 4 * hidden, "multi_query": True},
         "mpt": {"expansion_ratio": 2},
+        # llama.cpp loads Falcon's feed-forward 4 x hidden wide, as every Falcon release has it
         "falcon": {
             "new_decoder_architecture": True,
             "num_kv_heads": KV_HEADS,
             "parallel_attn": True,
-            "ffn_hidden_size": 2 * hidden,
+            "ffn_hidden_size": 4 * hidden,
         },
-        "deepseek_v2": {**latent, "q_lora_rank": None, "topk_method": "greedy"},
+        # releases without grouped-query attention, which llama.cpp loads as such (Phi-2's keys, OLMoE's key norm
+        # over every head, dots.llm1's); Phi-2's feed-forward 4 x hidden, as llama.cpp loads it
+        "phi": {"num_key_value_heads": HEADS, "intermediate_size": 4 * hidden},
+        "olmoe": {"num_key_value_heads": HEADS},
+        "dots1": {"num_key_value_heads": HEADS},
+        # Cohere's Command R releases tie the output to the embedding (llama.cpp's converter maps no lm_head for them)
+        "cohere": {"tie_word_embeddings": True},
+        "cohere2": {"tie_word_embeddings": True},
+        # llama.cpp loads ERNIE 4.5-MoE's shared experts intermediate_size / num_key_value_heads wide, which is what
+        # ERNIE-4.5-21B-A3B's are (12288 / 4 = 2 x 1536)
+        "ernie4_5_moe": {"moe_num_shared_experts": 1},
+        # DeepSeek-V2's query through its low rank: llama.cpp takes a model without one for V2-Lite, by its 27 layers
+        "deepseek_v2": {**latent, "q_lora_rank": hidden, "topk_method": "greedy"},
         "deepseek_v3": {**latent, "q_lora_rank": hidden},
         "deepseek_v32": {**latent, "q_lora_rank": hidden},
         "glm_moe_dsa": {**latent, "q_lora_rank": hidden},
         # LiquidAI's LFM2 releases tie the output to the embedding (llama.cpp's converter maps no lm_head for them)
+        "lfm2": {"layer_types": ["conv", "full_attention"], "tie_word_embeddings": True},
         "lfm2_moe": {"layer_types": ["conv", "full_attention"], "tie_word_embeddings": True},
         # Mamba-2's heads times their width must be the expanded width (2 x hidden); the hybrids' releases put
         # attention among the Mamba layers (Bamba-9B at 9, 18, 27; Jamba every 8th from the 4th; Granite 4.0-H one
@@ -127,6 +152,9 @@ def sizes(model_type: str, hidden: int = HIDDEN) -> dict:
         # microsoft's BitNet release ties its output to the embedding
         "bitnet": {"tie_word_embeddings": True},
         "llama4_text": {"intermediate_size_mlp": 2 * hidden},
+        # JetBrains' Mellum2 releases interleave sliding-window layers with global ones (transformers' defaults leave
+        # every layer global beside a sliding_window, which llama.cpp refuses)
+        "mellum": {"layer_types": ["sliding_attention", "full_attention"]},
         # every kind of layer a release has (Mamba-2, experts, attention: NVIDIA-Nemotron-3-Nano's "MEMEM*E..."),
         # which two layers cannot hold
         "nemotron_h": {"layers_block_type": ["linear_attention", "moe", "full_attention", "moe"]},
@@ -214,6 +242,31 @@ def _falcon_h1(cfg: dict) -> dict:
     return {"head_dim": cfg["hidden_size"] // cfg["num_attention_heads"]}
 
 
+def _gpt2(cfg: dict) -> dict:
+    """openai-community/gpt2's config.json (and AI-Sweden's GPT-SW3's) says n_ctx beside n_positions, which llama.cpp's
+    converter reads; transformers 5 saves no n_ctx."""
+    return {"n_ctx": cfg["n_positions"]}
+
+
+def _gpt_neox(cfg: dict) -> dict:
+    """EleutherAI's Pythia and GPT-NeoX releases say rotary_pct and rotary_emb_base, which llama.cpp's converter reads;
+    transformers 5 saves them inside rope_parameters."""
+    rope = cfg["rope_parameters"]
+    return {"rotary_pct": rope["partial_rotary_factor"], "rotary_emb_base": rope["rope_theta"]}
+
+
+def _cohere2(cfg: dict) -> dict:
+    """CohereLabs' Command R7B config.json says rotary_pct (1.0: every dimension rotated, as transformers' Cohere2
+    does), which llama.cpp's converter reads; transformers 5 saves none."""
+    return {"rotary_pct": 1.0}
+
+
+def _dots1(cfg: dict) -> dict:
+    """rednote-hilab/dots.llm1's config.json says scoring_func (DeepSeek-V3's keys), which llama.cpp's converter writes
+    as the experts' gating; transformers' Dots1 routes by sigmoid alone and saves none."""
+    return {"scoring_func": "sigmoid"}
+
+
 def _own_architecture(name: str, **release):
     """Sarvam-MoE's and Param2-MoE's releases name their own class (SarvamMoEForCausalLM, Param2MoEForCausalLM, with
     their modeling code) and their own keys (transformers' SarvamMoEConfig.attribute_map: "Names used by the original
@@ -234,6 +287,11 @@ def _own_architecture(name: str, **release):
 # reads the releases' form (tests/integration/test_exl3_checkpoints.py reads each checkpoint with exllamav3's own
 # classes)
 RELEASE = {
+    "gpt2": _gpt2,
+    "gpt-sw3": _gpt2,
+    "gpt_neox": _gpt_neox,
+    "cohere2": _cohere2,
+    "dots1": _dots1,
     "qwen3_moe": _qwen3_moe,
     "exaone4": _exaone4,
     "nemotron_h": _nemotron_h,

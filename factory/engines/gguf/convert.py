@@ -8,8 +8,9 @@ a vocabulary it has not seen (a tokenizer trained here, as the tests' tiny model
 pre-tokenizer is GPT-2's exactly. Where the source's tokenizer.json says so (a lone ByteLevel with GPT-2's regex, no
 prefix space), an unrecognized hash is taken as llama.cpp's `gpt-2`; any other is still refused.
 
-And what transformers 5 saves read as the releases write it: config keys it renames (with_release_keys) and Granite
-4.0-H's layer types (with_saved_layer_types).
+And the source read as its release wrote it where transformers 5 reads it otherwise: the keys of config.json that
+AutoConfig renames or folds away (with_release_keys), and Granite 4.0-H's layer types as transformers 5 saves them
+(with_saved_layer_types).
 
 And one thing passed on: a converter class that exports a multi-token-prediction head (Qwen3.5, Qwen3-Next, GLM-4.5,
 DeepSeek-V3) asserts that the checkpoint holds one unless told `--no-mtp`; a checkpoint saved by transformers (a
@@ -25,8 +26,6 @@ import runpy
 import struct
 import sys
 from pathlib import Path
-
-from transformers import CONFIG_MAPPING
 
 LAYER = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.")  # the language model's, not a vision tower's
 
@@ -76,23 +75,29 @@ def without_draft(llama_dir: Path, source: Path, args: list[str]) -> list[str]:
 
 
 def with_release_keys(load):
-    """The converter's load_hparams, and the keys of the source's config.json that transformers' config class knows
-    by another name (its attribute_map) put back: the converter reads its hparams through AutoConfig's to_dict, which
-    writes only transformers' names, while some of its classes ask for the release's (Sarvam-MoE's `num_experts` and
-    `num_shared_experts`, which transformers 5 calls n_routed_experts and n_shared_experts)."""
+    """The converter's load_hparams, with what the source's config.json says that AutoConfig's to_dict left out put
+    back: the converter reads its hparams through transformers' config class, which in transformers 5 renames or folds
+    away keys that some of its classes still ask for as the releases write them (Pythia's `rotary_pct`, inside
+    rope_parameters now; Sarvam-MoE's `num_experts`, which transformers calls n_routed_experts). Only keys it lacks,
+    nested configs too: what transformers says stays."""
 
     def load_hparams(dir_model: Path, is_mistral_format: bool):
         config = load(dir_model, is_mistral_format)
         path = Path(dir_model) / "config.json"
         if is_mistral_format or not path.is_file():
             return config
-        raw = json.loads(path.read_text())
-        if raw.get("model_type") in CONFIG_MAPPING:  # the class AutoConfig read it with (its model_type's)
-            for key in (CONFIG_MAPPING[raw["model_type"]].attribute_map.keys() & raw.keys()) - config.keys():
-                config[key] = raw[key]
+        put_back(config, json.loads(path.read_text()))
         return config
 
     return staticmethod(load_hparams)
+
+
+def put_back(config: dict, raw: dict) -> None:
+    for key, value in raw.items():
+        if key not in config:
+            config[key] = value
+        elif isinstance(value, dict) and isinstance(config[key], dict):
+            put_back(config[key], value)
 
 
 def with_saved_layer_types(attention_layers):
