@@ -52,17 +52,20 @@ TENSOR = re.compile(r"^\[\s*(\d+)/\s*(\d+)\]")
 # (benchmarks/results/coverage-cpu.json; tests/integration/test_coverage.py keeps the two equal).
 ARCHITECTURES = frozenset({
     "AfmoeForCausalLM", "ApertusForCausalLM", "ArceeForCausalLM", "BambaForCausalLM", "BloomForCausalLM",
-    "Cohere2MoeForCausalLM", "DeepseekV3ForCausalLM", "Ernie4_5ForCausalLM", "Exaone4ForCausalLM",
-    "FalconH1ForCausalLM", "FalconMambaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GemmaForCausalLM",
-    "Glm4ForCausalLM", "Glm4MoeForCausalLM", "GlmForCausalLM", "GlmMoeDsaForCausalLM", "GptOssForCausalLM",
-    "GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeHybridForCausalLM", "GraniteMoeSWAForCausalLM",
-    "GraniteMoeSharedForCausalLM", "GraniteSWAForCausalLM", "HYV3ForCausalLM", "HunYuanDenseV1ForCausalLM",
-    "Jais2ForCausalLM", "JambaForCausalLM", "LagunaForCausalLM", "Lfm2MoeForCausalLM", "LlamaForCausalLM",
-    "MambaForCausalLM", "Ministral3ForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "NemotronForCausalLM",
-    "NemotronHForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "OlmoForCausalLM", "Phi3ForCausalLM",
-    "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM",
-    "Qwen3_5MoeForCausalLM", "SarvamMoEForCausalLM", "SeedOssForCausalLM", "SmolLM3ForCausalLM", "SolarOpenForCausalLM",
-    "StableLmForCausalLM", "Starcoder2ForCausalLM",
+    "Cohere2ForCausalLM", "Cohere2MoeForCausalLM", "CohereForCausalLM", "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM", "Dots1ForCausalLM", "Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM", "Exaone4ForCausalLM",
+    "FalconForCausalLM", "FalconH1ForCausalLM", "FalconMambaForCausalLM", "GPT2LMHeadModel", "GPTBigCodeForCausalLM",
+    "GPTNeoXForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GemmaForCausalLM", "Glm4ForCausalLM",
+    "Glm4MoeForCausalLM", "GlmForCausalLM", "GlmMoeDsaForCausalLM", "GptOssForCausalLM", "GraniteForCausalLM",
+    "GraniteMoeForCausalLM", "GraniteMoeHybridForCausalLM", "GraniteMoeSWAForCausalLM", "GraniteMoeSharedForCausalLM",
+    "GraniteSWAForCausalLM", "HYV3ForCausalLM", "HunYuanDenseV1ForCausalLM", "Jais2ForCausalLM", "JambaForCausalLM",
+    "LagunaForCausalLM", "Lfm2ForCausalLM", "Lfm2MoeForCausalLM", "LlamaForCausalLM", "MambaForCausalLM",
+    "MellumForCausalLM", "Ministral3ForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "NemotronForCausalLM",
+    "NemotronHForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "OlmoForCausalLM", "OlmoeForCausalLM",
+    "Phi3ForCausalLM", "PhiForCausalLM", "Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
+    "SarvamMoEForCausalLM", "SeedOssForCausalLM", "SmolLM3ForCausalLM", "SolarOpenForCausalLM", "StableLmForCausalLM",
+    "Starcoder2ForCausalLM",
     # vision-language: the language model's GGUF and the projector's (mmproj), which llama-mtmd-cli loads with an
     # image (not Mistral 3's: the converter's mmproj lacks the [IMG_BREAK] row it needs)
     "Gemma3ForConditionalGeneration", "Glm4vForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
@@ -102,13 +105,15 @@ def _quantize_parser(line: str) -> dict | None:
     return None
 
 
-def check_gguf(path: Path, type_: str, log: Path) -> None:
-    """The file is GGUF and says it holds `type_` (general.file_type, llama.cpp's ftype)."""
+def check_gguf(path: Path, type_: str, log: Path, *, converted: bool = False) -> None:
+    """The file is GGUF and says it holds `type_` (general.file_type, llama.cpp's ftype). A `converted` file may say
+    nothing: some of the converter's classes write no file type (GPT-NeoX's), and llama-quantize reads each tensor's
+    own type; a file type that is there must be the one asked for."""
     try:
         got = gguf_file.metadata(path).get("general.file_type")
     except (OSError, ValueError) as e:
         raise JobFailed(f"llama.cpp wrote no readable GGUF {path.name}: {e}; see {log}") from None
-    if got != TYPES[type_][1]:
+    if got != TYPES[type_][1] and not (converted and got is None):
         raise JobFailed(f"{path.name} has file type {got}, not {type_}'s {TYPES[type_][1]}; see {log}")
 
 
@@ -199,7 +204,7 @@ class GgufEngine(Engine):
             layers = int(config.get("text_config", config).get("num_hidden_layers") or 1)
             cmd = [*convert, "--outtype", outtype, "--outfile", str(made)]
             child.run_command(cmd, log, emit, f"GGUF conversion to {outtype}", _converter_parser(layers), merge=True)
-            check_gguf(made, outtype.upper(), log)
+            check_gguf(made, outtype.upper(), log, converted=True)
         elif stage == "mmproj":  # the vision tower and projector at 16 bits, as uploaders publish them
             layers = int(config["vision_config"].get("num_hidden_layers") or config["vision_config"].get("depth") or 1)
             cmd = [*convert, "--mmproj", "--outtype", "f16", "--outfile", str(made)]
