@@ -42,7 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-# the vision-language families of issue 33 (tests/support/tiny_vlms.py makes them)
+# the vision-language families of issue 33 (tests/support/tiny_vlms.py makes them, and Qwen3.5's)
 VISION_LANGUAGE = ["gemma3", "mistral3", "qwen2_5_vl", "qwen3_vl", "llama4", "glm4v"]
 # model types each engine's upstream maps, built into transformers (no auto_map); the vision-language ones are made
 # by tests/support/tiny_vlms.py
@@ -178,9 +178,12 @@ CANDIDATES["awqct"] = [
     "opt",
     "gpt2",
     "mpt",
-    # GLM-4 with mappings of the factory's (its MLP fuses gate and up), and the vision-language families of issue 33
+    # GLM-4 with mappings of the factory's (its MLP fuses gate and up), the vision-language families of issue 33, and
+    # Qwen3.5's releases (vision-language: their language model mixes linear and full attention, as Qwen3-Next's)
     "glm4",
     *VISION_LANGUAGE,
+    "qwen3_5",
+    "qwen3_5_moe",
 ]
 
 

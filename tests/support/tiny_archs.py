@@ -21,7 +21,7 @@ from tests.support.tiny_model import make_sentencepiece_tokenizer, make_tiny_tok
 HIDDEN, LAYERS, HEADS, KV_HEADS, VOCAB = 128, 2, 4, 2, 1024
 # The families whose releases ship a SentencePiece tokenizer.model, which llama.cpp's converter reads for them: their
 # tiny checkpoints carry one (the others, the byte-level BPE)
-SENTENCEPIECE = {"gemma", "gemma2", "phi3", "gemma3", "ernie4_5", "ernie4_5_moe", "nemotron", "jamba"}
+SENTENCEPIECE = {"gemma", "gemma2", "phi3", "gemma3", "gemma4_text", "ernie4_5", "ernie4_5_moe", "nemotron", "jamba"}
 # The families written in bfloat16, as their releases are, where an engine reads some tensors in that type only:
 # exllamav3's kernels take Qwen3-Next's dt_bias and Nemotron-H's gated norm in bfloat16 alone (the 2026-12-07 sitting
 # refused both in float16). The others are written in float16.
@@ -130,8 +130,9 @@ def sizes(model_type: str, hidden: int = HIDDEN) -> dict:
         # llama.cpp loads ERNIE 4.5-MoE's shared experts intermediate_size / num_key_value_heads wide, which is what
         # ERNIE-4.5-21B-A3B's are (12288 / 4 = 2 x 1536)
         "ernie4_5_moe": {"moe_num_shared_experts": 1},
-        # DeepSeek-V2's query through its low rank: llama.cpp takes a model without one for V2-Lite, by its 27 layers
-        "deepseek_v2": {**latent, "q_lora_rank": hidden, "topk_method": "greedy"},
+        # DeepSeek-V2-Lite's: no low rank for the query, and its 27 layers, by which llama.cpp knows a V2-Lite (it asks
+        # any other DeepSeek-V2 for the query's low rank)
+        "deepseek_v2": {**latent, "q_lora_rank": None, "topk_method": "greedy", "num_hidden_layers": 27},
         "deepseek_v3": {**latent, "q_lora_rank": hidden},
         "deepseek_v32": {**latent, "q_lora_rank": hidden},
         "glm_moe_dsa": {**latent, "q_lora_rank": hidden},
@@ -152,6 +153,15 @@ def sizes(model_type: str, hidden: int = HIDDEN) -> dict:
         # microsoft's BitNet release ties its output to the embedding
         "bitnet": {"tie_word_embeddings": True},
         "llama4_text": {"intermediate_size_mlp": 2 * hidden},
+        # Gemma 4's global layer (the last of the two) with heads twice as wide as its sliding ones (google's: 512 and
+        # 256), its per-layer input embeddings over the tiny vocabulary, no experts (the dense releases')
+        "gemma4_text": {
+            "num_experts": None,
+            "moe_intermediate_size": None,
+            "per_layer_config": {LAYERS - 1: {"head_dim": 2 * hidden // HEADS}},
+            "vocab_size_per_layer_input": VOCAB,
+            "hidden_size_per_layer_input": hidden // 8,
+        },
         # JetBrains' Mellum2 releases interleave sliding-window layers with global ones (transformers' defaults leave
         # every layer global beside a sliding_window, which llama.cpp refuses)
         "mellum": {"layer_types": ["sliding_attention", "full_attention"]},
@@ -181,11 +191,12 @@ def config_for(model_type: str, bos: int, eos: int, hidden: int = HIDDEN):
 
 
 def _has(config, key: str) -> bool:
-    """The config has `key` as one value (Gemma 4's says head_dim once a layer, and raises on reading it whole)."""
+    """The config has `key` (Gemma 4's has head_dim as the layers' own, per_layer_config saying where a layer's
+    differs, and raises on reading it whole)."""
     try:
         return hasattr(config, key)
     except RuntimeError:
-        return False
+        return True
 
 
 def _per_layer(config, layers: int | None) -> None:

@@ -28,6 +28,8 @@ FAMILIES = {
     "qwen3_vl": "Qwen3VLForConditionalGeneration",
     "llama4": "Llama4ForConditionalGeneration",
     "glm4v": "Glm4vForConditionalGeneration",
+    "qwen3_5": "Qwen3_5ForConditionalGeneration",
+    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
 }
 # The tiny language model's rotary sections over time, height and width for heads of 32 (they sum to 16); wider
 # heads (the GPU engines' 64) scale them
@@ -44,6 +46,8 @@ TOKENS = {
     "mistral3": {"[IMG]": "image_token_index", "[IMG_BREAK]": None, "[IMG_END]": None},
     "qwen2_5_vl": QWEN_TOKENS,
     "qwen3_vl": QWEN_TOKENS,
+    "qwen3_5": QWEN_TOKENS,
+    "qwen3_5_moe": QWEN_TOKENS,
     "glm4v": {
         "<|begin_of_image|>": "image_start_token_id",
         "<|end_of_image|>": "image_end_token_id",
@@ -66,6 +70,8 @@ VISION = {
     "vision_output_dim": 128,
     "projector_input_dim": 128,
     "projector_output_dim": HIDDEN,
+    # Qwen3-VL's layers that also feed the language model (the release's 8, 16 and 24 of 27): inside the tiny tower
+    "deepstack_visual_indexes": [0, 1, 2],
 }
 
 
@@ -85,6 +91,12 @@ QWEN_PREPROCESSOR = {
     "image_std": CLIP_STD,
 }
 PIXELS = VISION["image_size"] ** 2
+QWEN3_PREPROCESSOR = {
+    **QWEN_PREPROCESSOR,
+    "image_processor_type": "Qwen2VLImageProcessorFast",
+    "processor_class": "Qwen3VLProcessor",
+    "size": {"shortest_edge": PIXELS, "longest_edge": 4 * PIXELS},
+}
 # The image processor's preprocessor_config.json of each family as its release ships it, at the tiny sizes (Gemma
 # 3's comes from its processor, gemma3_processor)
 PREPROCESSORS = {
@@ -109,12 +121,9 @@ PREPROCESSORS = {
         "min_pixels": PIXELS,
         "max_pixels": 4 * PIXELS,
     },
-    "qwen3_vl": {
-        **QWEN_PREPROCESSOR,
-        "image_processor_type": "Qwen2VLImageProcessorFast",
-        "processor_class": "Qwen3VLProcessor",
-        "size": {"shortest_edge": PIXELS, "longest_edge": 4 * PIXELS},
-    },
+    "qwen3_vl": QWEN3_PREPROCESSOR,
+    "qwen3_5": QWEN3_PREPROCESSOR,  # Qwen/Qwen3.5's processor is Qwen3-VL's
+    "qwen3_5_moe": QWEN3_PREPROCESSOR,
     "glm4v": {
         **QWEN_PREPROCESSOR,
         "image_processor_type": "Glm4vImageProcessor",

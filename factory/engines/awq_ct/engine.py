@@ -33,13 +33,13 @@ ARCHITECTURES = frozenset({
     "LlamaForCausalLM", "Mistral3ForConditionalGeneration", "MistralForCausalLM",
     "MixtralForCausalLM", "Olmo3ForCausalLM", "OlmoForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM",
     "Qwen2MoeForCausalLM", "Qwen2_5_VLForConditionalGeneration", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
-    "Qwen3NextForCausalLM", "Qwen3VLForConditionalGeneration", "SeedOssForCausalLM", "SmolLM3ForCausalLM",
-    "SolarOpenForCausalLM",
+    "Qwen3NextForCausalLM", "Qwen3VLForConditionalGeneration", "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration", "SeedOssForCausalLM", "SmolLM3ForCausalLM", "SolarOpenForCausalLM",
 })  # fmt: skip
 MOE = frozenset({
     "Qwen3MoeForCausalLM", "MixtralForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "HYV3ForCausalLM",
     "LagunaForCausalLM", "Qwen3NextForCausalLM", "SolarOpenForCausalLM", "Qwen2MoeForCausalLM", "DeepseekV2ForCausalLM",
-    "Ernie4_5_MoeForCausalLM",
+    "Ernie4_5_MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration",
 })  # fmt: skip
 TOOLS = ("llmcompressor", "compressed-tensors", "transformers")  # what makes its quants: the child's, not the factory's
 

@@ -55,20 +55,21 @@ ARCHITECTURES = frozenset({
     "Cohere2ForCausalLM", "Cohere2MoeForCausalLM", "CohereForCausalLM", "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM", "Dots1ForCausalLM", "Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM", "Exaone4ForCausalLM",
     "FalconForCausalLM", "FalconH1ForCausalLM", "FalconMambaForCausalLM", "GPT2LMHeadModel", "GPTBigCodeForCausalLM",
-    "GPTNeoXForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GemmaForCausalLM", "Glm4ForCausalLM",
-    "Glm4MoeForCausalLM", "GlmForCausalLM", "GlmMoeDsaForCausalLM", "GptOssForCausalLM", "GraniteForCausalLM",
-    "GraniteMoeForCausalLM", "GraniteMoeHybridForCausalLM", "GraniteMoeSWAForCausalLM", "GraniteMoeSharedForCausalLM",
-    "GraniteSWAForCausalLM", "HYV3ForCausalLM", "HunYuanDenseV1ForCausalLM", "Jais2ForCausalLM", "JambaForCausalLM",
-    "LagunaForCausalLM", "Lfm2ForCausalLM", "Lfm2MoeForCausalLM", "LlamaForCausalLM", "MambaForCausalLM",
-    "MellumForCausalLM", "Ministral3ForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "NemotronForCausalLM",
-    "NemotronHForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "OlmoForCausalLM", "OlmoeForCausalLM",
-    "Phi3ForCausalLM", "PhiForCausalLM", "Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM",
-    "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
-    "SarvamMoEForCausalLM", "SeedOssForCausalLM", "SmolLM3ForCausalLM", "SolarOpenForCausalLM", "StableLmForCausalLM",
-    "Starcoder2ForCausalLM",
+    "GPTNeoXForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma4ForCausalLM", "GemmaForCausalLM",
+    "Glm4ForCausalLM", "Glm4MoeForCausalLM", "GlmForCausalLM", "GlmMoeDsaForCausalLM", "GptOssForCausalLM",
+    "GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeHybridForCausalLM", "GraniteMoeSWAForCausalLM",
+    "GraniteMoeSharedForCausalLM", "GraniteSWAForCausalLM", "HYV3ForCausalLM", "HunYuanDenseV1ForCausalLM",
+    "Jais2ForCausalLM", "JambaForCausalLM", "LagunaForCausalLM", "Lfm2ForCausalLM", "Lfm2MoeForCausalLM",
+    "LlamaForCausalLM", "MambaForCausalLM", "MellumForCausalLM", "Ministral3ForCausalLM", "MistralForCausalLM",
+    "MixtralForCausalLM", "NemotronForCausalLM", "NemotronHForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
+    "OlmoForCausalLM", "OlmoeForCausalLM", "Phi3ForCausalLM", "PhiForCausalLM", "Qwen2ForCausalLM",
+    "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM", "SarvamMoEForCausalLM", "SeedOssForCausalLM", "SmolLM3ForCausalLM", "SolarOpenForCausalLM",
+    "StableLmForCausalLM", "Starcoder2ForCausalLM",
     # vision-language: the language model's GGUF and the projector's (mmproj), which llama-mtmd-cli loads with an
     # image (not Mistral 3's: the converter's mmproj lacks the [IMG_BREAK] row it needs)
     "Gemma3ForConditionalGeneration", "Glm4vForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
+    "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
 })  # fmt: skip
 
 
