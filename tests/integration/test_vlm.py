@@ -32,6 +32,8 @@ PARTS = {
     "qwen3_vl": ("model.visual",),
     "llama4": ("multi_modal_projector", "vision_model"),
     "glm4v": ("model.visual",),
+    "qwen3_5": ("model.visual",),
+    "qwen3_5_moe": ("model.visual",),
 }
 
 
