@@ -273,9 +273,9 @@ def _cohere2(cfg: dict) -> dict:
 
 
 def _dots1(cfg: dict) -> dict:
-    """rednote-hilab/dots.llm1's config.json says scoring_func (DeepSeek-V3's keys), which llama.cpp's converter writes
-    as the experts' gating; transformers' Dots1 routes by sigmoid alone and saves none."""
-    return {"scoring_func": "sigmoid"}
+    """rednote-hilab/dots.llm1's config.json says scoring_func "noaux_tc" (exllamav3 checks it; the pinned llama.cpp's
+    converter knows no such gating and refuses it); transformers 5 saves none."""
+    return {"scoring_func": "noaux_tc"}
 
 
 def _own_architecture(name: str, **release):

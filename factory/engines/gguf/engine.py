@@ -53,7 +53,7 @@ TENSOR = re.compile(r"^\[\s*(\d+)/\s*(\d+)\]")
 ARCHITECTURES = frozenset({
     "AfmoeForCausalLM", "ApertusForCausalLM", "ArceeForCausalLM", "BambaForCausalLM", "BloomForCausalLM",
     "Cohere2ForCausalLM", "Cohere2MoeForCausalLM", "CohereForCausalLM", "DeepseekV2ForCausalLM",
-    "DeepseekV3ForCausalLM", "Dots1ForCausalLM", "Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM", "Exaone4ForCausalLM",
+    "DeepseekV3ForCausalLM", "Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM", "Exaone4ForCausalLM",
     "FalconForCausalLM", "FalconH1ForCausalLM", "FalconMambaForCausalLM", "GPT2LMHeadModel", "GPTBigCodeForCausalLM",
     "GPTNeoXForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma4ForCausalLM", "GemmaForCausalLM",
     "Glm4ForCausalLM", "Glm4MoeForCausalLM", "GlmForCausalLM", "GlmMoeDsaForCausalLM", "GptOssForCausalLM",
