@@ -254,8 +254,8 @@ def _falcon_h1(cfg: dict) -> dict:
 
 
 def _gpt2(cfg: dict) -> dict:
-    """openai-community/gpt2's config.json (and AI-Sweden's GPT-SW3's) says n_ctx beside n_positions, which llama.cpp's
-    converter reads; transformers 5 saves no n_ctx."""
+    """openai-community/gpt2's config.json says n_ctx beside n_positions, which llama.cpp's converter reads;
+    transformers 5 saves no n_ctx."""
     return {"n_ctx": cfg["n_positions"]}
 
 
@@ -299,7 +299,6 @@ def _own_architecture(name: str, **release):
 # classes)
 RELEASE = {
     "gpt2": _gpt2,
-    "gpt-sw3": _gpt2,
     "gpt_neox": _gpt_neox,
     "cohere2": _cohere2,
     "dots1": _dots1,
