@@ -179,11 +179,14 @@ CANDIDATES["awqct"] = [
     "gpt2",
     "mpt",
     # GLM-4 with mappings of the factory's (its MLP fuses gate and up), the vision-language families of issue 33, and
-    # Qwen3.5's releases (vision-language: their language model mixes linear and full attention, as Qwen3-Next's)
+    # Qwen3.5's releases (vision-language: their language model mixes linear and full attention, as Qwen3-Next's),
     "glm4",
     *VISION_LANGUAGE,
     "qwen3_5",
     "qwen3_5_moe",
+    # and Gemma 4's, as released (vision-language) and its language model alone
+    "gemma4",
+    "gemma4_text",
 ]
 
 

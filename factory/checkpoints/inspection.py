@@ -115,8 +115,9 @@ VISION_NUMBERS = (
     "image_size",
 )
 # The parts of a vision-language checkpoint that are not its language model: the vision tower (model.vision_tower,
-# model.visual, model.vision_model) and the projector into the language model's embeddings. They stay at 16 bits.
-VISION_PARTS = ("vision_tower", "visual", "vision_model", "multi_modal_projector", "mm_projector")
+# model.visual, model.vision_model) and the projector into the language model's embeddings (Gemma 4's
+# model.embed_vision). They stay at 16 bits.
+VISION_PARTS = ("vision_tower", "visual", "vision_model", "multi_modal_projector", "mm_projector", "embed_vision")
 VISION_PART = re.compile(rf"(?:model\.)?({'|'.join(VISION_PARTS)})\.")
 # Other names of the sizes, by family (the aliases transformers' configs map: GPT-J's n_embd, MPT's d_model, ...);
 # read_config fills the standard name from the first alias present when the standard one is missing.

@@ -34,6 +34,7 @@ PARTS = {
     "glm4v": ("model.visual",),
     "qwen3_5": ("model.visual",),
     "qwen3_5_moe": ("model.visual",),
+    "gemma4": ("model.embed_vision", "model.vision_tower"),
 }
 
 
@@ -159,7 +160,7 @@ def test_gemma3_keeps_its_vision_tower_publishes_its_processor_and_the_quant_tak
         r"re:(.*\.)?lm_head$",
         "re:.*mlp.gate$",
         r"re:.*feed_forward\.router$",
-        r"re:(.*\.)?(vision_tower|visual|vision_model|multi_modal_projector|mm_projector)\..*",
+        r"re:(.*\.)?(vision_tower|visual|vision_model|multi_modal_projector|mm_projector|embed_vision)\..*",
     ]
 
     card = (pulled / "README.md").read_text()

@@ -21,7 +21,18 @@ from tests.support.tiny_model import make_sentencepiece_tokenizer, make_tiny_tok
 HIDDEN, LAYERS, HEADS, KV_HEADS, VOCAB = 128, 2, 4, 2, 1024
 # The families whose releases ship a SentencePiece tokenizer.model, which llama.cpp's converter reads for them: their
 # tiny checkpoints carry one (the others, the byte-level BPE)
-SENTENCEPIECE = {"gemma", "gemma2", "phi3", "gemma3", "gemma4_text", "ernie4_5", "ernie4_5_moe", "nemotron", "jamba"}
+SENTENCEPIECE = {
+    "gemma",
+    "gemma2",
+    "phi3",
+    "gemma3",
+    "gemma4",
+    "gemma4_text",
+    "ernie4_5",
+    "ernie4_5_moe",
+    "nemotron",
+    "jamba",
+}
 # The families written in bfloat16, as their releases are, where an engine reads some tensors in that type only:
 # exllamav3's kernels take Qwen3-Next's dt_bias and Nemotron-H's gated norm in bfloat16 alone (the 2026-12-07 sitting
 # refused both in float16). The others are written in float16.
@@ -160,7 +171,7 @@ def sizes(model_type: str, hidden: int = HIDDEN) -> dict:
             "moe_intermediate_size": None,
             "per_layer_config": {LAYERS - 1: {"head_dim": 2 * hidden // HEADS}},
             "vocab_size_per_layer_input": VOCAB,
-            "hidden_size_per_layer_input": hidden // 8,
+            "hidden_size_per_layer_input": hidden,
         },
         # JetBrains' Mellum2 releases interleave sliding-window layers with global ones (transformers' defaults leave
         # every layer global beside a sliding_window, which llama.cpp refuses)

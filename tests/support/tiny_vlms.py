@@ -30,6 +30,7 @@ FAMILIES = {
     "glm4v": "Glm4vForConditionalGeneration",
     "qwen3_5": "Qwen3_5ForConditionalGeneration",
     "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+    "gemma4": "Gemma4ForConditionalGeneration",
 }
 # The tiny language model's rotary sections over time, height and width for heads of 32 (they sum to 16); wider
 # heads (the GPU engines' 64) scale them
@@ -48,6 +49,8 @@ TOKENS = {
     "qwen3_vl": QWEN_TOKENS,
     "qwen3_5": QWEN_TOKENS,
     "qwen3_5_moe": QWEN_TOKENS,
+    # llama.cpp's mtmd frames a Gemma 4 image with `<|image>` and `<image|>`
+    "gemma4": {"<|image>": "boi_token_id", "<|image|>": "image_token_id", "<image|>": "eoi_token_id"},
     "glm4v": {
         "<|begin_of_image|>": "image_start_token_id",
         "<|end_of_image|>": "image_end_token_id",
@@ -81,7 +84,16 @@ RELEASE_VISION = {
     "qwen2_5_vl": {"model_type": None, "spatial_patch_size": VISION["patch_size"]},
     "qwen3_vl": {"model_type": "qwen3_vl"},
 }
-TEXT_AT_TOP = {"qwen2_5_vl"}  # Qwen2.5-VL's release says its language model's numbers at the top, without text_config
+# The tiny tower's numbers where a family's differ from VISION's: Gemma 4's heads as wide as the tower (its key and
+# value heads named apart) and its release's 16-pixel patches, which its pooling of 3 x 3 patches is built around
+RELEASE_TOWER = {
+    "gemma4": {"head_dim": VISION["hidden_size"] // VISION["num_heads"], "num_key_value_heads": 2, "patch_size": 16}
+}
+TEXT_AT_TOP = {"qwen2_5_vl"}
+TIED = {"gemma4"}  # Gemma 4's releases tie the output to the embedding (llama.cpp's converter maps no lm_head for it)
+# Gemma 4's language model has exactly its tokenizer's vocabulary, as the releases' (262144 both): llama.cpp's converter
+# takes the tokenizer's tokens as they are, without padding them to the embedding's rows
+EXACT_VOCAB = {"gemma4"}  # Qwen2.5-VL's release says its language model's numbers at the top, without text_config
 CLIP_MEAN, CLIP_STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
 QWEN_PREPROCESSOR = {
     "patch_size": VISION["patch_size"],
@@ -124,6 +136,21 @@ PREPROCESSORS = {
     "qwen3_vl": QWEN3_PREPROCESSOR,
     "qwen3_5": QWEN3_PREPROCESSOR,  # Qwen/Qwen3.5's processor is Qwen3-VL's
     "qwen3_5_moe": QWEN3_PREPROCESSOR,
+    "gemma4": {
+        "image_processor_type": "Gemma4ImageProcessor",
+        "processor_class": "Gemma4Processor",
+        "patch_size": 16,
+        "pooling_kernel_size": 3,
+        "max_soft_tokens": 280,
+        "image_mean": [0.0, 0.0, 0.0],
+        "image_std": [1.0, 1.0, 1.0],
+        "resample": 3,
+        "rescale_factor": 1 / 255,
+        "do_convert_rgb": True,
+        "do_normalize": False,
+        "do_rescale": True,
+        "do_resize": True,
+    },
     "glm4v": {
         **QWEN_PREPROCESSOR,
         "image_processor_type": "Glm4vImageProcessor",
@@ -146,11 +173,15 @@ def vlm_config(model_type: str, bos: int, eos: int, hidden: int = HIDDEN):
         scale = (getattr(tiny_text, "head_dim", None) or hidden // tiny_text.num_attention_heads) // 32
         sections = [n * scale for n in MROPE[model_type]]
         config.text_config.rope_parameters = {**config.text_config.rope_parameters, "mrope_section": sections}
+    if config.vision_config is None:  # Gemma 4's default has no tower: its class's defaults, shrunk below
+        config.vision_config = type(config).sub_configs["vision_config"]()
     for key, value in {**VISION, "out_hidden_size": hidden, "projector_output_dim": hidden}.items():
         if hasattr(config.vision_config, key):
             setattr(config.vision_config, key, value)
+    for key, value in RELEASE_TOWER.get(model_type, {}).items():
+        setattr(config.vision_config, key, value)
     config.bos_token_id, config.eos_token_id = bos, eos
-    config.tie_word_embeddings = False
+    config.tie_word_embeddings = model_type in TIED
     return config
 
 
@@ -192,11 +223,15 @@ def gemma3_processor(out: Path, tokenizer, config) -> None:
     ).save_pretrained(out)
 
 
-def add_image_tokens(out: Path, config, tokens: dict[str, str | None]) -> None:
-    """The family's image tokens added to the tokenizer saved in `out`, their ids written to the config."""
+def load_tokenizer(out: Path):
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(out)
+    return AutoTokenizer.from_pretrained(out)
+
+
+def add_image_tokens(out: Path, config, tokens: dict[str, str | None]) -> None:
+    """The family's image tokens added to the tokenizer saved in `out`, their ids written to the config."""
+    tokenizer = load_tokenizer(out)
     tokenizer.add_special_tokens({"additional_special_tokens": list(tokens)})
     tokenizer.save_pretrained(out)
     for token, key in tokens.items():
@@ -256,6 +291,8 @@ def make_tiny_vlm(model_type: str, out: Path, seed: int = 0, hidden: int = HIDDE
         PROCESSORS[model_type](out, tokenizer, config)
     if model_type in TOKENS:
         add_image_tokens(out, config, TOKENS[model_type])
+    if model_type in EXACT_VOCAB:
+        config.text_config.vocab_size = config.text_config.vocab_size_per_layer_input = len(load_tokenizer(out))
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config).to(torch.float16)
     model.save_pretrained(out)

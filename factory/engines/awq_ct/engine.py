@@ -28,9 +28,9 @@ from factory.errors import JobFailed
 ARCHITECTURES = frozenset({
     "Cohere2ForCausalLM", "CohereForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Ernie4_5ForCausalLM",
     "Ernie4_5_MoeForCausalLM", "Exaone4ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
-    "Gemma3ForConditionalGeneration", "GemmaForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM",
-    "Glm4vForConditionalGeneration", "GraniteForCausalLM", "HYV3ForCausalLM", "LagunaForCausalLM",
-    "LlamaForCausalLM", "Mistral3ForConditionalGeneration", "MistralForCausalLM",
+    "Gemma3ForConditionalGeneration", "Gemma4ForCausalLM", "Gemma4ForConditionalGeneration", "GemmaForCausalLM",
+    "Glm4ForCausalLM", "Glm4MoeForCausalLM", "Glm4vForConditionalGeneration", "GraniteForCausalLM", "HYV3ForCausalLM",
+    "LagunaForCausalLM", "LlamaForCausalLM", "Mistral3ForConditionalGeneration", "MistralForCausalLM",
     "MixtralForCausalLM", "Olmo3ForCausalLM", "OlmoForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM",
     "Qwen2MoeForCausalLM", "Qwen2_5_VLForConditionalGeneration", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
     "Qwen3NextForCausalLM", "Qwen3VLForConditionalGeneration", "Qwen3_5ForConditionalGeneration",

@@ -68,8 +68,8 @@ ARCHITECTURES = frozenset({
     "StableLmForCausalLM", "Starcoder2ForCausalLM",
     # vision-language: the language model's GGUF and the projector's (mmproj), which llama-mtmd-cli loads with an
     # image (not Mistral 3's: the converter's mmproj lacks the [IMG_BREAK] row it needs)
-    "Gemma3ForConditionalGeneration", "Glm4vForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
-    "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
+    "Gemma3ForConditionalGeneration", "Gemma4ForConditionalGeneration", "Glm4vForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
 })  # fmt: skip
 
 
