@@ -376,9 +376,10 @@ def read_config(path: Path, check_numbers: bool = True) -> dict:
 
 def with_standard_names(config: dict) -> dict:
     """The config with the sizes under their standard names too (ALIASES), the layer count where a family gives
-    only its layers' kinds, and intermediate_size where a family leaves it implied: 4 x hidden (GPT-J's null
-    n_inner, Falcon, Bloom), MPT's expansion_ratio x d_model. A vision-language config's sizes are its language
-    model's (text_config), where the top level does not say them itself."""
+    only its layers' kinds, intermediate_size as one number where a family says one a layer (the widest), and where
+    a family leaves it implied: 4 x hidden (GPT-J's null n_inner, Falcon, Bloom), MPT's expansion_ratio x d_model.
+    A vision-language config's sizes are its language model's (text_config), where the top level does not say them
+    itself."""
     filled = dict(config)
     if isinstance(config.get("text_config"), dict):
         text = config["text_config"]
@@ -391,6 +392,9 @@ def with_standard_names(config: dict) -> dict:
             found = next((filled[a] for a in aliases if filled.get(a) is not None), None)
             if found is not None:
                 filled[name] = found
+    widths = filled.get("intermediate_size")  # Gemma 3n says its MLP's width once a layer: the widest sizes them all
+    if isinstance(widths, list) and widths and all(isinstance(w, int) and not isinstance(w, bool) for w in widths):
+        filled["intermediate_size"] = max(widths)
     kinds = filled.get("layers_block_type")  # Nemotron-H says its layers by their kinds only
     if filled.get("num_hidden_layers") is None and isinstance(kinds, list) and kinds:
         filled["num_hidden_layers"] = len(kinds)

@@ -173,6 +173,15 @@ def sizes(model_type: str, hidden: int = HIDDEN) -> dict:
             "vocab_size_per_layer_input": VOCAB,
             "hidden_size_per_layer_input": hidden,
         },
+        # Gemma 3n's per-layer input embeddings over the tiny vocabulary, 256 wide as its releases' (llama.cpp knows
+        # no other width), and no layer reading another's keys and values (its releases' last 10 of 30 layers do: two
+        # layers cannot)
+        "gemma3n_text": {
+            "intermediate_size": [2 * hidden] * LAYERS,  # a width per layer, as its releases say it
+            "vocab_size_per_layer_input": VOCAB,
+            "hidden_size_per_layer_input": 256,
+            "num_kv_shared_layers": 0,
+        },
         # JetBrains' Mellum2 releases interleave sliding-window layers with global ones (transformers' defaults leave
         # every layer global beside a sliding_window, which llama.cpp refuses)
         "mellum": {"layer_types": ["sliding_attention", "full_attention"]},
