@@ -12,7 +12,8 @@ tests/support/gguf_image.py, llama.cpp's llama-mtmd-cli, built on this machine w
     python benchmarks/coverage.py --unproven exl3   # its claims the committed results do not prove, and why
 
 `--claimed` tries the candidates whose architecture the engine claims, those the committed results do not prove
-first (benchmarks/exl3_sitting.sh runs EXL3's so on the GPU). An engine's `architectures` must be exactly the set
+first, then `--arch`'s families the engine does not claim yet, then the proven ones again (benchmarks/exl3_sitting.sh
+runs EXL3's so on the GPU). An engine's `architectures` must be exactly the set
 that passed (tests/integration/test_coverage.py checks the committed
 results against each engine, and the README's table against the results). To try an architecture the engine does
 not claim yet, the `qf` of each run is this module (`--as-qf`), which adds it to the engine's claims in that
@@ -126,12 +127,20 @@ CANDIDATES = {
         "kimi_linear",
         "laguna",
         "solar_open",
-        # the vision-language families of issue 33 exllamav3 has architecture files for
+        # Qwen3.5's and Gemma 4's language models alone (exllamav3's qwen3_5.py, gemma4.py)
+        "qwen3_5_text",
+        "qwen3_5_moe_text",
+        "gemma4_text",
+        # the vision-language families of issue 33 exllamav3 has architecture files for, and Qwen3.5's and Gemma 4's
+        # releases
         "gemma3",
         "mistral3",
         "qwen2_5_vl",
         "qwen3_vl",
         "glm4v",
+        "qwen3_5",
+        "qwen3_5_moe",
+        "gemma4",
     ],
 }
 # llm-compressor 0.14.0.1's AWQ mappings name these (modifiers/transform/awq/mappings.py; text models built into
@@ -457,7 +466,9 @@ def main() -> None:
     parser.add_argument("--engine", default=",".join(CANDIDATES))
     parser.add_argument("--arch", default=None, help="model types to try (default: each engine's candidates)")
     parser.add_argument(
-        "--claimed", action="store_true", help="the candidates each engine claims, unproven first (then --arch's)"
+        "--claimed",
+        action="store_true",
+        help="the candidates each engine claims: the unproven ones, then --arch's, then the proven ones again",
     )
     parser.add_argument("--jobs", type=int, default=1, help="architectures converted at once")
     parser.add_argument("--out", type=Path, default=RESULTS / "coverage-cpu.json")
@@ -476,8 +487,11 @@ def main() -> None:
     lock = threading.Lock()
     for engine in args.engine.split(","):
         asked = args.arch.split(",") if args.arch else []
-        if args.claimed:
-            wanted = claimed(engine) + [t for t in asked if t not in claimed(engine)]
+        if args.claimed:  # the unproven claims, then the families asked for that are not claimed, then the rest
+            mine = claimed(engine)
+            done = proven(results()[engine]) if engine in results() else frozenset()
+            first = [t for t in mine if architecture(t) not in done]
+            wanted = first + [t for t in asked if t not in mine] + [t for t in mine if t not in first]
         else:
             wanted = asked or candidates(engine)
         found = written.setdefault(engine, {"device": device, "architectures": {}})
