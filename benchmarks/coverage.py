@@ -127,10 +127,9 @@ CANDIDATES = {
         "kimi_linear",
         "laguna",
         "solar_open",
-        # Qwen3.5's and Gemma 4's language models alone (exllamav3's qwen3_5.py, gemma4.py)
+        # Qwen3.5's language models alone (exllamav3's qwen3_5.py; its gemma4.py has Gemma 4 as released only)
         "qwen3_5_text",
         "qwen3_5_moe_text",
-        "gemma4_text",
         # the vision-language families of issue 33 exllamav3 has architecture files for, and Qwen3.5's and Gemma 4's
         # releases
         "gemma3",

@@ -2,7 +2,7 @@
 # One GPU sitting (issue 48): every family EXL3 claims through `qf run --exl3 4.0`, `qf pull` and the pulled quant
 # re-scored by exllamav3 to the published perplexity (benchmarks/coverage.py --engine exl3 --claimed: the families
 # the committed results do not prove first, then the families EXL3 does not claim yet: Qwen3.5, Qwen3.5-MoE and Gemma 4
-# as released and their language models alone, LFM2-MoE and HunYuan V3; then the claimed ones proven before, again).
+# as released, Qwen3.5's language models alone, LFM2-MoE and HunYuan V3; then the claimed ones proven before, again).
 # JOBS families at once (default 10: the 2026-12-03 sitting's pace, about 220 s a family), each one's row written to
 # benchmarks/results/coverage-h200.json as it finishes. The tiny Qwen2, Cohere, Cohere 2, dots.llm1, ERNIE 4.5-MoE,
 # LFM2 and Qwen3-VL were remade as their releases are on 2026-12-07 (tests/support/tiny_archs.py, tiny_vlms.py):
@@ -61,7 +61,7 @@ nvidia-smi dmon -s um -d 5 > $R/dmon.txt 2>&1 &
 MAX_JOBS=$(nproc) python3 -c "import exllamav3" > $R/build3.log 2>&1
 stamp built_exl3 $?
 python3 benchmarks/coverage.py $W --engine exl3 --claimed --jobs ${JOBS:-10} \
-    --arch qwen3_5,qwen3_5_moe,gemma4,qwen3_5_text,qwen3_5_moe_text,gemma4_text,lfm2_moe,hy_v3 \
+    --arch qwen3_5,qwen3_5_moe,gemma4,qwen3_5_text,qwen3_5_moe_text,lfm2_moe,hy_v3 \
     --out benchmarks/results/coverage-h200.json > $R/exl3.log 2>&1
 stamp exl3 $?
 cp benchmarks/results/coverage-h200.json $R/

@@ -165,13 +165,13 @@ def sizes(model_type: str, hidden: int = HIDDEN) -> dict:
         "bitnet": {"tie_word_embeddings": True},
         "llama4_text": {"intermediate_size_mlp": 2 * hidden},
         # Gemma 4's global layer (the last of the two) with heads twice as wide as its sliding ones (google's: 512 and
-        # 256), its per-layer input embeddings over the tiny vocabulary, no experts (the dense releases')
+        # 256), no experts and no per-layer input embeddings: the dense gemma-4-31B's form (the E2B and E4B ones have
+        # per-layer inputs, which exllamav3 does not take)
         "gemma4_text": {
             "num_experts": None,
             "moe_intermediate_size": None,
             "per_layer_config": {LAYERS - 1: {"head_dim": 2 * hidden // HEADS}},
-            "vocab_size_per_layer_input": VOCAB,
-            "hidden_size_per_layer_input": hidden,
+            "hidden_size_per_layer_input": 0,
         },
         # Gemma 3n's per-layer input embeddings over the tiny vocabulary, 256 wide as its releases' (llama.cpp knows
         # no other width), and no layer reading another's keys and values (its releases' last 10 of 30 layers do: two

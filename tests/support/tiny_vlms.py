@@ -79,16 +79,24 @@ VISION = {
 
 
 # What a release's vision_config writes where transformers' save writes otherwise (Qwen/Qwen2.5-VL-7B-Instruct's
-# has no model_type and says spatial_patch_size; Qwen/Qwen3-VL-8B-Instruct's names the whole model's type)
+# has no model_type and says spatial_patch_size; Qwen/Qwen3-VL-8B-Instruct's names the whole model's type; Qwen3.5's
+# says it has no deepstack layers, which exllamav3 reads)
 RELEASE_VISION = {
     "qwen2_5_vl": {"model_type": None, "spatial_patch_size": VISION["patch_size"]},
     "qwen3_vl": {"model_type": "qwen3_vl"},
+    **dict.fromkeys(("qwen3_5", "qwen3_5_moe"), {"deepstack_visual_indexes": []}),
 }
 # The tiny tower's numbers where a family's differ from VISION's: Gemma 4's heads as wide as the tower (its key and
 # value heads named apart) and its release's 16-pixel patches, which its pooling of 3 x 3 patches is built around
 RELEASE_TOWER = {
     "gemma4": {"head_dim": VISION["hidden_size"] // VISION["num_heads"], "num_key_value_heads": 2, "patch_size": 16}
 }
+# and what a release's config says at its top level: Gemma 4's soft tokens an image may take (its processor's
+# max_soft_tokens), which exllamav3 reads
+RELEASE_TOP = {"gemma4": {"vision_soft_tokens_per_image": 280}}
+# The families whose releases ship their image processor inside processor_config.json (transformers 5's form: Gemma
+# 4's, which exllamav3 reads there) rather than as preprocessor_config.json
+PROCESSOR_CONFIG = {"gemma4"}
 TEXT_AT_TOP = {"qwen2_5_vl"}
 TIED = {"gemma4"}  # Gemma 4's releases tie the output to the embedding (llama.cpp's converter maps no lm_head for it)
 # Gemma 4's language model has exactly its tokenizer's vocabulary, as the releases' (262144 both): llama.cpp's converter
@@ -251,6 +259,7 @@ def as_released(model_type: str, out: Path) -> None:
             config["vision_config"].pop(key, None)
         else:
             config["vision_config"][key] = value
+    config.update(RELEASE_TOP.get(model_type, {}))
     if model_type in TEXT_AT_TOP:
         text = config.pop("text_config")
         config |= {k: v for k, v in text.items() if k not in ("model_type", "architectures") and k not in config}
@@ -268,7 +277,11 @@ def as_released(model_type: str, out: Path) -> None:
         save_file(
             {tower.sub("vision_tower.vision_model.", k): v for k, v in tensors.items()}, weights, {"format": "pt"}
         )
-    if preprocessor is not None:
+    if preprocessor is not None and model_type in PROCESSOR_CONFIG:  # the image processor inside processor_config.json
+        image = {k: v for k, v in preprocessor.items() if k != "processor_class"}
+        processor = {"image_processor": image, "processor_class": preprocessor["processor_class"]}
+        (out / "processor_config.json").write_text(json.dumps(processor, indent=2) + "\n")
+    elif preprocessor is not None:
         (out / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2) + "\n")
 
 
@@ -292,7 +305,7 @@ def make_tiny_vlm(model_type: str, out: Path, seed: int = 0, hidden: int = HIDDE
     if model_type in TOKENS:
         add_image_tokens(out, config, TOKENS[model_type])
     if model_type in EXACT_VOCAB:
-        config.text_config.vocab_size = config.text_config.vocab_size_per_layer_input = len(load_tokenizer(out))
+        config.text_config.vocab_size = len(load_tokenizer(out))
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config).to(torch.float16)
     model.save_pretrained(out)
