@@ -58,7 +58,7 @@ def _index_misplaces_tensor(m):
 
 def _unknown_architecture(m):
     cfg = json.loads((m / "config.json").read_text())
-    cfg["architectures"] = ["GPT2LMHeadModel"]
+    cfg["architectures"] = ["BertForMaskedLM"]  # an encoder: no engine converts one
     (m / "config.json").write_text(json.dumps(cfg))
 
 
@@ -87,7 +87,7 @@ CASES = [
     ),
     (
         _unknown_architecture,
-        "architecture 'GPT2LMHeadModel' is not supported; supported: "  # what some engine converts
+        "architecture 'BertForMaskedLM' is not supported; supported: "  # what some engine converts
         + ", ".join(sorted(engines.architectures())),
     ),
     (_no_tokenizer, "no tokenizer (tokenizer.json or tokenizer.model) beside the weights"),
