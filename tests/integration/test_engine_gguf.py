@@ -264,8 +264,8 @@ def test_a_vision_language_model_gets_its_projector_once_beside_every_type(qf, t
 
 
 def test_a_vision_language_family_the_converter_cannot_take_is_refused_in_one_sentence(qf, tmp_path):
-    """Qwen3-VL's tiny checkpoint: llama.cpp registers the family, but its projector conversion fails on the tiny
-    tower (deepstack layers past its three), so GGUF does not claim it (benchmarks/results/coverage-cpu.json)."""
+    """Qwen3-VL's tiny checkpoint: llama.cpp registers the family, but llama-mtmd-cli aborts on the tiny tower's
+    deepstack features (a failed ggml_can_repeat), so GGUF does not claim it (benchmarks/results/coverage-cpu.json)."""
     source = make_tiny_vlm("qwen3_vl", tmp_path / "qwen3_vl")
     result = qf("run", source, "--gguf", "Q4_K_M")
     assert result.exit_code == 3, result.output
