@@ -97,11 +97,11 @@ RELEASE_TOP = {"gemma4": {"vision_soft_tokens_per_image": 280}}
 # The families whose releases ship their image processor inside processor_config.json (transformers 5's form: Gemma
 # 4's, which exllamav3 reads there) rather than as preprocessor_config.json
 PROCESSOR_CONFIG = {"gemma4"}
-TEXT_AT_TOP = {"qwen2_5_vl"}
+TEXT_AT_TOP = {"qwen2_5_vl"}  # Qwen2.5-VL's release says its language model's numbers at the top, without text_config
 TIED = {"gemma4"}  # Gemma 4's releases tie the output to the embedding (llama.cpp's converter maps no lm_head for it)
 # Gemma 4's language model has exactly its tokenizer's vocabulary, as the releases' (262144 both): llama.cpp's converter
 # takes the tokenizer's tokens as they are, without padding them to the embedding's rows
-EXACT_VOCAB = {"gemma4"}  # Qwen2.5-VL's release says its language model's numbers at the top, without text_config
+EXACT_VOCAB = {"gemma4"}
 CLIP_MEAN, CLIP_STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
 QWEN_PREPROCESSOR = {
     "patch_size": VISION["patch_size"],
