@@ -26,6 +26,7 @@ SENTENCEPIECE = {
     "gemma2",
     "phi3",
     "gemma3",
+    "gemma3n_text",
     "gemma4",
     "gemma4_text",
     "ernie4_5",
