@@ -33,6 +33,7 @@ SENTENCEPIECE = {
     "ernie4_5_moe",
     "nemotron",
     "jamba",
+    "minicpm3",
 }
 # The families written in bfloat16, as their releases are, where an engine reads some tensors in that type only:
 # exllamav3's kernels take Qwen3-Next's dt_bias and Nemotron-H's gated norm in bfloat16 alone (the 2026-12-07 sitting
@@ -57,7 +58,9 @@ GLM_SPECIAL = [
 ]
 SPECIAL = {
     **dict.fromkeys(("qwen2", "qwen3_5_moe_text"), ["<|endoftext|>"]),
-    **dict.fromkeys(("glm", "glm4", "glm4v", "glm4_moe", "glm_moe_dsa", "param2moe", "sarvam_moe"), GLM_SPECIAL),
+    **dict.fromkeys(
+        ("glm", "glm4", "glm4v", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "param2moe", "sarvam_moe"), GLM_SPECIAL
+    ),
     "solar_open": ["<|startoftext|>", "<|endoftext|>", "<unk>"],
 }
 
@@ -148,6 +151,9 @@ def sizes(model_type: str, hidden: int = HIDDEN) -> dict:
         "deepseek_v3": {**latent, "q_lora_rank": hidden},
         "deepseek_v32": {**latent, "q_lora_rank": hidden},
         "glm_moe_dsa": {**latent, "q_lora_rank": hidden},
+        # the other families with multi-head latent attention (GLM-4.7-Flash, MiniCPM3, Sarvam-M's MLA, Youtu-LLM),
+        # as DeepSeek's: a key and a value for every head
+        **dict.fromkeys(("glm4_moe_lite", "minicpm3", "sarvam_mla", "youtu"), {**latent, "q_lora_rank": hidden}),
         # LiquidAI's LFM2 releases tie the output to the embedding (llama.cpp's converter maps no lm_head for them)
         "lfm2": {"layer_types": ["conv", "full_attention"], "tie_word_embeddings": True},
         "lfm2_moe": {"layer_types": ["conv", "full_attention"], "tie_word_embeddings": True},
@@ -299,6 +305,13 @@ def _dots1(cfg: dict) -> dict:
     return {"scoring_func": "noaux_tc"}
 
 
+def _glm4_moe_lite(cfg: dict) -> dict:
+    """zai-org's GLM-4.7-Flash config.json says first_k_dense_replace (its dense layers before the experts), which
+    llama.cpp reads; transformers 5 saves mlp_layer_types and a null."""
+    kinds = cfg["mlp_layer_types"]
+    return {"first_k_dense_replace": next((i for i, kind in enumerate(kinds) if kind != "dense"), len(kinds))}
+
+
 def _own_architecture(name: str, **release):
     """Sarvam-MoE's and Param2-MoE's releases name their own class (SarvamMoEForCausalLM, Param2MoEForCausalLM, with
     their modeling code) and their own keys (transformers' SarvamMoEConfig.attribute_map: "Names used by the original
@@ -323,6 +336,7 @@ RELEASE = {
     "gpt_neox": _gpt_neox,
     "cohere2": _cohere2,
     "dots1": _dots1,
+    "glm4_moe_lite": _glm4_moe_lite,
     "qwen3_moe": _qwen3_moe,
     "exaone4": _exaone4,
     "nemotron_h": _nemotron_h,

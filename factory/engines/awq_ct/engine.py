@@ -29,17 +29,18 @@ ARCHITECTURES = frozenset({
     "Cohere2ForCausalLM", "CohereForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Ernie4_5ForCausalLM",
     "Ernie4_5_MoeForCausalLM", "Exaone4ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration", "Gemma4ForCausalLM", "Gemma4ForConditionalGeneration", "GemmaForCausalLM",
-    "Glm4ForCausalLM", "Glm4MoeForCausalLM", "Glm4vForConditionalGeneration", "GraniteForCausalLM", "HYV3ForCausalLM",
-    "LagunaForCausalLM", "LlamaForCausalLM", "Mistral3ForConditionalGeneration", "MistralForCausalLM",
-    "MixtralForCausalLM", "Olmo3ForCausalLM", "OlmoForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM",
-    "Qwen2MoeForCausalLM", "Qwen2_5_VLForConditionalGeneration", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
-    "Qwen3NextForCausalLM", "Qwen3VLForConditionalGeneration", "Qwen3_5ForConditionalGeneration",
-    "Qwen3_5MoeForConditionalGeneration", "SeedOssForCausalLM", "SmolLM3ForCausalLM", "SolarOpenForCausalLM",
+    "Glm4ForCausalLM", "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM", "Glm4vForConditionalGeneration",
+    "GraniteForCausalLM", "HYV3ForCausalLM", "LagunaForCausalLM", "LlamaForCausalLM",
+    "Mistral3ForConditionalGeneration", "MistralForCausalLM", "MixtralForCausalLM", "Olmo3ForCausalLM",
+    "OlmoForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen2MoeForCausalLM",
+    "Qwen2_5_VLForConditionalGeneration", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM",
+    "Qwen3VLForConditionalGeneration", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
+    "SeedOssForCausalLM", "SmolLM3ForCausalLM", "SolarOpenForCausalLM",
 })  # fmt: skip
 MOE = frozenset({
     "Qwen3MoeForCausalLM", "MixtralForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "HYV3ForCausalLM",
     "LagunaForCausalLM", "Qwen3NextForCausalLM", "SolarOpenForCausalLM", "Qwen2MoeForCausalLM", "DeepseekV2ForCausalLM",
-    "Ernie4_5_MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration",
+    "Ernie4_5_MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration", "Glm4MoeLiteForCausalLM",
 })  # fmt: skip
 TOOLS = ("llmcompressor", "compressed-tensors", "transformers")  # what makes its quants: the child's, not the factory's
 
