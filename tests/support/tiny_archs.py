@@ -312,6 +312,16 @@ def _glm4_moe_lite(cfg: dict) -> dict:
     return {"first_k_dense_replace": next((i for i, kind in enumerate(kinds) if kind != "dense"), len(kinds))}
 
 
+def _minimax_m2(cfg: dict) -> dict:
+    """MiniMaxAI's MiniMax-M2 config.json says its partial rotary embedding as rotary_dim (transformers' own config
+    class says so) and its experts' sigmoid routing as scoring_func, both of which llama.cpp's converter reads;
+    transformers 5 saves a partial_rotary_factor (nothing for a full one) and no scoring_func (its MiniMax-M2 routes by
+    sigmoid alone)."""
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    rotary = int(head_dim * cfg["rope_parameters"].get("partial_rotary_factor", 1.0))
+    return {"rotary_dim": rotary, "scoring_func": "sigmoid"}
+
+
 def _own_architecture(name: str, **release):
     """Sarvam-MoE's and Param2-MoE's releases name their own class (SarvamMoEForCausalLM, Param2MoEForCausalLM, with
     their modeling code) and their own keys (transformers' SarvamMoEConfig.attribute_map: "Names used by the original
@@ -337,6 +347,7 @@ RELEASE = {
     "cohere2": _cohere2,
     "dots1": _dots1,
     "glm4_moe_lite": _glm4_moe_lite,
+    "minimax_m2": _minimax_m2,
     "qwen3_moe": _qwen3_moe,
     "exaone4": _exaone4,
     "nemotron_h": _nemotron_h,
