@@ -5,8 +5,8 @@
 # as released, Qwen3.5's language models alone, LFM2-MoE and HunYuan V3; then the claimed ones proven before, again).
 # JOBS families at once (default 10: the 2026-12-03 sitting's pace, about 220 s a family), each one's row written to
 # benchmarks/results/coverage-h200.json as it finishes. The tiny Qwen2, Cohere, Cohere 2, dots.llm1, ERNIE 4.5-MoE,
-# LFM2 and Qwen3-VL were remade as their releases are on 2026-12-07 (tests/support/tiny_archs.py, tiny_vlms.py):
-# their committed EXL3 rows are of the earlier checkpoints.
+# LFM2, GLM-4.7-Flash, MiniMax-M2 and Qwen3-VL were remade as their releases are on 2026-12-07
+# (tests/support/tiny_archs.py, tiny_vlms.py): their committed EXL3 rows are of the earlier checkpoints.
 # The committed EXL3 rows of gemma2 and gemma3 (and EXL2's of gemma, gemma2, phi3) predate the SentencePiece
 # tokenizer.model of those tiny checkpoints (tiny_archs.py SENTENCEPIECE: other token streams); the next sitting remakes
 # EXL3's, as it runs every family EXL3 claims.
