@@ -312,14 +312,16 @@ def architecture(model_type: str) -> str | None:
     return FAMILIES.get(model_type) or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
 
 
-def claimed(engine: str) -> list[str]:
-    """The candidates whose architecture `engine` claims: those its committed results do not prove first."""
+def claimed(engine: str, also: list[str] = ()) -> list[str]:
+    """The candidates whose architecture `engine` claims, those its committed results do not prove first; `also`'s
+    families it does not claim between those and the proven ones."""
     from factory import engines
 
     claims = engines.get(engine).architectures
     done = proven(results()[engine]) if engine in results() else frozenset()
     mine = [t for t in candidates(engine) if architecture(t) in claims]
-    return sorted(mine, key=lambda t: architecture(t) in done)
+    first = [t for t in mine if architecture(t) not in done]
+    return first + [t for t in also if t not in mine] + [t for t in mine if t not in first]
 
 
 def unproven(engine: str) -> dict[str, str]:
@@ -486,13 +488,7 @@ def main() -> None:
     lock = threading.Lock()
     for engine in args.engine.split(","):
         asked = args.arch.split(",") if args.arch else []
-        if args.claimed:  # the unproven claims, then the families asked for that are not claimed, then the rest
-            mine = claimed(engine)
-            done = proven(results()[engine]) if engine in results() else frozenset()
-            first = [t for t in mine if architecture(t) not in done]
-            wanted = first + [t for t in asked if t not in mine] + [t for t in mine if t not in first]
-        else:
-            wanted = asked or candidates(engine)
+        wanted = claimed(engine, asked) if args.claimed else asked or candidates(engine)
         found = written.setdefault(engine, {"device": device, "architectures": {}})
         found["versions"] = {
             "engine": engines.get(engine).version(),
