@@ -65,21 +65,11 @@ SPECIAL = {
 }
 
 
-# What a family's release says in tokenizer_config.json that a tool reads: llama.cpp's converter asserts DeepSeek-V3.2's
-# add_bos_token
-TOKENIZER_CONFIG = {"deepseek_v32": {"add_bos_token": True}}
-
-
 def make_tokenizer(model_type: str, out: Path):
     """The tests' tokenizer for a `model_type` checkpoint in `out`: SentencePiece's where its releases ship it."""
     if model_type in SENTENCEPIECE:
-        tokenizer = make_sentencepiece_tokenizer(out, VOCAB)
-    else:
-        tokenizer = make_tiny_tokenizer(out, VOCAB, SPECIAL.get(model_type, []))
-    if model_type in TOKENIZER_CONFIG:
-        path = out / "tokenizer_config.json"
-        path.write_text(json.dumps({**json.loads(path.read_text()), **TOKENIZER_CONFIG[model_type]}, indent=2))
-    return tokenizer
+        return make_sentencepiece_tokenizer(out, VOCAB)
+    return make_tiny_tokenizer(out, VOCAB, SPECIAL.get(model_type, []))
 
 
 def sizes(model_type: str, hidden: int = HIDDEN) -> dict:
