@@ -1,7 +1,7 @@
 #!/bin/bash
-# Issue 44's sixth sitting, prepared 2026-12-06 (not run yet): the one unit kind not yet through `qf run` at 8B,
-# EXL3 4.0 bpw, alone on the card (sitting 2 reached 8 of 32 layers beside two other jobs), with its evaluation, KV
-# cache evaluations and publish. exllamav3's extension comes prebuilt where the session still has sitting 5's
+# Issue 44's sixth sitting, prepared 2026-12-06, run 2026-12-07 on an H100 (results in sitting6/): the one unit kind
+# not yet through `qf run` at 8B, EXL3 4.0 bpw, alone on the card (sitting 2 reached 8 of 32 layers beside two other
+# jobs), with its evaluation, KV cache evaluations and publish. exllamav3's extension comes prebuilt where the session still has sitting 5's
 # (against the GPU image's torch 2.11.0+cu130, gzipped in the ignored .ext/: setup.sh unpacks it); a new session's
 # checkout lacks it, and the sitting builds it first with all 16 cores, beside the model's making (409 s at 8 jobs
 # beside other work in sitting 5). Expected: the EXL3 unit about 1081 s (the cost model: 10 + 148 s a billion; sitting

@@ -162,8 +162,9 @@ def plan(
 
 class Exl3Memory(Memory):
     """EXL3's part of an engine: the memory model above (`qf plan`), and its units: 156 s at 1.1B on an H200, 90-93 s
-    at Gemma-3-270M (its 262k-word head), 30-33 s a layer at the random 8B on an H100 (about 1090 s; 649 s expected
-    at 70 + 80 s a billion).
+    at Gemma-3-270M (its 262k-word head), 538 s at the random 3B on an H100 beside a second conversion, 919 s at the
+    random 8B alone on an H100 (29 s a layer; 2026-12-07, benchmarks/results/gpu-2026-12-06/sitting6/): 20 + 138 s a
+    billion, +10% at 1.1B, -19% at 3B, +11% at 8B (10 + 148 before the 8B ran whole: +18% there).
     An optimized size's measurement (MEASURE_KLD): exllamav3's measure runs every module of the source and of three
     quants once, and each group of tensors it tries (two per group at three inputs) through every module after it,
     on 10 x 1024 tokens, moving each state to the CPU and back. Measured on an H100 (2026-12-06,
@@ -172,7 +173,7 @@ class Exl3Memory(Memory):
     is an assembly of the measured quants' tensors (5-8 s), which the ETA predicts as a conversion (it shares
     quantize:exl3's history)."""
 
-    UNIT_SECONDS = {"quantize": (10.0, 148.0), MEASURE_KLD: (20.0, 170.0)}
+    UNIT_SECONDS = {"quantize": (20.0, 138.0), MEASURE_KLD: (20.0, 170.0)}
     runtimes = ("exllamav3", "tabbyapi")
 
     def need(self, shape, params, spec, ctx: int, cache: str) -> tuple[int, int]:
