@@ -9,9 +9,10 @@
   workers/tasks.py `job_device`), and so does the help with its conversions; publishing, the reconciler and the
   watchlist check go to `cpu`. A worker takes the queues it is started with (`qf worker --queues`) and says so
   in Redis every few seconds (settings.WORKERS_KEY), so that `qf status` can tell why a job waits.
-The worker's own process only takes messages and holds leases (solo pool); each job runs in a fresh process started
-with the `spawn` method (workers/tasks.py), and its engines in their own children: nothing that may hold CUDA is ever
-forked, and a job's GPU memory, or its crash, ends with its process.
+The worker's own process only takes messages and holds leases (solo pool); each job runs in a fresh process forked
+from a server that only imported torch, transformers and the factory (multiprocessing's forkserver, workers/tasks.py),
+and its engines in their own children: nothing that may hold CUDA is ever forked, and a job's GPU memory, or its
+crash, ends with its process.
 """
 
 from __future__ import annotations

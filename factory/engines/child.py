@@ -9,7 +9,8 @@ the same for our own child modules (`python -m module request.json`), which spea
 Child: `events()` claims the real stdout for events and points fd 1 at stderr, so libraries that print
 cannot corrupt the event stream.
 Inside `fenced(path, mark)`, a child started by this thread has a watchdog process beside it
-(`python -m factory.engines.fence`) that SIGKILLs it once `path` no longer holds `mark`: whoever holds the unit
+(`python -I -S factory/engines/fence.py`: the standard library alone, 0.01 s of CPU to start where `-m` spent 0.18
+importing the factory's engines) that SIGKILLs it once `path` no longer holds `mark`: whoever holds the unit
 writes its own mark there, and a parent that was stopped past its claim cannot stop its child itself.
 A Python child of ours (`python -m MODULE`, this interpreter) starts warm: forked from a process that imported
 torch and transformers once (factory/engines/warm.py: same environment, same behaviour, seconds of CPU less); its
@@ -130,7 +131,7 @@ def _watchdog(proc: subprocess.Popen) -> subprocess.Popen | None:
     if fence is None:
         return None
     return subprocess.Popen(
-        [sys.executable, "-m", "factory.engines.fence", str(fence[0]), fence[1], str(proc.pid)],
+        [sys.executable, "-I", "-S", str(Path(__file__).with_name("fence.py")), str(fence[0]), fence[1], str(proc.pid)],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         env=environment(),

@@ -343,7 +343,8 @@ def test_environment_is_isolated_and_nothing_offers_xet(hub):
 
 
 def test_a_fresh_process_finds_the_hub_from_the_environment_alone(hub):
-    """Workers run jobs in spawned processes: the fixture's environment variables are enough there (no xet either)."""
+    """Workers run jobs in processes of their own: the fixture's environment variables are enough there (no xet
+    either)."""
     script = (
         "from huggingface_hub import CommitOperationAdd, HfApi, hf_hub_download\n"
         "api = HfApi(token='hf_alice_write')\n"

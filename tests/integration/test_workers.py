@@ -67,13 +67,12 @@ def quantizing(status: dict) -> bool:
 
 
 def running_job_process(worker: subprocess.Popen):
-    """The process the worker spawned that runs its job: the one with an engine (the other spawned one waits for
-    the next job). A step shows `running` a moment before its engine starts: wait for that."""
-    import psutil
+    """The worker's job process that runs its job (a child of the worker's fork server): the one with an engine
+    (the other one waits for the next job). A step shows `running` a moment before its engine starts: wait for
+    that."""
 
     def found():
-        spawned = [p for p in psutil.Process(worker.pid).children() if "spawn_main" in " ".join(p.cmdline())]
-        return [p for p in spawned if processes.engines(p.pid)]
+        return [p for p in processes.job_processes(worker.pid) if processes.engines(p.pid)]
 
     [job_process] = processes.wait_until(found, 60)
     return job_process
@@ -185,7 +184,7 @@ def test_cancel_a_running_job_then_retry(env, worker, tiny):
 
 
 def test_a_dead_job_process_fails_the_job_and_the_worker_goes_on(env, worker, tiny):
-    """Each job runs in a process the worker spawns; killed (as the OOM killer would), the job fails with the
+    """Each job runs in a process of its own; killed (as the OOM killer would), the job fails with the
     reason, its engine goes with it, and the same worker runs the retry."""
     import psutil
 
@@ -320,14 +319,21 @@ def test_queued_jobs_survive_a_redis_restart(env, tiny, tmp_path):
 
 
 def test_killed_worker_the_job_finishes_elsewhere_once(env, tiny, tmp_path):
-    """SIGKILL of a worker in the middle of a quantize step: its lease expires, the reconciler re-enqueues the job,
-    a second worker finishes it; one quant, published once; the history shows the lost attempt."""
+    """SIGKILL of a worker in the middle of a quantize step: its job processes (the running one, its engine and the
+    spare) end with it, its lease expires, the reconciler re-enqueues the job, a second worker finishes it; one
+    quant, published once; the history shows the lost attempt."""
+    import psutil
+
     env = {**env, "FACTORY_LEASE_SECONDS": "3"}
     first = start_worker(env, tmp_path / "first.log")
     job_id = qf(env, "submit", tiny, "--awq", "--eval-windows", 1, check=True).stdout.strip()
     wait_until(env, job_id, quantizing, 120, "quantizing")
+    running = running_job_process(first)
+    left = [*processes.job_processes(first.pid), *running.children(recursive=True)]
+    assert len(left) >= 3  # the running job process, the spare, the engine
     first.kill()
     first.wait()
+    assert psutil.wait_procs(left, timeout=15)[1] == []
     time.sleep(4)  # the lease runs out
     assert qf(env, "reconcile", check=True).stdout.split() == [job_id]
     status = run_worker_until_done(env, job_id, tmp_path / "second.log")

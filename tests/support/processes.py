@@ -97,6 +97,18 @@ def engines(pid: int) -> list[psutil.Process]:
     return found
 
 
+def job_processes(worker: int) -> list[psutil.Process]:
+    """A worker's job processes: the children of its fork server (workers/tasks.py), the running one and the spare."""
+    found = []
+    for proc in psutil.Process(worker).children():
+        try:
+            if "multiprocessing.forkserver" in " ".join(proc.cmdline()):
+                found.extend(proc.children())
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
 def send(pids: list[int], sig: int) -> None:
     """`sig` to each of `pids` that still exists."""
     for pid in pids:

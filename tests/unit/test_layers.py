@@ -165,7 +165,6 @@ _CATALOG = (
 )
 _DRIVERS = "`qf status` in plain SQL: only the database driver (psycopg2) or broker client (redis) it needs"
 _SERVER = "uvicorn: import cost on every `qf` command, only `qf serve` needs it"
-_PRELOAD = "the spawned job process imports them before its job arrives; the worker's own process never needs them"
 FUNCTION_IMPORTS = {
     **dict.fromkeys(
         [
@@ -252,7 +251,6 @@ FUNCTION_IMPORTS = {
     ),
     **dict.fromkeys([("factory.catalog.status", "psycopg2"), ("factory.catalog.status", "redis")], _DRIVERS),
     ("factory.cli.services", "uvicorn"): _SERVER,
-    **dict.fromkeys([("workers.tasks", "torch"), ("workers.tasks", "transformers")], _PRELOAD),
     ("factory.checkpoints.inspection", "factory.checkpoints.dequantize"): "a real cycle: " + CYCLES_INSPECT,
 }
 
