@@ -67,8 +67,9 @@ from workers.app import app
 
 QUEUES = tuple(sorted(set(settings.DEVICE_QUEUES.values())))
 # Job processes are forked from a server process (multiprocessing's forkserver, started by the worker's first job
-# process) that imports PRELOAD once and runs nothing: each one starts with torch and transformers loaded (a spawned
-# one spent 2.5 s of CPU on them, 2026-12-07) and nothing that may hold CUDA is ever forked.
+# process) that imports PRELOAD once and runs nothing: each one starts with torch and transformers loaded (spawned,
+# each imported them: test_workers and test_fleet_cpu took 375 CPU-s that way, 329 forked; 2026-12-07) and nothing
+# that may hold CUDA is ever forked.
 PRELOAD = ["torch", "transformers", "transformers.modeling_utils", "factory.factory", "workers.tasks"]
 _JOBS = multiprocessing.get_context("forkserver")
 _JOBS.set_forkserver_preload(PRELOAD)
