@@ -274,6 +274,8 @@ def _end_with(worker: int) -> None:
         pidfd = os.pidfd_open(worker)
     except ProcessLookupError:
         os._exit(0)
+    except (AttributeError, OSError):  # no pidfd (not Linux 5.3+): the job may outlive a killed worker, as before
+        return
 
     def watch() -> None:
         select.select([pidfd], [], [])
