@@ -124,6 +124,8 @@ PROCESS = textwrap.dedent(
 
     units = [Unit(f"quantize:{name}{i}", "quantize") for i in range(3)]
     packing.WAITING_EVERY_SECONDS = 0.2
+    packing.DEFERRED_POLL_SECONDS = 0.05  # the waiting process looks for room often within a unit's second, however
+    # late a loaded machine wakes it (at 1 s, as in a job, it could sleep past the one second the room was free)
     packing.run(units, work, lambda u: Need(4 * 2**30, 1), Packer(8, 10 * 2**30, 16), threading.Event(),
                 ledger=ledger, waiting=waited.append)
     json.dump({"spans": spans, "waited": waited}, open(out, "w"))
