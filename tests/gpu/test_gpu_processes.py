@@ -4,7 +4,6 @@ they start (factory/engines/warm.py: forked from a starter that imported torch).
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -12,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from factory.engines import child
+from tests.support.gpu_results import RESULTS, save
 
 pytestmark = pytest.mark.gpu
-RESULTS = Path(os.environ.get("QF_GPU_RESULTS", "benchmarks/results/gpu_suite.json"))
 
 
 def _job(conn) -> None:
@@ -48,6 +47,5 @@ def test_job_processes_and_their_warm_engines_use_the_card(tmp_path, monkeypatch
         assert {k: result[k] for k in expected} == expected, found
         engine = result["engine"]
         assert (engine["initialized_before"], engine["sum"], engine["warm"]) == (False, 256.0**3, True), found
-    record = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-    record["job_processes_forked_from_the_fork_server"] = found
-    RESULTS.write_text(json.dumps(record, indent=2) + "\n")
+    RESULTS["checks"]["job_processes_forked_from_the_fork_server"] = found
+    save()
