@@ -57,6 +57,7 @@ from kombu.exceptions import OperationalError
 
 from factory import engines, schedule, settings
 from factory.catalog import RETRYABLE, TERMINAL, Job, JobState, Lease
+from factory.engines import starter
 from factory.errors import Conflict, FactoryError, LeaseLost, NotFound, ServiceUnavailable, SpecError, mask_url
 from factory.evaluation import evaluate
 from factory.factory import Factory
@@ -70,7 +71,7 @@ QUEUES = tuple(sorted(set(settings.DEVICE_QUEUES.values())))
 # process) that imports PRELOAD once and runs nothing: each one starts with torch and transformers loaded (spawned,
 # each imported them: test_workers and test_fleet_cpu took 375 CPU-s that way, 329 forked; 2026-12-07) and nothing
 # that may hold CUDA is ever forked.
-PRELOAD = ["torch", "transformers", "transformers.modeling_utils", "factory.factory", "workers.tasks"]
+PRELOAD = [*starter.PRELOADED, "factory.factory", "workers.tasks"]  # what a warm engine child's starter imports too
 _JOBS = multiprocessing.get_context("forkserver")
 _JOBS.set_forkserver_preload(PRELOAD)
 log = logging.getLogger("quantfactory")
