@@ -4,8 +4,12 @@ resume rule, output checks, calibration file, names, and the models it refuses a
 
 from __future__ import annotations
 
+import glob
 import json
 import shutil
+import sys
+import threading
+import types
 from pathlib import Path
 
 import pytest
@@ -197,6 +201,34 @@ def test_text_only_gemma3_sources_are_read_with_exllamav3s_dotted_names(tmp_path
         (qtensors / name).write_bytes(b"")
     found = compat.WITH_HIDDEN.glob(str(qtensors / "*.safetensors"))
     assert sorted(Path(f).name for f in found) == [".model.layers.0.safetensors", "lm_head.safetensors"]
+
+
+def test_a_model_read_beside_a_gemma3_one_keeps_its_names(tmp_path, tiny, monkeypatch):
+    """compat.reading renames exllamav3's loader module-wide: a second thread's reading waits for the first to end,
+    so a model read beside a Gemma 3 one is not asked for `.model.…` names (benchmarks/coverage.py re-scores pulled
+    quants in threads of one process)."""
+    loader = types.ModuleType("exllamav3.loader")
+    loader.safetensors = types.SimpleNamespace(read_header=lambda filename, fixes: {"model.norm.weight": {}}, glob=glob)
+    monkeypatch.setitem(sys.modules, "exllamav3", types.ModuleType("exllamav3"))
+    monkeypatch.setitem(sys.modules, "exllamav3.loader", loader)
+    gemma3 = tmp_path / "gemma3"
+    shutil.copytree(tiny, gemma3)
+    config = json.loads((gemma3 / "config.json").read_text())
+    (gemma3 / "config.json").write_text(json.dumps({**config, "architectures": ["Gemma3ForCausalLM"]}))
+    entered, read = threading.Event(), []
+
+    def beside():
+        with compat.reading(tiny):
+            entered.set()
+            read.append(loader.safetensors.read_header("model.safetensors", None))
+
+    with compat.reading(gemma3):
+        assert loader.safetensors.read_header("model.safetensors", None) == {".model.norm.weight": {}}
+        thread = threading.Thread(target=beside)
+        thread.start()
+        assert not entered.wait(0.5), "a second reading ran inside the first"
+    thread.join(10)
+    assert read == [{"model.norm.weight": {}}]
 
 
 def test_the_card_says_how_exllamav3_names_a_gemma3_quant(tmp_path, tiny):

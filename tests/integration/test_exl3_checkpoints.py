@@ -29,7 +29,7 @@ from tests.support.tiny_vlms import FAMILIES, make_tiny_vlm
 
 WIDTH = coverage.WIDTH["exl3"]
 # Qwen2: transformers' AutoTokenizer gave ids past the vocabulary; the others' configs said other keys than releases
-CHECKED = {"qwen2", "qwen3_moe", "exaone4", "nemotron_h"}
+CHECKED = {"qwen2", "qwen3_moe", "exaone4", "nemotron_h", "qwen3_next"}
 CLAIMED = [t for t in coverage.CANDIDATES["exl3"] if coverage.architecture(t) in engines.get("exl3").architectures]
 FAMILIES_TRIED = [t for t in CLAIMED if t in CHECKED or os.environ.get("QF_COVERAGE") == "all"]
 

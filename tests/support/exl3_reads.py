@@ -1,5 +1,6 @@
 """What exllamav3 reads of a checkpoint before any kernel runs, on any machine: its config (the architecture's
-class and every key it requires), the model's modules built from it, and its tokenizer's vocabulary (what
+class and every key it requires), the model's modules built from it and their weights loaded on the CPU (through
+exllamav3's Python loader: each found, of the shape the config gives), and its tokenizer's vocabulary (what
 exllamav3's conversion checks calibration ids against). Without CUDA, exllamav3's extension is replaced by an
 empty module first: importing exllamav3 would build it, and reading a checkpoint never calls it.
 
@@ -28,8 +29,10 @@ def read(folder: Path) -> dict:
     from factory.engines.exl3 import compat
 
     with compat.reading(folder):
-        config = Config.from_directory(str(folder))
-        Model.from_config(config)
+        config = Config.from_directory(str(folder), load_method="python")
+        # every module's weights found and of the shape the config gives it (a layer kind or head width read
+        # otherwise than the checkpoint was written fails here as the conversion would on a GPU)
+        Model.from_config(config).load("cpu")
     return {
         "config": type(config).__name__,
         "vocab_size": config.vocab_size,

@@ -36,9 +36,9 @@ SENTENCEPIECE = {
     "minicpm3",
 }
 # The families written in bfloat16, as their releases are, where an engine reads some tensors in that type only:
-# exllamav3's kernels take Qwen3-Next's dt_bias and Nemotron-H's gated norm in bfloat16 alone (the 2026-12-07 sitting
-# refused both in float16). The others are written in float16.
-BFLOAT16 = {"qwen3_next", "nemotron_h"}
+# exllamav3's kernels take the gated delta nets' dt_bias (Qwen3-Next, Qwen3.5) and Nemotron-H's gated norm in bfloat16
+# alone (the 2026-12-07 sittings refused them in float16). The others are written in float16.
+BFLOAT16 = {"qwen3_next", "nemotron_h", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text"}
 
 
 # The special tokens of a family's releases that a tool looks up by name: transformers' tokenizer class adds Qwen2's and
@@ -265,6 +265,21 @@ def _granitemoehybrid(cfg: dict) -> dict:
     return {"layer_types": [words.get(t, t) for t in cfg["layer_types"]]}
 
 
+def _qwen3_next(cfg: dict) -> dict:
+    """Qwen/Qwen3-Next-80B-A3B's config.json says full_attention_interval (4: each fourth layer full attention), which
+    exllamav3 reads (its default 4 made the tiny's second layer a linear one, 2026-12-07); transformers 5 saves
+    layer_types alone."""
+    return {"full_attention_interval": cfg["layer_types"].index("full_attention") + 1}
+
+
+def gemma4_global_head_dim(text: dict) -> dict:
+    """google's gemma-4-31B says its global layers' head width as global_head_dim (512 beside head_dim 256), which
+    exllamav3 reads (without it, the tiny's global q_proj did not fit its 2026-12-07 sitting); transformers 5.25
+    saves per_layer_config."""
+    widths = {layer["head_dim"] for layer in (text.get("per_layer_config") or {}).values() if "head_dim" in layer}
+    return {"global_head_dim": widths.pop()} if len(widths) == 1 else {}
+
+
 def _falcon_h1(cfg: dict) -> dict:
     """tiiuae's Falcon-H1 releases say head_dim (transformers 5.24 saves none; llama.cpp's converter reads it)."""
     return {"head_dim": cfg["hidden_size"] // cfg["num_attention_heads"]}
@@ -339,6 +354,8 @@ RELEASE = {
     "glm4_moe_lite": _glm4_moe_lite,
     "minimax_m2": _minimax_m2,
     "qwen3_moe": _qwen3_moe,
+    "qwen3_next": _qwen3_next,
+    "gemma4_text": gemma4_global_head_dim,
     "exaone4": _exaone4,
     "nemotron_h": _nemotron_h,
     "falcon_h1": _falcon_h1,

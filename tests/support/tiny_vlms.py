@@ -18,7 +18,7 @@ import json
 import re
 from pathlib import Path
 
-from tests.support.tiny_archs import HIDDEN, VOCAB, config_for, make_tokenizer
+from tests.support.tiny_archs import BFLOAT16, HIDDEN, VOCAB, config_for, gemma4_global_head_dim, make_tokenizer
 
 # model type -> the architecture its checkpoint names (the families of issue 33)
 FAMILIES = {
@@ -189,7 +189,9 @@ def vlm_config(model_type: str, bos: int, eos: int, hidden: int = HIDDEN):
     for key, value in RELEASE_TOWER.get(model_type, {}).items():
         setattr(config.vision_config, key, value)
     config.bos_token_id, config.eos_token_id = bos, eos
-    config.tie_word_embeddings = model_type in TIED
+    # the releases say it in text_config too, where exllamav3 reads it (without it the tied head was looked for as
+    # lm_head, 2026-12-07 on CPU: tests/support/exl3_reads.py)
+    config.tie_word_embeddings = config.text_config.tie_word_embeddings = model_type in TIED
     return config
 
 
@@ -260,6 +262,8 @@ def as_released(model_type: str, out: Path) -> None:
         else:
             config["vision_config"][key] = value
     config.update(RELEASE_TOP.get(model_type, {}))
+    if model_type == "gemma4":
+        config["text_config"].update(gemma4_global_head_dim(config["text_config"]))
     if model_type in TEXT_AT_TOP:
         text = config.pop("text_config")
         config |= {k: v for k, v in text.items() if k not in ("model_type", "architectures") and k not in config}
@@ -291,8 +295,8 @@ PROCESSORS = {"gemma3": gemma3_processor}
 
 
 def make_tiny_vlm(model_type: str, out: Path, seed: int = 0, hidden: int = HIDDEN) -> Path:
-    """A tiny random vision-language checkpoint of `model_type` (FP16 weights, the tests' tokenizer; a processor
-    where PROCESSORS has one), in `out`."""
+    """A tiny random vision-language checkpoint of `model_type` (FP16 weights, BF16 for BFLOAT16's; the tests'
+    tokenizer; a processor where PROCESSORS has one), in `out`."""
     import torch
     from transformers import AutoModelForImageTextToText
 
@@ -307,7 +311,9 @@ def make_tiny_vlm(model_type: str, out: Path, seed: int = 0, hidden: int = HIDDE
     if model_type in EXACT_VOCAB:
         config.text_config.vocab_size = len(load_tokenizer(out))
     torch.manual_seed(seed)
-    model = AutoModelForImageTextToText.from_config(config).to(torch.float16)
+    model = AutoModelForImageTextToText.from_config(config).to(
+        torch.bfloat16 if model_type in BFLOAT16 else torch.float16
+    )
     model.save_pretrained(out)
     as_released(model_type, out)
     return out

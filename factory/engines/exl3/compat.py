@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import sys
+import threading
 import types
 from pathlib import Path
 
@@ -38,6 +39,8 @@ def dotted(header: dict) -> dict:
     return {f".{key}" if key.startswith("model.") else key: value for key, value in header.items()}
 
 
+_READING = threading.RLock()  # reading()'s renaming, one at a time
+
 # exllamav3's loader module looks files up through this in place of the glob module: hidden files included
 WITH_HIDDEN = types.SimpleNamespace(glob=lambda pattern: glob.glob(pattern, include_hidden=True))
 
@@ -45,22 +48,26 @@ WITH_HIDDEN = types.SimpleNamespace(glob=lambda pattern: glob.glob(pattern, incl
 @contextlib.contextmanager
 def reading(folder: Path):
     """While exllamav3 reads `folder` (Config.from_directory, a conversion), names its `model.…` tensors `.model.…`
-    and lists hidden safetensors files (the conversion's own `.model.…` module files)."""
-    if not needs_dots(folder):
-        yield
-        return
-    from exllamav3.loader import safetensors
+    and lists hidden safetensors files (the conversion's own `.model.…` module files). One reading at a time in a
+    process: the renaming is exllamav3's module-wide, so another thread's model read beside it would be renamed too
+    (benchmarks/coverage.py's threads re-score pulled quants in one process: a Gemma 2 and a GLM-4 beside a Gemma 3
+    asked their files for `.model.embed_tokens.weight`, 2026-12-07)."""
+    with _READING:
+        if not needs_dots(folder):
+            yield
+            return
+        from exllamav3.loader import safetensors
 
-    original, original_glob = safetensors.read_header, safetensors.glob
+        original, original_glob = safetensors.read_header, safetensors.glob
 
-    def read_header(filename: str, tensor_name_fixes: dict | None) -> dict:
-        return dotted(original(filename, tensor_name_fixes))
+        def read_header(filename: str, tensor_name_fixes: dict | None) -> dict:
+            return dotted(original(filename, tensor_name_fixes))
 
-    safetensors.read_header, safetensors.glob = read_header, WITH_HIDDEN
-    try:
-        yield
-    finally:
-        safetensors.read_header, safetensors.glob = original, original_glob
+        safetensors.read_header, safetensors.glob = read_header, WITH_HIDDEN
+        try:
+            yield
+        finally:
+            safetensors.read_header, safetensors.glob = original, original_glob
 
 
 def main() -> None:

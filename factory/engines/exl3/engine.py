@@ -69,11 +69,12 @@ VISION_BITS = 16  # a vision-language model's tower and projector stay as they a
 # UNPROVEN).
 ARCHITECTURES = frozenset({
     "AfmoeForCausalLM", "ApertusForCausalLM", "ArceeForCausalLM", "Cohere2ForCausalLM", "CohereForCausalLM",
-    "DeepseekV3ForCausalLM", "Dots1ForCausalLM", "Ernie4_5_MoeForCausalLM", "Exaone4ForCausalLM",
-    "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM",
-    "GptOssForCausalLM", "Lfm2ForCausalLM", "LlamaForCausalLM", "MiniMaxM2ForCausalLM", "MistralForCausalLM",
-    "MixtralForCausalLM", "NemotronHForCausalLM", "Olmo3ForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM", "SeedOssForCausalLM", "SmolLM3ForCausalLM",
+    "DeepseekV3ForCausalLM", "Dots1ForCausalLM", "Ernie4_5_MoeForCausalLM", "Exaone4ForCausalLM", "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM", "GptOssForCausalLM",
+    "HYV3ForCausalLM", "Lfm2ForCausalLM", "Lfm2MoeForCausalLM", "LlamaForCausalLM", "MiniMaxM2ForCausalLM",
+    "MistralForCausalLM", "MixtralForCausalLM", "NemotronHForCausalLM", "Olmo3ForCausalLM", "Phi3ForCausalLM",
+    "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM", "SeedOssForCausalLM",
+    "SmolLM3ForCausalLM",
     # vision-language: the language model converted, the vision tower and projector kept at 16 bits (-vb 16)
     "Gemma3ForConditionalGeneration", "Glm4vForConditionalGeneration", "Mistral3ForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
