@@ -297,10 +297,11 @@ def test_queued_jobs_survive_a_redis_restart(env, tiny, tmp_path):
     server.start()
     try:
         env = {**env, "FACTORY_BROKER_URL": server.url}
-        ids = [qf(env, "submit", tiny, "--awq", "--eval-windows", w, check=True).stdout.strip() for w in (1, 2, 3)]
+        # two jobs (three until 2026-12-07: 51 CPU-s, the suite's third costliest test, for the same proof)
+        ids = [qf(env, "submit", tiny, "--awq", "--eval-windows", w, check=True).stdout.strip() for w in (1, 2)]
         server.stop()
         server.start()
-        assert redis.Redis.from_url(server.url).llen("cpu") == 3
+        assert redis.Redis.from_url(server.url).llen("cpu") == 2
         log = open(tmp_path / "worker.log", "w")
         worker = subprocess.Popen(
             [sys.executable, "-m", "factory.cli", "worker", "--slots", "1"],
@@ -310,7 +311,7 @@ def test_queued_jobs_survive_a_redis_restart(env, tiny, tmp_path):
             stderr=subprocess.STDOUT,
         )
         try:
-            assert [wait_for(env, job_id)["state"] for job_id in ids] == ["succeeded"] * 3
+            assert [wait_for(env, job_id)["state"] for job_id in ids] == ["succeeded"] * 2
         finally:
             worker.terminate()
             worker.wait(timeout=30)
