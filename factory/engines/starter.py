@@ -3,8 +3,9 @@ PARENT ROOM`): a process that imports PRELOADED once, then forks a child for eac
 
 It dies with its parent PARENT (PDEATHSIG SIGKILL, set here; it exits at once if PARENT died before), ends when
 that socket closes, ignores Ctrl-C (it reaches the children and the parent, which stop them) and first checks that
-forking it is safe: its imports started no thread and touched no CUDA (`torch.cuda.is_initialized()`, no
-`/dev/nvidia*` open), else it says why and ends, and its parent starts those children cold.
+forking it is safe: its imports started no thread (but OpenBLAS's, which stop themselves at a fork) and touched no
+CUDA (`torch.cuda.is_initialized()`, no `/dev/nvidia*` open), else it says why and ends, and its parent starts those
+children cold.
 
 A request is JSON (module, args, whether `-u`, argv, env, cwd, umask) with four descriptors: where to answer, the
 child's stdin, stdout and stderr. It forks, answers with the child's pid and a pidfd of it, and once the child has
@@ -35,10 +36,12 @@ import socket
 import sys
 import tempfile
 import threading
+import time
 from typing import NoReturn
 
 from factory.engines import child
 
+FUTEX = {"x86_64": 202, "aarch64": 98}  # the futex system call's number, as /proc/PID/task/TID/syscall says it
 PRELOADED = ("torch", "transformers", "transformers.modeling_utils", "transformers.models.auto.modeling_auto")
 WRITERS = (io.BufferedWriter, io.BufferedRandom, io.TextIOWrapper)  # the open files a child's exit flushes
 
@@ -64,11 +67,58 @@ def _preload() -> str | None:
         os.close(os.pidfd_open(os.getpid()))
     except Exception as e:  # whatever it is, its children start cold
         return f"{type(e).__name__}: {e}"
-    if len(os.listdir("/proc/self/task")) > 1:
+    if _unsafe_threads():
         return "its imports started a thread"
     if sys.modules["torch"].cuda.is_initialized() or any(path.startswith("/dev/nvidia") for path in _open_files()):
         return "its imports initialized CUDA"
     return None
+
+
+def _unsafe_threads() -> list[str]:
+    """This process's threads but its own and OpenBLAS's (numpy's and scipy's BLAS start one a core at import unless
+    OMP_NUM_THREADS or OPENBLAS_NUM_THREADS says fewer: 30 on a 16-core GPU machine, 2026-12-07). OpenBLAS stops its
+    threads itself before a fork (its pthread_atfork handler) and a child starts its own, so they leave forking safe.
+    An OpenBLAS server is known by where it sleeps: a futex in its library's memory (its thread_status table, in the
+    anonymous mapping of the library's bss right after its file's). One that has not gone to sleep yet is looked at
+    again for a moment."""
+    futex = FUTEX.get(os.uname().machine)
+    unsafe = [tid for tid in os.listdir("/proc/self/task") if int(tid) != threading.get_native_id()]
+    for _ in range(50):
+        owners = _mapping_owners()
+        unsafe = [tid for tid in unsafe if not (futex and _sleeps_in(tid, futex, owners, "openblas"))]
+        if not unsafe:
+            break
+        time.sleep(0.01)
+    return unsafe
+
+
+def _mapping_owners() -> list[tuple[int, int, str]]:
+    """(start, end, file) of each mapping of this process; an anonymous one right after a file's (its bss) takes
+    that file's name."""
+    owners: list[tuple[int, int, str]] = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if len(fields) > 5:
+                file = fields[5].strip()
+            else:
+                file = owners[-1][2] if owners and owners[-1][1] == start else ""
+            owners.append((start, end, file))
+    return owners
+
+
+def _sleeps_in(tid: str, futex: int, owners: list[tuple[int, int, str]], library: str) -> bool:
+    """Whether thread `tid` waits on a futex in the memory of a file whose name has `library` in it."""
+    try:
+        with open(f"/proc/self/task/{tid}/syscall") as f:
+            call = f.read().split()
+    except OSError:  # it ended
+        return True
+    if not call or call[0] != str(futex):
+        return False
+    address = int(call[1], 16)
+    return any(start <= address < end and library in os.path.basename(file) for start, end, file in owners)
 
 
 def _open_files() -> list[str]:
@@ -109,7 +159,7 @@ def _serve(control: socket.socket) -> dict | None:
 def _fork(request: dict, fds: list[int], control: socket.socket, children: dict) -> dict | None:
     reply_fd, *stdio = fds
     reply = socket.socket(fileno=reply_fd)
-    if len(os.listdir("/proc/self/task")) > 1:  # never: no thread of its own, none its imports started
+    if _unsafe_threads():  # never: no thread of its own, none its imports started but OpenBLAS's
         for fd in stdio:
             os.close(fd)
         reply.close()  # its parent stops it and asks a new one

@@ -180,6 +180,7 @@ class _Starter:
                     [json.dumps(request).encode()],
                     [theirs.fileno(), stdin, out_w, out_w if stderr is None else stderr],
                 )
+            theirs.close()  # the starter holds it now: its closing it unanswered is read at once, not after the wait
             mine.settimeout(REPLY_SECONDS)
             answer, fds, _, _ = socket.recv_fds(mine, 4096, 1)
         except OSError:  # it died, or did not answer in time

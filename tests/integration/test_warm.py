@@ -102,6 +102,16 @@ def test_a_warm_child_finds_torch_imported(tmp_path, monkeypatch):
     assert cold["import_seconds"] > warm_event["import_seconds"] + 1.0, cold["import_seconds"]
 
 
+def test_a_child_starts_warm_where_blas_threads_started_at_import(tmp_path, monkeypatch):
+    """Without OMP_NUM_THREADS (a user's machine, a GPU worker), the starter's imports start OpenBLAS's threads, which
+    leave forking safe (factory/engines/starter.py): its children still start warm, and their BLAS works."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
+    event = _probe(tmp_path / "engine.log", "report")
+    assert event["preloaded"] and event["ppid"] != os.getpid(), event
+    assert "OMP_NUM_THREADS" not in event["env"] and event["blas"] == 512.0**3
+
+
 def test_terminate_kill_and_minus_u_reach_a_warm_child():
     for stop, sig in ((warm.Started.terminate, signal.SIGTERM), (warm.Started.kill, signal.SIGKILL)):
         proc, event = _started("sleep")
