@@ -75,12 +75,12 @@ def _preload() -> str | None:
 
 
 def _unsafe_threads() -> list[str]:
-    """This process's threads but its own and OpenBLAS's (numpy's and scipy's BLAS start one a core at import unless
-    OMP_NUM_THREADS or OPENBLAS_NUM_THREADS says fewer: 30 on a 16-core GPU machine, 2026-12-07). OpenBLAS stops its
-    threads itself before a fork (its pthread_atfork handler) and a child starts its own, so they leave forking safe.
-    An OpenBLAS server is known by where it sleeps: a futex in its library's memory (its thread_status table, in the
-    anonymous mapping of the library's bss right after its file's). One that has not gone to sleep yet is looked at
-    again for a moment."""
+    """This process's threads but its own and OpenBLAS's (numpy's starts one a core at import unless
+    OMP_NUM_THREADS or OPENBLAS_NUM_THREADS says fewer; a 16-core GPU machine had 30 threads after these imports,
+    2026-12-07). OpenBLAS stops its threads itself before a fork (its pthread_atfork handler) and a child starts its
+    own, so they leave forking safe. An OpenBLAS server is known by where it sleeps: a futex in its library's memory
+    (its thread_status table, in the anonymous mapping of the library's bss right after its file's). One that has not
+    gone to sleep yet is looked at again for a moment."""
     futex = FUTEX.get(os.uname().machine)
     unsafe = [tid for tid in os.listdir("/proc/self/task") if int(tid) != threading.get_native_id()]
     for _ in range(50):
