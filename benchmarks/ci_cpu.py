@@ -59,7 +59,10 @@ _profile: Profile | None = None
 def pytest_configure(config) -> None:
     global _profile
     if os.environ.get("QF_CPU_PROFILE") and _profile is None:
-        _profile = Profile(Path(os.environ["QF_CPU_PROFILE"]))
+        try:
+            _profile = Profile(Path(os.environ["QF_CPU_PROFILE"]))
+        except OSError as e:
+            raise pytest.UsageError(f"QF_CPU_PROFILE needs root and cgroup v1's cpuacct at {CPUACCT}: {e}") from e
 
 
 @pytest.hookimpl(hookwrapper=True)
