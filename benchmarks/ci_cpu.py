@@ -28,11 +28,12 @@ CPUACCT = Path("/sys/fs/cgroup/cpuacct")
 class Profile:
     def __init__(self, out: Path):
         self.out = out
-        for old in CPUACCT.glob("qf-test-*"):  # earlier runs' groups, emptied since their processes ended
-            try:
-                old.rmdir()
-            except OSError:  # not empty: another run's, going on
-                pass
+        for old in CPUACCT.glob("qf-test-*"):  # groups of pytest processes gone, emptied since
+            if not Path(f"/proc/{old.name.removeprefix('qf-test-')}").exists():
+                try:
+                    old.rmdir()
+                except OSError:  # one of its processes outlives it
+                    pass
         self.group = CPUACCT / f"qf-test-{os.getpid()}"
         self.group.mkdir(exist_ok=True)
         (self.group / "cgroup.procs").write_text(str(os.getpid()))
