@@ -272,7 +272,7 @@ def _qwen3_next(cfg: dict) -> dict:
     return {"full_attention_interval": cfg["layer_types"].index("full_attention") + 1}
 
 
-def gemma4_global_head_dim(text: dict) -> dict:
+def _gemma4_text(text: dict) -> dict:
     """google's gemma-4-31B says its global layers' head width as global_head_dim (512 beside head_dim 256), which
     exllamav3 reads (without it, the tiny's global q_proj did not fit its 2026-12-07 sitting); transformers 5.25
     saves per_layer_config."""
@@ -343,8 +343,9 @@ def _own_architecture(name: str, **release):
     return written
 
 
-# model type -> what its release's config.json says where transformers' save_pretrained writes otherwise: exllamav3
-# reads the releases' form (tests/integration/test_exl3_checkpoints.py reads each checkpoint with exllamav3's own
+# model type -> what its release's config.json says where transformers' save_pretrained writes otherwise (a
+# vision-language release's text_config too, by its language model's type: tiny_vlms.py): exllamav3 reads the
+# releases' form (tests/integration/test_exl3_checkpoints.py reads each checkpoint with exllamav3's own
 # classes)
 RELEASE = {
     "gpt2": _gpt2,
@@ -355,7 +356,7 @@ RELEASE = {
     "minimax_m2": _minimax_m2,
     "qwen3_moe": _qwen3_moe,
     "qwen3_next": _qwen3_next,
-    "gemma4_text": gemma4_global_head_dim,
+    "gemma4_text": _gemma4_text,
     "exaone4": _exaone4,
     "nemotron_h": _nemotron_h,
     "falcon_h1": _falcon_h1,

@@ -18,7 +18,7 @@ import json
 import re
 from pathlib import Path
 
-from tests.support.tiny_archs import BFLOAT16, HIDDEN, VOCAB, config_for, gemma4_global_head_dim, make_tokenizer
+from tests.support.tiny_archs import BFLOAT16, HIDDEN, RELEASE, VOCAB, config_for, make_tokenizer
 
 # model type -> the architecture its checkpoint names (the families of issue 33)
 FAMILIES = {
@@ -262,8 +262,9 @@ def as_released(model_type: str, out: Path) -> None:
         else:
             config["vision_config"][key] = value
     config.update(RELEASE_TOP.get(model_type, {}))
-    if model_type == "gemma4":
-        config["text_config"].update(gemma4_global_head_dim(config["text_config"]))
+    text = config.get("text_config") or {}
+    if text.get("model_type") in RELEASE:  # its language model's keys as that family's releases write them
+        text.update(RELEASE[text["model_type"]](text))
     if model_type in TEXT_AT_TOP:
         text = config.pop("text_config")
         config |= {k: v for k, v in text.items() if k not in ("model_type", "architectures") and k not in config}
