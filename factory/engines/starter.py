@@ -81,14 +81,15 @@ def _unsafe_threads() -> list[str]:
     own, so they leave forking safe. An OpenBLAS server is known by where it sleeps: a futex in its library's memory
     (its thread_status table, in the anonymous mapping of the library's bss right after its file's). One that has not
     gone to sleep yet is looked at again for a moment."""
-    futex = FUTEX.get(os.uname().machine)
     unsafe = [tid for tid in os.listdir("/proc/self/task") if int(tid) != threading.get_native_id()]
-    for _ in range(50):
-        owners = _mapping_owners()
-        unsafe = [tid for tid in unsafe if not (futex and _sleeps_in(tid, futex, owners, "openblas"))]
+    futex = FUTEX.get(os.uname().machine)
+    for attempt in range(50 if futex else 0):
         if not unsafe:
             break
-        time.sleep(0.01)
+        if attempt:
+            time.sleep(0.01)
+        owners = _mapping_owners()
+        unsafe = [tid for tid in unsafe if not _sleeps_in(tid, futex, owners, "openblas")]
     return unsafe
 
 
