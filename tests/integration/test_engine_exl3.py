@@ -141,6 +141,16 @@ def factory(tmp_path, db_url, monkeypatch):
     return Factory(settings.load())
 
 
+@pytest.fixture
+def gemma3(tmp_path, tiny):
+    """The tiny model as a text-only Gemma 3 checkpoint names itself (Gemma3ForCausalLM)."""
+    folder = tmp_path / "gemma3"
+    shutil.copytree(tiny, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "architectures": ["Gemma3ForCausalLM"]}))
+    return folder
+
+
 def test_a_hidden_size_exllamav3_cannot_pad_is_refused_at_submit(factory, tiny192):
     """exllamav3 1.6.5 pads to multiples of 128 and its MLP keeps the padding: SmolLM2 (576) fails at layer 0 on
     the H200; here the 192-wide tiny model, for the workers (FACTORY_WORKER_DEVICE=cuda), before any job exists."""
@@ -154,11 +164,7 @@ def test_a_hidden_size_exllamav3_cannot_pad_is_refused_at_submit(factory, tiny19
     assert e.value.exit_code == 3 and factory.catalog.jobs.states() == {}
 
 
-def test_each_engine_says_which_architectures_it_takes(factory, tiny, tmp_path):
-    gemma3 = tmp_path / "gemma3-shaped"
-    shutil.copytree(tiny, gemma3)
-    config = json.loads((gemma3 / "config.json").read_text())
-    (gemma3 / "config.json").write_text(json.dumps({**config, "architectures": ["Gemma3ForCausalLM"]}))
+def test_each_engine_says_which_architectures_it_takes(factory, gemma3):
     with pytest.raises(ModelRefused, match="^AWQ does not convert Gemma3ForCausalLM; it converts CohereForCausalLM, "):
         factory.submit(Request(source=str(gemma3), recipe=build_recipe(awq=True, exl3="4.0"), device="cuda"))
     job, created = factory.submit(Request(source=str(gemma3), recipe=build_recipe(exl3="4.0"), device="cuda"))
@@ -175,13 +181,9 @@ def test_no_cuda_is_one_sentence(qf, tiny):
     )
 
 
-def test_text_only_gemma3_sources_are_read_with_exllamav3s_dotted_names(tmp_path, tiny):
+def test_text_only_gemma3_sources_are_read_with_exllamav3s_dotted_names(tmp_path, tiny, gemma3):
     """exllamav3 1.6.5 asks a text-only Gemma 3 folder for `.model.…` (factory/engines/exl3/compat.py): its FP16
     source and its EXL3 quants are read renamed, other models as they are."""
-    gemma3 = tmp_path / "gemma3"
-    shutil.copytree(tiny, gemma3)
-    config = json.loads((gemma3 / "config.json").read_text())
-    (gemma3 / "config.json").write_text(json.dumps({**config, "architectures": ["Gemma3ForCausalLM"]}))
     assert compat.needs_dots(gemma3) and not compat.needs_dots(tiny)
     header = {
         "model.embed_tokens.weight": {"dtype": "F16"},
@@ -203,7 +205,7 @@ def test_text_only_gemma3_sources_are_read_with_exllamav3s_dotted_names(tmp_path
     assert sorted(Path(f).name for f in found) == [".model.layers.0.safetensors", "lm_head.safetensors"]
 
 
-def test_a_model_read_beside_a_gemma3_one_keeps_its_names(tmp_path, tiny, monkeypatch):
+def test_a_model_read_beside_a_gemma3_one_keeps_its_names(tiny, gemma3, monkeypatch):
     """compat.reading renames exllamav3's loader module-wide: a second thread's reading waits for the first to end,
     so a model read beside a Gemma 3 one is not asked for `.model.…` names (benchmarks/coverage.py re-scores pulled
     quants in threads of one process)."""
@@ -211,10 +213,6 @@ def test_a_model_read_beside_a_gemma3_one_keeps_its_names(tmp_path, tiny, monkey
     loader.safetensors = types.SimpleNamespace(read_header=lambda filename, fixes: {"model.norm.weight": {}}, glob=glob)
     monkeypatch.setitem(sys.modules, "exllamav3", types.ModuleType("exllamav3"))
     monkeypatch.setitem(sys.modules, "exllamav3.loader", loader)
-    gemma3 = tmp_path / "gemma3"
-    shutil.copytree(tiny, gemma3)
-    config = json.loads((gemma3 / "config.json").read_text())
-    (gemma3 / "config.json").write_text(json.dumps({**config, "architectures": ["Gemma3ForCausalLM"]}))
     entered, read = threading.Event(), []
 
     def beside():
@@ -231,14 +229,10 @@ def test_a_model_read_beside_a_gemma3_one_keeps_its_names(tmp_path, tiny, monkey
     assert read == [{"model.norm.weight": {}}]
 
 
-def test_the_card_says_how_exllamav3_names_a_gemma3_quant(tmp_path, tiny):
+def test_the_card_says_how_exllamav3_names_a_gemma3_quant(tiny, gemma3):
     from factory.publish import card
     from tests.support.quant_rows import quant_row
 
-    gemma3 = tmp_path / "gemma3"
-    shutil.copytree(tiny, gemma3)
-    config = json.loads((gemma3 / "config.json").read_text())
-    (gemma3 / "config.json").write_text(json.dumps({**config, "architectures": ["Gemma3ForCausalLM"]}))
     engine = engines.get("exl3")
     assert "exllamav3 1.6.5 loads it as it is" in engine.card.load_note(gemma3)
     assert engine.card.load_note(tiny) is None
