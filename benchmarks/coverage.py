@@ -447,8 +447,9 @@ def table(found: dict[str, dict]) -> str:
 
 
 def _short_reason(reason: str) -> str:
-    """The reason without the factory's prefix, the log's path and table-breaking characters."""
+    """The reason without the factory's prefix, the log's path, the run's own paths and table-breaking characters."""
     reason = reason.removeprefix("error: ").split(" (exit ")[0].split("; log: ")[0]
+    reason = re.sub(r"(?<=\s)/\w\S*", "<work>", reason)
     return reason.replace("|", "/").replace("\n", " ")[:200]
 
 

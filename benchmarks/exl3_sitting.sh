@@ -24,9 +24,9 @@
 # and then calls of `sleep 540; bash /tmp/repo/benchmarks/exl3_sitting.sh --poll` (what it has so far into $OUT;
 # the machine goes back when no call holds it) until the timeline says done. After it, here: commit the last poll's
 # coverage-h200.json into benchmarks/results/ (and its timeline.txt under benchmarks/results/h200-<date>/), run
-# `python benchmarks/coverage.py --unproven exl3`, take the proven families out of tests/integration/test_coverage.py's
-# UNPROVEN, drop the claims exllamav3 refused from factory/engines/exl3/engine.py's ARCHITECTURES (with the reason in
-# the README), and regenerate the README's table (`python benchmarks/coverage.py --table`).
+# `python benchmarks/coverage.py --unproven exl3` (it should print {}), make factory/engines/exl3/engine.py's
+# ARCHITECTURES what the run proved (tests/integration/test_coverage.py checks it; a dropped claim's reason goes in the
+# README), and regenerate the README's table (`python benchmarks/coverage.py --table`).
 #  1. the wheels into /tmp/site; exllamav3's extension is built with every core (about 4.5 min on 16), the whole
 #     script running in the background of the device call that starts it;
 #  2. the coverage, JOBS families at once, each making its tiny checkpoint first.

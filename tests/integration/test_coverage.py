@@ -4,12 +4,9 @@ run`, `qf pull` and the engine's own loader, on CPU here and on the H200 for the
 those results, and the CPU engines' claims are proven again here, end to end (two families on every CI run, all
 with QF_COVERAGE=all).
 
-UNPROVEN lists the claims an engine keeps that its last run did not prove, each with why: a failure for a reason in
-our tiny checkpoints, fixed since and not yet run again (issue 48: tests/integration/test_exl3_checkpoints.py reads
-each checkpoint with exllamav3's own classes on CPU), or one not understood yet. An entry leaves the list when a run
-proves it (this test says which), or the claim goes, when the engine itself refuses it: `python benchmarks/coverage.py
---unproven exl3` prints what the committed results leave unproven, with the results' reasons.
-benchmarks/exl3_sitting.sh is the GPU run that empties EXL3's entries."""
+An engine that claims a family its run did not prove fails here: run it again (for EXL3 the GPU sitting
+benchmarks/exl3_sitting.sh) or drop the claim with the reason in the README; `python benchmarks/coverage.py
+--unproven exl3` prints what the committed results leave unproven, with their reasons."""
 
 from __future__ import annotations
 
@@ -24,17 +21,6 @@ from factory import engines
 from tests.support import ROOT
 
 RESULTS = coverage.results()
-UNPROVEN = {
-    "exl3": {
-        "Qwen3NextForCausalLM": "the tiny checkpoint's second layer was a linear one to exllamav3 (its release's "
-        "full_attention_interval, which transformers 5 does not save, read as 4): written since (tiny_archs.py "
-        "_qwen3_next), not converted again yet",
-        "Glm4ForCausalLM": "its pulled quant did not load (asked for .model.embed_tokens.weight): the coverage run "
-        "re-scored it in a thread while another read a Gemma 3 through compat.reading, whose renaming was "
-        "exllamav3's module-wide (Gemma 2 failed so in the sitting before); one reading at a time since, not run "
-        "again yet",
-    },
-}
 
 
 def _architectures(name: str) -> dict[str, str]:
@@ -47,12 +33,9 @@ def _architectures(name: str) -> dict[str, str]:
 def test_each_engine_claims_what_its_coverage_proved(name):
     assert name in RESULTS, f"{name} has no coverage results: run benchmarks/coverage.py --engine {name}"
     proven = coverage.proven(RESULTS[name])
-    unproven = set(UNPROVEN.get(name, {}))
     claims = set(engines.get(name).architectures)
-    assert not proven & unproven, f"{sorted(proven & unproven)} are proven now: take them out of UNPROVEN"
-    assert claims == proven | unproven, (
-        f"claimed but not proven: {sorted(claims - proven - unproven)}; "
-        f"proven but not claimed: {sorted(proven - claims)}"
+    assert claims == proven, (
+        f"claimed but not proven: {sorted(claims - proven)}; proven but not claimed: {sorted(proven - claims)}"
     )
 
 

@@ -64,9 +64,8 @@ ERROR = re.compile(r"^ !! Error: (?P<message>.*)$")
 CAL_TENSOR = "input_ids"
 VISION_BITS = 16  # a vision-language model's tower and projector stay as they are (exllamav3 quantizes some at 6)
 
-# What benchmarks/coverage.py proved exllamav3 1.6.5 converts on the H200 (benchmarks/results/coverage-h200.json),
-# and the claims that run did not reach or failed for a reason outside exllamav3 (tests/integration/test_coverage.py,
-# UNPROVEN).
+# What benchmarks/coverage.py proved exllamav3 1.6.5 converts on the GPU (benchmarks/results/coverage-h200.json: each
+# family quantized by `qf run`, pulled, and the pulled quant re-scored by exllamav3; test_coverage.py checks it).
 ARCHITECTURES = frozenset({
     "AfmoeForCausalLM", "ApertusForCausalLM", "ArceeForCausalLM", "Cohere2ForCausalLM", "CohereForCausalLM",
     "DeepseekV3ForCausalLM", "Dots1ForCausalLM", "Ernie4_5_MoeForCausalLM", "Exaone4ForCausalLM", "Gemma2ForCausalLM",
@@ -76,8 +75,8 @@ ARCHITECTURES = frozenset({
     "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM", "SeedOssForCausalLM",
     "SmolLM3ForCausalLM",
     # vision-language: the language model converted, the vision tower and projector kept at 16 bits (-vb 16)
-    "Gemma3ForConditionalGeneration", "Glm4vForConditionalGeneration", "Mistral3ForConditionalGeneration",
-    "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
+    "Gemma3ForConditionalGeneration", "Gemma4ForConditionalGeneration", "Glm4vForConditionalGeneration",
+    "Mistral3ForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
 })  # fmt: skip
 
 
