@@ -169,6 +169,13 @@ def warm_start() -> bool:
     return os.environ.get("FACTORY_WARM_START", "").strip().lower() not in ("0", "false", "no", "off")
 
 
+def llama_cpp_sdist() -> Path | None:
+    """FACTORY_LLAMA_CPP_SDIST: the pinned llama-cpp-python sdist as a file on this machine, which the GGUF build
+    reads instead of downloading it (for machines without PyPI); unset: downloaded."""
+    value = os.environ.get("FACTORY_LLAMA_CPP_SDIST", "").strip()
+    return Path(value) if value else None
+
+
 GGUF_SPLIT_BYTES = 48 * 10**9
 
 

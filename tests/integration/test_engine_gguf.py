@@ -305,6 +305,27 @@ def test_without_the_build_a_job_is_refused_naming_the_setup_command(qf, tiny, t
     )
 
 
+@pytest.mark.parametrize("given", ["another", "missing"])
+def test_a_local_sdist_that_is_not_the_pinned_one_is_refused_and_leaves_no_build(tmp_path, given):
+    """FACTORY_LLAMA_CPP_SDIST (a machine without PyPI: the GPU sitting carries the sdist): only the pinned file is
+    built, and a refusal is one sentence with nothing left in the cache."""
+    sdist = tmp_path / llama.SDIST
+    if given == "another":
+        sdist.write_bytes(b"not llama.cpp")
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "FACTORY_LLAMA_CPP_SDIST": str(sdist)}
+    done = subprocess.run([sys.executable, "-m", "factory.engines.gguf.build"], env=env, capture_output=True, text=True)
+    assert done.returncode == 1
+    assert done.stdout == f"{llama.PACKAGE} {llama.VERSION}'s sdist from {sdist} (FACTORY_LLAMA_CPP_SDIST)\n"
+    assert done.stderr.strip() == (
+        f"error: {llama.SDIST} does not have the pinned sha256 {llama.SDIST_SHA256[:12]}...; refusing to build it"
+        if given == "another"
+        else f"error: FACTORY_LLAMA_CPP_SDIST={sdist} cannot be read: No such file or directory"
+    )
+    assert [p.name for p in (tmp_path / "cache" / "quantfactory" / "llama.cpp").iterdir()] == [
+        f"{llama.VERSION}-{llama.flavour()}.lock"
+    ]
+
+
 def test_each_architecture_is_one_the_converter_registers():
     registered = set()
     for path in (llama.source() / "conversion").glob("*.py"):

@@ -1,7 +1,8 @@
 """llama.cpp at one pinned version, built once per machine and cached by version: the converter, the tools and the
 inference GGUF quants are made and scored with.
 
-The source is the PyPI sdist of llama-cpp-python (SDIST, checked by its sha256), which vendors llama.cpp in
+The source is the PyPI sdist of llama-cpp-python (SDIST, checked by its sha256; FACTORY_LLAMA_CPP_SDIST names a copy
+on a machine without PyPI), which vendors llama.cpp in
 `vendor/llama.cpp`: `convert_hf_to_gguf.py` with its `gguf-py`, and the tools. The build, in
 `$XDG_CACHE_HOME/quantfactory/llama.cpp/<version>-<cpu|cuda>/` (`~/.cache/...` by default; every FACTORY_HOME and
 worker of the machine shares it):
@@ -37,6 +38,7 @@ from importlib import resources
 from pathlib import Path
 
 from factory.errors import JobFailed, SpecError
+from factory.settings import llama_cpp_sdist
 
 PACKAGE, VERSION = "llama-cpp-python", "0.3.36"
 SDIST = f"llama_cpp_python-{VERSION}.tar.gz"
@@ -132,10 +134,17 @@ def build(log=print) -> Path:
 
 
 def _make(tmp: Path, log) -> None:
-    log(f"downloading {PACKAGE} {VERSION} (its sdist vendors llama.cpp)")
-    _run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:", "-d", str(tmp)]
-         + ["--disable-pip-version-check", f"{PACKAGE}=={VERSION}"], tmp, "pip download")  # fmt: skip
     sdist = tmp / SDIST
+    if (local := llama_cpp_sdist()) is not None:
+        log(f"{PACKAGE} {VERSION}'s sdist from {local} (FACTORY_LLAMA_CPP_SDIST)")
+        try:
+            shutil.copyfile(local, sdist)
+        except OSError as e:
+            raise JobFailed(f"FACTORY_LLAMA_CPP_SDIST={local} cannot be read: {e.strerror or e}") from None
+    else:
+        log(f"downloading {PACKAGE} {VERSION} (its sdist vendors llama.cpp)")
+        _run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:", "-d", str(tmp)]
+             + ["--disable-pip-version-check", f"{PACKAGE}=={VERSION}"], tmp, "pip download")  # fmt: skip
     if hashlib.sha256(sdist.read_bytes()).hexdigest() != SDIST_SHA256:
         raise JobFailed(f"{SDIST} does not have the pinned sha256 {SDIST_SHA256[:12]}...; refusing to build it")
     with tarfile.open(sdist) as tar:
