@@ -37,6 +37,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -381,7 +382,7 @@ def run_one(engine: str, model_type: str, models: Path, work: Path, device: str)
     try:
         again = _rescore(engine, pulled, source, device)
     except Exception as e:  # noqa: BLE001
-        return {**result, "status": "refused", "reason": f"the pulled quant does not load: {type(e).__name__}: {e}"}
+        return {**result, "status": "refused", "reason": f"the pulled quant does not load: {_error(e)}"}
     if abs(again - quant["ppl"]) > 1e-3 * quant["ppl"]:
         return {
             **result,
@@ -395,7 +396,7 @@ def run_one(engine: str, model_type: str, models: Path, work: Path, device: str)
             return {
                 **result,
                 "status": "refused",
-                "reason": f"the pulled quant takes no image: {type(e).__name__}: {e}",
+                "reason": f"the pulled quant takes no image: {_error(e)}",
             }
     return {
         **result,
@@ -444,6 +445,20 @@ def table(found: dict[str, dict]) -> str:
             cells.append(f"{row['status']} ({reasons.index(why) + 1})")
         lines.append(f"| {t} | " + " | ".join(cells) + " |")
     return "\n".join([*lines, "", *(f"{i}. {why}" for i, why in enumerate(reasons, 1))])
+
+
+def _error(e: Exception) -> str:
+    """An exception in one line, with where it was raised (the innermost frame, from its package's folder on), so a
+    refusal seen only in the results can be looked up."""
+    if not e.__traceback__:
+        return f"{type(e).__name__}: {e}"
+    frame = traceback.extract_tb(e.__traceback__)[-1]
+    path = Path(frame.filename)
+    if "site-packages" in path.parts:
+        path = Path(*path.parts[path.parts.index("site-packages") + 1 :])
+    elif path.is_relative_to(ROOT):
+        path = path.relative_to(ROOT)
+    return f"{type(e).__name__}: {e} (at {path}:{frame.lineno})"
 
 
 def _short_reason(reason: str) -> str:
