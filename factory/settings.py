@@ -39,6 +39,8 @@ OMP_NUM_THREADS   the threads torch's CPU kernels take in each process (the fact
 FACTORY_GGUF_SPLIT_BYTES  the largest GGUF file the factory publishes: a quant's file over it is cut by llama.cpp's
                   gguf-split into parts of at most this many bytes of tensors, each with its metadata (default 48e9,
                   2 GB under the Hub's 50 GB per file)
+FACTORY_LLAMA_CPP_SDIST  the pinned llama-cpp-python sdist as a file, which GGUF's build of llama.cpp reads instead of
+                  downloading it from PyPI (its sha256 checked either way; default: downloaded)
 FACTORY_WARM_START  0 (or false, no, off): every engine child starts a fresh Python, which imports its libraries
                   itself, as before 2026-12-06 (for debugging); default 1: the engines' Python children are forked
                   from a starter that imported torch and transformers once per process (factory/engines/warm.py)
