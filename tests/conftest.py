@@ -21,6 +21,16 @@ from tests.support.service import Server
 from tests.support.tiny_model import make_tiny_llama
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_warm_starter():
+    """One starter of warm engine children for this test process and every `qf`, worker and server it starts
+    (factory/engines/warm.py `share`): each of them would otherwise start its own, 5 CPU-seconds of imports
+    (about 80 in a CI run, 2026-12-07)."""
+    from factory.engines import child, warm
+
+    warm.share(child.environment())
+
+
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory) -> Path:
     """hidden 128, 2 layers: AWQ picks group 128."""

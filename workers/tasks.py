@@ -57,7 +57,7 @@ from kombu.exceptions import OperationalError
 
 from factory import engines, schedule, settings
 from factory.catalog import RETRYABLE, TERMINAL, Job, JobState, Lease
-from factory.engines import starter
+from factory.engines import child, starter, warm
 from factory.errors import Conflict, FactoryError, LeaseLost, NotFound, ServiceUnavailable, SpecError, mask_url
 from factory.evaluation import evaluate
 from factory.factory import Factory
@@ -321,6 +321,7 @@ def _end_without_teardown() -> NoReturn:
 @worker_ready.connect
 def _warm_up(sender, **_) -> None:
     global _spare, _up
+    warm.share(child.environment())  # one starter of warm engine children for all its job processes
     _spare = _spare or _start()
     _up = (sender.hostname, sorted(q.name for q in sender.task_consumer.queues))
     threading.Thread(target=_say_up, args=_up, name="qf-worker-up", daemon=True).start()

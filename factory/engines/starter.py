@@ -1,11 +1,15 @@
 """The starter of warm engine children (factory/engines/warm.py starts it: `python -m factory.engines.starter FD
-PARENT ROOM`): a process that imports PRELOADED once, then forks a child for each request on the socket FD.
+PARENT NAME ROOM`): a process that imports PRELOADED once, then forks a child for each request on the socket FD, and
+for each request of a client: another process of the same user that connected to the abstract Unix socket NAME
+(warm.share offers it to the parent's descendants: a worker's job processes, the `qf` processes a test starts).
 
 It dies with its parent PARENT (PDEATHSIG SIGKILL, set here; it exits at once if PARENT died before), ends when
 that socket closes, ignores Ctrl-C (it reaches the children and the parent, which stop them) and first checks that
 forking it is safe: its imports started no thread (but OpenBLAS's, which stop themselves at a fork) and touched no
 CUDA (`torch.cuda.is_initialized()`, no `/dev/nvidia*` open), else it says why and ends, and its parent starts those
-children cold.
+children cold. A connection whose peer is another uid (SO_PEERCRED) is closed unread: a request runs code as this
+user. When a client's connection closes (it ended, or was killed), its children that still run get SIGTERM, as a
+cold child gets when its parent dies.
 
 A request is JSON (module, args, whether `-u`, argv, env, cwd, umask) with four descriptors: where to answer, the
 child's stdin, stdout and stderr. It forks, answers with the child's pid and a pidfd of it, and once the child has
@@ -33,6 +37,7 @@ import runpy
 import select
 import signal
 import socket
+import struct
 import sys
 import tempfile
 import threading
@@ -53,10 +58,21 @@ def main() -> None:
         return
     _retitle(sys.orig_argv[:-1])
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches its children and its parent, which stop them
-    problem = _preload()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    problem = _preload() or _listen(listener, sys.argv[3])
     control.send((problem or "ready").encode())
-    if problem is None and (request := _serve(control)) is not None:
+    if problem is None and (request := _serve(control, listener)) is not None:
         _become(request)
+
+
+def _listen(listener: socket.socket, name: str) -> str | None:
+    try:
+        listener.bind("\0" + name)
+        listener.listen()
+    except OSError as e:
+        return f"its socket: {e}"
+    listener.setblocking(False)  # a client gone before it was accepted is not waited for
+    return None
 
 
 def _preload() -> str | None:
@@ -132,12 +148,14 @@ def _open_files() -> list[str]:
     return found
 
 
-def _serve(control: socket.socket) -> dict | None:
-    """Forks a child per request until this process's parent closes the socket; returns in each forked child."""
+def _serve(owner: socket.socket, listener: socket.socket) -> dict | None:
+    """Forks a child per request of its owner (the parent) or of a client until the owner closes its socket; a
+    client's children get SIGTERM once its connection closes. Returns in each forked child."""
+    clients: dict[socket.socket, set[int]] = {owner: set()}  # connection -> pidfds of its children still running
     children: dict[int, tuple[int, socket.socket]] = {}  # pidfd -> (pid, where its status goes)
     while True:
-        ready = select.select([control, *children], [], [])[0]
-        for pidfd in (fd for fd in ready if fd is not control):
+        ready = select.select([listener, *clients, *children], [], [])[0]
+        for pidfd in (fd for fd in ready if isinstance(fd, int)):
             pid, reply = children.pop(pidfd)
             _, status = os.waitpid(pid, 0)
             try:
@@ -145,19 +163,45 @@ def _serve(control: socket.socket) -> dict | None:
             except OSError:  # nobody waits for it any more
                 pass
             reply.close()
+            for running in clients.values():
+                running.discard(pidfd)
             os.close(pidfd)
-        if control in ready:
+        if listener in ready:
+            _accept(listener, clients)
+        for conn in (fd for fd in ready if isinstance(fd, socket.socket) and fd in clients):
             try:
-                message, fds, _, _ = socket.recv_fds(control, 1 << 20, 4)
+                message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 4)
             except OSError:
-                message = b""
-            if not message:
+                message, fds = b"", []
+            if message:
+                request = _fork(json.loads(message), fds, [listener, *clients], children, clients[conn])
+                if request is not None:
+                    return request
+            elif conn is owner:
                 return None
-            if (request := _fork(json.loads(message), fds, control, children)) is not None:
-                return request
+            else:
+                for pidfd in clients.pop(conn):
+                    with contextlib.suppress(ProcessLookupError):  # it ended; its pidfd says so next
+                        signal.pidfd_send_signal(pidfd, signal.SIGTERM)
+                conn.close()
 
 
-def _fork(request: dict, fds: list[int], control: socket.socket, children: dict) -> dict | None:
+def _accept(listener: socket.socket, clients: dict[socket.socket, set[int]]) -> None:
+    try:
+        conn, _ = listener.accept()
+    except OSError:  # it gave up before it was accepted
+        return
+    conn.setblocking(True)
+    _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    if uid != os.getuid():
+        conn.close()
+        return
+    clients[conn] = set()
+
+
+def _fork(
+    request: dict, fds: list[int], sockets: list[socket.socket], children: dict, running: set[int]
+) -> dict | None:
     reply_fd, *stdio = fds
     reply = socket.socket(fileno=reply_fd)
     if _unsafe_threads():  # never: no thread of its own, none its imports started but OpenBLAS's
@@ -173,7 +217,7 @@ def _fork(request: dict, fds: list[int], control: socket.socket, children: dict)
         child.die_with_parent(signal.SIGTERM)
         if os.getppid() != starter:  # it died before the line above
             os._exit(1)
-        for sock in (control, reply, *(r for _, r in children.values())):
+        for sock in (*sockets, reply, *(r for _, r in children.values())):
             sock.detach()  # closed below, with every other descriptor
         for target, fd in enumerate(stdio):
             os.dup2(fd, target)
@@ -187,6 +231,7 @@ def _fork(request: dict, fds: list[int], control: socket.socket, children: dict)
     except OSError:  # the parent gave up on it
         os.kill(pid, signal.SIGKILL)
     children[pidfd] = (pid, reply)
+    running.add(pidfd)
     return None
 
 

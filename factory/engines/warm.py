@@ -20,6 +20,15 @@ new starter gets one try before the child goes cold). A starter that died is rep
 children got SIGTERM, and their `wait()` says -SIGTERM once they are gone. Every starter is stopped and waited for
 at exit, so its CPU and its children's count as this process's children's.
 
+One starter for many processes: `share(env)` offers this process's starter for `env` to its descendants
+(FACTORY_WARM_STARTER in its environment names the starter's socket, and the environment it serves by a digest of its
+key). A descendant that needs a starter for that environment connects to it instead of starting its own (a worker
+shares its starter with its job processes; the tests' pytest processes with every `qf`, worker and server they
+start): each of its children is then the shared starter's child, not its own, and gets SIGTERM once its connection
+closes (it ended, or was killed), as a cold child's PDEATHSIG. A shared starter is never stopped as idle, and one
+that is gone (its owner ended) is replaced by one of the process's own. The starter serves only its own uid, and a
+process uses a shared starter only if it runs as that uid (SO_PEERCRED, both ways).
+
 What the starter reads at import, and why a child may use it: a starter serves one environment, keyed by the
 working folder (sys.path[0] for `-m`) and every variable of the child's environment but KEYLESS. Its libraries read
 the keyed ones at load (OMP_*, GOMP_*, OPENBLAS_*, TORCH_*, PYTORCH_*, TRITON_*, PYTHON*, LANG, HOME, PATH: a getenv
@@ -38,13 +47,16 @@ process's when it started it).
 from __future__ import annotations
 
 import atexit
+import hashlib
 import io
 import json
 import os
 import queue
+import secrets
 import select
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -53,6 +65,7 @@ from concurrent.futures import Future
 from factory.settings import warm_start
 
 STARTER = "factory.engines.starter"  # the module the starter runs
+SHARED = "FACTORY_WARM_STARTER"  # the socket of a starter this process's ancestor shares (`share`)
 KEYLESS = {"TMPDIR", "HF_HOME", "HF_HUB_CACHE", "XDG_CACHE_HOME"}
 KEYLESS_PREFIXES = ("EXLLAMA_",)
 TITLE_ROOM = 4096  # bytes of command line a child's title may take (`ps`; a longer one is cut)
@@ -154,18 +167,44 @@ def _key(env: dict[str, str], cwd: str) -> tuple:
     return (cwd, *sorted(kept))
 
 
+def _socket_prefix(key: tuple) -> str:
+    """The start of the socket name of this user's starters for `key` (a random part follows)."""
+    digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32]
+    return f"quantfactory-warm-{os.getuid()}-{digest}-"
+
+
+def share(env: dict[str, str]) -> None:
+    """This process's starter for its engines' environment `env` (started now if need be) offered to its
+    descendants (the module's docstring); nothing where warm starts are off or none can be had, or where this
+    process uses an ancestor's already."""
+    if not warm_start():
+        return
+    cwd = os.getcwd()
+    starter = _starter_for(_key(env, cwd), env, cwd)
+    if starter is not None and starter.proc is not None:
+        starter.shared = True
+        os.environ[SHARED] = starter.name
+
+
 # -- this process's starters ---------------------------------------------------------------------------------------
 
 
 class _Starter:
-    def __init__(self, proc: subprocess.Popen, control: socket.socket):
-        self.proc, self.control = proc, control
+    """A starter this process asks for children: its own (`proc`, its child) or one an ancestor shares (`proc`
+    None: `control` is this process's connection to it)."""
+
+    def __init__(self, proc: subprocess.Popen | None, control: socket.socket, name: str):
+        self.proc, self.control, self.name = proc, control, name
+        self.shared = False  # offered to this process's descendants: never stopped as idle
         self.children: list[Started] = []
         self._sending = threading.Lock()
 
+    def alive(self) -> bool:
+        return self.control.fileno() >= 0 and (self.proc is None or self.proc.poll() is None)
+
     def idle(self) -> bool:
         self.children = [c for c in self.children if c.poll() is None]
-        return not self.children
+        return not self.children and not self.shared
 
     def start(self, cmd: list[str], command: dict, env: dict, cwd: str, stderr: int | None) -> Started | None:
         """The child, or None when the starter did not start it (it is then stopped)."""
@@ -202,10 +241,11 @@ class _Starter:
         return started
 
     def stop(self) -> None:
-        """Its children, if any, get SIGTERM as it dies."""
+        """Its children, if any, get SIGTERM as it dies (or, a shared one's, as this process's connection closes)."""
         self.control.close()
-        self.proc.kill()
-        self.proc.wait()
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
 
 
 _lock = threading.Lock()  # the starters, and starting one
@@ -220,12 +260,12 @@ def _starter_for(key: tuple, env: dict[str, str], cwd: str) -> _Starter | None:
         for other in [k for k, s in _starters.items() if k != key and s.idle()]:
             _starters.pop(other).stop()
         starter = _starters.get(key)
-        if starter is not None and starter.proc.poll() is None and starter.control.fileno() >= 0:
+        if starter is not None and starter.alive():
             return starter
         _starters.pop(key, None)
         if key in _refused:
             return None
-        starter = _spawn(env, cwd)
+        starter = _connect(key) or _spawn(env, cwd, key)
         if starter is None:
             _refused.add(key)
         else:
@@ -233,13 +273,32 @@ def _starter_for(key: tuple, env: dict[str, str], cwd: str) -> _Starter | None:
         return starter
 
 
-def _spawn(env: dict[str, str], cwd: str) -> _Starter | None:
+def _connect(key: tuple) -> _Starter | None:
+    """The starter an ancestor shares (FACTORY_WARM_STARTER), if it serves `key`, is this user's and is there."""
+    name = os.environ.get(SHARED, "")
+    if not name.startswith(_socket_prefix(key)):
+        return None
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        conn.connect("\0" + name)
+        _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    except OSError:  # its owner ended
+        conn.close()
+        return None
+    if uid != os.getuid():
+        conn.close()
+        return None
+    return _Starter(None, conn, name)
+
+
+def _spawn(env: dict[str, str], cwd: str, key: tuple) -> _Starter | None:
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    name = _socket_prefix(key) + secrets.token_hex(8)
     room = "-" * TITLE_ROOM  # argv space its children write their own command lines into
 
     def popen() -> subprocess.Popen:
         return subprocess.Popen(
-            [sys.executable, "-m", STARTER, str(theirs.fileno()), str(os.getpid()), room],
+            [sys.executable, "-m", STARTER, str(theirs.fileno()), str(os.getpid()), name, room],
             pass_fds=(theirs.fileno(),),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
@@ -255,7 +314,7 @@ def _spawn(env: dict[str, str], cwd: str) -> _Starter | None:
     finally:
         theirs.close()
     if ours.recv(4096) == b"ready":  # after its imports; b"" if it died, else what stopped it
-        return _Starter(proc, ours)
+        return _Starter(proc, ours, name)
     ours.close()
     proc.kill()
     proc.wait()
@@ -284,14 +343,17 @@ def _serve_calls() -> None:
 
 
 def _forget() -> None:
-    """In a forked child of this process: the starters are its parent's, not its own."""
+    """In a forked child of this process: the starters are its parent's, not its own (its copies of their sockets
+    closed: a shared starter stops its parent's children once its parent's connection closes)."""
     global _lock, _starters, _calls, _thread
+    for starter in _starters.values():
+        starter.control.close()
     _lock, _starters, _calls, _thread = threading.Lock(), {}, queue.SimpleQueue(), None
 
 
 def _stop_all() -> None:
     """At exit: every starter stopped and waited for (its CPU, and its children's, is then this process's
-    children's, as a cold child's is)."""
+    children's, as a cold child's is), every connection to a shared one closed."""
     for starter in _starters.values():
         starter.stop()
 

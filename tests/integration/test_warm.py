@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import re
 import signal
 import subprocess
@@ -18,7 +19,7 @@ import pytest
 
 from factory.engines import child, warm
 from factory.errors import JobFailed
-from tests.support import ROOT
+from tests.support import ROOT, hostile_user, processes
 from tests.support.processes import wait_until
 
 PROBE = "tests.support.warm_probe"
@@ -129,7 +130,8 @@ def test_terminate_kill_and_minus_u_reach_a_warm_child():
         proc.wait(30)
 
 
-def test_a_killed_starter_takes_its_engine_and_the_next_child_gets_a_new_one(tmp_path):
+def test_a_killed_starter_takes_its_engine_and_the_next_child_gets_a_new_one(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # a starter of its own, not the one this process shares
     proc, event = _started("sleep")
     os.kill(event["ppid"], signal.SIGKILL)
     assert proc.wait(30) == -signal.SIGTERM  # its PDEATHSIG
@@ -147,12 +149,22 @@ child.run_command([sys.executable, "-m", "tests.support.warm_probe", "sleep"], P
 """
 
 
-def test_a_killed_parent_takes_its_starter_and_its_engine_with_it(tmp_path):
+def _parent(tmp_path: Path, env: dict[str, str]) -> tuple[subprocess.Popen, dict]:
+    """A process that runs the probe as an engine (PARENT), and the probe's event."""
     parent = subprocess.Popen(
-        [sys.executable, "-c", PARENT, str(tmp_path / "engine.log")], cwd=ROOT, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", PARENT, str(tmp_path / "engine.log")],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
     )
+    return parent, json.loads(parent.stdout.readline())
+
+
+def test_a_killed_parent_takes_its_starter_and_its_engine_with_it(tmp_path):
+    own = {k: v for k, v in os.environ.items() if k != warm.SHARED}  # no ancestor's starter to use
+    parent, event = _parent(tmp_path, own)
     try:
-        event = json.loads(parent.stdout.readline())
         engine, starter = event["pid"], event["ppid"]
         assert psutil.Process(starter).ppid() == parent.pid
         parent.kill()
@@ -160,6 +172,67 @@ def test_a_killed_parent_takes_its_starter_and_its_engine_with_it(tmp_path):
     finally:
         parent.kill()
         parent.wait()
+
+
+def test_a_descendant_uses_the_starter_its_ancestor_shares_and_a_killed_one_takes_its_engine_with_it(tmp_path):
+    """This test process shares its starter (tests/conftest.py one_warm_starter): a process it starts forks its
+    engines from it, not from a starter of its own; killed, its engine gets SIGTERM (its connection closed) and the
+    starter goes on serving."""
+    shared = _probe(tmp_path / "engine.log", "report")["ppid"]
+    assert psutil.Process(shared).ppid() == os.getpid() and os.environ[warm.SHARED]
+    parent, event = _parent(tmp_path, dict(os.environ))
+    try:
+        assert event["ppid"] == shared and [p.pid for p in processes.engines(parent.pid)] == [event["pid"]]
+        assert event["pid"] in processes.tree(parent.pid)
+        parent.kill()
+        wait_until(lambda: _gone(event["pid"]), 15)
+    finally:
+        parent.kill()
+        parent.wait()
+    assert not _gone(shared) and _probe(tmp_path / "engine.log", "report")["ppid"] == shared
+
+
+ATTACKER = """
+import json, os, socket, sys
+conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+conn.connect("\\0" + sys.argv[1])
+mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+out_r, out_w = os.pipe()
+request = {"module": "tests.support.warm_probe", "args": ["report"], "unbuffered": False, "argv": ["x"],
+           "env": {}, "cwd": sys.argv[2], "umask": None}
+try:
+    socket.send_fds(conn, [json.dumps(request).encode()], [theirs.fileno(), 0, out_w, out_w])
+except OSError:
+    pass
+theirs.close()
+os.close(out_w)
+mine.settimeout(10)
+try:
+    answer = mine.recv(4096)
+except OSError:
+    answer = b""
+print(json.dumps({"answer": answer.decode(), "out": os.read(out_r, 4096).decode()}))
+"""
+
+
+def test_a_shared_starter_runs_nothing_for_another_user(tmp_path):
+    """A request runs a module as the starter's user: one from another uid's connection is never read."""
+    shared = _probe(tmp_path / "engine.log", "report")["ppid"]
+    before = {p.pid for p in psutil.Process(shared).children()}
+    attacker = hostile_user.uid()
+    done = subprocess.run(
+        ["/usr/bin/python3", "-c", ATTACKER, os.environ[warm.SHARED], str(ROOT)],
+        user=attacker,
+        group=pwd.getpwuid(attacker).pw_gid,
+        extra_groups=[],
+        capture_output=True,
+        text=True,
+        cwd="/",
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"answer": "", "out": ""}
+    assert {p.pid for p in psutil.Process(shared).children()} <= before and not _gone(shared)
 
 
 def test_what_starts_cold(monkeypatch):
@@ -174,7 +247,9 @@ def test_what_starts_cold(monkeypatch):
 
 def test_a_starter_serves_one_environment(tmp_path, monkeypatch):
     """Where libraries read the environment at import, a child gets a starter started with what it was given; a
-    cache folder they name is not one of those (the module's docstring)."""
+    cache folder they name is not one of those (the module's docstring). (OMP_NUM_THREADS=3: not the environment of
+    the starter this process shares, which is never stopped as idle.)"""
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
     first = _probe(tmp_path / "engine.log", "report")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     same = _probe(tmp_path / "engine.log", "report")

@@ -183,25 +183,37 @@ def test_cancel_a_running_job_then_retry(env, worker, tiny):
     )
 
 
-def test_a_dead_job_process_fails_the_job_and_the_worker_goes_on(env, worker, tiny):
+def test_a_dead_job_process_fails_the_job_and_the_worker_goes_on(env, tiny, tmp_path):
     """Each job runs in a process of its own; killed (as the OOM killer would), the job fails with the
-    reason, its engine goes with it, and the same worker runs the retry."""
+    reason, its engine goes with it, and the same worker runs the retry. The worker started as its users start it
+    (no starter of warm engine children shared with it: tests/conftest.py shares this process's with the others)
+    has one of its own for all its job processes (workers/tasks.py), which goes on after one of them is killed."""
     import psutil
 
-    job_id = qf(env, "submit", tiny, "--awq", "--eval-windows", 1, check=True).stdout.strip()
-    wait_until(env, job_id, quantizing, 120, "quantizing")
-    job_process = running_job_process(worker)
-    engines = job_process.children(recursive=True)
-    job_process.kill()
-    status = wait_for(env, job_id, 60)
-    assert (status["state"], status["error"]) == ("failed", "the job's process died (killed by SIGKILL)")
-    stopped = [(s["state"], s["error"]) for s in status["steps"] if s["state"] != "succeeded"]  # one unit or two
-    assert stopped and all(s == ("failed", status["error"]) for s in stopped), stopped
-    gone, alive = psutil.wait_procs(engines, timeout=15)
-    assert alive == [] and worker.poll() is None
+    from factory.engines import warm
 
-    assert qf(env, "retry", job_id, check=True).stdout.strip() == job_id
-    assert wait_for(env, job_id)["state"] == "succeeded"
+    env = {k: v for k, v in env.items() if k != warm.SHARED}
+    worker = start_worker(env, tmp_path / "worker.log")
+    try:
+        job_id = qf(env, "submit", tiny, "--awq", "--eval-windows", 1, check=True).stdout.strip()
+        wait_until(env, job_id, quantizing, 120, "quantizing")
+        job_process = running_job_process(worker)
+        engines = [psutil.Process(pid) for pid in tree(job_process.pid)[1:]]  # its engine and its watchdog
+        [starter] = {p.parent() for p in engines if p.ppid() != job_process.pid}
+        assert warm.STARTER in starter.cmdline() and starter.ppid() == worker.pid
+        job_process.kill()
+        status = wait_for(env, job_id, 60)
+        assert (status["state"], status["error"]) == ("failed", "the job's process died (killed by SIGKILL)")
+        stopped = [(s["state"], s["error"]) for s in status["steps"] if s["state"] != "succeeded"]  # one or two
+        assert stopped and all(s == ("failed", status["error"]) for s in stopped), stopped
+        gone, alive = psutil.wait_procs(engines, timeout=15)
+        assert alive == [] and worker.poll() is None and starter.is_running()
+
+        assert qf(env, "retry", job_id, check=True).stdout.strip() == job_id
+        assert wait_for(env, job_id)["state"] == "succeeded"
+    finally:
+        worker.terminate()
+        worker.wait(timeout=30)
 
 
 SUBMITTER = """
@@ -330,7 +342,7 @@ def test_killed_worker_the_job_finishes_elsewhere_once(env, tiny, tmp_path):
     job_id = qf(env, "submit", tiny, "--awq", "--eval-windows", 1, check=True).stdout.strip()
     wait_until(env, job_id, quantizing, 120, "quantizing")
     running = running_job_process(first)
-    left = [*processes.job_processes(first.pid), *running.children(recursive=True)]
+    left = [*processes.job_processes(first.pid), *(psutil.Process(pid) for pid in tree(running.pid)[1:])]
     assert len(left) >= 3  # the running job process, the spare, the engine
     first.kill()
     first.wait()

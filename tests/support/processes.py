@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -78,22 +79,61 @@ def stopped_at(qf: Qf, moment: str, *args, **env: str) -> subprocess.Popen:
 
 
 def tree(pid: int) -> list[int]:
-    """The process and all its descendants ([] once it is gone)."""
-    try:
-        return [pid, *(p.pid for p in psutil.Process(pid).children(recursive=True))]
-    except psutil.NoSuchProcess:
-        return []
+    """The process and all its descendants, with the engines a starter it shares with others forked for any of
+    them (`shared_engines`) and theirs ([] once it is gone)."""
+    pids, todo = [], [pid]
+    while todo:
+        try:
+            top = psutil.Process(todo.pop())
+            members = [top, *top.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+        for proc in members:
+            if proc.pid not in pids:
+                pids.append(proc.pid)
+                todo.extend(p.pid for p in shared_engines(proc.pid))
+    return pids
 
 
 def engines(pid: int) -> list[psutil.Process]:
     """The processes `pid` started for its engines (their watchdogs too): its children, with a warm starter's
-    children in place of the starter (factory/engines/warm.py: it forks a process's Python engines)."""
+    children in place of the starter (factory/engines/warm.py: it forks a process's Python engines), and those a
+    starter an ancestor shares forked for it."""
     found = []
     for proc in psutil.Process(pid).children():
         try:
             found.extend(proc.children() if warm.STARTER in proc.cmdline() else [proc])
         except psutil.NoSuchProcess:
             pass
+    return found + [p for p in shared_engines(pid) if p not in found]
+
+
+def shared_engines(pid: int) -> list[psutil.Process]:
+    """The children a starter that `pid` does not own forked for it (warm.share: a worker's, this test process's):
+    no process links them to `pid` but their output, so they are the starters' children that hold the write end of
+    a pipe `pid` reads (warm.start gives each child a stdout pipe of its own and keeps its read end; an engine may
+    move it off fd 1, as the round engine does)."""
+    reads = _pipes(pid, os.O_RDONLY)
+    found = []
+    for starter in psutil.process_iter(["cmdline"]):
+        if reads and warm.STARTER in (starter.info["cmdline"] or ()):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                found.extend(p for p in starter.children() if _pipes(p.pid, os.O_WRONLY) & reads)
+    return found
+
+
+def _pipes(pid: int, mode: int) -> set[str]:
+    """The pipes (`pipe:[INODE]`) `pid` holds an end of open for `mode` (os.O_RDONLY, os.O_WRONLY)."""
+    found = set()
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError, StopIteration):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("pipe:"):
+                    with open(f"/proc/{pid}/fdinfo/{fd}") as info:
+                        flags = next(int(line.split()[1], 8) for line in info if line.startswith("flags:"))
+                    if flags & os.O_ACCMODE == mode:
+                        found.add(target)
     return found
 
 
