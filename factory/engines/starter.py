@@ -37,14 +37,13 @@ import runpy
 import select
 import signal
 import socket
-import struct
 import sys
 import tempfile
 import threading
 import time
 from typing import NoReturn
 
-from factory.engines import child
+from factory.engines import child, warm
 
 FUTEX = {"x86_64": 202, "aarch64": 98}  # the futex system call's number, as /proc/PID/task/TID/syscall says it
 PRELOADED = ("torch", "transformers", "transformers.modeling_utils", "transformers.models.auto.modeling_auto")
@@ -192,8 +191,7 @@ def _accept(listener: socket.socket, clients: dict[socket.socket, set[int]]) -> 
     except OSError:  # it gave up before it was accepted
         return
     conn.setblocking(True)
-    _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-    if uid != os.getuid():
+    if warm.peer_uid(conn) != os.getuid():
         conn.close()
         return
     clients[conn] = set()

@@ -281,14 +281,19 @@ def _connect(key: tuple) -> _Starter | None:
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         conn.connect("\0" + name)
-        _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+        ours = peer_uid(conn) == os.getuid()
     except OSError:  # its owner ended
-        conn.close()
-        return None
-    if uid != os.getuid():
+        ours = False
+    if not ours:
         conn.close()
         return None
     return _Starter(None, conn, name)
+
+
+def peer_uid(conn: socket.socket) -> int:
+    """The uid of the process at the other end of a Unix socket (SO_PEERCRED: the kernel's, not what it says)."""
+    _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return uid
 
 
 def _spawn(env: dict[str, str], cwd: str, key: tuple) -> _Starter | None:

@@ -81,7 +81,7 @@ def stopped_at(qf: Qf, moment: str, *args, **env: str) -> subprocess.Popen:
 def tree(pid: int) -> list[int]:
     """The process and all its descendants, with the engines a starter it shares with others forked for any of
     them (`shared_engines`) and theirs ([] once it is gone)."""
-    pids, todo = [], [pid]
+    forked, pids, todo = _forked_by_starters(), [], [pid]
     while todo:
         try:
             top = psutil.Process(todo.pop())
@@ -91,7 +91,7 @@ def tree(pid: int) -> list[int]:
         for proc in members:
             if proc.pid not in pids:
                 pids.append(proc.pid)
-                todo.extend(p.pid for p in shared_engines(proc.pid))
+                todo.extend(p.pid for p in shared_engines(proc.pid, forked))
     return pids
 
 
@@ -105,20 +105,25 @@ def engines(pid: int) -> list[psutil.Process]:
             found.extend(proc.children() if warm.STARTER in proc.cmdline() else [proc])
         except psutil.NoSuchProcess:
             pass
-    return found + [p for p in shared_engines(pid) if p not in found]
+    return found + [p for p in shared_engines(pid, _forked_by_starters()) if p not in found]
 
 
-def shared_engines(pid: int) -> list[psutil.Process]:
-    """The children a starter that `pid` does not own forked for it (warm.share: a worker's, this test process's):
-    no process links them to `pid` but their output, so they are the starters' children that hold the write end of
-    a pipe `pid` reads (warm.start gives each child a stdout pipe of its own and keeps its read end; an engine may
-    move it off fd 1, as the round engine does)."""
+def shared_engines(pid: int, forked: list[psutil.Process]) -> list[psutil.Process]:
+    """Of `forked` (every starter's children), those a starter that `pid` does not own forked for it (warm.share: a
+    worker's, this test process's): no process links them to `pid` but their output, so they are the ones that hold
+    the write end of a pipe `pid` reads (warm.start gives each child a stdout pipe of its own and keeps its read end;
+    an engine may move it off fd 1, as the round engine does)."""
     reads = _pipes(pid, os.O_RDONLY)
+    return [p for p in forked if _pipes(p.pid, os.O_WRONLY) & reads] if reads else []
+
+
+def _forked_by_starters() -> list[psutil.Process]:
+    """The children of every warm starter on the machine."""
     found = []
     for starter in psutil.process_iter(["cmdline"]):
-        if reads and warm.STARTER in (starter.info["cmdline"] or ()):
+        if warm.STARTER in (starter.info["cmdline"] or ()):
             with contextlib.suppress(psutil.NoSuchProcess):
-                found.extend(p for p in starter.children() if _pipes(p.pid, os.O_WRONLY) & reads)
+                found.extend(starter.children())
     return found
 
 
