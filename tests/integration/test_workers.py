@@ -11,6 +11,7 @@ import time
 from datetime import datetime, timedelta
 from pathlib import Path
 
+import psutil
 import pytest
 import redis
 from typer.testing import CliRunner
@@ -23,14 +24,27 @@ from tests.support.processes import qf, send, tree
 
 @pytest.fixture
 def env(tmp_path, db_url):
+    """The factory's variables for a test's own catalog; a worker the test left running fails it, killed (it
+    would take the next tests' messages from the broker and look for their jobs in this catalog)."""
     redis.Redis.from_url(BROKER).flushdb()
-    return {
+    yield {
         **os.environ,
         "FACTORY_HOME": str(tmp_path / "home"),
         "FACTORY_DB_URL": db_url,
         "FACTORY_BROKER_URL": BROKER,
         "FACTORY_WORKER_DEVICE": "cpu",
     }
+    left = [p for p in psutil.Process().children() if _is_worker(p)]
+    for proc in left:
+        send(tree(proc.pid), signal.SIGKILL)
+    assert not left, f"workers left running by the test: {[p.pid for p in left]}"
+
+
+def _is_worker(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE and "workers.app" in proc.cmdline()  # `qf worker` execs celery
+    except psutil.NoSuchProcess:
+        return False
 
 
 @pytest.fixture
@@ -188,7 +202,6 @@ def test_a_dead_job_process_fails_the_job_and_the_worker_goes_on(env, tiny, tmp_
     reason, its engine goes with it, and the same worker runs the retry. The worker started as its users start it
     (no starter of warm engine children shared with it: tests/conftest.py shares this process's with the others)
     has one of its own for all its job processes (workers/tasks.py), which goes on after one of them is killed."""
-    import psutil
 
     from factory.engines import warm
 
@@ -335,7 +348,6 @@ def test_killed_worker_the_job_finishes_elsewhere_once(env, tiny, tmp_path):
     """SIGKILL of a worker in the middle of a quantize step: its job processes (the running one, its engine and the
     spare) end with it, its lease expires, the reconciler re-enqueues the job, a second worker finishes it; one
     quant, published once; the history shows the lost attempt."""
-    import psutil
 
     env = {**env, "FACTORY_LEASE_SECONDS": "3"}
     first = start_worker(env, tmp_path / "first.log")
@@ -503,7 +515,6 @@ def test_a_stalled_job_process_is_killed_by_its_worker_and_continues(env, tiny, 
     the lease and kills it; after the lease, the reconciler queues the job again and it finishes. The stall limit
     is longer than the job's longest silence on a busy 2-core machine (its AWQ child importing autoawq): CI once
     saw the second attempt killed as stalled too at 15 s, and nothing queued it again."""
-    import psutil
 
     env = {**env, "FACTORY_LEASE_SECONDS": "3", "FACTORY_STALL_SECONDS": "40"}
     worker = start_worker(env, tmp_path / "worker.log")
@@ -619,26 +630,51 @@ def test_two_workers_share_the_conversions_of_one_job(env, tiny, tmp_path):
     assert not (Path(env["FACTORY_HOME"]) / "work" / job_id).exists()
 
 
+def _ready_workers(env, tmp_path) -> list[subprocess.Popen]:
+    """Two workers, each once its spare job process is ready: the job submitted next finds its helper waiting. (A
+    helper started while the job ran came, on a busy machine, after the holder had made all three sizes.)"""
+    workers = []
+    try:
+        for i in range(2):
+            workers.append(start_worker(env, tmp_path / f"worker{i}.log"))
+            _wait_in_log(tmp_path / f"worker{i}.log", "ready for the next job")
+    except BaseException:
+        _stop(workers)
+        raise
+    return workers
+
+
+def _stop(workers: list[subprocess.Popen]) -> None:
+    for worker in workers:
+        if worker.poll() is None:
+            worker.terminate()
+            worker.wait(timeout=30)
+
+
+def _helper_and_step(env, job_id: str, workers: list[subprocess.Popen]) -> tuple[subprocess.Popen, dict]:
+    """The worker that helps the job, once it converts a size, and its step; it is not the job's holder's."""
+    holder = _holder_of(wait_until(env, job_id, quantizing, 120, "quantizing"))
+    [step] = _helped(wait_until(env, job_id, lambda st: _helped(st, holder), 120, "helped"), holder)
+    helper = _worker_of(workers, int(step["holder"].rpartition(":")[2]))
+    assert helper is not _worker_of(workers, int(holder.rpartition(":")[2]))
+    return helper, step
+
+
 def test_a_killed_helper_leaves_its_conversion_to_the_jobs_holder(env, tiny, tmp_path):
     """SIGKILL of the helping worker in the middle of a conversion: its claim runs out, the job's holder marks
     that step interrupted, makes the size itself; the job succeeds with each quant published once."""
     env = {**env, **ROUND, "FACTORY_LEASE_SECONDS": "3"}
-    first = start_worker(env, tmp_path / "first.log")
-    second = None
+    workers = _ready_workers(env, tmp_path)
     try:
         job_id = _round_job(env, tiny, tmp_path)
-        holder = _holder_of(wait_until(env, job_id, quantizing, 120, "quantizing"))
-        second = start_worker(env, tmp_path / "second.log")  # takes a help_job message the holder queued
-        helped = wait_until(env, job_id, lambda st: _helped(st, holder), 120, "helped")
-        [step] = _helped(helped, holder)
-        assert _worker_of([first, second], int(step["holder"].rpartition(":")[2])) is second
-        send(tree(second.pid), signal.SIGKILL)
-        second.wait()
+        helper, step = _helper_and_step(env, job_id, workers)
+        send(tree(helper.pid), signal.SIGKILL)
+        helper.wait()
         status = wait_for(env, job_id)
     finally:
-        first.terminate()
-        first.wait(timeout=30)
+        _stop(workers)
     assert status["state"] == "succeeded", status
+    holder = _holder_of(status)
     again = [(s["state"], s["holder"] == holder) for s in _conversions(status) if s["name"] == step["name"]]
     assert again == [("interrupted", False), ("succeeded", True)]
     assert [s["state"] for s in _conversions(status)].count("succeeded") == 3
@@ -650,32 +686,26 @@ def test_a_stopped_helper_that_comes_back_writes_nothing(env, tiny, tmp_path):
     """SIGSTOP of the helping worker and everything under it past its claim: the job's holder takes the size over
     and finishes the job; SIGCONT: the helper finds its claim gone and stops without a write (its step stays as
     the holder marked it, nothing more is published, nothing is left running)."""
-    # units of 10 s: the helper starts while the first one runs and must find one left to claim on a busy machine
-    env = {**env, **ROUND, "FACTORY_LEASE_SECONDS": "3", "QF_TEST_ROUND_SECONDS": "10"}
-    first = start_worker(env, tmp_path / "first.log")
-    second = stopped = None
+    env = {**env, **ROUND, "FACTORY_LEASE_SECONDS": "3"}
+    workers = _ready_workers(env, tmp_path)
+    stopped = None
     try:
         job_id = _round_job(env, tiny, tmp_path)
-        holder = _holder_of(wait_until(env, job_id, quantizing, 120, "quantizing"))
-        second = start_worker(env, tmp_path / "second.log")
-        [step] = _helped(wait_until(env, job_id, lambda st: _helped(st, holder), 120, "helped"), holder)
-        stopped = tree(second.pid)
+        helper, step = _helper_and_step(env, job_id, workers)
+        stopped = tree(helper.pid)
         send(stopped, signal.SIGSTOP)
         status = wait_for(env, job_id)
         assert status["state"] == "succeeded", status
         before = _published(env, job_id)
         send(stopped, signal.SIGCONT)
         stopped = None
-        _wait_in_log(tmp_path / "second.log", f"job {job_id}: a helper stops: ")
+        _wait_in_log(tmp_path / f"worker{workers.index(helper)}.log", f"job {job_id}: a helper stops: ")
         time.sleep(3)  # time for anything it still would do
         after = wait_for(env, job_id)
     finally:
         if stopped:
             send(stopped, signal.SIGCONT)
-        for worker in (first, second):
-            if worker is not None:
-                worker.terminate()
-                worker.wait(timeout=30)
+        _stop(workers)
     assert _published(env, job_id) == before and len(before[0]) == len(before[1]) == 3
     assert [(s["name"], s["state"]) for s in after["steps"]] == [(s["name"], s["state"]) for s in status["steps"]]
     assert [s["state"] for s in _conversions(after) if s["name"] == step["name"]] == ["interrupted", "succeeded"]
@@ -685,7 +715,6 @@ def test_a_stopped_helper_that_comes_back_writes_nothing(env, tiny, tmp_path):
 def test_a_gpu_worker_with_two_slots_runs_two_jobs_at_once(env, tiny, tmp_path):
     """`qf worker --slots 2`: two jobs of one size each (nothing to help with) run side by side on one worker, each
     in a job process of its own slot; SIGKILL of the worker takes both slots with it."""
-    import psutil
 
     env = {**env, **ROUND, "QF_TEST_ROUND_SECONDS": "15"}  # long enough for the second slot to start its job
     jobs = []
