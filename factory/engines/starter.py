@@ -210,7 +210,13 @@ def _fork(
     starter = os.getpid()
     sys.stdout.flush()
     sys.stderr.flush()
-    pid = os.fork()
+    try:
+        pid = os.fork()
+    except OSError:  # no process to be had (a limit, memory): this request fails, the others' children go on
+        for fd in stdio:
+            os.close(fd)
+        reply.close()
+        return None
     if pid == 0:
         child.die_with_parent(signal.SIGTERM)
         if os.getppid() != starter:  # it died before the line above
@@ -221,9 +227,15 @@ def _fork(
             os.dup2(fd, target)
         os.closerange(3, os.sysconf("SC_OPEN_MAX"))
         return request
-    pidfd = os.pidfd_open(pid)
     for fd in stdio:
         os.close(fd)
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:  # no descriptor to be had: the child is not kept without one
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        reply.close()
+        return None
     try:
         socket.send_fds(reply, [json.dumps({"pid": pid}).encode()], [pidfd])
     except OSError:  # the parent gave up on it

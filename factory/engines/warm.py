@@ -26,7 +26,9 @@ key). A descendant that needs a starter for that environment connects to it inst
 shares its starter with its job processes; the tests' pytest processes with every `qf`, worker and server they
 start): each of its children is then the shared starter's child, not its own, and gets SIGTERM once its connection
 closes (it ended, or was killed), as a cold child's PDEATHSIG. A shared starter is never stopped as idle, and one
-that is gone (its owner ended) is replaced by one of the process's own. The starter serves only its own uid, and a
+that is gone (its owner ended), stopped (no connection in CONNECT_SECONDS, no answer in REPLY_SECONDS) or unable to
+fork is not asked again: the process starts one of its own. The environment's key names the interpreter, so a
+descendant of another virtual environment never uses it. The starter serves only its own uid, and a
 process uses a shared starter only if it runs as that uid (SO_PEERCRED, both ways).
 
 What the starter reads at import, and why a child may use it: a starter serves one environment, keyed by the
@@ -70,6 +72,8 @@ KEYLESS = {"TMPDIR", "HF_HOME", "HF_HUB_CACHE", "XDG_CACHE_HOME"}
 KEYLESS_PREFIXES = ("EXLLAMA_",)
 TITLE_ROOM = 4096  # bytes of command line a child's title may take (`ps`; a longer one is cut)
 REPLY_SECONDS = 60.0  # a starter forks at once: one that does not answer in this time is killed
+READY_SECONDS = 300.0  # a starter's imports (3 to 6 CPU-seconds): one not ready in this time is killed
+CONNECT_SECONDS = 5.0  # a shared starter accepts at once: one whose queue stays full (it is stopped) is not used
 
 
 class Started:
@@ -164,7 +168,7 @@ def _module_command(cmd: list[str]) -> dict | None:
 
 def _key(env: dict[str, str], cwd: str) -> tuple:
     kept = (kv for kv in env.items() if kv[0] not in KEYLESS and not kv[0].startswith(KEYLESS_PREFIXES))
-    return (cwd, *sorted(kept))
+    return (cwd, sys.executable, *sorted(kept))  # the interpreter: a descendant in another venv has its own
 
 
 def _socket_prefix(key: tuple) -> str:
@@ -233,6 +237,8 @@ class _Starter:
                 os.close(fd)
             mine.close()
             self.stop()
+            if self.proc is None and os.environ.get(SHARED) == self.name:
+                del os.environ[SHARED]  # it failed (stopped, or could not fork): the next try starts one of our own
             return None
         mine.settimeout(None)
         stdout = open(out_r, errors="replace")  # as Popen(text=True, errors="replace") reads it
@@ -279,14 +285,16 @@ def _connect(key: tuple) -> _Starter | None:
     if not name.startswith(_socket_prefix(key)):
         return None
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    conn.settimeout(CONNECT_SECONDS)
     try:
         conn.connect("\0" + name)
         ours = peer_uid(conn) == os.getuid()
-    except OSError:  # its owner ended
+    except OSError:  # its owner ended, or it is stopped with its queue full (TimeoutError)
         ours = False
     if not ours:
         conn.close()
         return None
+    conn.settimeout(None)
     return _Starter(None, conn, name)
 
 
@@ -318,7 +326,13 @@ def _spawn(env: dict[str, str], cwd: str, key: tuple) -> _Starter | None:
         return None
     finally:
         theirs.close()
-    if ours.recv(4096) == b"ready":  # after its imports; b"" if it died, else what stopped it
+    ours.settimeout(READY_SECONDS)
+    try:
+        ready = ours.recv(4096) == b"ready"  # after its imports; b"" if it died, else what stopped it
+    except OSError:  # not ready in time (stopped, or a machine that busy)
+        ready = False
+    if ready:
+        ours.settimeout(None)
         return _Starter(proc, ours, name)
     ours.close()
     proc.kill()

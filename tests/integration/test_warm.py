@@ -192,6 +192,40 @@ def test_a_descendant_uses_the_starter_its_ancestor_shares_and_a_killed_one_take
     assert not _gone(shared) and _probe(tmp_path / "engine.log", "report")["ppid"] == shared
 
 
+GIVES_UP = """
+import json, os, sys
+from pathlib import Path
+from factory.engines import child, warm
+warm.REPLY_SECONDS = warm.CONNECT_SECONDS = 2.0
+events = []
+child.run_command([sys.executable, "-m", "tests.support.warm_probe", "report"], Path(sys.argv[1]), events.append, "")
+print(json.dumps({**events[0], "still_shared": warm.SHARED in os.environ}))
+"""
+
+
+def test_a_stopped_shared_starter_is_given_up_for_one_of_its_own(tmp_path):
+    """A descendant whose ancestor's starter is stopped (SIGSTOP) waits REPLY_SECONDS for its answer, not for ever:
+    it gives that starter up (its descendants are not offered it) and forks its engine from a starter of its own.
+    The shared one, resumed, serves this process again."""
+    shared = _probe(tmp_path / "engine.log", "report")["ppid"]
+    os.kill(shared, signal.SIGSTOP)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", GIVES_UP, str(tmp_path / "engine.log")],
+            cwd=ROOT,
+            env=dict(os.environ),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.kill(shared, signal.SIGCONT)
+    assert done.returncode == 0, done.stderr
+    event = json.loads(done.stdout)
+    assert event["preloaded"] and event["ppid"] != shared and not event["still_shared"]
+    assert _probe(tmp_path / "engine.log", "report")["ppid"] == shared
+
+
 ATTACKER = """
 import json, os, socket, sys
 conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
