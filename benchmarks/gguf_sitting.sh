@@ -23,14 +23,10 @@ case "$1" in
 --prepare)
     set -euo pipefail
     cd "$(dirname "$0")/.."
-    [ -d .whl/tf ] || { echo "run scripts/gpu_wheels first" >&2; exit 2; }
+    [ -d .whl/tf ] && [ -d .whl/build ] || { echo "run scripts/gpu_wheels first" >&2; exit 2; }
     rm -rf .sit && mkdir -p .sit/1 .sit/2 .sit/3 .gguf/sdist
-    ln .whl/*.whl .whl/tf/*.whl .sit/1/  # the project's wheels, and transformers as this venv pins it
-    PIP=(.venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp
-         --abi cp312 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64
-         --platform any)
-    "${PIP[@]}" -d .sit/1 "sentencepiece==$(.venv/bin/python -m pip show sentencepiece | sed -n 's/^Version: //p')"
-    "${PIP[@]}" -d .sit/2 cmake ninja
+    ln .whl/*.whl .whl/tf/*.whl .whl/build/sentencepiece-*.whl .sit/1/  # the project's wheels, transformers as here
+    ln .whl/build/cmake-*.whl .whl/build/ninja-*.whl .sit/2/
     sdist=.gguf/sdist/$(.venv/bin/python -c "from factory.engines.gguf import llama; print(llama.SDIST)")
     [ -f "$sdist" ] || .venv/bin/python -m pip download -q --no-deps --no-binary :all: -d .gguf/sdist \
         "llama-cpp-python==$(.venv/bin/python -c "from factory.engines.gguf import llama; print(llama.VERSION)")"

@@ -25,18 +25,13 @@ case "$1" in
 --prepare)
     set -euo pipefail
     cd "$(dirname "$0")/.."
-    [ -d .whl/tf ] && [ -d .whl/exl3 ] && [ -d .whl/awqct ] && [ -d .gguf/gemma-tokenizer ] ||
+    [ -d .whl/tf ] && [ -d .whl/exl3 ] && [ -d .whl/awqct ] && [ -d .whl/build ] && [ -d .gguf/gemma-tokenizer ] ||
         { echo "run scripts/gpu_wheels first" >&2; exit 2; }
     rm -rf .sit && mkdir -p .sit/x/site .sit/x/gemma .gguf/sdist
-    PIP=(.venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp
-         --abi cp312 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64
-         --platform any)
-    "${PIP[@]}" -d .sit/x/site cmake ninja \
-        "sentencepiece==$(.venv/bin/python -m pip show sentencepiece | sed -n 's/^Version: //p')"
     sdist=.gguf/sdist/$(.venv/bin/python -c "from factory.engines.gguf import llama; print(llama.SDIST)")
     [ -f "$sdist" ] || .venv/bin/python -m pip download -q --no-deps --no-binary :all: -d .gguf/sdist \
         "llama-cpp-python==$(.venv/bin/python -c "from factory.engines.gguf import llama; print(llama.VERSION)")"
-    ln .whl/*.whl .whl/exl3/*.whl .whl/tf/*.whl .sit/x/site/
+    ln .whl/*.whl .whl/exl3/*.whl .whl/tf/*.whl .whl/build/*.whl .sit/x/site/
     cp -r .whl/awqct .gguf/gemma-tokenizer .sit/x/
     ln "$sdist" .sit/x/llama_cpp_python.tar.gz
     ln .gguf/gemma/*.whl .sit/x/gemma/
