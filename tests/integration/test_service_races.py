@@ -183,33 +183,42 @@ def test_a_place_held_by_a_server_killed_mid_submission_is_let_go(factory_env, t
     server = Server(env, tmp_path / "server.log", "--workers", "1")
     token = server.token("dora", "--max-running", "1")
     dora = user_env(server, token, tmp_path / "dora")
-    submitting = subprocess.Popen(
-        [sys.executable, "-m", "factory.cli", "submit", str(slow), "--awq"],
-        env=dora,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    deadline = time.monotonic() + 60
-    while _pending_places(env["FACTORY_DB_URL"], env["FACTORY_HOME"]) == 0:
-        assert submitting.poll() is None and time.monotonic() < deadline, submitting.communicate()
-        time.sleep(0.01)
-    expires = time.monotonic() + PLACE_SECONDS  # at the latest: the place was taken a moment ago
-    server.proc.send_signal(signal.SIGKILL)
-    server.proc.wait(timeout=30)
-    assert submitting.wait(timeout=60) == 5  # the service went away
-    server = Server(env, tmp_path / "server2.log", "--workers", "1")
-    dora = user_env(server, token, tmp_path / "dora")
+    # the server she asks next is up before the place is taken: a server's start on a loaded machine took longer
+    # than the place's 15 s (CI, 2026-12-07), and her next submission must come while it is held
+    second = Server(env, tmp_path / "server2.log", "--workers", "1")
     try:
+        submitting = subprocess.Popen(
+            [sys.executable, "-m", "factory.cli", "submit", str(slow), "--awq"],
+            env=dora,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        deadline = time.monotonic() + 60
+        while _pending_places(env["FACTORY_DB_URL"], env["FACTORY_HOME"]) == 0:
+            assert submitting.poll() is None and time.monotonic() < deadline, submitting.communicate()
+            time.sleep(0.01)
+        expires = time.monotonic() + PLACE_SECONDS  # at the latest: the place was taken a moment ago
+        server.proc.send_signal(signal.SIGKILL)
+        server.proc.wait(timeout=30)
+        assert submitting.wait(timeout=60) == 5  # the service went away
+        dora = user_env(second, token, tmp_path / "dora")
         model = Path(env["FACTORY_SERVE_SOURCES"]) / "tiny"
-        held = qf(dora, "submit", model, "--awq", "--eval-windows", 1)
-        assert held.returncode == 5 and "dora has 1 jobs queued or running, at most 1" in held.stderr
+        body = {"source": str(model), "flags": {"awq": True}, "eval_windows": 1}
+        with httpx.Client(headers={"Authorization": f"Bearer {token}"}, timeout=60) as http:
+            held = http.post(second.url + "/api/jobs", json=body)  # at once: a `qf` child takes seconds to start
+        assert time.monotonic() < expires, "the place ran out before it could be asked for: too slow a machine"
+        assert held.status_code == 429 and held.json()["error"].startswith(
+            "dora has 1 jobs queued or running, at most 1"
+        ), held.text
         time.sleep(max(0.0, expires - time.monotonic()) + 0.5)
         again = qf(dora, "submit", model, "--awq", "--eval-windows", 1)
         assert again.returncode == 0, again.stderr
         assert _pending_places(env["FACTORY_DB_URL"], env["FACTORY_HOME"]) == 0
     finally:
-        server.stop()
+        for each in (server, second):
+            if each.proc.poll() is None:
+                each.stop()
 
 
 class Follower:
