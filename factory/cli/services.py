@@ -49,6 +49,10 @@ def serve(
         workers=workers or min(4, os.cpu_count() or 1),
         log_level="info",
         access_log=True,
+        # uvicorn kills a server process that does not answer its ping within this many seconds and starts another;
+        # its default, 5, is less than a new process takes to start on a loaded machine, which then never serves
+        # (seen in CI: every server process killed before it could answer).
+        timeout_worker_healthcheck=60,
     )
 
 
