@@ -21,9 +21,9 @@ import pytest
 import redis
 
 from tests.support import ROOT
-from tests.support.fleet import BROKER, start_worker
+from tests.support.fleet import BROKER, follow_while_a_worker_runs, start_worker
 from tests.support.processes import qf
-from tests.support.service import RACER, Server, user_env
+from tests.support.service import Server, race, user_env
 
 
 def test_a_user_submits_follows_and_pulls_from_another_machine(server, factory_env, tmp_path):
@@ -143,25 +143,13 @@ def test_a_quota_holds_when_submissions_race(server, factory_env, tmp_path):
     the quota's 3 are accepted, the other 5 refused with 429 and the quota's sentence."""
     model = str(Path(factory_env["FACTORY_SERVE_SOURCES"]) / "tiny")
     token = server.token("frank", "--quota-jobs-per-day", "3")
-    start = time.time() + 4
-    racers = [
-        subprocess.Popen(
-            [sys.executable, "-c", RACER, server.url, token, str(w), str(start), model],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for w in range(1, 9)
-    ]
-    answers = [r.communicate(timeout=120) for r in racers]
-    assert all(r.returncode == 0 for r in racers), answers
-    codes = sorted(int(out.split()[0]) for out, _ in answers)
-    assert codes == [201] * 3 + [429] * 5, answers
-    refused = [out.split(" ", 1)[1] for out, _ in answers if out.startswith("429")]
+    answers = race(server, token, model, 8)
+    assert sorted(code for code, _ in answers) == [201] * 3 + [429] * 5, answers
+    refused = [said for code, said in answers if code == 429]
     assert all(r.startswith("frank has submitted 3 jobs in the last 24 hours, the quota is 3 a day") for r in refused)
     frank = user_env(server, token, tmp_path / "frank")
     jobs = json.loads(qf(frank, "status", "--json", check=True).stdout)
-    assert sorted(j["id"] for j in jobs) == sorted(out.split()[1] for out, _ in answers if out.startswith("201"))
+    assert sorted(j["id"] for j in jobs) == sorted(said for code, said in answers if code == 201)
 
 
 def test_bad_requests_get_one_sentence_and_never_reach_the_filesystem(finished, tmp_path):
@@ -549,28 +537,9 @@ def test_a_followers_events_hide_the_servers_paths_as_its_job_rows_do(server, fa
     job_id = qf(factory_env, "submit", model, *args, f"file:{home}/texts/private-cal.txt", check=True).stdout.strip()
     alice = user_env(server, server.token("alice"), tmp_path / "alice")
     assert qf(alice, "submit", model, *args, f"file:{served}/private-cal.txt", check=True).stdout.strip() == job_id
-    follower = subprocess.Popen(
-        [sys.executable, "-m", "factory.cli", "status", job_id, "--follow", "--json"],
-        env=alice,
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    broker, channel = redis.Redis.from_url(BROKER), f"quantfactory:events:{job_id}"
-    deadline = time.monotonic() + 30
-    while broker.pubsub_numsub(channel) != [(channel.encode(), 1)]:  # subscribed before the worker starts
-        assert follower.poll() is None and time.monotonic() < deadline, follower.communicate()
-        time.sleep(0.1)
-    worker = start_worker(factory_env, tmp_path / "worker.log")
-    try:
-        out, errors = follower.communicate(timeout=240)
-    finally:
-        worker.terminate()
-        worker.wait(timeout=30)
-    assert follower.returncode == 0, errors
-    events = [json.loads(line) for line in out.splitlines()]
+    events = follow_while_a_worker_runs(alice, factory_env, job_id, tmp_path / "worker.log")
     assert events[-1]["event"] == "result" and events[-1]["state"] == "succeeded"
+    out = json.dumps(events)
     assert str(home) not in out and "<server>/private-cal.txt" in out
     assert events[-1]["quants"][0]["calibration"] == "file:<server>/private-cal.txt"
     rows = qf(alice, "status", job_id, "--json", check=True).stdout

@@ -22,24 +22,7 @@ from sqlalchemy import create_engine, text
 
 from tests.support.catalog_jobs import bare_job
 from tests.support.processes import qf
-from tests.support.service import RACER, Server, user_env
-
-
-def _race(server: Server, token: str, model: str, n: int) -> list[tuple[int, str]]:
-    """`n` processes, each with a different job, submit at the same instant: their (status, id or error)."""
-    start = time.time() + 4
-    racers = [
-        subprocess.Popen(
-            [sys.executable, "-c", RACER, server.url, token, str(w), str(start), model],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for w in range(1, n + 1)
-    ]
-    answers = [r.communicate(timeout=120) for r in racers]
-    assert all(r.returncode == 0 for r in racers), answers
-    return [(int(out.split()[0]), out.split(" ", 1)[1].strip()) for out, _ in answers]
+from tests.support.service import Server, race, user_env
 
 
 def _explain(server: Server, env: dict, answers: list[tuple[int, str]]) -> str:
@@ -76,7 +59,7 @@ def _explain(server: Server, env: dict, answers: list[tuple[int, str]]) -> str:
 def test_max_running_holds_when_16_submissions_race(server, factory_env, tmp_path):
     model = str(Path(factory_env["FACTORY_SERVE_SOURCES"]) / "tiny")
     token = server.token("frank", "--max-running", "2")
-    answers = _race(server, token, model, 16)
+    answers = race(server, token, model, 16)
     assert sorted(code for code, _ in answers) == [201] * 2 + [429] * 14, _explain(server, factory_env, answers)
     assert all(
         said.startswith("frank has 2 jobs queued or running, at most 2 are allowed at once")

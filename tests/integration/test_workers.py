@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from factory.cli import app
 from tests.support import ROOT, processes
-from tests.support.fleet import BROKER, start_worker
+from tests.support.fleet import BROKER, follow_while_a_worker_runs, start_worker
 from tests.support.processes import qf, send, tree
 
 
@@ -143,14 +143,7 @@ def test_cancel_a_queued_job(env, tiny, tmp_path):
     job_id = qf(env, "submit", tiny, "--awq", "--eval-windows", 1, check=True).stdout.strip()
     assert qf(env, "cancel", job_id, check=True).stderr.strip() == f"job {job_id}: cancelled"
     # a worker that starts afterwards takes the message and leaves the job alone
-    log = open(tmp_path / "late-worker.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "factory.cli", "worker", "--slots", "1"],
-        env=env,
-        cwd=ROOT,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+    proc = start_worker(env, tmp_path / "late-worker.log", args=["worker", "--slots", "1"])  # every queue
     try:
         deadline = time.monotonic() + 60
         while "succeeded in" not in (tmp_path / "late-worker.log").read_text():
@@ -327,14 +320,7 @@ def test_queued_jobs_survive_a_redis_restart(env, tiny, tmp_path):
         server.stop()
         server.start()
         assert redis.Redis.from_url(server.url).llen("cpu") == 2
-        log = open(tmp_path / "worker.log", "w")
-        worker = subprocess.Popen(
-            [sys.executable, "-m", "factory.cli", "worker", "--slots", "1"],
-            env=env,
-            cwd=ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+        worker = start_worker(env, tmp_path / "worker.log", args=["worker", "--slots", "1"])  # every queue
         try:
             assert [wait_for(env, job_id)["state"] for job_id in ids] == ["succeeded"] * 2
         finally:
@@ -393,23 +379,7 @@ def test_reconcile_requeues_a_job_the_broker_lost(env, tiny):
 
 def test_status_follow_streams_the_workers_events(env, tiny, tmp_path):
     job_id = qf(env, "submit", tiny, "--awq", "--eval-windows", 1, check=True).stdout.strip()
-    follower = subprocess.Popen(
-        [sys.executable, "-m", "factory.cli", "status", job_id, "--follow", "--json"],
-        env=env,
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    time.sleep(3)  # subscribed before the worker starts
-    worker = start_worker(env, tmp_path / "worker.log")
-    try:
-        out, errors = follower.communicate(timeout=240)
-    finally:
-        worker.terminate()
-        worker.wait(timeout=30)
-    assert follower.returncode == 0, errors
-    events = [json.loads(line) for line in out.splitlines()]
+    events = follow_while_a_worker_runs(env, env, job_id, tmp_path / "worker.log")
     assert events[-1]["event"] == "result" and events[-1]["state"] == "succeeded"
     assert any(e["event"] == "progress" and e.get("unit") == "layer" for e in events)
     assert [e["step"] for e in events if e["event"] == "step" and e["state"] == "succeeded"][0] == "inspect"

@@ -68,7 +68,7 @@ def user_env(server: Server, token: str | None, home: Path) -> dict:
     }
 
 
-RACER = """
+_RACER = """
 import sys, time
 import httpx
 url, token, windows, start = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
@@ -79,3 +79,21 @@ with httpx.Client(headers={"Authorization": f"Bearer {token}"}, timeout=60) as h
     answer = http.post(url + "/api/jobs", json=body)
 print(answer.status_code, answer.json().get("id") or answer.json()["error"])
 """
+
+
+def race(server: Server, token: str, model: str, n: int) -> list[tuple[int, str]]:
+    """`n` processes, each with a different job (its eval windows), submit at the same instant: their (status, job
+    id or error)."""
+    start = time.time() + 4
+    racers = [
+        subprocess.Popen(
+            [sys.executable, "-c", _RACER, server.url, token, str(w), str(start), model],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for w in range(1, n + 1)
+    ]
+    answers = [r.communicate(timeout=120) for r in racers]
+    assert all(r.returncode == 0 for r in racers), answers
+    return [(int(out.split()[0]), out.split(" ", 1)[1].strip()) for out, _ in answers]

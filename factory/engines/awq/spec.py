@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator
 
@@ -14,18 +14,17 @@ CUDA_ROWS, CPU_ROWS = 128, 16  # AutoAWQ's default on CUDA; on a CPU 16 (8x chea
 MIN_ROWS = 16
 
 
-class AwqSpec(QuantSpec, Targets):
-    """Defaults that depend on the model or the device (group size, calibration size, clipping) stay None in what
-    the user wrote and are filled in by `resolve` before anything is hashed or run."""
+class W4Spec(QuantSpec, Targets):
+    """What both AWQ engines take (AutoAWQ's `awq`, llm-compressor's `awqct`): 4-bit weights in groups, calibrated on
+    `calib_rows` x `calib_length` tokens. Defaults that depend on the model or the device (group size, calibration
+    size) stay None in what the user wrote and are filled in by `resolve` before anything is hashed or run."""
 
-    method: Literal["awq"] = "awq"
+    LABEL: ClassVar[str]  # the engine's name in sentences
+    method: str
     w_bit: Literal[4] = 4
     group_size: int | None = None  # None: 128, or 64 where 128 does not divide the model's dims
-    zero_point: bool = True
-    version: Literal["gemm"] = "gemm"
     calib_rows: int | None = Field(None, ge=1)  # None: 128 on CUDA, 16 on CPU (fewer if the text is short)
     calib_length: int | None = Field(None, ge=16)  # None: 512 on CUDA, 128 on CPU
-    clip: bool | None = None  # None: on with CUDA, off on CPU (8x slower there)
 
     @field_validator("group_size")
     @classmethod
@@ -37,15 +36,25 @@ class AwqSpec(QuantSpec, Targets):
     @property
     def tag(self) -> str:
         if self.group_size is None:
-            raise ValueError("resolve the AWQ spec against the model before naming it")
-        return f"awq-w{self.w_bit}g{self.group_size}"
+            raise ValueError(f"resolve the {self.LABEL} spec against the model before naming it")
+        return f"{self.method}-w{self.w_bit}g{self.group_size}"
 
     @property
     def bits(self) -> float:
         return float(self.w_bit)
 
-    def specs(self) -> list[AwqSpec]:  # a recipe's `awq:` key is one spec
+    def specs(self) -> list[W4Spec]:  # a recipe's key for the engine is one spec
         return [self]
+
+
+class AwqSpec(W4Spec):
+    """AutoAWQ's: GEMM kernels with a zero point; clipping on by default where there is CUDA."""
+
+    LABEL = "AWQ"
+    method: Literal["awq"] = "awq"
+    zero_point: bool = True
+    version: Literal["gemm"] = "gemm"
+    clip: bool | None = None  # None: on with CUDA, off on CPU (8x slower there)
 
 
 def group_size(label: str, wanted: int | None, in_features: list[int]) -> int:
@@ -83,7 +92,7 @@ def resolve(spec: AwqSpec, in_features: list[int], cuda: bool) -> AwqSpec:
     text is tokenized); refuse a group size that does not divide the dims."""
     return spec.model_copy(
         update={
-            "group_size": group_size("AWQ", spec.group_size, in_features),
+            "group_size": group_size(spec.LABEL, spec.group_size, in_features),
             "calib_length": spec.calib_length or (512 if cuda else 128),
             "clip": cuda if spec.clip is None else spec.clip,
         }
