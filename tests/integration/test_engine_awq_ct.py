@@ -357,6 +357,23 @@ def _pip_under(envs: Path) -> int | None:
     return None
 
 
+def _sigterm_once_pip_waits(proc: subprocess.Popen, envs: Path, timeout: float, settle: float = 0):
+    """SIGTERM to `proc` once (and `settle` seconds after) a pip of it installs into `envs`: (pip's pid, the seconds
+    `proc` took to end, its stderr)."""
+    deadline = time.monotonic() + timeout
+    while (pip := _pip_under(envs)) is None:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.2)
+    time.sleep(settle)
+    proc.send_signal(signal.SIGTERM)
+    stopped = time.monotonic()
+    try:
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    return pip, time.monotonic() - stopped, stderr
+
+
 def test_sigterm_stops_qf_run_while_pip_waits_on_an_index_that_never_answers(tiny, tmp_path):
     """`qf run --awqct` with a fresh cache and a package index that accepts connections and never answers: SIGTERM
     while pip waits ends the run within seconds, pip with it, and leaves no half-made folder (it ran on for minutes)."""
@@ -364,18 +381,7 @@ def test_sigterm_stops_qf_run_while_pip_waits_on_an_index_that_never_answers(tin
     envs = cache / "quantfactory" / "envs"
     with fake_index.silent_index() as index:
         run = _qf_run(tiny, tmp_path / "home", fake_index.pip_env(cache, index=index))
-        deadline = time.monotonic() + 180
-        while (pip := _pip_under(envs)) is None:
-            assert run.poll() is None and time.monotonic() < deadline, run.communicate()[1][-3000:]
-            time.sleep(0.2)
-        time.sleep(1)
-        run.send_signal(signal.SIGTERM)
-        stopped = time.monotonic()
-        try:
-            _, stderr = run.communicate(timeout=60)
-        finally:
-            run.kill()
-        took = time.monotonic() - stopped
+        pip, took, stderr = _sigterm_once_pip_waits(run, envs, 180, settle=1)
     assert took < 30, f"qf run took {took:.1f} s to stop"  # seconds, not the minutes pip waited (10.6 s at load)
     assert run.returncode == 130 and stderr.splitlines()[-1] == "interrupted", stderr[-3000:]
     assert not Path(f"/proc/{pip}").exists() or "zombie" in Path(f"/proc/{pip}/status").read_text()
@@ -396,17 +402,7 @@ def test_sigterm_stops_the_installers_own_process(tmp_path):
             stderr=subprocess.PIPE,
             text=True,
         )
-        deadline = time.monotonic() + 60
-        while (pip := _pip_under(envs)) is None:
-            assert installer.poll() is None and time.monotonic() < deadline, installer.communicate()
-            time.sleep(0.2)
-        installer.send_signal(signal.SIGTERM)
-        stopped = time.monotonic()
-        try:
-            _, stderr = installer.communicate(timeout=60)
-        finally:
-            installer.kill()
-        took = time.monotonic() - stopped
+        pip, took, stderr = _sigterm_once_pip_waits(installer, envs, 60)
     assert took < 10 and installer.returncode != 0 and "KeyboardInterrupt" in stderr, (took, stderr[-2000:])
     assert not Path(f"/proc/{pip}").exists() or "zombie" in Path(f"/proc/{pip}/status").read_text()
     assert [p.name for p in envs.iterdir()] == [f"{env.folder().name}.lock"]
