@@ -26,6 +26,7 @@ import math
 import os
 import shutil
 import signal
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -264,9 +265,11 @@ def moment(name: str) -> None:
     """A named moment of publishing: `card` (before the card is rendered), `placed` (the registry folder is in place,
     its row not recorded), `recorded` (the row is committed), `ended` (the publish step ended, the job not). With
     FACTORY_TEST_STOP_AT=<name> the process stops itself there (SIGSTOP), so that a test can kill it at that very
-    point (tests/integration/test_publish_safety.py)."""
+    point (tests/integration/test_publish_safety.py). The stop is sent to the calling thread: one sent to the process
+    is taken by its main thread, and on a loaded machine the thread that publishes ran on past the moment (committed
+    the row) until the main thread was scheduled to stop them all, while the process already showed as stopped."""
     if os.environ.get(STOP_AT) == name:
-        os.kill(os.getpid(), signal.SIGSTOP)
+        signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
 
 
 def _with_engine_notes(row: QuantRow, engine, published: Path) -> QuantRow:
