@@ -24,8 +24,9 @@ from tests.support.qf import Qf
 
 def qf(env, *args, check=False) -> subprocess.CompletedProcess:
     """`qf ARGS` to its end with the environment `env` (a whole one: os.environ and the factory's variables). A
-    user's command to a service (FACTORY_SERVER in `env`) runs in this process (`remote_qf`); any other in a child."""
-    if env.get("FACTORY_SERVER"):
+    user's command to a service (FACTORY_SERVER in `env`) runs in this process (`remote_qf`) but a `--follow`, which
+    lasts as long as its job (a child is stopped by its timeout); any other in a child."""
+    if env.get("FACTORY_SERVER") and "--follow" not in args:
         return remote_qf(env, *args, check=check)
     return subprocess.run(
         [sys.executable, "-m", "factory.cli", *map(str, args)],
