@@ -14,12 +14,10 @@ from pathlib import Path
 import psutil
 import pytest
 import redis
-from typer.testing import CliRunner
 
-from factory.cli import app
 from tests.support import ROOT, processes
 from tests.support.fleet import BROKER, follow_while_a_worker_runs, start_worker
-from tests.support.processes import qf, send, tree
+from tests.support.processes import qf, qf_here, send, tree
 
 
 @pytest.fixture
@@ -58,8 +56,8 @@ def worker(env, tmp_path):
 def status_of(env, job_id: str) -> dict:
     """`qf status JOB --json` in this process: polled five times a second, a child interpreter each time (0.6 s of
     CPU) kept a core busy while the worker it waited on needed it."""
-    result = CliRunner().invoke(app, ["status", job_id, "--json"], env=env)
-    assert result.exit_code == 0, result.output
+    result = qf_here(env, "status", job_id, "--json")
+    assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 
 

@@ -24,10 +24,10 @@ from tests.support.qf import Qf
 
 def qf(env, *args, check=False) -> subprocess.CompletedProcess:
     """`qf ARGS` to its end with the environment `env` (a whole one: os.environ and the factory's variables). A
-    user's command to a service (FACTORY_SERVER in `env`) runs in this process (`remote_qf`) but a `--follow`, which
+    user's command to a service (FACTORY_SERVER in `env`) runs in this process (`qf_here`) but a `--follow`, which
     lasts as long as its job (a child is stopped by its timeout); any other in a child."""
     if env.get("FACTORY_SERVER") and "--follow" not in args:
-        return remote_qf(env, *args, check=check)
+        return qf_here(env, *args, check=check)
     return subprocess.run(
         [sys.executable, "-m", "factory.cli", *map(str, args)],
         env=env,
@@ -39,12 +39,13 @@ def qf(env, *args, check=False) -> subprocess.CompletedProcess:
     )
 
 
-def remote_qf(env, *args, check=False) -> subprocess.CompletedProcess:
-    """`qf ARGS` of a user of a service, in this process through typer's runner with exactly the environment `env`:
-    such a command is an HTTP client that reads its settings when it runs, and a child interpreter's imports were
-    most of what it cost (1.2 CPU-s a command, about 130 a CI run, 2026-12-08). What escapes the command's handling
-    is written to stderr as a traceback, as a child's would be; a SpecError typer raises while it parses options,
-    as factory.cli.main says it."""
+def qf_here(env, *args, check=False) -> subprocess.CompletedProcess:
+    """`qf ARGS` in this process through typer's runner, with exactly the environment `env`, for a command whose child
+    interpreter is not what a test tests: a service user's (an HTTP client that reads its settings when it runs), a
+    token made as a test's setup, a status polled. A child's imports were most of what such a command cost (1.2
+    CPU-s; 99 service users' commands in test_service, test_service_races, test_fleet_cpu and test_readme_fleet,
+    2026-12-08). What escapes the command's handling is written to stderr as a traceback, as a child's would be; a
+    SpecError typer raises while it parses options, as factory.cli.main says it."""
     argv = [str(a) for a in args]
     gone = {k: None for k in os.environ if k not in env}  # unset while it runs, as in a child of `env`
     result = CliRunner().invoke(app, argv, env={**gone, **env}, prog_name="qf")

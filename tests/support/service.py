@@ -1,6 +1,6 @@
 """`qf serve` in a child process for the tests (`Server`; tests/conftest.py's `factory_env` and `server` are the
-factory's side of it), a user's machine that reaches only the server (`user_env`), and the script of a submission
-racing others (`RACER`)."""
+factory's side of it), a user's machine that reaches only the server (`user_env`), and submissions racing one
+another (`race`)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,9 @@ import time
 from pathlib import Path
 
 import httpx
-from typer.testing import CliRunner
 
-from factory.cli import app
 from tests.support import ROOT
-from tests.support.processes import free_port
+from tests.support.processes import free_port, qf_here
 
 NOWHERE = {"FACTORY_DB_URL": "postgresql://nobody@127.0.0.1:1/none", "FACTORY_BROKER_URL": "redis://127.0.0.1:1/0"}
 
@@ -51,9 +49,9 @@ class Server:
     def token(self, user: str, *args: str) -> str:
         """`qf token create --user USER ARGS` as the server's admin runs it, in this process (a test's setup, not
         what it tests: a child interpreter for each token was 1.4 CPU-seconds, 58 of them in a CI run)."""
-        result = CliRunner().invoke(app, ["token", "create", "--user", user, *args], env=self.env)
-        assert result.exit_code == 0, result.output
-        return result.stdout.strip()
+        made = qf_here(self.env, "token", "create", "--user", user, *args)
+        assert made.returncode == 0, made.stderr
+        return made.stdout.strip()
 
 
 def user_env(server: Server, token: str | None, home: Path) -> dict:
